@@ -1,0 +1,32 @@
+# Two commands for a newcomer: `make demo` and `make test`. Both create .venv and install into it.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# CPU wheel for tests/CI and the demo (an unpinned torch may pull a multi-GB CUDA build).
+TORCH_PIN ?= torch==2.13.0
+DEMO_DIR ?= runs/demo
+
+.PHONY: demo test lint bench compile clean
+
+$(VENV)/.installed-%: setup.cfg pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_PIN)"
+	$(PY) -m pip install -q -e ".[$*]"
+	touch $@
+
+demo: $(VENV)/.installed-all
+	$(VENV)/bin/kfp-nvrx demo --out $(DEMO_DIR)
+
+test: $(VENV)/.installed-test
+	$(PY) -m ruff check components pipelines tests bench
+	$(PY) -m pytest -q -ra
+
+lint: $(VENV)/.installed-test
+	$(PY) -m ruff check components pipelines tests bench
+
+bench: $(VENV)/.installed-all
+	$(PY) -m bench.run
+
+clean:
+	rm -rf $(VENV) runs build *.egg-info

@@ -1,0 +1,119 @@
+"""The one builder of the ``ft_launcher`` command line, for pods and for ``launch-local``.
+
+Node count, processes per node, rendezvous endpoint and id, and max restarts reach ft_launcher
+through the ``PET_*`` environment that the Training Operator injects into a PyTorchJob with an
+``elasticPolicy`` (``launch-local`` sets the same variables), so the argv below is identical on a
+laptop and in a pod except for ``--local-addr``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kfp_nvrx.components.train_fsdp.trainer.config import ResilienceConfig
+
+#: The module ft_launcher runs in every worker process.
+TRAINER_MODULE = "kfp_nvrx.components.train_fsdp.trainer"
+#: Rendezvous backend: ft_launcher requires c10d.
+RDZV_BACKEND = "c10d"
+
+
+@dataclass
+class TrainerArgs:
+    """Arguments passed through to the trainer unchanged."""
+
+    config: str
+    run_dir: str
+    overrides: list[str] = field(default_factory=list)
+    faults: list[str] = field(default_factory=list)
+
+    def argv(self) -> list[str]:
+        """The trainer's own flags."""
+        out = ["--config", self.config, "--run-dir", self.run_dir]
+        for item in self.overrides:
+            out += ["--set", item]
+        for item in self.faults:
+            out += ["--fault", item]
+        return out
+
+
+def restart_policy(res: ResilienceConfig) -> str:
+    """ft_launcher restart policy; ``auto`` picks min-healthy when in-process restart is on."""
+    if res.restart_policy != "auto":
+        return res.restart_policy
+    return "min-healthy" if res.in_process else "any-failed"
+
+
+def ft_flags(res: ResilienceConfig, *, nic_monitor: bool = False) -> list[str]:
+    """Every ``--ft-*`` value set explicitly (NVRx 0.5+ changed several defaults).
+
+    In ``sections`` mode the trainer opens ``setup``/``step``/``checkpoint`` sections and also sends
+    one heartbeat per step, so both sets of timeouts are live. In ``heartbeats`` mode no section is
+    ever opened, and the section flags are left out (their default, ``None``, disables them).
+    """
+    # FT: timeouts the rank monitors start with; learned values replace them at run time.
+    flags = [
+        f"--ft-initial-rank-heartbeat-timeout={res.initial_heartbeat_timeout:g}",
+        f"--ft-rank-heartbeat-timeout={res.heartbeat_timeout:g}",
+        f"--ft-workload-check-interval={res.workload_check_interval:g}",
+        f"--ft-safety-factor={res.safety_factor:g}",
+        f"--ft-restart-policy={restart_policy(res)}",
+        f"--ft-enable-nic-monitor={'True' if nic_monitor else 'False'}",
+    ]
+    if res.monitor == "sections":
+        flags += [
+            "--ft-rank-section-timeouts="
+            f"setup:{res.setup_timeout:g},step:{res.step_timeout:g},"
+            f"checkpoint:{res.checkpoint_timeout:g}",
+            f"--ft-rank-out-of-section-timeout={res.out_of_section_timeout:g}",
+        ]
+    return flags
+
+
+def ft_launcher_argv(
+    res: ResilienceConfig,
+    trainer: TrainerArgs,
+    *,
+    local_addr: str,
+    nic_monitor: bool = False,
+    executable: str = "ft_launcher",
+) -> list[str]:
+    """The full ``ft_launcher`` command line.
+
+    Args:
+        res: The trainer config's ``resilience`` section (timeouts, restarts, policy).
+        trainer: Flags passed through to the trainer.
+        local_addr: This agent's address; becomes MASTER_ADDR when the agent is group rank 0.
+            In a pod this is ``$(POD_IP)`` (expanded by Kubernetes from the downward API).
+        nic_monitor: Whether NVRx watches InfiniBand/EFA link state (off on CPU).
+        executable: The launcher binary (an absolute path for local runs).
+
+    Returns:
+        argv, ready for ``subprocess`` or a container ``command``.
+    """
+    return [
+        executable,
+        f"--rdzv-backend={RDZV_BACKEND}",
+        f"--local-addr={local_addr}",
+        f"--max-restarts={res.max_restarts}",
+        f"--workers-stop-timeout={res.workers_stop_timeout:g}",
+        "--monitor-interval=0.5",
+        *ft_flags(res, nic_monitor=nic_monitor),
+        "-m",
+        TRAINER_MODULE,
+        *trainer.argv(),
+    ]
+
+
+def pet_env(
+    *, nnodes: str, nproc_per_node: int, rdzv_endpoint: str, rdzv_id: str, max_restarts: int
+) -> dict[str, str]:
+    """The environment a PyTorchJob with ``elasticPolicy`` gives each pod (for local agents)."""
+    return {
+        "PET_NNODES": nnodes,
+        "PET_NPROC_PER_NODE": str(nproc_per_node),
+        "PET_RDZV_ENDPOINT": rdzv_endpoint,
+        "PET_RDZV_ID": rdzv_id,
+        "PET_RDZV_BACKEND": RDZV_BACKEND,
+        "PET_MAX_RESTARTS": str(max_restarts),
+    }
