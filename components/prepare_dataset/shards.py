@@ -1,0 +1,232 @@
+"""Token shards on disk: the writer used by ``prepare-data`` and a small reader.
+
+Format (``kfp-nvrx-tokens/1``): a directory with ``index.json`` and, per split, raw little-endian
+arrays of token ids named ``<split>_<NNNNN>.bin`` in the index's ``dtype`` (``np.memmap``-able).
+``index.json`` is written last; a directory without it is not a dataset.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from kfp_nvrx.components.errors import UserError
+
+FORMAT = "kfp-nvrx-tokens/1"
+INDEX_NAME = "index.json"
+#: Upper bound of one shard file.
+SHARD_BYTES = 64 * 1024 * 1024
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file and a rename (fsync'd)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """``json.dumps`` (indented, sorted) written with :func:`write_atomic`."""
+    write_atomic(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode("utf-8"))
+
+
+@dataclass
+class ShardWriter:
+    """Appends token ids to ``<split>_NNNNN.bin`` files of at most ``shard_bytes`` each.
+
+    Each shard is written to a temporary name and renamed when complete; its sha256 is computed
+    while writing.
+    """
+
+    out_dir: Path
+    split: str
+    dtype: str
+    shard_bytes: int = SHARD_BYTES
+    shards: list[dict[str, Any]] = field(default_factory=list)
+    tokens: int = 0
+    _fh: Any = None
+    _tmp: Path | None = None
+    _hash: Any = None
+    _count: int = 0
+
+    @property
+    def _cap(self) -> int:
+        return max(1, self.shard_bytes // np.dtype(self.dtype).itemsize)
+
+    def write(self, ids: np.ndarray) -> None:
+        """Append ``ids`` (any integer array; values must fit ``dtype``)."""
+        arr = np.ascontiguousarray(ids, dtype=np.dtype(self.dtype).newbyteorder("<"))
+        while arr.size:
+            if self._fh is None:
+                self._open()
+            take = min(arr.size, self._cap - self._count)
+            chunk = arr[:take].tobytes()
+            self._fh.write(chunk)
+            self._hash.update(chunk)
+            self._count += take
+            self.tokens += take
+            arr = arr[take:]
+            if self._count >= self._cap:
+                self._close()
+
+    def _open(self) -> None:
+        self._tmp = self.out_dir / f".{self.split}_{len(self.shards):05d}.bin.tmp"
+        self._fh = open(self._tmp, "wb")  # noqa: SIM115 - closed in _close
+        self._hash = hashlib.sha256()
+        self._count = 0
+
+    def _close(self) -> None:
+        name = f"{self.split}_{len(self.shards):05d}.bin"
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+        self._fh.close()
+        os.replace(self._tmp, self.out_dir / name)
+        self.shards.append({"file": name, "tokens": self._count, "sha256": self._hash.hexdigest()})
+        self._fh = self._tmp = self._hash = None
+        self._count = 0
+
+    def finish(self) -> dict[str, Any]:
+        """Close the open shard; return the split's index entry ``{"tokens", "shards"}``."""
+        if self._fh is not None:
+            self._close()
+        return {"tokens": self.tokens, "shards": list(self.shards)}
+
+    def abort(self) -> None:
+        """Close and remove a half-written shard (the caller removes the directory)."""
+        if self._fh is not None:
+            self._fh.close()
+            if self._tmp is not None:
+                self._tmp.unlink(missing_ok=True)
+            self._fh = None
+
+
+def read_index(data_dir: str | os.PathLike[str], field_name: str = "data") -> dict[str, Any]:
+    """Load and check ``<data_dir>/index.json``.
+
+    Raises:
+        UserError: (naming ``field_name``) when the directory is not a dataset of this format.
+
+    """
+    path = Path(data_dir) / INDEX_NAME
+    if not path.is_file():
+        raise UserError(field_name, f"{data_dir} is not a dataset (no {INDEX_NAME}); "
+                        "create one with kfp-nvrx prepare-data")
+    try:
+        index = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise UserError(field_name, f"cannot read {path}: {err}") from None
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        got = index.get("format") if isinstance(index, dict) else type(index).__name__
+        raise UserError(field_name, f"{path} has format {got!r}, expected {FORMAT!r}")
+    return index
+
+
+def check_files(data_dir: Path, index: dict[str, Any]) -> str | None:
+    """Check cheaply that every shard is present with its size; return the problem or None."""
+    itemsize = np.dtype(index["dtype"]).itemsize
+    for split, entry in index["splits"].items():
+        for shard in entry["shards"]:
+            path = data_dir / shard["file"]
+            if not path.is_file():
+                return f"{split} shard {shard['file']} is missing"
+            if path.stat().st_size != shard["tokens"] * itemsize:
+                return f"{split} shard {shard['file']} has the wrong size"
+    return None
+
+
+def verify_checksums(data_dir: str | os.PathLike[str]) -> list[str]:
+    """Recompute every shard's sha256; return the files that do not match (empty = all good)."""
+    data_dir = Path(data_dir)
+    index = read_index(data_dir)
+    bad = []
+    for entry in index["splits"].values():
+        for shard in entry["shards"]:
+            digest = hashlib.sha256()
+            with open(data_dir / shard["file"], "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 20), b""):  # noqa: B023
+                    digest.update(block)
+            if digest.hexdigest() != shard["sha256"]:
+                bad.append(shard["file"])
+    return bad
+
+
+class SplitTokens:
+    """Read-only view of one split as a single token sequence over memory-mapped shards.
+
+    Args:
+        data_dir: The dataset directory.
+        split: ``train`` or ``val``.
+        index: The loaded index (read from ``data_dir`` when omitted).
+
+    """
+
+    def __init__(self, data_dir: str | os.PathLike[str], split: str,
+                 index: dict[str, Any] | None = None) -> None:
+        self.data_dir = Path(data_dir)
+        self.index = index if index is not None else read_index(self.data_dir)
+        if split not in self.index["splits"]:
+            raise UserError("split", f"{data_dir} has no split {split!r}")
+        dtype = np.dtype(self.index["dtype"]).newbyteorder("<")
+        shards = [s for s in self.index["splits"][split]["shards"] if s["tokens"]]
+        self._maps = [np.memmap(self.data_dir / s["file"], dtype=dtype, mode="r",
+                                shape=(s["tokens"],)) for s in shards]
+        self._starts = np.cumsum([0] + [m.size for m in self._maps])
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def read(self, start: int, length: int) -> np.ndarray:
+        """Read tokens ``[start, start + length)`` as int64 (may cross shard boundaries)."""
+        if start < 0 or start + length > len(self):
+            raise IndexError(f"range [{start}, {start + length}) outside 0..{len(self)}")
+        out = np.empty(length, dtype=np.int64)
+        pos = 0
+        i = int(np.searchsorted(self._starts, start, side="right")) - 1
+        while pos < length:
+            off = start + pos - int(self._starts[i])
+            take = min(length - pos, self._maps[i].size - off)
+            out[pos:pos + take] = self._maps[i][off:off + take]
+            pos += take
+            i += 1
+        return out
+
+
+def publish_dir(tmp: Path, out: Path, last: str = INDEX_NAME) -> None:
+    """Move the finished directory ``tmp`` to ``out``, replacing what is there.
+
+    The normal path is one rename (``out`` missing or empty) or two (``out`` moved aside and
+    removed after). When ``out`` cannot be renamed (a mount point, e.g. a volume or an artifact
+    directory), its entries are replaced one by one: the old ``last`` file (the index) is removed
+    first and the new one is moved in last, so ``out`` is never taken for a complete dataset early.
+    """
+    try:
+        if out.is_dir() and any(out.iterdir()):
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+        return
+    except OSError as err:
+        if err.errno not in (errno.EBUSY, errno.EXDEV, errno.EPERM, errno.EACCES):
+            raise
+    (out / last).unlink(missing_ok=True)
+    for child in list(out.iterdir()):
+        shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+    for name in sorted((p.name for p in tmp.iterdir()), key=lambda n: (n == last, n)):
+        shutil.move(str(tmp / name), str(out / name))
+    tmp.rmdir()
