@@ -1,0 +1,307 @@
+"""What the training task shows in the Kubeflow UI: ``Metrics`` values and a goodput timeline.
+
+:func:`metrics_from_summary` maps a goodput summary (``GoodputReport.to_dict()``) onto flat numeric
+``Metrics`` entries. :func:`render_timeline` turns ``<run_dir>/events.jsonl`` into one
+self-contained HTML page (inline SVG and CSS; no script, no network) that shows, on a time axis,
+the steps that were kept, the steps that were redone after a restart, checkpoints, faults and
+restarts, with a legend and the headline numbers. Hovering a shape shows its details (SVG
+``<title>``), which works in the UI's sandboxed HTML viewer.
+"""
+
+from __future__ import annotations
+
+import html
+import os
+from pathlib import Path
+from typing import Any
+
+#: Colours of the timeline (also used by the legend).
+COLORS = {
+    "kept": "#2e9d57",
+    "redone": "#e8833a",
+    "ckpt": "#3a6fd8",
+    "ckpt_block": "#173f8f",
+    "fault": "#d62d2d",
+    "restart": "#8a3ad8",
+    "recovery": "#f3c6c6",
+}
+_LANES = ("Steps kept", "Steps redone", "Checkpoints", "Faults", "Restarts")
+_W, _LEFT, _RIGHT, _TOP, _LANE_H, _AXIS_H = 1000, 120, 985, 10, 34, 30
+
+
+def metrics_from_summary(summary: dict[str, Any]) -> dict[str, float]:
+    """Flattens a goodput summary into the numbers logged as KFP ``Metrics``.
+
+    Args:
+        summary: ``GoodputReport.to_dict()`` (keys ``goodput``, ``restarts`` by kind, ...).
+
+    Returns:
+        Metric name -> number. Restarts appear per kind (``restarts_in_job``,
+        ``restarts_in_process``) and in total; ``final_loss`` only when a step was logged.
+
+    """
+    restarts = dict(summary.get("restarts") or {})
+    out: dict[str, float] = {
+        "goodput": float(summary.get("goodput", 0.0)),
+        "wall_s": float(summary.get("wall_s", 0.0)),
+        "productive_s": float(summary.get("productive_s", 0.0)),
+        "lost_work_s": float(summary.get("lost_work_s", 0.0)),
+        "steps_final": int(summary.get("steps_final", 0)),
+        "steps_run": int(summary.get("steps_run", 0)),
+        "steps_redone": int(summary.get("steps_redone", 0)),
+        "restarts_total": int(sum(restarts.values())),
+        "restarts_in_job": int(restarts.pop("in-job", 0)),
+        "restarts_in_process": int(restarts.pop("in-process", 0)),
+        "recovery_mean_s": float(summary.get("recovery_mean_s", 0.0)),
+        "recovery_max_s": float(summary.get("recovery_max_s", 0.0)),
+        "checkpoint_stall_s": float(summary.get("checkpoint_stall_s", 0.0)),
+        "checkpoints": int(summary.get("checkpoints", 0)),
+        "faults": int(summary.get("faults", 0)),
+    }
+    for kind, count in restarts.items():  # kinds added later still show up
+        out["restarts_" + "".join(c if c.isalnum() else "_" for c in kind)] = int(count)
+    if summary.get("final_loss") is not None:
+        out["final_loss"] = float(summary["final_loss"])
+    return {k: round(v, 6) if isinstance(v, float) else v for k, v in out.items()}
+
+
+def _classify_steps(events: list[dict[str, Any]]) -> list[tuple[dict[str, Any], bool]]:
+    """Each step event with ``True`` when it was kept (the last execution of its step number)."""
+    steps = [e for e in events if e.get("type") == "step"]
+    last = {e["step"]: i for i, e in enumerate(steps)}
+    return [(e, last[e["step"]] == i) for i, e in enumerate(steps)]
+
+
+def _segments(steps: list[dict[str, Any]], tol: float) -> list[dict[str, Any]]:
+    """Merge consecutive steps of one incarnation into segments (keeps the SVG small)."""
+    segs: list[dict[str, Any]] = []
+    for e in sorted(steps, key=lambda s: s["start"]):
+        inc = (e.get("incarnation", 0), e.get("iteration", 0))
+        cur = segs[-1] if segs else None
+        if cur and cur["inc"] == inc and e["start"] - cur["end"] <= tol:
+            cur["end"], cur["last"], cur["n"] = max(cur["end"], e["end"]), e["step"], cur["n"] + 1
+        else:
+            segs.append({"start": e["start"], "end": e["end"], "first": e["step"],
+                         "last": e["step"], "n": 1, "inc": inc})
+    return segs
+
+
+def _recovery_bands(events: list[dict[str, Any]]) -> list[tuple[float, float]]:
+    """(origin, first step end of the next incarnation): the same rule as the goodput summary."""
+    bands, fault_t, last_end, cur = [], None, None, None
+    for e in events:
+        if e.get("type") == "fault":
+            fault_t = e["time"] if fault_t is None else fault_t
+        elif e.get("type") == "step":
+            inc = (e.get("incarnation", 0), e.get("iteration", 0))
+            if cur is not None and inc != cur:
+                origin = fault_t if fault_t is not None else last_end
+                if origin is not None:
+                    bands.append((origin, e["end"]))
+                fault_t = None
+            cur, last_end = inc, e["end"]
+    return bands
+
+
+def _headline(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    restarts = summary.get("restarts") or {}
+    rs = ", ".join(f"{k} {v}" for k, v in sorted(restarts.items())) or "none"
+    loss = summary.get("final_loss")
+    return [
+        ("Goodput", f"{100 * float(summary.get('goodput', 0)):.1f}%"),
+        ("Wall time", f"{float(summary.get('wall_s', 0)):.1f} s"),
+        ("Steps", f"{summary.get('steps_final', 0)} final, "
+                  f"{summary.get('steps_redone', 0)} redone"),
+        ("Lost work", f"{float(summary.get('lost_work_s', 0)):.2f} s"),
+        ("Restarts", rs),
+        ("Recovery", f"mean {float(summary.get('recovery_mean_s', 0)):.2f} s, "
+                     f"max {float(summary.get('recovery_max_s', 0)):.2f} s"),
+        ("Checkpoint stall", f"{float(summary.get('checkpoint_stall_s', 0)):.3f} s "
+                             f"({summary.get('checkpoints', 0)} saves)"),
+        ("Final loss", "n/a" if loss is None else f"{float(loss):.4f}"),
+    ]
+
+
+def _ticks(span: float) -> list[float]:
+    raw = span / 8
+    for unit in (0.1, 0.2, 0.5, 1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600,
+                 7200, 14400, 21600, 43200, 86400):
+        if unit >= raw:
+            break
+    return [i * unit for i in range(int(span / unit) + 1)]
+
+
+def _fmt_t(s: float) -> str:
+    if s >= 3600:
+        return f"{s / 3600:.1f} h"
+    if s >= 120:
+        return f"{s / 60:.0f} min"
+    return f"{s:g} s"
+
+
+class _Axis:
+    """Maps Unix times onto the SVG's x coordinate."""
+
+    def __init__(self, events: list[dict[str, Any]]) -> None:
+        starts = [e["start"] for e in events if e.get("type") == "step"]
+        ends = [e["end"] for e in events if e.get("type") == "step"]
+        times = [e["time"] for e in events] + starts
+        self.t0 = min(times) if times else 0.0
+        self.span = max((max(times + ends) if times else 1.0) - self.t0, 1e-6)
+        self.scale = (_RIGHT - _LEFT) / self.span
+
+    def x(self, t: float) -> float:
+        return round(_LEFT + (t - self.t0) * self.scale, 2)
+
+    def w(self, seconds: float, least: float = 1.0) -> float:
+        return round(max(seconds * self.scale, least), 2)
+
+
+def _lane_y(i: int) -> int:
+    return _TOP + i * _LANE_H
+
+
+def _rect(x: float, y: float, w: float, h: float, fill: str, tip: str = "", extra: str = "") -> str:
+    title = f"<title>{html.escape(tip)}</title>" if tip else ""
+    return f'<rect x="{x}" y="{y}" width="{w}" height="{h}" fill="{fill}"{extra}>{title}</rect>'
+
+
+def _step_shapes(events: list[dict[str, Any]], ax: _Axis) -> list[str]:
+    out = []
+    classified = _classify_steps(events)
+    for lane, kept, color in ((0, True, COLORS["kept"]), (1, False, COLORS["redone"])):
+        for s in _segments([e for e, k in classified if k == kept], 1.0 / ax.scale):
+            label = f"steps {s['first']}-{s['last']}" if s["n"] > 1 else f"step {s['first']}"
+            tip = (f"{label} {'kept' if kept else 'redone'} (incarnation {s['inc'][0]}, "
+                   f"iteration {s['inc'][1]}), {s['end'] - s['start']:.2f} s")
+            out.append(_rect(ax.x(s["start"]), _lane_y(lane) + 5, ax.w(s["end"] - s["start"]),
+                             _LANE_H - 14, color, tip))
+    return out
+
+
+def _checkpoint_shapes(e: dict[str, Any], ax: _Axis) -> list[str]:
+    total, block = float(e.get("total_s", 0)), float(e.get("blocking_s", 0))
+    start, y = e["time"] - total, _lane_y(2) + 5
+    tip = (f"checkpoint step {e.get('step')}: {total:.3f} s total, {block:.3f} s blocking, "
+           f"{int(e.get('bytes', 0)) / 2**20:.1f} MiB")
+    return [_rect(ax.x(start), y, ax.w(total, 2), _LANE_H - 14, COLORS["ckpt"], tip,
+                  ' opacity="0.55"'),
+            _rect(ax.x(start), y, ax.w(block, 2), _LANE_H - 14, COLORS["ckpt_block"])]
+
+
+def _fault_shapes(e: dict[str, Any], ax: _Axis, body_h: int) -> list[str]:
+    cx, y = ax.x(e["time"]), _lane_y(3) + _LANE_H / 2 - 2
+    tip = html.escape(f"fault: {e.get('kind')} at step {e.get('step')}, rank {e.get('rank')}")
+    return [f'<line x1="{cx}" y1="{_TOP}" x2="{cx}" y2="{body_h - 4}" '
+            f'stroke="{COLORS["fault"]}" stroke-dasharray="4 3"/>',
+            f'<path d="M{cx} {y - 9} L{cx + 8} {y} L{cx} {y + 9} L{cx - 8} {y} Z" '
+            f'fill="{COLORS["fault"]}"><title>{tip}</title></path>',
+            f'<text x="{cx + 11}" y="{y + 4}" font-size="11" fill="{COLORS["fault"]}">'
+            f'{html.escape(str(e.get("kind")))} @{e.get("step")}</text>']
+
+
+def _restart_shapes(e: dict[str, Any], ax: _Axis) -> list[str]:
+    cx, y = ax.x(e["time"]), _lane_y(4) + _LANE_H / 2 - 2
+    if e.get("type") == "restart":
+        tip = html.escape(f"{e.get('kind')} restart (incarnation {e.get('incarnation')}, "
+                          f"iteration {e.get('iteration')})")
+        return [f'<circle cx="{cx}" cy="{y}" r="7" fill="{COLORS["restart"]}">'
+                f"<title>{tip}</title></circle>",
+                f'<text x="{cx - 10}" y="{y + 4}" font-size="11" text-anchor="end" '
+                f'fill="{COLORS["restart"]}">{html.escape(str(e.get("kind")))} restart</text>']
+    if e.get("resumed_from") is None:
+        return []
+    tip = (f"start: incarnation {e.get('incarnation')}, world size {e.get('world_size')}, "
+           f"resumed from step {e.get('resumed_from')} (load {float(e.get('load_s') or 0):.2f} s)")
+    return [_rect(cx - 1.5, y - 9, 3, 18, COLORS["restart"], tip)]
+
+
+def _axis_shapes(ax: _Axis, axis_y: int) -> list[str]:
+    out = [f'<line x1="{_LEFT}" y1="{axis_y}" x2="{_RIGHT}" y2="{axis_y}" stroke="#444"/>']
+    for t in _ticks(ax.span):
+        tx = ax.x(ax.t0 + t)
+        out.append(f'<line x1="{tx}" y1="{axis_y}" x2="{tx}" y2="{axis_y + 5}" stroke="#444"/>'
+                   f'<text x="{tx}" y="{axis_y + 18}" font-size="11" text-anchor="middle" '
+                   f'fill="#444">'
+                   f"{_fmt_t(round(t, 3))}</text>")
+    return out
+
+
+def render_svg(events: list[dict[str, Any]]) -> str:
+    """Draw the timeline lanes of one run as an inline ``<svg>`` element."""
+    ax = _Axis(events)
+    body_h = _TOP + len(_LANES) * _LANE_H
+    svg: list[str] = []
+    for i, name in enumerate(_LANES):
+        y = _lane_y(i)
+        svg.append(_rect(_LEFT, y, _RIGHT - _LEFT, _LANE_H - 4, "#f6f6f6" if i % 2 else "#fbfbfb"))
+        svg.append(f'<text x="{_LEFT - 8}" y="{y + _LANE_H / 2 + 2}" font-size="12" '
+                   f'text-anchor="end">{name}</text>')
+    for a, b in _recovery_bands(events):
+        svg.append(_rect(ax.x(a), _TOP, ax.w(b - a), len(_LANES) * _LANE_H - 4,
+                         COLORS["recovery"], f"recovery {b - a:.2f} s", ' opacity="0.6"'))
+    svg += _step_shapes(events, ax)
+    for e in events:
+        if e.get("type") == "checkpoint":
+            svg += _checkpoint_shapes(e, ax)
+        elif e.get("type") == "fault":
+            svg += _fault_shapes(e, ax, body_h)
+        elif e.get("type") in ("restart", "start"):
+            svg += _restart_shapes(e, ax)
+    svg += _axis_shapes(ax, body_h + 4)
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {_W} {body_h + 4 + _AXIS_H}" '
+            f'role="img" aria-label="goodput timeline">{"".join(svg)}</svg>')
+
+
+_CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:16px;color:#222}
+h1{font-size:18px;margin:0 0 10px} h1 small{color:#777;font-weight:normal}
+.cards{display:flex;flex-wrap:wrap;gap:8px;margin-bottom:10px}
+.card{border:1px solid #ddd;border-radius:6px;padding:6px 10px;min-width:110px}
+.card .k{font-size:11px;color:#666;text-transform:uppercase} .card .v{font-size:15px}
+svg{width:100%;height:auto;max-width:1000px;font-family:inherit}
+.legend span{margin-right:14px;font-size:12px;white-space:nowrap}
+.legend i{display:inline-block;width:12px;height:12px;margin-right:4px;vertical-align:-2px}
+.empty{color:#a00}
+"""
+_LEGEND = (("kept", "step kept"), ("redone", "step redone (rolled back)"),
+           ("ckpt", "checkpoint save"), ("ckpt_block", "training blocked by save"),
+           ("fault", "fault"), ("restart", "restart / resume"), ("recovery", "recovery window"))
+
+
+def render_timeline(events: list[dict[str, Any]], summary: dict[str, Any], title: str = "") -> str:
+    """Render the goodput timeline page.
+
+    Args:
+        events: Events of one run in file order (see ``trainer/events.py``).
+        summary: ``GoodputReport.to_dict()`` for the same run (the headline numbers).
+        title: Shown after the heading (e.g. the run name).
+
+    Returns:
+        A complete HTML document.
+
+    """
+    esc = html.escape
+    cards = "".join(f'<div class="card"><div class="k">{esc(k)}</div><div class="v">{esc(v)}'
+                    f"</div></div>" for k, v in _headline(summary))
+    legend = "".join(f'<span><i style="background:{COLORS[c]}"></i>{esc(n)}</span>'
+                     for c, n in _LEGEND)
+    empty = "" if events else '<p class="empty">No events were recorded for this run.</p>'
+    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+            f"<title>Goodput timeline {esc(title)}</title><style>{_CSS}</style></head><body>\n"
+            f"<h1>Goodput timeline <small>{esc(title)}</small></h1>\n"
+            f'<div class="cards">{cards}</div>{empty}\n{render_svg(events)}\n'
+            f'<div class="legend">{legend}</div>\n</body></html>\n')
+
+
+def write_timeline(run_dir: str | os.PathLike, out_path: str | os.PathLike,
+                   summary: dict[str, Any], title: str = "") -> Path:
+    """Read ``<run_dir>/events.jsonl`` and writes the timeline page to ``out_path``."""
+    from kfp_nvrx.components.train_fsdp.trainer.events import read_events
+
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(render_timeline(read_events(run_dir), summary, title))
+    os.replace(tmp, out)
+    return out
