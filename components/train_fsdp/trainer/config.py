@@ -78,6 +78,7 @@ class CheckpointConfig:
     finalize_timeout: float = 300.0  # seconds a save may take before the run fails loudly
     save_final: bool = True
     load_step: int = -1  # -1 = newest committed checkpoint
+    init_from: str = ""  # warm start: model.safetensors (or an export dir) used when no checkpoint exists
 
 
 @dataclass

@@ -1,0 +1,52 @@
+"""Run events: one JSON object per line in ``<run_dir>/events.jsonl``.
+
+Types and their fields (every line also has ``type`` and ``time``, Unix seconds):
+``start`` (incarnation, iteration, world_size, resumed_from, load_s), ``step`` (step, start, end,
+incarnation, iteration, loss, tokens), ``checkpoint`` (step, blocking_s, total_s, bytes),
+``fault`` (kind, step, rank), ``restart`` (kind ``in-job``/``in-process``, incarnation, iteration),
+``end`` (step, status). Rank 0 writes everything except ``fault``, which the faulting rank writes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+EVENTS_FILE = "events.jsonl"
+
+
+class EventLog:
+    """Appends events; each line is written with one ``write`` call on an O_APPEND file."""
+
+    def __init__(self, run_dir: str | os.PathLike, enabled: bool = True) -> None:
+        self.path = Path(run_dir) / EVENTS_FILE
+        self.enabled = enabled
+
+    def emit(self, type_: str, **fields: Any) -> dict[str, Any]:
+        """Writes one event and returns it."""
+        event = {"type": type_, "time": fields.pop("time", time.time()), **fields}
+        if self.enabled:
+            line = (json.dumps(event, separators=(",", ":")) + "\n").encode()
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, line)
+            finally:
+                os.close(fd)
+        return event
+
+
+def read_events(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """All events of a run in file order; a torn last line (killed writer) is skipped."""
+    path = Path(run_dir) / EVENTS_FILE
+    if not path.exists():
+        return []
+    events = []
+    for line in path.read_text().splitlines():
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return events

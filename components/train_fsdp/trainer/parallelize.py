@@ -1,0 +1,42 @@
+"""FSDP2 (``fully_shard``) per transformer block and at the root, plus activation checkpointing."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks to shard one by one (``model.layers`` by convention)."""
+    layers = getattr(model, "layers", None)
+    return list(layers) if isinstance(layers, (nn.ModuleList, nn.Sequential)) else []
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    """Wraps each block in non-reentrant activation checkpointing."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    layers = getattr(model, "layers", None)
+    for i, block in enumerate(_blocks(model)):
+        layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+
+
+def parallelize(model: nn.Module, device: torch.device, *, activation_checkpointing: bool) -> nn.Module:
+    """Shards ``model`` in place with FSDP2 and returns it.
+
+    bf16 parameters with fp32 gradient reduction on CUDA; fp32 everywhere on CPU (gloo has no
+    bf16 reduce and the CPU path is for exactness tests).
+    """
+    if activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if device.type == "cuda":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    else:
+        mp = MixedPrecisionPolicy()
+    blocks = _blocks(model)
+    for i, block in enumerate(blocks):
+        # The last block's parameters are needed right away by the root's backward: keep them.
+        fully_shard(block, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
+    fully_shard(model, mp_policy=mp)
+    return model

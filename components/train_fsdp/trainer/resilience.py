@@ -1,0 +1,154 @@
+"""NVRx integration: the rank monitor client (sections/heartbeats, learned timeouts) and the
+opt-in in-process restart wrapper."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+from typing import Any, Callable, Iterator
+
+from kfp_nvrx.components.train_fsdp.trainer.config import ResilienceConfig
+
+log = logging.getLogger(__name__)
+
+
+def under_ft_launcher() -> bool:
+    """True when a rank monitor is reachable (the worker was started by ft_launcher)."""
+    return bool(os.environ.get("FT_RANK_MONITOR_IPC_SOCKET"))
+
+
+class Monitor:
+    """Rank-monitor client: sections ``setup``/``step``/``checkpoint`` and/or heartbeats.
+
+    A no-op when ``resilience.monitor`` is ``off`` or no ft_launcher is around (plain torchrun).
+    """
+
+    SECTIONS = ("setup", "step", "checkpoint")
+
+    def __init__(self, cfg: ResilienceConfig) -> None:
+        self.cfg = cfg
+        self.enabled = cfg.monitor != "off" and under_ft_launcher()
+        self.client = None
+        self.learned = False
+        self._open: set[str] = set()
+        self._pending_state: dict[str, Any] | None = None
+        if self.enabled:
+            # FT: the client talks to this rank's monitor process started by ft_launcher.
+            from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
+
+            self.client = RankMonitorClient()
+
+    def connect(self) -> None:
+        """(Re)connects to the rank monitor; called at every (in-process) restart."""
+        if not self.enabled:
+            return
+        if self.client.is_initialized:
+            self.client.shutdown_workload_monitoring()
+        # FT: init_workload_monitoring; learned timeouts loaded earlier are sent right away.
+        self.client.init_workload_monitoring()
+        self._open.clear()
+
+    @contextlib.contextmanager
+    def section(self, name: str) -> Iterator[None]:
+        """An NVRx timed section (no-op in heartbeats mode)."""
+        if not self.enabled or self.cfg.monitor != "sections":
+            yield
+            return
+        # FT: start_section/end_section bound each phase by its (learned) timeout.
+        self.client.start_section(name)
+        self._open.add(name)
+        try:
+            yield
+        finally:
+            if name in self._open:
+                self.client.end_section(name)
+                self._open.discard(name)
+
+    def heartbeat(self) -> None:
+        """One heartbeat per step (both modes: in sections mode it backs up the sections)."""
+        if self.enabled:
+            # FT: heartbeat; a rank that stops sending is killed after the heartbeat timeout.
+            self.client.send_heartbeat()
+
+    def stop(self) -> None:
+        """Stops heartbeats and sections (before a deliberate hang, or at shutdown)."""
+        if self.enabled and self.client.is_initialized:
+            with contextlib.suppress(Exception):
+                self.client.end_all_sections()
+
+    def maybe_learn(self, steps_done: int, saves_done: int, checkpointing: bool) -> bool:
+        """Collective: compute and set timeouts from observed times, once enough was seen.
+
+        Waits for ``learn_after`` steps and, when checkpointing is on, for one full save cycle
+        (the heartbeat gap around a save is the longest normal gap), so the learned values
+        cover it. The ``setup`` section and the out-of-section timeout keep their configured
+        values: setup time varies with checkpoint loads, and the gaps between sections are tiny.
+        """
+        if not self.enabled or not self.cfg.learn_timeouts or self.learned \
+                or steps_done < self.cfg.learn_after or (checkpointing and saves_done < 1):
+            return False
+        # FT: learned timeouts (synchronised across ranks: every rank must call these).
+        ok = self.client.calculate_and_set_hb_timeouts(skip_if_not_ready=True)
+        if self.cfg.monitor == "sections":
+            sections = ["step", "checkpoint"] if checkpointing else ["step"]
+            ok = self.client.calculate_and_set_section_timeouts(
+                selected_sections=sections, calc_out_of_section=False, skip_if_not_ready=True
+            ) and ok
+        self.learned = bool(ok)
+        return self.learned
+
+    def timeouts(self) -> dict[str, Any]:
+        """Current timeouts, for logs."""
+        if not self.enabled:
+            return {}
+        return {"heartbeat": str(self.client.hb_timeouts), "sections": str(self.client.section_timeouts)}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Learned timeouts to persist in checkpoints."""
+        return dict(self.client.state_dict()) if self.enabled else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores learned timeouts from a checkpoint."""
+        if self.enabled and state:
+            # FT: persisted learned timeouts survive restarts.
+            self.client.load_state_dict(state)
+            self.learned = bool(state.get(self.client.CURRENT_TIMEOUTS_STATE_KEY))
+
+    def close(self) -> None:
+        """Shuts the client down."""
+        if self.enabled and self.client.is_initialized:
+            with contextlib.suppress(Exception):
+                self.client.shutdown_workload_monitoring()
+
+
+def in_process_wrapper(cfg: ResilienceConfig, store_port: int) -> Callable[[Callable], Callable]:
+    """The NVRx in-process restart decorator configured from ``resilience``.
+
+    The wrapped function must create its process group itself, on a
+    ``PrefixStore(str(call_wrapper.iteration), base_store)``, and reload the newest checkpoint
+    every time it is entered.
+    """
+    # FT: in-process restart; the wrapper's own TCPStore listens on MASTER_PORT + 2.
+    from nvidia_resiliency_ext import inprocess
+
+    return inprocess.Wrapper(
+        store_kwargs={"port": store_port},
+        soft_timeout=datetime.timedelta(seconds=cfg.soft_timeout),
+        hard_timeout=datetime.timedelta(seconds=cfg.hard_timeout),
+        barrier_timeout=datetime.timedelta(seconds=cfg.barrier_timeout),
+        completion_timeout=datetime.timedelta(seconds=cfg.barrier_timeout),
+        heartbeat_timeout=datetime.timedelta(seconds=max(cfg.soft_timeout / 2, 5)),
+        initialize=inprocess.initialize.RetryController(max_iterations=cfg.in_process_max_iterations),
+        health_check=_health_check(),
+    )
+
+
+def _health_check():
+    import torch
+    from nvidia_resiliency_ext import inprocess
+
+    if torch.cuda.is_available():
+        return inprocess.health_check.CudaHealthCheck()
+    return None

@@ -1,0 +1,64 @@
+"""Everything checked before a process group exists: config, faults, dataset, run dir."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import yaml
+
+from kfp_nvrx.components.errors import UserError
+from kfp_nvrx.components.train_fsdp.trainer.config import Config, load_config
+from kfp_nvrx.components.train_fsdp.trainer.faults import Fault, parse_fault
+
+CONFIG_FILE = "config.yaml"
+
+
+def validate_inputs(config: str, overrides: list[str], faults: list[str]) -> tuple[Config, list[Fault]]:
+    """Loads the config, parses faults and opens the dataset; raises UserError on bad input."""
+    cfg = load_config(config, overrides)
+    parsed = [parse_fault(f) for f in faults]
+    interval = cfg.checkpoint.interval
+    for f in parsed:
+        if f.step > cfg.train.steps:
+            raise UserError("--fault", f"{f.kind}@{f.step} is after the last step ({cfg.train.steps})")
+        if f.kind == "kill-in-ckpt" and (not interval or f.step % interval):
+            raise UserError("--fault", f"kill-in-ckpt@{f.step} needs a checkpoint step "
+                            f"(a multiple of checkpoint.interval={interval})")
+    if not cfg.data.path:
+        raise UserError("data.path", "not set; pass --set data.path=DIR (from prepare-data)")
+    from kfp_nvrx.components.train_fsdp.trainer.data import TokenDataset
+
+    TokenDataset(cfg.data.path, cfg.data.split).check_fits(cfg.data.seq_len, cfg.model.vocab_size)
+    return cfg, parsed
+
+
+def check_run_dir(run_dir: Path) -> Path:
+    """A usable run directory: no ``..`` components, not a file."""
+    if ".." in Path(run_dir).parts:
+        raise UserError("--run-dir", f"{run_dir} must not contain '..'")
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError("--run-dir", f"{run_dir} exists and is not a directory")
+    return run_dir
+
+
+def write_config(cfg: Config, run_dir: Path) -> None:
+    """Writes the resolved config (atomically; every rank writes the same bytes)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / f".{CONFIG_FILE}.{os.getpid()}.tmp"
+    tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    os.replace(tmp, run_dir / CONFIG_FILE)
+
+
+def prepare_job(config: str, overrides: list[str], faults: list[str], run_dir: Path):
+    """Validates everything, then creates the run dir and the per-worker Job."""
+    cfg, parsed = validate_inputs(config, overrides, faults)
+    check_run_dir(run_dir)
+    from kfp_nvrx.components.train_fsdp.trainer.data import TokenDataset
+    from kfp_nvrx.components.train_fsdp.trainer.resilience import Monitor
+    from kfp_nvrx.components.train_fsdp.trainer.train import Job, pick_device
+
+    write_config(cfg, run_dir)
+    return Job(cfg=cfg, run_dir=run_dir, faults=parsed,
+               data=TokenDataset(cfg.data.path, cfg.data.split), device=pick_device(cfg),
+               monitor=Monitor(cfg.resilience))

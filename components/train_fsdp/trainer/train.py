@@ -1,0 +1,198 @@
+"""The training loop of one worker process (one incarnation per (in-process) restart)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from kfp_nvrx.components.train_fsdp.trainer.checkpoint import Checkpointer
+from kfp_nvrx.components.train_fsdp.trainer.config import Config
+from kfp_nvrx.components.train_fsdp.trainer.data import TokenDataset
+from kfp_nvrx.components.train_fsdp.trainer.events import EventLog
+from kfp_nvrx.components.train_fsdp.trainer.faults import Fault, FaultInjector
+from kfp_nvrx.components.train_fsdp.trainer.resilience import Monitor, in_process_wrapper
+from kfp_nvrx.components.train_fsdp.trainer.state import (
+    TrainState,
+    apply_state,
+    build,
+    check_compatible,
+    env_int,
+    full_state,
+    warm_start,
+)
+
+
+@dataclass
+class Job:
+    """What every incarnation of this worker shares."""
+
+    cfg: Config
+    run_dir: Path
+    faults: list[Fault]
+    data: TokenDataset
+    device: torch.device
+    monitor: Monitor
+    restart_count: int = field(default_factory=lambda: env_int("TORCHELASTIC_RESTART_COUNT", 0))
+
+
+def pick_device(cfg: Config) -> torch.device:
+    """``train.device``: auto picks CUDA when present."""
+    want = cfg.train.device
+    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
+        torch.cuda.set_device(env_int("LOCAL_RANK", 0))
+        return torch.device("cuda", env_int("LOCAL_RANK", 0))
+    return torch.device("cpu")
+
+
+def log0(msg: str) -> None:
+    """Prints on global rank 0 only."""
+    if env_int("RANK", 0) == 0:
+        print(f"[trainer] {msg}", flush=True)
+
+
+def run(job: Job) -> None:
+    """Runs training to ``train.steps``, directly or under NVRx in-process restart."""
+    res = job.cfg.resilience
+    if not res.in_process:
+        incarnation(job)
+        return
+    port = env_int("MASTER_PORT", 29500)
+    # FT: the application's TCPStore (MASTER_PORT + 1) outlives in-process restarts; every
+    # iteration builds its process group on a PrefixStore of it.
+    base_store = dist.TCPStore(
+        host_name=os.environ.get("MASTER_ADDR", "127.0.0.1"), port=port + 1,
+        world_size=env_int("WORLD_SIZE", 1), is_master=env_int("RANK", 0) == 0,
+        multi_tenant=True, wait_for_workers=True, use_libuv=True,
+        timeout=datetime.timedelta(seconds=res.barrier_timeout),
+    )
+    wrapped = in_process_wrapper(res, store_port=port + 2)(incarnation)
+    wrapped(job, base_store)
+
+
+def incarnation(job: Job, base_store: Any = None, call_wrapper: Any = None) -> None:
+    """One entry of the training function: init PG, load newest checkpoint, train, save."""
+    cfg, monitor = job.cfg, job.monitor
+    iteration = call_wrapper.iteration if call_wrapper is not None else 0
+    rank, world = env_int("RANK", 0), env_int("WORLD_SIZE", 1)
+    backend = "nccl" if job.device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=cfg.resilience.pg_timeout)
+    t_start = time.time()
+    if base_store is not None:
+        store = dist.PrefixStore(str(iteration), base_store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    else:
+        dist.init_process_group(backend, timeout=timeout)
+    events = EventLog(job.run_dir, enabled=rank == 0)
+    injector = FaultInjector(job.faults, job.run_dir, rank)
+    monitor.connect()
+    ckpt = None
+    try:
+        with monitor.section("setup"):
+            model, opt, sched = build(cfg, job.device)
+            train = TrainState()
+
+            def on_commit(step: int, blocking: float, total: float, nbytes: int) -> None:
+                events.emit("checkpoint", step=step, blocking_s=round(blocking, 6),
+                            total_s=round(total, 6), bytes=nbytes)
+
+            ckpt = Checkpointer(job.run_dir, cfg.checkpoint, job.device, on_commit=on_commit)
+            ckpt.warm_up()
+            t_load = time.perf_counter()
+            resumed = ckpt.select(log=log0)
+            if resumed is not None:
+                keys = ckpt.metadata_keys(resumed)
+                check_compatible(model, keys, resumed)
+                state = full_state(model, opt, sched, train, monitor.state_dict(), rank)
+                state = {k: v for k, v in state.items() if k in keys}
+                ckpt.load(resumed, state)
+                apply_state(model, opt, sched, train, state, rank)
+                monitor.load_state_dict(state.get("ft", {}))
+            elif cfg.checkpoint.init_from:
+                warm_start(model, cfg.checkpoint.init_from)
+            load_s = time.perf_counter() - t_load
+        if job.restart_count or iteration:
+            events.emit("restart", kind="in-process" if iteration else "in-job",
+                        incarnation=job.restart_count, iteration=iteration)
+        events.emit("start", time=t_start, incarnation=job.restart_count, iteration=iteration,
+                    world_size=world, resumed_from=resumed, load_s=round(load_s, 4))
+        log0(f"start: world_size={world} incarnation={job.restart_count}.{iteration} "
+             f"resumed_from={resumed} load={load_s:.2f}s device={job.device}")
+        _loop(job, model, opt, sched, train, ckpt, events, injector, rank, world, iteration,
+              call_wrapper)
+        with monitor.section("checkpoint"):
+            ckpt.close()
+        if rank == 0:
+            events.emit("end", step=train.step, status="completed")
+        log0(f"done: step {train.step}/{cfg.train.steps}")
+    finally:
+        monitor.stop()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _loop(job, model, opt, sched, train, ckpt, events, injector, rank, world, iteration,
+          call_wrapper) -> None:
+    cfg, monitor, t = job.cfg, job.monitor, job.cfg.train
+    seq, bsz = cfg.data.seq_len, cfg.data.batch_size
+    tokens_per_step = seq * bsz * world
+    interval = cfg.checkpoint.interval
+    first, steps_here, t_first = train.step + 1, 0, time.perf_counter()
+
+    for step in range(first, t.steps + 1):
+        t0 = time.time()
+        with monitor.section("step"):
+            fault = injector.due(step, ("kill", "raise", "hang"))
+            if fault is not None:
+                _fire(events, fault, step, rank)
+            inputs, targets = job.data.batch(t.seed, step, rank, bsz, seq)
+            inputs = inputs.to(job.device, non_blocking=True)
+            targets = targets.to(job.device, non_blocking=True)
+            logits = model(inputs)
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+            loss.backward()
+            if t.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            train.step, train.tokens = step, train.tokens + tokens_per_step
+            loss_value = loss.item()
+            if t.step_sleep:
+                time.sleep(t.step_sleep)
+            ckpt.finalize(blocking=False)
+        monitor.heartbeat()
+        if call_wrapper is not None:
+            call_wrapper.ping()  # FT: in-process progress watchdog
+        if (interval and step % interval == 0) or (cfg.checkpoint.save_final and step == t.steps):
+            with monitor.section("checkpoint"):
+                state = full_state(model, opt, sched, train, monitor.state_dict(), rank)
+                ckpt.save(step, state)
+                fault = injector.due(step, ("kill-in-ckpt",))
+                if fault is not None:
+                    _fire(events, fault, step, rank)
+        events.emit("step", step=step, start=t0, end=time.time(), incarnation=job.restart_count,
+                    iteration=iteration, loss=round(loss_value, 6), tokens=tokens_per_step)
+        steps_here += 1
+        # Learn only once a whole save (stage, write, commit) lies between observed heartbeats.
+        cycles = ckpt.commits if step > ckpt.last_commit_step else ckpt.commits - 1
+        if monitor.maybe_learn(steps_here, cycles, checkpointing=interval > 0) and rank == 0:
+            log0(f"learned NVRx timeouts: {monitor.timeouts()}")
+        if step % t.log_every == 0 or step == t.steps:
+            elapsed = time.perf_counter() - t_first
+            tps = steps_here * tokens_per_step / max(elapsed, 1e-9)
+            eta = (t.steps - step) * elapsed / steps_here
+            log0(f"step {step}/{t.steps} loss {loss_value:.4f} tok/s {tps:,.0f} eta {eta:.0f}s")
+
+
+def _fire(events: EventLog, fault: Fault, step: int, rank: int) -> None:
+    # The faulting rank writes its own event (rank 0's log is not the only writer here).
+    EventLog(events.path.parent).emit("fault", kind=fault.kind, step=step, rank=rank)
+    print(f"[trainer] rank {rank}: injecting fault {fault.kind} at step {step}", flush=True)
+    FaultInjector.fire(fault)
