@@ -1,0 +1,111 @@
+"""Instance profiles: what one PyTorchJob worker pod asks for on a given EC2 instance type.
+
+A profile is a starting point; every value can be overridden per job (see ``JobSpec``). The numbers
+follow the aws-samples EKS manifests for p5/p4d: all GPUs and all EFA interfaces of the node go to
+one pod, hugepages for the EFA provider, explicit cpu/memory requests a little below the node's
+allocatable (kubelet, system daemons and the EFA/NVIDIA/FSx DaemonSets need the rest), and
+``IPC_LOCK`` so libfabric can pin memory for RDMA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kfp_nvrx.components.errors import UserError
+
+#: Well-known node label the kubelet sets to the EC2 instance type.
+INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
+#: Extended resource names of the NVIDIA and EFA device plugins.
+GPU_RESOURCE = "nvidia.com/gpu"
+EFA_RESOURCE = "vpc.amazonaws.com/efa"
+HUGEPAGES_RESOURCE = "hugepages-2Mi"
+
+#: Taint that EKS GPU node groups commonly carry; GPU pods tolerate it.
+_GPU_TOLERATION = {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
+
+
+@dataclass(frozen=True)
+class InstanceProfile:
+    """Per-pod resources and placement for one instance type.
+
+    Attributes:
+        name: Profile name (the EC2 instance type, or ``cpu``).
+        gpus: GPUs per node; also the most processes per node (one per GPU). 0 for CPU.
+        efa: EFA interfaces per node (``vpc.amazonaws.com/efa``).
+        cpu: CPU request of the worker container.
+        memory: Memory request of the worker container.
+        hugepages: ``hugepages-2Mi`` request/limit ('' for none).
+        shm_size: Size limit of the memory-backed ``/dev/shm``.
+        instance_type: Value of the instance-type node selector ('' for none).
+        tolerations: Tolerations added to every worker pod.
+        default_procs: Processes per node when the user does not say (GPU profiles: all GPUs).
+
+    """
+
+    name: str
+    gpus: int
+    efa: int
+    cpu: str
+    memory: str
+    hugepages: str
+    shm_size: str
+    instance_type: str
+    tolerations: tuple[dict[str, str], ...] = field(default_factory=tuple)
+    default_procs: int = 1
+
+    @property
+    def is_gpu(self) -> bool:
+        """True for GPU instance types (NCCL env, NIC monitor, GPU requests)."""
+        return self.gpus > 0
+
+
+PROFILES: dict[str, InstanceProfile] = {
+    # 8x H100 80GB, 32 EFA (3200 Gbps), 192 vCPU, 2048 GiB. Requests leave ~10% for the node.
+    "p5.48xlarge": InstanceProfile(
+        name="p5.48xlarge",
+        gpus=8,
+        efa=32,
+        cpu="180",
+        memory="1800Gi",
+        hugepages="5120Mi",
+        shm_size="64Gi",
+        instance_type="p5.48xlarge",
+        tolerations=(_GPU_TOLERATION,),
+        default_procs=8,
+    ),
+    # 8x A100 40GB, 4 EFA (400 Gbps), 96 vCPU, 1152 GiB.
+    "p4d.24xlarge": InstanceProfile(
+        name="p4d.24xlarge",
+        gpus=8,
+        efa=4,
+        cpu="88",
+        memory="1000Gi",
+        hugepages="5120Mi",
+        shm_size="64Gi",
+        instance_type="p4d.24xlarge",
+        tolerations=(_GPU_TOLERATION,),
+        default_procs=8,
+    ),
+    # Any node: small clusters (kind, CPU node groups) and tests. gloo, no GPUs, no EFA.
+    "cpu": InstanceProfile(
+        name="cpu",
+        gpus=0,
+        efa=0,
+        cpu="2",
+        memory="4Gi",
+        hugepages="",
+        shm_size="1Gi",
+        instance_type="",
+        default_procs=1,
+    ),
+}
+
+
+def get_profile(name: str) -> InstanceProfile:
+    """Look up the profile of an instance type; raises UserError naming ``--instance-type``."""
+    try:
+        return PROFILES[name]
+    except KeyError:
+        known = ", ".join(sorted(PROFILES))
+        raise UserError("--instance-type",
+                        f"unknown instance type {name!r}; known: {known}") from None
