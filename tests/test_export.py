@@ -50,9 +50,11 @@ def _save(run: Path, step: int, model: torch.nn.Module, commit: bool, world_size
     optim = torch.optim.AdamW(model.parameters())
     dcp.save({"model": model.state_dict(), "optim": optim.state_dict(), "train": {"step": step}},
              checkpoint_id=str(path), no_dist=True)
-    if commit:
+    if commit:  # the marker the trainer writes: the checkpoint's files and their sizes
+        files = {p.name: p.stat().st_size for p in sorted(path.iterdir())}
         (path / "COMMITTED").write_text(json.dumps(
-            {"step": step, "world_size": world_size, "time": time.time(), "bytes": 0}))
+            {"step": step, "world_size": world_size, "time": time.time(),
+             "bytes": sum(files.values()), "files": files}))
     return path
 
 
@@ -94,6 +96,19 @@ def test_list_and_select_skip_torn(run: tuple[Path, dict]) -> None:
     with pytest.raises(UserError) as err:
         select_checkpoint(run_dir, 99)
     assert err.value.field == "step" and "3, 5" in err.value.message
+
+
+def test_damaged_committed_checkpoint_is_skipped(run: tuple[Path, dict], tmp_path: Path) -> None:
+    run_dir, _ = run
+    shard = run_dir / "checkpoints" / "step_00000005" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])  # truncated after the commit
+    logged: list[str] = []
+    assert select_checkpoint(run_dir, log=logged.append).step == 3
+    assert logged and "step_00000005" in logged[0] and "expected" in logged[0]
+    with pytest.raises(UserError) as err:
+        select_checkpoint(run_dir, 5)
+    assert err.value.field == "step" and "__0_0.distcp" in err.value.message
+    assert export_checkpoint(run_dir, tmp_path / "out", eval_batches=0)["source_step"] == 3
 
 
 def test_export_newest_committed_bitwise(run: tuple[Path, dict], tmp_path: Path) -> None:

@@ -36,27 +36,38 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """One ``step_XXXXXXXX`` directory and its commit marker (None = torn / in progress)."""
+    """One ``step_XXXXXXXX`` directory, its commit marker and what is wrong with it, if anything.
+
+    ``commit`` is None for a torn checkpoint (no marker: crashed or still being written);
+    ``problem`` is set when a committed checkpoint's files no longer match its marker.
+    """
 
     step: int
     path: Path
     commit: dict[str, Any] | None
+    problem: str | None = None
 
     @property
     def committed(self) -> bool:
-        """Whether the checkpoint is complete and may be loaded."""
-        return self.commit is not None
+        """Whether the checkpoint is complete, intact and may be loaded."""
+        return self.commit is not None and self.problem is None
 
 
-def _read_commit(path: Path) -> dict[str, Any] | None:
-    marker = path / COMMIT_MARKER
-    if not marker.is_file():
-        return None
+def _inspect(step: int, path: Path) -> Checkpoint:
+    from kfp_nvrx.components.train_fsdp.trainer.checkpoint import verify
+
+    if not (path / COMMIT_MARKER).is_file():
+        return Checkpoint(step, path, None)
     try:
-        commit = json.loads(marker.read_text())
-    except (OSError, ValueError):
-        return None
-    return commit if isinstance(commit, dict) and (path / ".metadata").is_file() else None
+        commit = json.loads((path / COMMIT_MARKER).read_text())
+    except (OSError, ValueError) as err:
+        return Checkpoint(step, path, {}, f"unreadable commit marker ({err})")
+    if not isinstance(commit, dict):
+        return Checkpoint(step, path, {}, "commit marker is not a JSON object")
+    problem = verify(path)  # the trainer's own check: files and sizes recorded in the marker
+    if problem is None and not (path / ".metadata").is_file():
+        problem = "no DCP .metadata file"
+    return Checkpoint(step, path, commit, problem)
 
 
 def list_checkpoints(run_dir: str | os.PathLike[str]) -> list[Checkpoint]:
@@ -68,16 +79,17 @@ def list_checkpoints(run_dir: str | os.PathLike[str]) -> list[Checkpoint]:
     for child in root.iterdir():
         match = _STEP_DIR.match(child.name)
         if match and child.is_dir():
-            found.append(Checkpoint(int(match.group(1)), child, _read_commit(child)))
+            found.append(_inspect(int(match.group(1)), child))
     return sorted(found, key=lambda c: c.step)
 
 
-def select_checkpoint(run_dir: str | os.PathLike[str], step: int | None = None) -> Checkpoint:
-    """Pick the newest committed checkpoint, or the committed one at ``step``.
+def select_checkpoint(run_dir: str | os.PathLike[str], step: int | None = None,
+                      log: Callable[[str], None] | None = None) -> Checkpoint:
+    """Pick the newest intact committed checkpoint, or the one at ``step``.
 
     Raises:
-        UserError: ``step`` when that checkpoint is missing or torn; ``run_dir`` when there is no
-            committed checkpoint at all.
+        UserError: ``step`` when that checkpoint is missing, torn or damaged; ``run_dir`` when
+            there is no intact committed checkpoint at all.
 
     """
     ckpts = list_checkpoints(run_dir)
@@ -85,12 +97,16 @@ def select_checkpoint(run_dir: str | os.PathLike[str], step: int | None = None) 
     steps = ", ".join(str(c.step) for c in committed) or "none"
     if step is not None:
         for c in ckpts:
-            if c.step == step:
-                if c.committed:
-                    return c
-                raise UserError("step", f"checkpoint {c.path.name} is not committed (torn or still "
-                                f"being written); committed steps: {steps}")
+            if c.step != step:
+                continue
+            if c.committed:
+                return c
+            why = c.problem or "not committed (torn or still being written)"
+            raise UserError("step", f"checkpoint {c.path.name} is {why}; committed steps: {steps}")
         raise UserError("step", f"no checkpoint for step {step} in {run_dir}; committed: {steps}")
+    for c in ckpts:
+        if c.commit is not None and c.problem and (not committed or c.step > committed[-1].step):
+            (log or (lambda _m: None))(f"skipping damaged checkpoint {c.path.name}: {c.problem}")
     if not committed:
         raise UserError("run_dir", f"no committed checkpoint under {Path(run_dir) / 'checkpoints'}")
     return committed[-1]
@@ -214,7 +230,7 @@ def export_checkpoint(run_dir: str | os.PathLike[str], out_dir: str | os.PathLik
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise UserError("step", f"must be an integer >= 0, got {step!r}")
     cfg = read_run_config(run)
-    ckpt = select_checkpoint(run, step)
+    ckpt = select_checkpoint(run, step, log)
     data_dir = None
     if eval_batches:
         data_dir = data or cfg.data.path
