@@ -21,6 +21,10 @@ COMMAND_MODULES = (
     "kfp_nvrx.pipelines.commands.export",
     "kfp_nvrx.pipelines.commands.goodput",
     "kfp_nvrx.pipelines.commands.demo",
+    "kfp_nvrx.pipelines.commands.compile",
+    "kfp_nvrx.pipelines.commands.run_local",
+    "kfp_nvrx.pipelines.commands.submit",
+    "kfp_nvrx.pipelines.commands.schedule",
 )
 
 
