@@ -305,3 +305,44 @@ def write_timeline(run_dir: str | os.PathLike, out_path: str | os.PathLike,
     tmp.write_text(render_timeline(read_events(run_dir), summary, title))
     os.replace(tmp, out)
     return out
+
+
+def publish(run_dir: str | os.PathLike, result: Any, *, run: Any, metrics: Any, timeline: Any,
+            title: str = "") -> dict[str, Any]:
+    """Write the training task's outputs: run artifact, ``Metrics`` and the timeline page.
+
+    Args:
+        run_dir: The run directory on the shared volume.
+        result: The launcher's ``LaunchResult``.
+        run: ``Output[Artifact]``: gets ``events.jsonl`` and ``summary.json`` copies, and metadata
+            ``path`` (the run directory, which the export step reads), ``state``, ``restarts``.
+        metrics: ``Output[Metrics]``: :func:`metrics_from_summary` of the run.
+        timeline: ``Output[HTML]``: :func:`render_timeline` of the run.
+        title: Heading of the timeline page.
+
+    Returns:
+        The goodput summary (``GoodputReport.to_dict()``).
+
+    """
+    import json
+    import shutil
+
+    from kfp_nvrx.components.train_fsdp.trainer.events import EVENTS_FILE
+    from kfp_nvrx.components.train_fsdp.trainer.goodput import summarize
+
+    summary = summarize(run_dir).to_dict()
+    for key, value in metrics_from_summary(summary).items():
+        metrics.log_metric(key, value)
+    write_timeline(run_dir, timeline.path, summary, title)
+    out = Path(run.path)
+    out.mkdir(parents=True, exist_ok=True)
+    events = Path(run_dir) / EVENTS_FILE
+    if events.is_file():
+        shutil.copyfile(events, out / EVENTS_FILE)
+    (out / "summary.json").write_text(json.dumps(
+        {"summary": summary, "launch": result.to_dict()}, indent=1, default=str))
+    run.metadata.update({"path": str(Path(run_dir).resolve()), "state": result.state,
+                         "backend": result.backend, "job": result.name,
+                         "restarts": int(result.restarts), "goodput": summary["goodput"],
+                         "steps_final": summary["steps_final"]})
+    return summary

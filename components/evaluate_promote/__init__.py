@@ -1,0 +1,1 @@
+"""evaluate_promote: compare a candidate model with the promoted one and promote it if better."""

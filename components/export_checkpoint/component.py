@@ -1,0 +1,37 @@
+"""KFP component: a training run's checkpoint -> consolidated ``Model`` + eval loss ``Metrics``."""
+
+from kfp import dsl
+from kfp_nvrx.components.images import components_image
+
+
+@dsl.component(base_image=components_image(), install_kfp_package=False)
+def export_checkpoint(
+    run: dsl.Input[dsl.Artifact],
+    model: dsl.Output[dsl.Model],
+    metrics: dsl.Output[dsl.Metrics],
+    step: int = -1,
+    eval_batches: int = 8,
+):
+    """Write ``model.safetensors`` + ``config.json`` + ``export.json`` of one committed checkpoint.
+
+    Args:
+        run: The training run (metadata ``path``: the run directory on the shared volume).
+        model: Output: the consolidated model, independent of the world size that trained it.
+        metrics: Output: ``eval_loss`` on the dataset's val split, ``source_step``, ``num_params``.
+        step: Checkpoint step to export; -1 = the newest committed one.
+        eval_batches: Val batches for the eval loss; 0 skips it.
+
+    """
+    from kfp_nvrx.components.export_checkpoint.consolidate import export_checkpoint as export
+    from kfp_nvrx.components.export_checkpoint.consolidate import summary
+
+    info = export(run.metadata["path"], model.path, step=None if step < 0 else step,
+                  eval_batches=eval_batches, log=print)
+    print(summary(info))
+    model.framework = "pytorch"
+    model.metadata.update({k: info[k] for k in ("source_step", "sha256", "num_params", "seq_len",
+                                               "world_size", "eval_loss") if k in info})
+    metrics.log_metric("source_step", int(info["source_step"]))
+    metrics.log_metric("num_params", int(info["num_params"]))
+    if info.get("eval_loss") is not None:
+        metrics.log_metric("eval_loss", float(info["eval_loss"]))

@@ -1,0 +1,89 @@
+"""KFP component: run one resilient FSDP training job and report goodput.
+
+The job runs through the launcher library: ``backend="local"`` (the embedded default: ft_launcher
+agents in this task's own container or machine) or ``backend="kubernetes"`` (a PyTorchJob the task
+creates, follows and cleans up). The run directory is ``<workspace>/runs/<job name>`` on the shared
+volume, named from the KFP run id and task name, so a retried task resumes the same run.
+Caching must stay off for this task (the pipelines do that): its cache key covers only its inputs.
+"""
+
+from kfp import dsl
+from kfp_nvrx.components.images import components_image
+
+
+@dsl.component(base_image=components_image(), install_kfp_package=False)
+def train_fsdp(
+    dataset: dsl.Input[dsl.Dataset],
+    workspace: str,
+    run: dsl.Output[dsl.Artifact],
+    metrics: dsl.Output[dsl.Metrics],
+    timeline: dsl.Output[dsl.HTML],
+    pvc_name: str = "",
+    mount_path: str = "/fsx",
+    config: str = "tiny",
+    overrides: list = [],  # noqa: B006 - KFP takes list defaults as literals
+    faults: list = [],  # noqa: B006
+    nodes: str = "2",
+    nproc_per_node: int = 1,
+    instance_type: str = "cpu",
+    trainer_image: str = "",
+    backend: str = "local",
+    init_from: str = "",
+    init_from_required: bool = True,
+    deadline_s: int = 0,
+    kfp_run_id: str = dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+    kfp_task: str = dsl.PIPELINE_TASK_NAME_PLACEHOLDER,
+):
+    """Train on ``dataset`` under ft_launcher; write the run, goodput ``Metrics`` and a timeline.
+
+    Args:
+        dataset: Prepared dataset (metadata ``path`` on the shared volume).
+        workspace: Root directory on the shared volume; the run goes to ``<workspace>/runs/``.
+        run: Output: metadata ``path`` = run directory (checkpoints, events); events copy.
+        metrics: Output: goodput, steps, final loss, restarts by kind, recovery, checkpoint stall.
+        timeline: Output: the goodput timeline page.
+        pvc_name: PVC of the shared volume (kubernetes backend: mounted in every worker pod).
+        mount_path: Where that PVC is mounted (the same path in this task and in the workers).
+        config: Trainer preset (tiny, 125m, 1b, 8b) or a YAML path on the shared volume.
+        overrides: Trainer ``section.key=value`` overrides.
+        faults: Fault drills ``KIND@STEP[/RANK]`` (kill, raise, hang, kill-in-ckpt).
+        nodes: ``N`` or ``MIN:MAX`` nodes (pods, or local ft_launcher agents).
+        nproc_per_node: Processes per node (GPUs per node on GPU instances).
+        instance_type: Instance profile of the worker pods (p5.48xlarge, p4d.24xlarge, cpu).
+        trainer_image: Trainer image of the worker pods ('' = the image of this package version).
+        backend: ``local`` or ``kubernetes``.
+        init_from: Warm start from this export directory or model.safetensors.
+        init_from_required: Fail when ``init_from`` is missing (False: train from scratch).
+        deadline_s: Wall-clock limit of the job in seconds (0 = none).
+        kfp_run_id: KFP run id (job name, labels, re-attach).
+        kfp_task: KFP task name (job name).
+
+    """
+    import os
+
+    from kfp_nvrx.components.errors import UserError
+    from kfp_nvrx.components.train_fsdp import report
+    from kfp_nvrx.components.train_fsdp.jobspec.naming import derive_name
+    from kfp_nvrx.components.train_fsdp.launcher.backends import launch
+
+    name = derive_name(kfp_run_id, kfp_task)
+    run_dir = os.path.join(workspace, "runs", name)
+    sets = [f"data.path={dataset.metadata['path']}", *overrides]
+    if init_from and os.path.exists(init_from):
+        sets.append(f"checkpoint.init_from={init_from}")
+    elif init_from and init_from_required:
+        raise UserError("init_from", f"{init_from} does not exist")
+    elif init_from:
+        print(f"no model at {init_from} yet: training from scratch")
+    result = launch(backend, nodes=nodes, nproc_per_node=nproc_per_node, run_dir=run_dir,
+                    config=config, overrides=sets, faults=list(faults), name=name,
+                    run_id=kfp_run_id, task=kfp_task, image=trainer_image, pvc=pvc_name,
+                    mount=mount_path, instance_type=instance_type,
+                    deadline_s=deadline_s or None)
+    summary = report.publish(run_dir, result, run=run, metrics=metrics, timeline=timeline,
+                             title=name)
+    print(f"{result.state}: goodput {summary['goodput']:.3f}, steps {summary['steps_final']}, "
+          f"restarts {summary['restarts']}, run dir {run_dir}")
+    if not result.succeeded:
+        tail = "\n".join(result.last_log_lines[-20:])
+        raise RuntimeError(f"training {result.state}: {result.reason}\n{tail}")

@@ -1,0 +1,130 @@
+"""``fsdp-train``: prepare a dataset -> train with FSDP2 + NVRx -> export the model.
+
+Every task mounts the shared volume (``pvc_name``) at :data:`MOUNT_PATH`; ``workspace`` must lie on
+it when the pipeline runs on Kubeflow (``kfp-nvrx run-local`` points it at a local directory
+instead, where the Kubernetes settings are ignored). The training task gets /dev/shm, the launcher
+node selector and tolerations, no caching and a long timeout; prepare and export are retried.
+"""
+
+from typing import NamedTuple
+
+from kfp import dsl, kubernetes
+from kfp_nvrx.components.export_checkpoint.component import export_checkpoint
+from kfp_nvrx.components.prepare_dataset.component import prepare_dataset
+from kfp_nvrx.components.train_fsdp.component import train_fsdp
+
+#: Mount path of the shared volume in every task (and in the PyTorchJob's worker pods).
+MOUNT_PATH = "/fsx"
+#: Pod-level limits (activeDeadlineSeconds) of each task.
+PREPARE_TIMEOUT_S = 4 * 3600
+TRAIN_TIMEOUT_S = 7 * 24 * 3600
+EXPORT_TIMEOUT_S = 4 * 3600
+#: Memory-backed /dev/shm of the training task (the local backend's workers use it).
+SHM_SIZE = "2Gi"
+
+
+def on_shared_volume(task: dsl.PipelineTask, pvc_name: str) -> dsl.PipelineTask:
+    """Mount the shared volume at :data:`MOUNT_PATH`."""
+    return kubernetes.mount_pvc(task, pvc_name=pvc_name, mount_path=MOUNT_PATH)
+
+
+def retried(task: dsl.PipelineTask, timeout_s: int) -> dsl.PipelineTask:
+    """Retry a task that is safe to repeat (prepare, export, compare) and bound its pod time."""
+    task.set_retry(num_retries=2, backoff_duration="60s", backoff_factor=2.0)
+    return kubernetes.set_timeout(task, timeout_s)
+
+
+def launcher_task(task: dsl.PipelineTask, node_selector: dict, tolerations: list) -> None:
+    """Configure the training (launcher) task: no cache, /dev/shm, placement, timeout."""
+    task.set_caching_options(False)  # its cache key covers only inputs: a hit would skip training
+    task.set_cpu_request("1").set_memory_request("2Gi")
+    kubernetes.empty_dir_mount(task, volume_name="dshm", mount_path="/dev/shm", medium="Memory",
+                               size_limit=SHM_SIZE)
+    kubernetes.add_node_selector_json(task, node_selector)
+    kubernetes.add_toleration_json(task, tolerations)
+    kubernetes.set_timeout(task, TRAIN_TIMEOUT_S)
+
+
+class Outputs(NamedTuple):
+    """What a run of ``fsdp-train`` returns (shown under the run's outputs)."""
+
+    model: dsl.Model
+    train_metrics: dsl.Metrics
+    eval_metrics: dsl.Metrics
+    timeline: dsl.HTML
+
+
+@dsl.pipeline(name="fsdp-train",
+              description="Prepare a dataset, train with FSDP2 made resilient by NVIDIA "
+                          "Resiliency Extension, and export the model.")
+def fsdp_train(
+    source: str = "sample:",
+    workspace: str = MOUNT_PATH + "/kfp-nvrx",
+    pvc_name: str = "kfp-nvrx-shared",
+    dataset_name: str = "default",
+    tokenizer: str = "byte",
+    seq_len: int = 64,
+    val_fraction: float = 0.05,
+    text_field: str = "text",
+    config: str = "tiny",
+    overrides: list = [],  # noqa: B006 - KFP takes list defaults as literals
+    faults: list = [],  # noqa: B006
+    nodes: str = "2",
+    nproc_per_node: int = 1,
+    instance_type: str = "cpu",
+    trainer_image: str = "",
+    backend: str = "local",
+    deadline_s: int = 0,
+    export_step: int = -1,
+    eval_batches: int = 8,
+    launcher_node_selector: dict = {"kubernetes.io/os": "linux"},  # noqa: B006
+    launcher_tolerations: list = [],  # noqa: B006
+) -> Outputs:
+    """Prepare -> train -> export.
+
+    Args:
+        source: Text/JSONL file, glob or directory on the shared volume, or ``sample:``.
+        workspace: Directory on the shared volume for datasets, runs and models.
+        pvc_name: PersistentVolumeClaim of the shared volume (mounted at /fsx).
+        dataset_name: Dataset directory name under ``<workspace>/datasets``.
+        tokenizer: ``byte`` or a ``tokenizer.json`` path.
+        seq_len: Sequence length the dataset must support.
+        val_fraction: Share of documents held out for validation.
+        text_field: JSON field holding the text.
+        config: Trainer preset (tiny, 125m, 1b, 8b) or YAML path.
+        overrides: Trainer ``section.key=value`` overrides.
+        faults: Fault drills ``KIND@STEP[/RANK]``.
+        nodes: ``N`` or ``MIN:MAX`` nodes.
+        nproc_per_node: Processes (GPUs) per node.
+        instance_type: Worker instance profile (p5.48xlarge, p4d.24xlarge, cpu).
+        trainer_image: Trainer image ('' = this version's image).
+        backend: ``local`` (in the task's pod) or ``kubernetes`` (a PyTorchJob).
+        deadline_s: Training wall-clock limit in seconds (0 = none).
+        export_step: Checkpoint step to export (-1 = newest).
+        eval_batches: Val batches for the eval loss.
+        launcher_node_selector: Node selector of the training (launcher) task's pod.
+        launcher_tolerations: Tolerations of the training (launcher) task's pod.
+
+    """
+    prep = prepare_dataset(source=source, workspace=workspace, dataset_name=dataset_name,
+                           tokenizer=tokenizer, seq_len=seq_len, val_fraction=val_fraction,
+                           text_field=text_field)
+    prep.set_display_name("prepare-dataset")
+    on_shared_volume(prep, pvc_name)
+    retried(prep, PREPARE_TIMEOUT_S)
+
+    train = train_fsdp(dataset=prep.outputs["dataset"], workspace=workspace, pvc_name=pvc_name,
+                       mount_path=MOUNT_PATH, config=config, overrides=overrides, faults=faults,
+                       nodes=nodes, nproc_per_node=nproc_per_node, instance_type=instance_type,
+                       trainer_image=trainer_image, backend=backend, deadline_s=deadline_s)
+    train.set_display_name("train-fsdp")
+    on_shared_volume(train, pvc_name)
+    launcher_task(train, launcher_node_selector, launcher_tolerations)
+
+    export = export_checkpoint(run=train.outputs["run"], step=export_step,
+                               eval_batches=eval_batches)
+    export.set_display_name("export-checkpoint")
+    on_shared_volume(export, pvc_name)
+    retried(export, EXPORT_TIMEOUT_S)
+    return Outputs(model=export.outputs["model"], train_metrics=train.outputs["metrics"],
+                   eval_metrics=export.outputs["metrics"], timeline=train.outputs["timeline"])
