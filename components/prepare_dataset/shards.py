@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import shutil
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -214,7 +215,7 @@ def publish_dir(tmp: Path, out: Path, last: str = INDEX_NAME) -> None:
     """
     try:
         if out.is_dir() and any(out.iterdir()):
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:12]}")  # pids repeat in pods
             os.replace(out, old)
             os.replace(tmp, out)
             shutil.rmtree(old, ignore_errors=True)
