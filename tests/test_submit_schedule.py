@@ -1,0 +1,220 @@
+"""``kfp-nvrx submit`` / ``schedule`` against a local TEST DOUBLE of the KFP v2beta1 API.
+
+There is no KFP API server here; ``kfp_api_double.KfpApiDouble`` serves the few endpoints
+``kfp.Client`` calls and records the requests, which these tests assert on.
+"""
+
+import socket
+
+import pytest
+from kfp_api_double import KfpApiDouble
+from kfp_nvrx.components.errors import UserError
+from kfp_nvrx.pipelines.cli import main
+from kfp_nvrx.pipelines.client import parse_params, validate_cron
+
+
+@pytest.fixture(autouse=True)
+def _no_kfp_context(tmp_path, monkeypatch):
+    """Keep kfp.Client away from ~/.config/kfp/context.json and KF_PIPELINES_* settings."""
+    from kfp.client import client as kfp_client
+
+    monkeypatch.setattr(kfp_client.Client, "_LOCAL_KFP_CONTEXT", str(tmp_path / "context.json"))
+    for var in ("KF_PIPELINES_ENDPOINT", "KF_PIPELINES_UI_ENDPOINT",
+                "KF_PIPELINES_DEFAULT_EXPERIMENT_NAME", "KF_PIPELINES_OVERRIDE_EXPERIMENT_NAME"):
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.fixture()
+def api():
+    with KfpApiDouble() as double:
+        yield double
+
+
+def _one_line_error(capsys, rc):
+    out = capsys.readouterr()
+    assert rc == 2, out
+    err = out.err.strip()
+    assert "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+# -- submit -------------------------------------------------------------------------------------
+
+def test_submit_creates_experiment_and_run_with_typed_params(api, capsys):
+    rc = main(["submit", "--host", api.url, "--experiment", "exp1", "--run-name", "r1",
+               "--param", "nodes=1", "--param", "faults=kill@5/1", "--param", "seq_len=32",
+               "--param", "overrides=[\"train.steps=10\"]"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    listed = api.calls("GET", "/apis/v2beta1/experiments")
+    assert listed and '"stringValue": "exp1"' in listed[0].query["filter"][0]
+    created = api.calls("POST", "/apis/v2beta1/experiments")
+    assert [c.body["display_name"] for c in created] == ["exp1"]
+    (run,) = api.calls("POST", "/apis/v2beta1/runs")
+    assert run.body["display_name"] == "r1"
+    assert run.body["experiment_id"] == api.experiments[0]["experiment_id"]
+    assert run.body["runtime_config"]["parameters"] == {
+        "nodes": "1", "faults": ["kill@5/1"], "seq_len": 32, "overrides": ["train.steps=10"]}
+    spec = run.body["pipeline_spec"]
+    assert spec["pipeline_spec"]["pipelineInfo"]["name"] == "fsdp-train"
+    execs = spec["platform_spec"]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    assert "pvcMount" in execs["exec-train-fsdp"]
+    assert "submitted fsdp-train run" in out and api.url + "/#/runs/details/" in out
+
+
+def test_submit_reuses_existing_experiment(api, capsys):
+    api.experiments.append({"experiment_id": "e-42", "display_name": "kfp-nvrx"})
+    assert main(["submit", "--host", api.url]) == 0
+    assert not api.calls("POST", "/apis/v2beta1/experiments")
+    (run,) = api.calls("POST", "/apis/v2beta1/runs")
+    assert run.body["experiment_id"] == "e-42"
+    assert run.body["runtime_config"].get("parameters") in (None, {})
+
+
+@pytest.mark.parametrize("param, needle", [
+    ("bogus=1", "--param bogus: unknown parameter"),
+    ("seq_len=abc", "--param seq_len: expected an integer"),
+    ("launcher_node_selector=[1]", "expected a JSON object"),
+    ("val_fraction", "expected name=value"),
+])
+def test_submit_bad_param_is_one_line_and_sends_nothing(api, capsys, param, needle):
+    err = _one_line_error(capsys, main(["submit", "--host", api.url, "--param", param]))
+    assert needle in err
+    assert api.requests == []
+
+
+def test_submit_unknown_pipeline(api, capsys):
+    err = _one_line_error(capsys, main(["submit", "--host", api.url, "--pipeline", "nope"]))
+    assert "--pipeline: unknown pipeline 'nope'" in err and api.requests == []
+
+
+# -- connection and auth errors -----------------------------------------------------------------
+
+def _closed_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_unreachable_host_is_one_line(capsys):
+    err = _one_line_error(capsys, main(["submit", "--host", f"http://127.0.0.1:{_closed_port()}"]))
+    assert "--host: cannot reach" in err and "port-forward" in err
+
+
+def test_host_without_scheme_is_one_line(capsys):
+    err = _one_line_error(capsys, main(["submit", "--host", "localhost:8080"]))
+    assert "expected an http(s) URL" in err
+
+
+def test_auth_failure_is_one_line():
+    with KfpApiDouble(token="s3cret") as api:
+        rc = main(["submit", "--host", api.url])
+        assert rc == 2
+        assert [r.path for r in api.requests] == ["/apis/v2beta1/healthz"]
+
+
+def test_auth_failure_message(capsys):
+    with KfpApiDouble(token="s3cret") as api:
+        err = _one_line_error(capsys, main(["submit", "--host", api.url]))
+    assert "authentication failed" in err and "HTTP 401" in err and "--token-file" in err
+
+
+def test_login_redirect_is_auth_failure(capsys):
+    with KfpApiDouble(redirect_to="/dex/auth?client_id=kubeflow") as api:
+        err = _one_line_error(capsys, main(["submit", "--host", api.url]))
+    assert "login required" in err and "/dex/auth" in err
+
+
+def test_token_file_is_sent_as_bearer(tmp_path, capsys):
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    with KfpApiDouble(token="s3cret") as api:
+        assert main(["submit", "--host", api.url, "--token-file", str(token)]) == 0
+        assert api.calls("POST", "/apis/v2beta1/runs")
+        assert all(r.headers.get("authorization") == "Bearer s3cret" for r in api.requests)
+
+
+def test_api_refusal_is_one_line(capsys):
+    with KfpApiDouble(fail={("POST", "/apis/v2beta1/runs"): (400, "pipeline spec is invalid")}) \
+            as api:
+        err = _one_line_error(capsys, main(["submit", "--host", api.url]))
+    assert "HTTP 400" in err and "pipeline spec is invalid" in err
+
+
+# -- schedule -----------------------------------------------------------------------------------
+
+def test_schedule_creates_recurring_run(api, capsys):
+    rc = main(["schedule", "--host", api.url, "--cron", "0 0 3 * * *", "--no-catchup",
+               "--max-concurrency", "1", "--name", "nightly", "--param", "model_name=m1"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    (rec,) = api.calls("POST", "/apis/v2beta1/recurringruns")
+    body = rec.body
+    assert body["display_name"] == "nightly"
+    assert body["trigger"] == {"cron_schedule": {"cron": "0 0 3 * * *"}}
+    assert int(body["max_concurrency"]) == 1
+    assert body["no_catchup"] is True
+    assert body["mode"] == "ENABLE"
+    assert body["runtime_config"]["parameters"] == {"model_name": "m1"}
+    assert body["pipeline_spec"]["pipeline_spec"]["pipelineInfo"]["name"] == "scheduled-retrain"
+    assert body["experiment_id"] == api.experiments[0]["experiment_id"]
+    assert "recurring run" in out and "0 0 3 * * *" in out
+
+
+def test_schedule_catchup_by_default(api):
+    assert main(["schedule", "--host", api.url, "--cron", "@every 6h",
+                 "--pipeline", "fsdp-train"]) == 0
+    (rec,) = api.calls("POST", "/apis/v2beta1/recurringruns")
+    assert rec.body["no_catchup"] is False
+    assert rec.body["pipeline_spec"]["pipeline_spec"]["pipelineInfo"]["name"] == "fsdp-train"
+
+
+@pytest.mark.parametrize("cron, needle", [
+    ("0 3 * * *", "expected 6 fields"),
+    ("0 60 3 * * *", "minutes value 60 is outside 0-59"),
+    ("0 0 3 L * *", "Quartz"),
+    ("0 0 3 * * 7", "day-of-week value 7 is outside 0-6"),
+])
+def test_schedule_bad_cron_is_one_line_and_sends_nothing(api, capsys, cron, needle):
+    err = _one_line_error(capsys, main(["schedule", "--host", api.url, "--cron", cron]))
+    assert err.startswith("kfp-nvrx schedule: error: --cron:") and needle in err
+    assert api.requests == []
+
+
+@pytest.mark.parametrize("value", ["0", "11"])
+def test_schedule_bad_concurrency(api, capsys, value):
+    err = _one_line_error(capsys, main(["schedule", "--host", api.url, "--cron", "0 0 3 * * *",
+                                        "--max-concurrency", value]))
+    assert "--max-concurrency: must be within 1-10" in err and api.requests == []
+
+
+# -- units --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cron", [
+    "0 0 3 * * *", "0 */15 * * * *", "0 0 9 ? * MON-FRI", "0 30 2 1,15 JAN-DEC *", "@daily",
+    "@every 6h", "@every 1h30m", "  0  0 3 * * *  ", "0 0 0-23/2 * JUL WED",
+])
+def test_valid_cron(cron):
+    assert validate_cron(cron) == " ".join(cron.split())
+
+
+@pytest.mark.parametrize("cron", [
+    "", "* * * * * * *", "60 * * * * *", "0 0 24 * * *", "0 0 0 0 * *", "0 0 0 * 13 *",
+    "0 0 3 * * 5-1", "0 0 3 * * MON#2", "0 0 3 15W * *", "0 */0 * * * *", "0 0 3 * FOO *",
+    "@every soon", "@fortnightly", "? 0 3 * * *",
+])
+def test_invalid_cron(cron):
+    with pytest.raises(UserError) as err:
+        validate_cron(cron)
+    assert err.value.field == "--cron"
+
+
+def test_parse_params_types():
+    spec = {"s": {"parameterType": "STRING"}, "i": {"parameterType": "NUMBER_INTEGER"},
+            "f": {"parameterType": "NUMBER_DOUBLE"}, "b": {"parameterType": "BOOLEAN"},
+            "l": {"parameterType": "LIST"}, "d": {"parameterType": "STRUCT"}}
+    got = parse_params(["s=a=b", "i=3", "f=0.5", "b=true", "l=x,y", "d={\"k\": 1}"], spec)
+    assert got == {"s": "a=b", "i": 3, "f": 0.5, "b": True, "l": ["x", "y"], "d": {"k": 1}}
+    assert parse_params(["l=[\"a,b\"]"], spec) == {"l": ["a,b"]}
+    with pytest.raises(UserError, match="expected true or false"):
+        parse_params(["b=maybe"], spec)
