@@ -330,3 +330,27 @@ def test_cli_prepare_data(only_prepare_cli: None, tmp_path: Path,
     rc = cli.main(["prepare-data", "--source", str(tmp_path / "nope"), "--out", str(out)])
     assert rc == 2 and "--source" in capsys.readouterr().err
     assert os.listdir(tmp_path) == ["ds"]
+
+
+def test_out_dir_that_cannot_be_renamed_is_filled_in_place(
+        corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mount point (volume, artifact dir) cannot be renamed: its entries are replaced instead."""
+    import errno
+
+    out = tmp_path / "mnt"
+    out.mkdir()
+    real_replace = os.replace
+
+    def replace(src: str | Path, dst: str | Path) -> None:
+        if Path(src) == out or Path(dst) == out:
+            raise OSError(errno.EBUSY, "Device or resource busy")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    first = prepare_dataset(str(corpus), out, seq_len=16)
+    assert first["status"] == "written" and verify_checksums(out) == []
+    (out / "stale.bin").write_bytes(b"x")
+    second = prepare_dataset(str(corpus), out, seq_len=16, seed=1, overwrite=True)
+    assert read_index(out)["fingerprint"] == second["fingerprint"] != first["fingerprint"]
+    assert not (out / "stale.bin").exists() and verify_checksums(out) == []
+    assert _listing(tmp_path) == {"src", "mnt"}
