@@ -18,6 +18,8 @@ from kfp_nvrx.components.errors import UserError
 COMMAND_MODULES = (
     "kfp_nvrx.pipelines.commands.prepare_data",
     "kfp_nvrx.pipelines.commands.launch_local",
+    "kfp_nvrx.pipelines.commands.render_job",
+    "kfp_nvrx.pipelines.commands.launch",
     "kfp_nvrx.pipelines.commands.export",
     "kfp_nvrx.pipelines.commands.goodput",
     "kfp_nvrx.pipelines.commands.demo",

@@ -279,6 +279,7 @@ def _follow(jobs: _Job, job: models.KubeflowOrgV1PyTorchJob, rendered: RenderedJ
             name = signal.Signals(signals.signum).name if signals.signum else "signal"
             say(f"{name} received: deleting PyTorchJob {jobs.namespace}/{jobs.name}")
             result.state, result.reason = "Cancelled", f"launcher received {name}"
+            result.extra["signal"] = signals.signum
             break
         try:
             current = jobs.get()

@@ -1,0 +1,91 @@
+"""``kfp-nvrx launch``: run a training job on a backend (``local`` or ``kubernetes``) and wait.
+
+Kubernetes: creates the PyTorchJob (or re-attaches to this run's existing one), streams the worker
+logs with a replica prefix, prints progress, and on SIGTERM/SIGINT deletes the job. Exit code 0 on
+Succeeded, 1 on Failed/DeadlineExceeded or a cluster error, 130/143 when cancelled by a signal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+
+from kfp_nvrx.pipelines.commands.render_job import add_job_arguments, spec_from_args, write_atomic
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the ``launch`` subcommand."""
+    p = sub.add_parser("launch", help="run a training job (local or PyTorchJob) and follow it",
+                       description=__doc__.splitlines()[0])
+    p.add_argument("--backend", choices=("local", "kubernetes"), default="local",
+                   help="local (default: ft_launcher agents on this machine) or kubernetes")
+    add_job_arguments(p)
+    f = p.add_argument_group("follow")
+    f.add_argument("--deadline", type=float, default=None,
+                   help="give up after SECONDS (kubernetes: from job creation; default: "
+                   "active deadline + 10 min)")
+    f.add_argument("--delete-after", choices=("always", "on_success", "never"),
+                   default="on_success", help="delete the PyTorchJob when it ends")
+    f.add_argument("--poll-interval", type=float, default=5.0, help="seconds between reads")
+    f.add_argument("--kubeconfig", default="", help="kubeconfig file (default: $KUBECONFIG, "
+                   "~/.kube/config, or in-cluster)")
+    f.add_argument("--context", default="", help="kubeconfig context")
+    f.add_argument("--result", default="", metavar="FILE", help="write the result as JSON")
+    p.set_defaults(handler=_run)
+
+
+def _client_configuration(args: argparse.Namespace) -> object | None:
+    if not (args.kubeconfig or args.context):
+        return None
+    from kfp_nvrx.components.train_fsdp.launcher.kubernetes import ClusterError
+    from kubernetes import client, config
+
+    cfg = client.Configuration()
+    try:
+        config.load_kube_config(config_file=args.kubeconfig or None,
+                                context=args.context or None, client_configuration=cfg)
+    except Exception as err:  # noqa: BLE001 - bad file/context: one line
+        raise ClusterError(f"cannot load kubeconfig: {' '.join(str(err).split())}") from None
+    return cfg
+
+
+def _run(args: argparse.Namespace) -> int:
+    from kfp_nvrx.components.errors import UserError
+    from kfp_nvrx.components.train_fsdp.launcher.backends import launch
+    from kfp_nvrx.components.train_fsdp.launcher.kubernetes import ClusterError
+
+    if args.deadline is not None and args.deadline <= 0:
+        raise UserError("--deadline", f"must be > 0 seconds, got {args.deadline:g}")
+    if args.poll_interval <= 0:
+        raise UserError("--poll-interval", f"must be > 0 seconds, got {args.poll_interval:g}")
+    spec = spec_from_args(args)
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+
+    try:
+        result = launch(spec, args.backend, log=log, deadline_s=args.deadline,
+                        namespace=args.namespace, delete_after=args.delete_after,
+                        poll_s=args.poll_interval,
+                        client_configuration=_client_configuration(args)
+                        if args.backend == "kubernetes" else None)
+    except ClusterError as err:
+        sys.stderr.write(f"kfp-nvrx launch: cluster error: {err}\n")
+        return 1
+    if args.result:
+        write_atomic(args.result, json.dumps(result.to_dict(), indent=2) + "\n")
+    print(f"{result.state}: {result.name} ({result.backend}) in {result.duration_s:.0f}s, "
+          f"restarts {result.restarts}, pod restarts {result.pod_restarts}, "
+          f"run dir {result.run_dir}", flush=True)
+    if result.succeeded:
+        return 0
+    sys.stderr.write(f"kfp-nvrx launch: {result.state}: {result.reason}\n")
+    if result.last_log_lines:
+        sys.stderr.write(f"last lines of {result.extra.get('failed_replica', 'the job')}:\n")
+        for line in result.last_log_lines:
+            sys.stderr.write(f"  {line}\n")
+    if result.state == "Cancelled":
+        return 128 + int(result.extra.get("signal", signal.SIGTERM))
+    return 1

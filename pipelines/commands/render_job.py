@@ -1,0 +1,149 @@
+"""``kfp-nvrx render-job``: print the validated PyTorchJob YAML (``kubectl apply -f`` ready).
+
+The job flags are shared with ``kfp-nvrx launch`` (:func:`add_job_arguments`,
+:func:`spec_from_args`); trainer flags (``--config``, ``--set``, ``--fault``, ``--run-dir``) pass
+through to the trainer unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from typing import Any
+
+
+def add_job_arguments(p: argparse.ArgumentParser) -> None:
+    """Add the JobSpec flags to a subcommand parser."""
+    g = p.add_argument_group("job")
+    g.add_argument("--name", default="", help="job name (default: derived from --run-id/--task)")
+    g.add_argument("--run-id", default="", help="KFP run id (labels, stable name, re-attach)")
+    g.add_argument("--task", default="train", help="KFP task name (default train)")
+    g.add_argument("--namespace", default="", help="namespace (default: current context's)")
+    g.add_argument("--nodes", default="1", help="worker pods: N or MIN:MAX (default 1)")
+    g.add_argument("--instance-type", default="p5.48xlarge",
+                   help="p5.48xlarge (default), p4d.24xlarge or cpu")
+    g.add_argument("--nproc-per-node", "--gpus-per-node", dest="nproc_per_node", type=int,
+                   default=None, help="processes per pod; one per GPU (default: all GPUs, cpu: 1)")
+    g.add_argument("--image", default="", help="trainer image (required for Kubernetes)")
+    g.add_argument("--pvc", default="", help="shared volume claim, e.g. FSx for Lustre (required)")
+    g.add_argument("--mount", default="/fsx", help="mount path of --pvc (default /fsx)")
+    t = p.add_argument_group("trainer (passed through)")
+    t.add_argument("--run-dir", default="", help="run directory (default <mount>/runs/<name>)")
+    t.add_argument("--config", default="tiny", help="trainer preset or YAML (default tiny)")
+    t.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[],
+                   metavar="SECTION.KEY=VALUE", help="trainer override (repeatable)")
+    t.add_argument("--fault", dest="faults", action="extend", nargs="+", default=[],
+                   metavar="KIND@STEP[/RANK]", help="inject a fault (drills; repeatable)")
+    r = p.add_argument_group("pod")
+    r.add_argument("--env", action="append", default=[], metavar="K=V", help="container env")
+    r.add_argument("--secret-env", action="append", default=[], metavar="NAME=SECRET:KEY")
+    r.add_argument("--extra-pvc", action="append", default=[], metavar="CLAIM:/PATH[:ro]")
+    r.add_argument("--cpu", default="", help="cpu request (default: profile)")
+    r.add_argument("--memory", default="", help="memory request (default: profile)")
+    r.add_argument("--efa", type=int, default=None, help="EFA interfaces (default: profile)")
+    r.add_argument("--hugepages", default="", help="hugepages-2Mi (default: profile; 0 = none)")
+    r.add_argument("--shm-size", default="", help="/dev/shm size limit (default: profile)")
+    r.add_argument("--node-selector", action="append", default=[], metavar="K=V")
+    r.add_argument("--toleration", action="append", default=[], metavar="KEY[=VALUE]:EFFECT")
+    r.add_argument("--affinity", default="", help="pod affinity as YAML/JSON, or @FILE")
+    r.add_argument("--priority-class", default="")
+    r.add_argument("--scheduler-name", default="")
+    r.add_argument("--service-account", default="")
+    r.add_argument("--image-pull-policy", default="IfNotPresent")
+    r.add_argument("--fs-group", type=int, default=None, help="pod fsGroup (OnRootMismatch)")
+    r.add_argument("--active-deadline", type=int, default=7 * 24 * 3600,
+                   help="runPolicy.activeDeadlineSeconds (default 7 days; 0 = none)")
+    r.add_argument("--ttl-after-finished", type=int, default=24 * 3600,
+                   help="runPolicy.ttlSecondsAfterFinished (default 1 day; -1 = keep)")
+    r.add_argument("--backoff-limit", type=int, default=3, help="runPolicy.backoffLimit")
+
+
+def _affinity(text: str) -> dict[str, Any] | None:
+    import yaml
+    from kfp_nvrx.components.errors import UserError
+
+    if not text:
+        return None
+    if text.startswith("@"):
+        try:
+            text = open(text[1:]).read()  # noqa: SIM115 - small file
+        except OSError as err:
+            raise UserError("--affinity", f"cannot read {text[1:]}: {err.strerror}") from None
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        value = None
+    if not isinstance(value, dict):
+        raise UserError("--affinity", "expected a YAML/JSON mapping (Kubernetes affinity fields)")
+    return value
+
+
+def spec_from_args(args: argparse.Namespace) -> Any:
+    """Build a JobSpec from parsed flags (raises UserError naming the flag)."""
+    from kfp_nvrx.components.errors import UserError
+    from kfp_nvrx.components.train_fsdp.jobspec.spec import (
+        JobSpec,
+        parse_key_values,
+        parse_toleration,
+    )
+
+    if args.active_deadline < 0:
+        raise UserError("--active-deadline", f"must be >= 0 seconds, got {args.active_deadline}")
+    if args.ttl_after_finished < -1:
+        raise UserError("--ttl-after-finished", f"must be >= -1, got {args.ttl_after_finished}")
+    return JobSpec(
+        image=args.image, pvc=args.pvc, name=args.name, run_id=args.run_id, task=args.task,
+        namespace=args.namespace, nodes=args.nodes, instance_type=args.instance_type,
+        nproc_per_node=args.nproc_per_node, mount=args.mount, run_dir=args.run_dir,
+        config=args.config, overrides=list(args.overrides), faults=list(args.faults),
+        env=parse_key_values("--env", args.env), secret_env=list(args.secret_env),
+        extra_pvcs=list(args.extra_pvc), cpu=args.cpu, memory=args.memory, efa=args.efa,
+        hugepages=args.hugepages, shm_size=args.shm_size,
+        node_selector=parse_key_values("--node-selector", args.node_selector),
+        tolerations=[parse_toleration(t) for t in args.toleration],
+        affinity=_affinity(args.affinity), priority_class=args.priority_class,
+        scheduler_name=args.scheduler_name, service_account=args.service_account,
+        image_pull_policy=args.image_pull_policy, fs_group=args.fs_group,
+        active_deadline_s=args.active_deadline or None,
+        ttl_after_finished_s=None if args.ttl_after_finished == -1 else args.ttl_after_finished,
+        backoff_limit=args.backoff_limit,
+    )
+
+
+def write_atomic(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` via a temporary file and rename (never a partial file)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".render-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the ``render-job`` subcommand."""
+    p = sub.add_parser("render-job", help="print the PyTorchJob YAML for a training job",
+                       description="Builds and validates (CRD schema, operator webhook rules, "
+                       "Pod schema) the PyTorchJob that `kfp-nvrx launch --backend kubernetes` "
+                       "would create, and prints it as YAML for `kubectl apply -f -`.")
+    add_job_arguments(p)
+    p.add_argument("--out", default="", help="write the YAML to FILE instead of stdout")
+    p.set_defaults(handler=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from kfp_nvrx.components.train_fsdp.jobspec.pytorchjob import render
+
+    text = render(spec_from_args(args)).to_yaml()
+    if args.out:
+        write_atomic(args.out, text)
+        sys.stderr.write(f"wrote {args.out}\n")
+    else:
+        sys.stdout.write(text)
+    return 0
