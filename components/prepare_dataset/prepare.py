@@ -14,7 +14,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,8 @@ from kfp_nvrx.components.prepare_dataset.tokenize import dtype_for_vocab, load_t
 #: ``source`` scheme for the bundled sample corpus: ``sample:`` or ``sample:<n_docs>``.
 SAMPLE_SCHEME = "sample:"
 SPLITS = ("train", "val")
+#: Documents handed to the tokenizer at once.
+ENCODE_BATCH = 256
 
 
 def fingerprint(source_hashes: list[str], tokenizer_id: str, eos_id: int, text_field: str,
@@ -133,6 +135,17 @@ def _existing(out: Path, fp: str, overwrite: bool) -> dict[str, Any] | None:
     return None
 
 
+def _batched(items: Iterable[str], size: int) -> Iterator[list[str]]:
+    batch: list[str] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
 def _write_splits(files: list[Path], tok: Any, text_field: str, val_fraction: float, seed: int,
                   work: Path, dtype: str, shard_bytes: int,
                   log: Callable[[str], None]) -> dict[str, Any]:
@@ -143,10 +156,10 @@ def _write_splits(files: list[Path], tok: Any, text_field: str, val_fraction: fl
     i = 0
     try:
         for f in files:
-            for doc in iter_documents(f, text_field):
-                ids = tok.encode(doc)
-                writers["val" if in_val[i] else "train"].write(np.concatenate([ids, eos]))
-                i += 1
+            for docs in _batched(iter_documents(f, text_field), ENCODE_BATCH):
+                for ids in tok.encode_batch(docs):
+                    writers["val" if in_val[i] else "train"].write(np.concatenate([ids, eos]))
+                    i += 1
             log(f"tokenized {f} ({i}/{n_docs} documents)")
     except BaseException:
         for w in writers.values():

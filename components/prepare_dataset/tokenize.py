@@ -31,6 +31,10 @@ class Tokenizer(Protocol):
         """Encode ``text`` to token ids (no eos appended), as int64."""
         ...
 
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """Encode several texts (same result as :meth:`encode` on each)."""
+        ...
+
 
 class ByteTokenizer:
     """UTF-8 bytes as tokens; eos = 0 (NUL bytes of the input are dropped)."""
@@ -43,6 +47,10 @@ class ByteTokenizer:
         """Encode ``text`` as its UTF-8 bytes without NULs."""
         raw = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
         return raw[raw != 0].astype(np.int64)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """Encode several texts."""
+        return [self.encode(t) for t in texts]
 
     def decode(self, ids: np.ndarray | list[int]) -> str:
         """Decode bytes back to text (eos/NUL dropped, invalid UTF-8 replaced)."""
@@ -102,6 +110,11 @@ class JsonTokenizer:
         """Encode ``text`` to token ids without special tokens added by a post-processor."""
         ids = self._tok.encode(text, add_special_tokens=False).ids
         return np.asarray(ids, dtype=np.int64)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """Encode several texts at once (the Rust tokenizer runs them in parallel)."""
+        encs = self._tok.encode_batch(texts, add_special_tokens=False)
+        return [np.asarray(e.ids, dtype=np.int64) for e in encs]
 
     def decode(self, ids: np.ndarray | list[int]) -> str:
         """Decode ids back to text."""
