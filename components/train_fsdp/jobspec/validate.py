@@ -176,8 +176,10 @@ def validate_pod(manifest: dict[str, Any], k8s_version: str = K8S_VERSION) -> No
     try:
         kubernetes_validate.validate(pod, k8s_version, strict=True)
     except kubernetes_validate.ValidationError as err:
-        where = _path(["spec.pytorchReplicaSpecs.Worker.template", *list(err.path)[1:]]) \
-            if list(err.path)[:1] == ["spec"] else _path(err.path)
+        path = list(err.path)
+        # A Pod's "spec" is the template's "spec": name the field as it sits in the PyTorchJob.
+        where = _path(["spec.pytorchReplicaSpecs.Worker.template", *path]) \
+            if path[:1] == ["spec"] else _path(["pod", *path])
         raise UserError(where, f"rejected by the Kubernetes {err.version} Pod schema: "
                         f"{err.message}") from None
     try:
