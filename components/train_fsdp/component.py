@@ -61,13 +61,12 @@ def train_fsdp(
     """
     import os
 
+    from kfp_nvrx.components import images
     from kfp_nvrx.components.errors import UserError
     from kfp_nvrx.components.train_fsdp import report
-    from kfp_nvrx.components.train_fsdp.jobspec.naming import derive_name
+    from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
     from kfp_nvrx.components.train_fsdp.launcher.backends import launch
 
-    name = derive_name(kfp_run_id, kfp_task)
-    run_dir = os.path.join(workspace, "runs", name)
     sets = [f"data.path={dataset.metadata['path']}", *overrides]
     if init_from and os.path.exists(init_from):
         sets.append(f"checkpoint.init_from={init_from}")
@@ -75,15 +74,17 @@ def train_fsdp(
         raise UserError("init_from", f"{init_from} does not exist")
     elif init_from:
         print(f"no model at {init_from} yet: training from scratch")
-    result = launch(backend, nodes=nodes, nproc_per_node=nproc_per_node, run_dir=run_dir,
-                    config=config, overrides=sets, faults=list(faults), name=name,
-                    run_id=kfp_run_id, task=kfp_task, image=trainer_image, pvc=pvc_name,
-                    mount=mount_path, instance_type=instance_type,
-                    deadline_s=deadline_s or None)
-    summary = report.publish(run_dir, result, run=run, metrics=metrics, timeline=timeline,
+    spec = JobSpec(image=trainer_image or images.trainer_image(), pvc=pvc_name, run_id=kfp_run_id,
+                   task=kfp_task, nodes=nodes, instance_type=instance_type,
+                   nproc_per_node=nproc_per_node, mount=mount_path, config=config,
+                   overrides=sets, faults=list(faults))
+    name = spec.job_name()
+    spec.run_dir = os.path.join(workspace, "runs", name)
+    result = launch(spec, backend, deadline_s=deadline_s or None)
+    summary = report.publish(spec.run_dir, result, run=run, metrics=metrics, timeline=timeline,
                              title=name)
     print(f"{result.state}: goodput {summary['goodput']:.3f}, steps {summary['steps_final']}, "
-          f"restarts {summary['restarts']}, run dir {run_dir}")
+          f"restarts {summary['restarts']}, run dir {spec.run_dir}")
     if not result.succeeded:
         tail = "\n".join(result.last_log_lines[-20:])
         raise RuntimeError(f"training {result.state}: {result.reason}\n{tail}")

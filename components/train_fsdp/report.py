@@ -209,10 +209,10 @@ def _restart_shapes(e: dict[str, Any], ax: _Axis) -> list[str]:
                 f"<title>{tip}</title></circle>",
                 f'<text x="{cx - 10}" y="{y + 4}" font-size="11" text-anchor="end" '
                 f'fill="{COLORS["restart"]}">{html.escape(str(e.get("kind")))} restart</text>']
-    if e.get("resumed_from") is None:
-        return []
-    tip = (f"start: incarnation {e.get('incarnation')}, world size {e.get('world_size')}, "
-           f"resumed from step {e.get('resumed_from')} (load {float(e.get('load_s') or 0):.2f} s)")
+    origin = ("fresh" if e.get("resumed_from") is None
+              else f"resumed from step {e.get('resumed_from')}")
+    tip = (f"start: incarnation {e.get('incarnation')}, iteration {e.get('iteration')}, world size "
+           f"{e.get('world_size')}, {origin} (load {float(e.get('load_s') or 0):.2f} s)")
     return [_rect(cx - 1.5, y - 9, 3, 18, COLORS["restart"], tip)]
 
 
@@ -266,7 +266,8 @@ svg{width:100%;height:auto;max-width:1000px;font-family:inherit}
 """
 _LEGEND = (("kept", "step kept"), ("redone", "step redone (rolled back)"),
            ("ckpt", "checkpoint save"), ("ckpt_block", "training blocked by save"),
-           ("fault", "fault"), ("restart", "restart / resume"), ("recovery", "recovery window"))
+           ("fault", "fault"), ("restart", "restart (dot) / workers start (bar)"),
+           ("recovery", "recovery window"))
 
 
 def render_timeline(events: list[dict[str, Any]], summary: dict[str, Any], title: str = "") -> str:

@@ -14,6 +14,7 @@ import contextlib
 import io
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -194,7 +195,10 @@ def run(args: argparse.Namespace) -> int:
     stream = contextlib.nullcontext() if args.verbose else contextlib.redirect_stdout(
         _Filter(sys.stdout))
     try:
-        with stream:
+        with stream, warnings.catch_warnings():
+            # kfp.local warns that our base image is not a stock Python image; locally the
+            # tasks run in this environment, which has the package installed.
+            warnings.filterwarnings("ignore", message=".*non-Python base image.*")
             task = load_pipeline(name)(**arguments)
     except RuntimeError as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
