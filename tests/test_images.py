@@ -202,6 +202,18 @@ def test_copy_sources_exist_and_reach_the_build(name: str) -> None:
     assert needed <= sent, f"not copied: {needed - sent}"
 
 
+def test_component_image_carries_its_registry_for_the_trainer_image() -> None:
+    # The training step names the PyTorchJob's image at run time from $KFP_NVRX_REGISTRY, so the
+    # component image must carry the registry it was built for.
+    final = stages(DOCKERFILES["components"])[-1]
+    assert "KFP_NVRX_REGISTRY" in final["args"]
+    envs = " ".join(v for k, v in final["ins"] if k == "ENV")
+    assert re.search(r"\bKFP_NVRX_REGISTRY=\$\{KFP_NVRX_REGISTRY\}", envs)
+    readme = (ROOT / "images/README.md").read_text()
+    build = re.search(r"docker buildx build[^`]*?images/components/Dockerfile[^`]*? \.\n", readme)
+    assert build and '--build-arg KFP_NVRX_REGISTRY="$KFP_NVRX_REGISTRY"' in build[0]
+
+
 def test_dockerignore_matcher() -> None:
     patterns = dockerignore(DOCKERFILES["trainer"])
     assert excluded(".venv/bin/python", patterns)
