@@ -199,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
             # kfp.local warns that our base image is not a stock Python image; locally the
             # tasks run in this environment, which has the package installed.
             warnings.filterwarnings("ignore", message=".*non-Python base image.*")
+            warnings.filterwarnings("ignore", message=".*no effect in the current local runner.*")
             task = load_pipeline(name)(**arguments)
     except RuntimeError as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__

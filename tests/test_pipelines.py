@@ -1,0 +1,172 @@
+"""Pipelines: compile, committed YAML is current, platform spec, and local end-to-end runs."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from kfp_nvrx.components import __version__
+from kfp_nvrx.pipelines.cli import main
+from kfp_nvrx.pipelines.compile import COMPILED_DIR, PIPELINES
+
+FAST = ["train.steps=8", "checkpoint.interval=4", "train.log_every=4"]
+
+
+@pytest.fixture(scope="module")
+def fresh(tmp_path_factory):
+    """Compile every pipeline in a clean process with the default registry."""
+    out = tmp_path_factory.mktemp("compiled")
+    env = {k: v for k, v in os.environ.items() if k != "KFP_NVRX_REGISTRY"}
+    subprocess.run([sys.executable, "-m", "kfp_nvrx.pipelines.cli", "compile", "--out", str(out)],
+                   check=True, env=env, capture_output=True)
+    return out
+
+
+def _docs(path):
+    with open(path) as f:
+        return list(yaml.safe_load_all(f))
+
+
+@pytest.mark.parametrize("name", sorted(PIPELINES))
+def test_committed_yaml_is_current(fresh, name):
+    committed = COMPILED_DIR / f"{name}.yaml"
+    assert committed.is_file(), f"{committed} missing: run `kfp-nvrx compile` and commit it"
+    assert committed.read_text() == (fresh / f"{name}.yaml").read_text(), (
+        f"{committed} is stale: run `kfp-nvrx compile` and commit pipelines/compiled/")
+
+
+@pytest.mark.parametrize("name", sorted(PIPELINES))
+def test_platform_spec(name):
+    spec, platform = _docs(COMPILED_DIR / f"{name}.yaml")
+    execs = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    assert set(execs) == set(spec["deploymentSpec"]["executors"])
+    for label, cfg in execs.items():
+        # inside dsl.If the pipeline parameter arrives as 'pipelinechannel--pvc_name'
+        param = "pipelinechannel--pvc_name" if label == "exec-promote-model" else "pvc_name"
+        assert cfg["pvcMount"] == [{"componentInputParameter": param, "mountPath": "/fsx",
+                                    "pvcNameParameter": {"componentInputParameter": param}}]
+        assert int(cfg["activeDeadlineSeconds"]) > 0, label
+    train = execs["exec-train-fsdp"]
+    assert train["emptyDirMounts"] == [{"medium": "Memory", "mountPath": "/dev/shm",
+                                        "sizeLimit": "2Gi", "volumeName": "dshm"}]
+    assert train["nodeSelector"] == {
+        "nodeSelectorJson": {"componentInputParameter": "launcher_node_selector"}}
+    assert train["tolerations"] == [
+        {"tolerationJson": {"componentInputParameter": "launcher_tolerations"}}]
+    assert int(train["activeDeadlineSeconds"]) == 7 * 24 * 3600
+    image = f"localhost:5000/kfp-nvrx/kfp-nvrx-components:{__version__}"
+    for ex in spec["deploymentSpec"]["executors"].values():
+        assert ex["container"]["image"] == image
+        assert "pip install" not in json.dumps(ex["container"])
+    tasks = spec["root"]["dag"]["tasks"]
+    assert tasks["train-fsdp"]["cachingOptions"] == {}  # caching off (enableCache absent)
+    for retried in ("prepare-dataset", "export-checkpoint"):
+        assert tasks[retried]["retryPolicy"]["maxRetryCount"] == 2
+
+
+def test_fsdp_train_parameters():
+    spec, _ = _docs(COMPILED_DIR / "fsdp-train.yaml")
+    params = spec["root"]["inputDefinitions"]["parameters"]
+    assert {"source", "workspace", "pvc_name", "config", "overrides", "faults", "nodes",
+            "nproc_per_node", "instance_type", "trainer_image", "backend", "deadline_s",
+            "launcher_node_selector", "launcher_tolerations"} <= set(params)
+    assert params["backend"]["defaultValue"] == "local"
+    assert params["workspace"]["defaultValue"] == "/fsx/kfp-nvrx"
+    assert params["faults"]["parameterType"] == "LIST"
+    assert params["launcher_node_selector"]["parameterType"] == "STRUCT"
+    assert set(spec["root"]["outputDefinitions"]["artifacts"]) == {
+        "model", "train_metrics", "eval_metrics", "timeline"}
+    assert list(spec["root"]["dag"]["tasks"]) == ["export-checkpoint", "prepare-dataset",
+                                                  "train-fsdp"]
+
+
+def test_scheduled_retrain_promotes_under_condition():
+    spec, _ = _docs(COMPILED_DIR / "scheduled-retrain.yaml")
+    params = spec["root"]["inputDefinitions"]["parameters"]
+    assert {"model_name", "min_improvement", "source"} <= set(params)
+    tasks = spec["root"]["dag"]["tasks"]
+    cond = tasks["condition-1"]
+    assert cond["triggerPolicy"]["condition"] == (
+        "inputs.parameter_values['pipelinechannel--compare-models-Output'] == 'promote'")
+    inner = spec["components"]["comp-condition-1"]["dag"]["tasks"]
+    assert list(inner) == ["promote-model"]
+    promoted = ("{{$.inputs.parameters['pipelinechannel--workspace']}}/models/"
+                "{{$.inputs.parameters['pipelinechannel--model_name']}}/promoted")
+    assert tasks["train-fsdp"]["inputs"]["parameters"]["init_from"]["runtimeValue"][
+        "constant"] == promoted
+    assert tasks["compare-models"]["cachingOptions"] == {}
+
+
+# -- kfp-nvrx run-local -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("param, needle", [
+    ("bogus=1", "--param bogus: unknown parameter"),
+    ("backend=kubernetes", "run-local runs the local backend only"),
+    ("overrides=train.nope=1", "--param overrides (train.nope)"),
+    ("faults=explode@3", "--param faults"),
+    ("nodes=0", "--param nodes"),
+    ("config=no-such-preset", "--param config"),
+])
+def test_run_local_bad_params_one_line(tmp_path, capsys, param, needle):
+    rc = main(["run-local", "--out", str(tmp_path), "--param", param])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "\n" not in err and needle in err, err
+    assert not (tmp_path / "pipeline_root").exists()
+
+
+@pytest.mark.slow
+def test_fsdp_train_end_to_end_with_fault(tmp_path, capsys):
+    rc = main(["run-local", "--pipeline", "fsdp-train", "--out", str(tmp_path),
+               "--param", f"overrides={json.dumps(FAST)}", "--param", "faults=kill@6/1",
+               "--param", "nodes=2", "--param", "source=sample:300"])
+    out = capsys.readouterr().out
+    assert rc == 0, out[-3000:]
+    table = out[out.index("fsdp-train finished locally:"):]
+    for row in ("goodput", "recovery", "eval loss", "model", "timeline"):
+        assert f"  {row} " in table
+    (run_root,) = (tmp_path / "pipeline_root").iterdir()
+    model_dir = run_root / "export-checkpoint" / "model"
+    assert f"{model_dir}/model.safetensors" in table
+    from kfp_nvrx.components.export_checkpoint.evaluate import load_exported_model
+
+    assert load_exported_model(model_dir) is not None
+    train = json.loads((run_root / "train-fsdp" / "executor_output.json").read_text())
+    metrics = train["artifacts"]["metrics"]["artifacts"][0]["metadata"]
+    assert metrics["steps_final"] == 8 and metrics["faults"] == 1
+    assert metrics["steps_redone"] >= 1 and metrics["goodput"] < 1
+    page = (run_root / "train-fsdp" / "timeline").read_text()
+    assert "fault: kill at step 6, rank 1" in page and "redone" in page
+    export = json.loads((run_root / "export-checkpoint" / "executor_output.json").read_text())
+    assert export["artifacts"]["metrics"]["artifacts"][0]["metadata"]["eval_loss"] > 0
+
+
+@pytest.mark.slow
+def test_scheduled_retrain_twice(tmp_path, kfp_local):
+    from kfp_nvrx.pipelines.scheduled_retrain import scheduled_retrain
+
+    ws = tmp_path / "ws"
+    common = {"source": "sample:300", "workspace": str(ws), "nodes": "1", "model_name": "m"}
+    first = scheduled_retrain(**common, overrides=FAST)
+    d1 = first.outputs["decision_metrics"].metadata
+    assert d1["promote"] == 1 and d1["has_promoted_model"] == 0
+    promoted = ws / "models" / "m" / "promoted"
+    assert promoted.is_symlink()
+    v1 = promoted.resolve()
+    weights = (promoted / "model.safetensors").read_bytes()
+    assert weights == (Path(first.outputs["model"].path) / "model.safetensors").read_bytes()
+
+    # A far too high learning rate wrecks the warm-started model: it must not be promoted.
+    second = scheduled_retrain(**common, overrides=[*FAST, "train.lr=3.0",
+                                                    "train.warmup_steps=0"])
+    d2 = second.outputs["decision_metrics"].metadata
+    assert d2["promote"] == 0 and d2["has_promoted_model"] == 1
+    assert d2["candidate_eval_loss"] > d2["promoted_eval_loss"]
+    assert promoted.resolve() == v1 and (promoted / "model.safetensors").read_bytes() == weights
+    assert len(list((ws / "models" / "m" / "versions").iterdir())) == 1
+    # the second run started from the promoted model (warm start), not from scratch
+    runs = sorted((ws / "runs").iterdir(), key=lambda p: p.stat().st_mtime)
+    config = yaml.safe_load((runs[-1] / "config.yaml").read_text())
+    assert config["checkpoint"]["init_from"] == str(promoted)
