@@ -9,6 +9,7 @@ node selector and tolerations, no caching and a long timeout; prepare and export
 from typing import NamedTuple
 
 from kfp import dsl, kubernetes
+from kfp_nvrx.components import images
 from kfp_nvrx.components.export_checkpoint.component import export_checkpoint
 from kfp_nvrx.components.prepare_dataset.component import prepare_dataset
 from kfp_nvrx.components.train_fsdp.component import train_fsdp
@@ -72,7 +73,7 @@ def fsdp_train(
     nodes: str = "2",
     nproc_per_node: int = 1,
     instance_type: str = "cpu",
-    trainer_image: str = "",
+    trainer_image: str = images.trainer_image(),
     backend: str = "local",
     deadline_s: int = 0,
     export_step: int = -1,
@@ -97,7 +98,7 @@ def fsdp_train(
         nodes: ``N`` or ``MIN:MAX`` nodes.
         nproc_per_node: Processes (GPUs) per node.
         instance_type: Worker instance profile (p5.48xlarge, p4d.24xlarge, cpu).
-        trainer_image: Trainer image ('' = this version's image).
+        trainer_image: Trainer image of the worker pods (default: this version's image).
         backend: ``local`` (in the task's pod) or ``kubernetes`` (a PyTorchJob).
         deadline_s: Training wall-clock limit in seconds (0 = none).
         export_step: Checkpoint step to export (-1 = newest).

@@ -10,6 +10,7 @@ decision and both eval losses are in the compare task's ``Metrics``. The promote
 from typing import NamedTuple
 
 from kfp import dsl
+from kfp_nvrx.components import images
 from kfp_nvrx.components.evaluate_promote.component import compare_models, promote_model
 from kfp_nvrx.components.export_checkpoint.component import export_checkpoint
 from kfp_nvrx.components.prepare_dataset.component import prepare_dataset
@@ -51,7 +52,7 @@ def scheduled_retrain(
     nodes: str = "2",
     nproc_per_node: int = 1,
     instance_type: str = "cpu",
-    trainer_image: str = "",
+    trainer_image: str = images.trainer_image(),
     backend: str = "local",
     deadline_s: int = 0,
     eval_batches: int = 8,
@@ -76,7 +77,7 @@ def scheduled_retrain(
         nodes: ``N`` or ``MIN:MAX`` nodes.
         nproc_per_node: Processes (GPUs) per node.
         instance_type: Worker instance profile.
-        trainer_image: Trainer image ('' = this version's image).
+        trainer_image: Trainer image of the worker pods (default: this version's image).
         backend: ``local`` or ``kubernetes``.
         deadline_s: Training wall-clock limit in seconds (0 = none).
         eval_batches: Val batches per model in the export and the comparison.

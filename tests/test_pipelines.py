@@ -19,9 +19,8 @@ FAST = ["train.steps=8", "checkpoint.interval=4", "train.log_every=4"]
 def fresh(tmp_path_factory):
     """Compile every pipeline in a clean process with the default registry."""
     out = tmp_path_factory.mktemp("compiled")
-    env = {k: v for k, v in os.environ.items() if k != "KFP_NVRX_REGISTRY"}
-    subprocess.run([sys.executable, "-m", "kfp_nvrx.pipelines.cli", "compile", "--out", str(out)],
-                   check=True, env=env, capture_output=True)
+    done = _compile(out)
+    assert done.returncode == 0, done.stderr
     return out
 
 
@@ -61,10 +60,39 @@ def test_platform_spec(name):
     for ex in spec["deploymentSpec"]["executors"].values():
         assert ex["container"]["image"] == image
         assert "pip install" not in json.dumps(ex["container"])
+    trainer = spec["root"]["inputDefinitions"]["parameters"]["trainer_image"]["defaultValue"]
+    assert trainer == f"localhost:5000/kfp-nvrx/kfp-nvrx-trainer:{__version__}"
     tasks = spec["root"]["dag"]["tasks"]
     assert tasks["train-fsdp"]["cachingOptions"] == {}  # caching off (enableCache absent)
     for retried in ("prepare-dataset", "export-checkpoint"):
         assert tasks[retried]["retryPolicy"]["maxRetryCount"] == 2
+
+
+def _compile(tmp_path, *args):
+    env = {k: v for k, v in os.environ.items() if k != "KFP_NVRX_REGISTRY"}
+    return subprocess.run([sys.executable, "-m", "kfp_nvrx.pipelines.cli", "compile", "--out",
+                           str(tmp_path), *args], env=env, capture_output=True, text=True)
+
+
+def test_compile_with_registry(tmp_path):
+    reg = "123456789012.dkr.ecr.us-west-2.amazonaws.com/kfp-nvrx"
+    done = _compile(tmp_path, "--registry", reg, "--pipeline", "fsdp-train")
+    assert done.returncode == 0, done.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["fsdp-train.yaml"]
+    text = (tmp_path / "fsdp-train.yaml").read_text()
+    assert f"image: {reg}/kfp-nvrx-components:{__version__}" in text
+    assert f"{reg}/kfp-nvrx-trainer:{__version__}" in text and "localhost:5000" not in text
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--registry", "https://bad"], "--registry:"),
+    (["--pipeline", "nope"], "--pipeline: unknown pipeline"),
+])
+def test_compile_bad_input_one_line(tmp_path, args, needle):
+    done = _compile(tmp_path / "out", *args)
+    assert done.returncode == 2 and needle in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
 
 
 def test_fsdp_train_parameters():
