@@ -51,6 +51,8 @@ class K8sDouble:
         self.logs: dict[tuple[str, str, str, int], dict[str, Any]] = {}
         self.events: list[tuple[int, str, str, dict[str, Any]]] = []  # (rv, ns, type, pod)
         self.requests: list[dict[str, Any]] = []
+        #: ``{"POST": (403, "Forbidden")}``: answer the next request of that verb with an error.
+        self.fail_next: dict[str, tuple[int, str]] = {}
         self.rv = 1
         self.cond = threading.Condition()
         self.closed = False
@@ -242,7 +244,7 @@ def _handler_for(double: K8sDouble) -> type[BaseHTTPRequestHandler]:
             url = urlparse(self.path)
             query = {k: v[-1] for k, v in parse_qs(url.query).items()}
             double.requests.append({"method": self.command, "path": url.path, "query": query,
-                                    "body": body})
+                                    "body": copy.deepcopy(body)})
             return url.path.strip("/").split("/"), query
 
         def _body(self) -> Any:
@@ -276,6 +278,9 @@ def _handler_for(double: K8sDouble) -> type[BaseHTTPRequestHandler]:
         def do_POST(self) -> None:  # noqa: N802
             body = self._body()
             parts, _ = self._record(body)
+            if "POST" in double.fail_next:
+                code, reason = double.fail_next.pop("POST")
+                return self._json(code, _status(code, reason, f"injected {reason}"))
             if len(parts) != 6 or parts[5] != "pytorchjobs":
                 return self._json(404, _status(404, "NotFound", "no such endpoint"))
             ns = parts[4]

@@ -36,19 +36,31 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_run)
 
 
-def _client_configuration(args: argparse.Namespace) -> object | None:
-    if not (args.kubeconfig or args.context):
-        return None
+def _cluster(args: argparse.Namespace) -> tuple[object, str]:
+    """Return (client configuration, namespace): in-cluster service account or kubeconfig."""
+    import os
+
     from kfp_nvrx.components.train_fsdp.launcher.kubernetes import ClusterError
     from kubernetes import client, config
 
     cfg = client.Configuration()
+    in_cluster = "KUBERNETES_SERVICE_HOST" in os.environ and not (args.kubeconfig or args.context)
     try:
+        if in_cluster:
+            config.load_incluster_config(client_configuration=cfg)
+            sa_ns = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+            with open(sa_ns) as fh:
+                return cfg, fh.read().strip()
         config.load_kube_config(config_file=args.kubeconfig or None,
                                 context=args.context or None, client_configuration=cfg)
-    except Exception as err:  # noqa: BLE001 - bad file/context: one line
-        raise ClusterError(f"cannot load kubeconfig: {' '.join(str(err).split())}") from None
-    return cfg
+        _, active = config.list_kube_config_contexts(config_file=args.kubeconfig or None)
+        if args.context:
+            contexts, _ = config.list_kube_config_contexts(config_file=args.kubeconfig or None)
+            active = next(c for c in contexts if c["name"] == args.context)
+        return cfg, (active.get("context") or {}).get("namespace", "default")
+    except Exception as err:  # noqa: BLE001 - no/bad kubeconfig: one line
+        raise ClusterError(f"cannot load Kubernetes credentials: {' '.join(str(err).split())}") \
+            from None
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -65,12 +77,16 @@ def _run(args: argparse.Namespace) -> int:
     def log(line: str) -> None:
         print(line, flush=True)
 
+    cfg, namespace = None, ""
     try:
+        if args.backend == "kubernetes":
+            from kfp_nvrx.components.train_fsdp.jobspec.pytorchjob import render
+
+            render(spec)  # bad input is reported before credentials are looked at
+            cfg, namespace = _cluster(args)
         result = launch(spec, args.backend, log=log, deadline_s=args.deadline,
-                        namespace=args.namespace, delete_after=args.delete_after,
-                        poll_s=args.poll_interval,
-                        client_configuration=_client_configuration(args)
-                        if args.backend == "kubernetes" else None)
+                        namespace=args.namespace or namespace, delete_after=args.delete_after,
+                        poll_s=args.poll_interval, client_configuration=cfg)
     except ClusterError as err:
         sys.stderr.write(f"kfp-nvrx launch: cluster error: {err}\n")
         return 1

@@ -55,6 +55,7 @@ class K8sOptions:
         tail_lines: Log lines of the failing replica kept in the result.
         watch_timeout_s: Length of one pod watch request.
         handle_signals: Install SIGTERM/SIGINT handlers (main thread only) that delete the job.
+        drain_s: Seconds open log streams may run on after the end (last lines of the pods).
 
     """
 
@@ -66,6 +67,7 @@ class K8sOptions:
     tail_lines: int = 40
     watch_timeout_s: int = 30
     handle_signals: bool = True
+    drain_s: float = 5.0
 
 
 def _ts(value: Any) -> float:
@@ -238,7 +240,7 @@ def launch_kubernetes(spec: JobSpec, opts: K8sOptions | None = None, *,
         try:
             result = _follow(jobs, job, rendered, opts, follower, signals, say)
         finally:
-            follower.stop(drain_s=0.0 if signals.event.is_set() else 5.0)
+            follower.stop(drain_s=0.0 if signals.event.is_set() else opts.drain_s)
     _fill_failure(result, follower, training_client.core_api, namespace, opts.tail_lines)
     result.pod_restarts = follower.pod_restarts()
     result.restarts = follower.progress.restarts

@@ -105,6 +105,12 @@ def _replica_name(pod: k8s.V1Pod) -> str:
     return pod.metadata.name
 
 
+def _prefix(state: PodState, restart: int) -> str:
+    """Return ``worker-1``, ``worker-1/r2`` (2nd container restart), ``worker-1/p1/r2`` (pod #2)."""
+    pod = f"/p{len(state.uids) - 1}" if len(state.uids) > 1 else ""
+    return state.replica + pod + (f"/r{restart}" if restart else "")
+
+
 def _container_status(pod: k8s.V1Pod, container: str) -> Any:
     for status in (pod.status and pod.status.container_statuses) or []:
         if status.name == container:
@@ -232,10 +238,7 @@ class PodLogFollower:
             if not started or key in self._streamed or self._stop.is_set():
                 return
             self._streamed.add(key)
-        prefix = state.replica + (f"/r{key[1]}" if key[1] else "")
-        if len(state.uids) > 1:
-            prefix += f"/p{len(state.uids) - 1}"
-        thread = threading.Thread(target=self._stream, args=(state, key, prefix),
+        thread = threading.Thread(target=self._stream, args=(state, key, _prefix(state, key[1])),
                                   name=f"log-{name}", daemon=True)
         self._streams[key] = (thread, None)
         thread.start()
@@ -258,6 +261,16 @@ class PodLogFollower:
         self.progress.feed(state.replica, line)
         self.emit(f"[{prefix}] {line}")
 
+    def _previous(self, state: PodState, prefix: str) -> None:
+        """Emit the whole log of the container instance before the current one."""
+        try:
+            text = self.core.read_namespaced_pod_log(
+                state.name, self.namespace, container=self.container, previous=True)
+        except ApiException:
+            return  # already garbage-collected by the kubelet
+        for line in filter(None, (text or "").splitlines()):
+            self._line(state, prefix, line)
+
     def _stream(self, state: PodState, key: tuple[str, int], prefix: str) -> None:
         uid, instance = key
         try:
@@ -267,13 +280,16 @@ class PodLogFollower:
             status = _container_status(pod, self.container)
             if pod.metadata.uid != uid or status is None:
                 return  # replaced by a new pod; its own events start its stream
-            if (status.restart_count or 0) > instance:
-                if status.restart_count == instance + 1:  # the instance just before the current
-                    text = self.core.read_namespaced_pod_log(
-                        state.name, self.namespace, container=self.container, previous=True)
-                    for line in filter(None, (text or "").splitlines()):
-                        self._line(state, prefix, line)
+            current = status.restart_count or 0
+            if current > instance:
+                if current == instance + 1:  # the instance just before the current one
+                    self._previous(state, prefix)
                 return
+            with self._lock:
+                missed = instance > 0 and (uid, instance - 1) not in self._streamed
+                self._streamed.add((uid, instance - 1))
+            if missed:  # it ran and ended between two of our pod reads: show it first
+                self._previous(state, _prefix(state, instance - 1))
             resp = self.core.read_namespaced_pod_log(
                 state.name, self.namespace, container=self.container, follow=True,
                 _preload_content=False)

@@ -1,0 +1,263 @@
+"""The Kubernetes launcher against the HTTP test double of the API server (tests/k8s_double.py).
+
+No cluster runs here; the double serves the real wire format of the endpoints the launcher calls,
+and each test plays the operator/kubelet in a thread (pods appearing late, restarts, failures).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+from k8s_double import K8sDouble
+from kfp_nvrx.components.errors import UserError
+from kfp_nvrx.components.train_fsdp.jobspec import naming
+from kfp_nvrx.components.train_fsdp.jobspec.pytorchjob import render
+from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
+from kfp_nvrx.components.train_fsdp.launcher import backends
+from kfp_nvrx.components.train_fsdp.launcher.kubernetes import (
+    ClusterError,
+    K8sOptions,
+    launch_kubernetes,
+)
+
+RUN_ID = "run-0001"
+SPEC = dict(image="img:1", pvc="fsx", instance_type="cpu", nodes="2", run_id=RUN_ID,
+            task="train", overrides=["train.steps=6"])
+
+
+@pytest.fixture()
+def double():
+    d = K8sDouble().serve()
+    yield d
+    d.close()
+
+
+def _opts(**kw) -> K8sOptions:
+    base = dict(poll_s=0.05, progress_s=0, watch_timeout_s=2, handle_signals=False, drain_s=0.5)
+    return K8sOptions(**{**base, **kw})
+
+
+def _play(script: Callable[[str], None], double: K8sDouble, spec: JobSpec) -> threading.Thread:
+    """Run ``script(job_name)`` as the operator once the job exists."""
+    name = spec.job_name()
+
+    def run() -> None:
+        double.wait_for_job(name)
+        script(name)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def _run(double: K8sDouble, spec: JobSpec, script, **opts):
+    lines: list[str] = []
+    t = _play(lambda n: script(double, n), double, spec)
+    result = launch_kubernetes(spec, _opts(**opts), log=lines.append,
+                               client_configuration=double.configuration())
+    t.join(5)
+    return result, lines
+
+
+def _happy(d: K8sDouble, name: str) -> None:
+    d.set_condition(name, "Created")
+    w0 = d.add_pod(name, 0)
+    d.start(w0)
+    d.set_condition(name, "Running")
+    d.log(w0, "[trainer] start: world_size=2 incarnation=0.0", "[trainer] step 2/6 loss 5.0")
+    time.sleep(0.4)
+    w1 = d.add_pod(name, 1)  # starts late
+    d.start(w1)
+    d.log(w1, "agent 1 up")
+    d.terminate(w1, 137, "OOMKilled")
+    d.restart(w1)  # kubelet restart: logged again under worker-1/r1
+    d.log(w1, "agent 1 back")
+    d.log(w0, "[trainer] start: world_size=2 incarnation=1.0", "[trainer] step 6/6 loss 3.0")
+    time.sleep(0.4)
+    d.terminate(w0, 0)
+    d.terminate(w1, 0)
+    d.set_condition(name, "Succeeded")
+
+
+def test_create_follow_late_and_restarted_pods_then_delete(double: K8sDouble) -> None:
+    spec = JobSpec(**SPEC)
+    result, lines = _run(double, spec, _happy)
+    assert result.state == "Succeeded" and result.backend == "kubernetes"
+    posts = double.calls("POST")
+    assert len(posts) == 1
+    expected = render(spec).to_dict()
+    expected["metadata"]["namespace"] = "default"
+    assert posts[0]["body"] == expected
+    text = "\n".join(lines)
+    assert "[worker-0] [trainer] step 2/6 loss 5.0" in text
+    assert "[worker-1] agent 1 up" in text  # a pod that started after the launcher
+    assert "[worker-1/r1] agent 1 back" in text  # the restarted container, re-streamed
+    assert "progress: step 6/6 (100%), restarts 1" in text
+    assert result.restarts == 1 and result.pod_restarts == 1
+    assert result.extra["attached"] is False
+    assert result.extra["run_dir_uri"] == f"pvc://fsx/runs/{spec.job_name()}"
+    deletes = double.calls("DELETE")
+    assert len(deletes) == 1 and deletes[0]["body"]["propagationPolicy"] == "Foreground"
+    # follow never used a fixed SDK wait: the watch and log endpoints were used
+    assert double.calls("GET", "/log") and any(
+        r["query"].get("watch") for r in double.calls("GET", "/pods"))
+
+
+def test_reattach_to_this_runs_job_never_creates_a_second(double: K8sDouble) -> None:
+    spec = JobSpec(**SPEC)
+    manifest = render(spec).to_dict()
+    double.put_job(manifest)
+    name = spec.job_name()
+    w0 = double.add_pod(name, 0)
+    double.start(w0)
+    double.set_condition(name, "Running")
+    double.log(w0, "[trainer] step 3/6 loss 4.2")
+
+    def finish(d: K8sDouble, n: str) -> None:
+        time.sleep(0.5)
+        d.log(w0, "[trainer] done: step 6/6")
+        d.terminate(w0, 0)
+        d.set_condition(n, "Succeeded")
+
+    result, lines = _run(double, spec, finish, delete_after="never")
+    assert result.succeeded and result.extra["attached"] is True
+    assert not double.calls("POST") and not double.calls("DELETE")
+    assert any("re-attaching" in ln for ln in lines)
+    assert "[worker-0] [trainer] step 3/6 loss 4.2" in lines
+
+
+def test_same_name_from_another_run_is_refused_untouched(double: K8sDouble) -> None:
+    other = render(JobSpec(**SPEC)).to_dict()
+    other["metadata"]["annotations"][naming.RUN_ID_KEY] = "someone-else"
+    double.put_job(other)
+    with pytest.raises(UserError) as err:
+        launch_kubernetes(JobSpec(**SPEC), _opts(), log=lambda _: None,
+                          client_configuration=double.configuration())
+    assert err.value.field == "--name" and "someone-else" in err.value.message
+    assert not double.calls("POST") and not double.calls("DELETE")
+
+
+def _fail(d: K8sDouble, name: str) -> None:
+    w0, w1 = d.add_pod(name, 0), d.add_pod(name, 1)
+    d.start(w0)
+    d.start(w1)
+    d.set_condition(name, "Running")
+    d.log(w0, "[trainer] step 1/6 loss 5.0")
+    d.log(w1, "Traceback (most recent call last):", "RuntimeError: CUDA error: an illegal "
+          "memory access was encountered")
+    time.sleep(0.3)
+    d.terminate(w1, 1)
+    d.set_condition(name, "Failed", reason="PyTorchJobFailed",
+                    message=f"PyTorchJob {name} is failed because 1 Worker replica(s) failed.")
+
+
+@pytest.mark.parametrize("delete_after,deleted", [("on_success", False), ("always", True),
+                                                  ("never", False)])
+def test_failed_job_fails_with_reason_and_replica_tail(double: K8sDouble, delete_after: str,
+                                                       deleted: bool) -> None:
+    result, _ = _run(double, JobSpec(**SPEC), _fail, delete_after=delete_after)
+    assert result.state == "Failed" and not result.succeeded
+    assert result.reason.startswith("PyTorchJobFailed: PyTorchJob")
+    assert "worker-1 exited with code 1" in result.reason
+    assert result.extra["failed_replica"] == "worker-1"
+    assert result.last_log_lines[-1].startswith("RuntimeError: CUDA error")
+    assert bool(double.calls("DELETE")) is deleted
+
+
+def test_deadline_stops_following_and_deletes(double: K8sDouble) -> None:
+    def run_forever(d: K8sDouble, name: str) -> None:
+        d.start(d.add_pod(name, 0))
+        d.set_condition(name, "Running")
+
+    t0 = time.monotonic()
+    result, _ = _run(double, JobSpec(**SPEC), run_forever, deadline_s=1.5)
+    assert result.state == "DeadlineExceeded" and "1.5s" in result.reason
+    assert time.monotonic() - t0 >= 0.5  # creationTimestamp has 1 s resolution
+    deletes = double.calls("DELETE")
+    assert len(deletes) == 1 and deletes[0]["body"]["propagationPolicy"] == "Foreground"
+
+
+def test_sigterm_deletes_the_job_foreground_and_restores_handlers(double: K8sDouble) -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    spec = JobSpec(**SPEC)
+
+    def running_then_sigterm(d: K8sDouble, name: str) -> None:
+        w0 = d.add_pod(name, 0)
+        d.start(w0)
+        d.set_condition(name, "Running")
+        d.log(w0, "[trainer] step 1/6 loss 5.0")
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGTERM)  # KFP terminating the run
+
+    t = _play(lambda n: running_then_sigterm(double, n), double, spec)
+    result = launch_kubernetes(spec, _opts(handle_signals=True), log=lambda _: None,
+                               client_configuration=double.configuration())
+    t.join(5)
+    assert result.state == "Cancelled" and result.extra["signal"] == signal.SIGTERM
+    deletes = double.calls("DELETE")
+    assert len(deletes) == 1 and deletes[0]["body"]["propagationPolicy"] == "Foreground"
+    assert (("default", spec.job_name())) not in double.jobs
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_pending_reason_and_recreated_pod_are_shown(double: K8sDouble) -> None:
+    def script(d: K8sDouble, name: str) -> None:
+        w0 = d.add_pod(name, 0)
+        d.unschedulable(w0, "0/3 nodes are available: 3 Insufficient nvidia.com/gpu.")
+        time.sleep(0.3)
+        d.start(w0)
+        d.set_condition(name, "Running")
+        d.log(w0, "first pod")
+        time.sleep(0.3)
+        d.terminate(w0, 143)
+        d.recreate(w0)  # the operator replaces a pod killed by a signal (ExitCode policy)
+        time.sleep(0.2)
+        d.start(w0)
+        d.log(w0, "second pod")
+        time.sleep(0.3)
+        d.terminate(w0, 0)
+        d.set_condition(name, "Succeeded")
+
+    result, lines = _run(double, JobSpec(**SPEC), script)
+    text = "\n".join(lines)
+    assert "not scheduled: Unschedulable: 0/3 nodes are available" in text
+    assert "[worker-0] first pod" in text and "[worker-0/p1] second pod" in text
+    assert "pod recreated by the operator" in text
+    assert result.succeeded and result.pod_restarts == 1
+
+
+def test_bad_input_sends_nothing(double: K8sDouble) -> None:
+    with pytest.raises(UserError) as err:
+        launch_kubernetes(JobSpec(**{**SPEC, "nodes": "3:1"}), _opts(),
+                          client_configuration=double.configuration())
+    assert err.value.field == "--nodes"
+    with pytest.raises(UserError) as err:
+        launch_kubernetes(JobSpec(**SPEC), _opts(delete_after="sometimes"),
+                          client_configuration=double.configuration())
+    assert err.value.field == "--delete-after"
+    assert double.requests == []
+
+
+def test_forbidden_create_is_a_cluster_error(double: K8sDouble) -> None:
+    double.fail_next["POST"] = (403, "Forbidden")
+    with pytest.raises(ClusterError, match="HTTP 403.*RBAC"):
+        launch_kubernetes(JobSpec(**SPEC), _opts(), log=lambda _: None,
+                          client_configuration=double.configuration())
+    assert not double.jobs
+
+
+def test_dispatcher_kubernetes_and_unknown_backend(double: K8sDouble) -> None:
+    spec = JobSpec(**SPEC)
+    t = _play(lambda n: _happy(double, n), double, spec)
+    result = backends.launch(spec, "kubernetes", log=lambda _: None, poll_s=0.05,
+                             client_configuration=double.configuration())
+    t.join(5)
+    assert result.succeeded and result.backend == "kubernetes"
+    with pytest.raises(UserError) as err:
+        backends.launch(spec, "slurm")
+    assert err.value.field == "--backend"
