@@ -17,9 +17,6 @@ from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.train_fsdp.jobspec import naming
 from kfp_nvrx.components.train_fsdp.jobspec.profiles import InstanceProfile, get_profile
 
-#: Trainer fault syntax (the trainer parses it again; this catches typos before a job exists).
-FAULT_KINDS = ("kill", "raise", "hang", "kill-in-ckpt")
-_FAULT = re.compile(r"^(kill-in-ckpt|kill|raise|hang)@([1-9][0-9]*)(/[0-9]+)?$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _QUANTITY = re.compile(r"^([0-9]+(\.[0-9]+)?|\.[0-9]+)(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
 _IMAGE = re.compile(r"^[^\s]+$")
@@ -151,14 +148,11 @@ class JobSpec:
         return run_dir
 
     def checked_faults(self) -> list[str]:
-        """Return ``faults`` after a syntax check."""
+        """Return ``faults`` after the trainer's own syntax check (typos fail before a job)."""
+        from kfp_nvrx.components.train_fsdp.trainer.faults import parse_fault
+
         for item in self.faults:
-            if not _FAULT.match(item.strip()):
-                raise UserError(
-                    "--fault",
-                    f"expected KIND@STEP[/RANK] with KIND in {', '.join(FAULT_KINDS)} and "
-                    f"STEP >= 1, got {item!r}",
-                )
+            parse_fault(item)
         return [f.strip() for f in self.faults]
 
 
