@@ -137,12 +137,19 @@ def test_scheduled_retrain_promotes_under_condition():
     ("faults=explode@3", "--param faults"),
     ("nodes=0", "--param nodes"),
     ("config=no-such-preset", "--param config"),
+    ("source=/no/such/corpus.jsonl", "--param source: /no/such/corpus.jsonl does not exist"),
 ])
 def test_run_local_bad_params_one_line(tmp_path, capsys, param, needle):
     rc = main(["run-local", "--out", str(tmp_path), "--param", param])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "\n" not in err and needle in err, err
     assert not (tmp_path / "pipeline_root").exists()
+
+
+def test_run_local_scheduled_retrain_needs_a_source(tmp_path, capsys):
+    rc = main(["run-local", "--pipeline", "scheduled-retrain", "--out", str(tmp_path)])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "--param source: /fsx/kfp-nvrx/incoming does not exist" in err, err
 
 
 @pytest.mark.slow

@@ -62,11 +62,13 @@ def local_arguments(name: str, params: list[str], out: Path) -> dict[str, Any]:
         The arguments to call the pipeline with.
 
     Raises:
-        UserError: On unknown/ill-typed parameters, a non-local backend, or a bad trainer
-            config, ``overrides``, ``faults`` or ``nodes``.
+        UserError: On unknown/ill-typed parameters, a non-local backend, a missing ``source``,
+            or a bad trainer config, ``overrides``, ``faults`` or ``nodes``.
 
     """
     from kfp_nvrx.components.errors import UserError
+    from kfp_nvrx.components.prepare_dataset.prepare import SAMPLE_SCHEME
+    from kfp_nvrx.components.prepare_dataset.sources import resolve_sources
     from kfp_nvrx.components.train_fsdp.launcher.local import parse_nodes
     from kfp_nvrx.components.train_fsdp.trainer.config import load_config
     from kfp_nvrx.components.train_fsdp.trainer.faults import parse_fault
@@ -84,6 +86,9 @@ def local_arguments(name: str, params: list[str], out: Path) -> dict[str, Any]:
         return args.get(key, spec.get(key, {}).get("defaultValue"))
 
     try:
+        source = str(value("source"))
+        if not source.strip().startswith(SAMPLE_SCHEME):
+            resolve_sources(source)
         load_config(value("config"), list(value("overrides") or []))
         for fault in value("faults") or []:
             parse_fault(fault)
@@ -94,6 +99,8 @@ def local_arguments(name: str, params: list[str], out: Path) -> dict[str, Any]:
 
 
 def _param_of(field: str) -> str:
+    if field == "source":
+        return "source"
     if field.startswith("--fault"):
         return "faults"
     if field.startswith("--nodes"):
