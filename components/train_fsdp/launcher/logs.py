@@ -240,8 +240,8 @@ class PodLogFollower:
             self._streamed.add(key)
         thread = threading.Thread(target=self._stream, args=(state, key, _prefix(state, key[1])),
                                   name=f"log-{name}", daemon=True)
-        self._streams[key] = (thread, None)
-        thread.start()
+        thread.start()  # registered only once started: stop() may join it at any time
+        self._streams.setdefault(key, (thread, None))
 
     def _note(self, state: PodState, text: str) -> None:
         if text != state.note:
