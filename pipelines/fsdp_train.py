@@ -71,10 +71,10 @@ def fsdp_train(
     overrides: list = [],  # noqa: B006 - KFP takes list defaults as literals
     faults: list = [],  # noqa: B006
     nodes: str = "2",
-    nproc_per_node: int = 1,
+    nproc_per_node: int = 0,
     instance_type: str = "cpu",
     trainer_image: str = images.trainer_image(),
-    backend: str = "local",
+    backend: str = "kubernetes",
     deadline_s: int = 0,
     export_step: int = -1,
     eval_batches: int = 8,
@@ -96,10 +96,11 @@ def fsdp_train(
         overrides: Trainer ``section.key=value`` overrides.
         faults: Fault drills ``KIND@STEP[/RANK]``.
         nodes: ``N`` or ``MIN:MAX`` nodes.
-        nproc_per_node: Processes (GPUs) per node.
+        nproc_per_node: Processes per node; 0 = the instance profile's GPUs (1 on cpu).
         instance_type: Worker instance profile (p5.48xlarge, p4d.24xlarge, cpu).
         trainer_image: Trainer image of the worker pods (default: this version's image).
-        backend: ``local`` (in the task's pod) or ``kubernetes`` (a PyTorchJob).
+        backend: ``kubernetes`` (a PyTorchJob) or ``local`` (in the task's pod: needs an image
+            with torch and NVRx; ``kfp-nvrx run-local`` uses it).
         deadline_s: Training wall-clock limit in seconds (0 = none).
         export_step: Checkpoint step to export (-1 = newest).
         eval_batches: Val batches for the eval loss.

@@ -50,10 +50,10 @@ def scheduled_retrain(
     config: str = "tiny",
     overrides: list = [],  # noqa: B006 - KFP takes list defaults as literals
     nodes: str = "2",
-    nproc_per_node: int = 1,
+    nproc_per_node: int = 0,
     instance_type: str = "cpu",
     trainer_image: str = images.trainer_image(),
-    backend: str = "local",
+    backend: str = "kubernetes",
     deadline_s: int = 0,
     eval_batches: int = 8,
     min_improvement: float = 0.0,
@@ -75,10 +75,11 @@ def scheduled_retrain(
         config: Trainer preset or YAML path.
         overrides: Trainer ``section.key=value`` overrides.
         nodes: ``N`` or ``MIN:MAX`` nodes.
-        nproc_per_node: Processes (GPUs) per node.
+        nproc_per_node: Processes per node; 0 = the instance profile's GPUs (1 on cpu).
         instance_type: Worker instance profile.
         trainer_image: Trainer image of the worker pods (default: this version's image).
-        backend: ``local`` or ``kubernetes``.
+        backend: ``kubernetes`` (a PyTorchJob) or ``local`` (in the task's pod: needs an image
+            with torch and NVRx; ``kfp-nvrx run-local`` uses it).
         deadline_s: Training wall-clock limit in seconds (0 = none).
         eval_batches: Val batches per model in the export and the comparison.
         min_improvement: Eval-loss margin a candidate must win by to be promoted.

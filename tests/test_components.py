@@ -99,7 +99,7 @@ def test_train_fsdp_init_from_checks(work, dataset):
             (("run", dsl.Artifact), ("metrics", dsl.Metrics), ("timeline", dsl.HTML))}
     with pytest.raises(UserError, match="init_from"):
         train_fsdp.python_func(dataset=dataset, workspace=str(work / "ws"), overrides=TINY,
-                               nodes="1", init_from=str(work / "no-such-model"),
+                               nodes="1", backend="local", init_from=str(work / "no-such-model"),
                                kfp_run_id="run-init", kfp_task="train-fsdp", **arts)
     from kfp_nvrx.components.train_fsdp.jobspec.naming import derive_name
 

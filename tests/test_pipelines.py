@@ -56,12 +56,16 @@ def test_platform_spec(name):
     assert train["tolerations"] == [
         {"tolerationJson": {"componentInputParameter": "launcher_tolerations"}}]
     assert int(train["activeDeadlineSeconds"]) == 7 * 24 * 3600
-    image = f"localhost:5000/kfp-nvrx/kfp-nvrx-components:{__version__}"
-    for ex in spec["deploymentSpec"]["executors"].values():
-        assert ex["container"]["image"] == image
+    components = f"localhost:5000/kfp-nvrx/kfp-nvrx-components:{__version__}"
+    trainer = f"localhost:5000/kfp-nvrx/kfp-nvrx-trainer:{__version__}"
+    for label, ex in spec["deploymentSpec"]["executors"].items():
+        # steps that run the model need torch: the trainer image; the rest the component image
+        torch_steps = ("exec-export-checkpoint", "exec-compare-models")
+        assert ex["container"]["image"] == (trainer if label in torch_steps else components)
         assert "pip install" not in json.dumps(ex["container"])
-    trainer = spec["root"]["inputDefinitions"]["parameters"]["trainer_image"]["defaultValue"]
-    assert trainer == f"localhost:5000/kfp-nvrx/kfp-nvrx-trainer:{__version__}"
+    params = spec["root"]["inputDefinitions"]["parameters"]
+    assert params["trainer_image"]["defaultValue"] == trainer
+    assert params["backend"]["defaultValue"] == "kubernetes"
     tasks = spec["root"]["dag"]["tasks"]
     assert tasks["train-fsdp"]["cachingOptions"] == {}  # caching off (enableCache absent)
     for retried in ("prepare-dataset", "export-checkpoint"):
@@ -81,6 +85,7 @@ def test_compile_with_registry(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["fsdp-train.yaml"]
     text = (tmp_path / "fsdp-train.yaml").read_text()
     assert f"image: {reg}/kfp-nvrx-components:{__version__}" in text
+    assert f"image: {reg}/kfp-nvrx-trainer:{__version__}" in text
     assert f"{reg}/kfp-nvrx-trainer:{__version__}" in text and "localhost:5000" not in text
 
 
@@ -101,7 +106,6 @@ def test_fsdp_train_parameters():
     assert {"source", "workspace", "pvc_name", "config", "overrides", "faults", "nodes",
             "nproc_per_node", "instance_type", "trainer_image", "backend", "deadline_s",
             "launcher_node_selector", "launcher_tolerations"} <= set(params)
-    assert params["backend"]["defaultValue"] == "local"
     assert params["workspace"]["defaultValue"] == "/fsx/kfp-nvrx"
     assert params["faults"]["parameterType"] == "LIST"
     assert params["launcher_node_selector"]["parameterType"] == "STRUCT"
@@ -183,7 +187,8 @@ def test_scheduled_retrain_twice(tmp_path, kfp_local):
     from kfp_nvrx.pipelines.scheduled_retrain import scheduled_retrain
 
     ws = tmp_path / "ws"
-    common = {"source": "sample:300", "workspace": str(ws), "nodes": "1", "model_name": "m"}
+    common = {"source": "sample:300", "workspace": str(ws), "nodes": "1", "model_name": "m",
+              "backend": "local"}
     first = scheduled_retrain(**common, overrides=FAST)
     d1 = first.outputs["decision_metrics"].metadata
     assert d1["promote"] == 1 and d1["has_promoted_model"] == 0

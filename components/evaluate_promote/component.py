@@ -3,13 +3,15 @@
 ``compare_models`` returns ``promote`` or ``keep`` (its single ``Output``, which ``dsl.If`` tests)
 and writes the decision and both eval losses to ``Metrics``; ``promote_model`` runs only under
 ``dsl.If(... == "promote")`` and swaps the ``promoted`` link on the shared volume.
+``compare_models`` runs both models, so it uses the trainer image (torch; it must also contain
+``kfp``); ``promote_model`` only copies files and uses the component image.
 """
 
 from kfp import dsl
-from kfp_nvrx.components.images import components_image
+from kfp_nvrx.components.images import components_image, trainer_image
 
 
-@dsl.component(base_image=components_image(), install_kfp_package=False)
+@dsl.component(base_image=trainer_image(), install_kfp_package=False)
 def compare_models(
     candidate: dsl.Input[dsl.Model],
     dataset: dsl.Input[dsl.Dataset],

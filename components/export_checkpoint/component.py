@@ -1,10 +1,14 @@
-"""KFP component: a training run's checkpoint -> consolidated ``Model`` + eval loss ``Metrics``."""
+"""KFP component: a training run's checkpoint -> consolidated ``Model`` + eval loss ``Metrics``.
+
+It loads tensors and runs the model, so it uses the trainer image (torch, safetensors; the
+component image has no torch). That image must also contain ``kfp`` for the KFP executor.
+"""
 
 from kfp import dsl
-from kfp_nvrx.components.images import components_image
+from kfp_nvrx.components.images import trainer_image
 
 
-@dsl.component(base_image=components_image(), install_kfp_package=False)
+@dsl.component(base_image=trainer_image(), install_kfp_package=False)
 def export_checkpoint(
     run: dsl.Input[dsl.Artifact],
     model: dsl.Output[dsl.Model],

@@ -24,10 +24,10 @@ def train_fsdp(
     overrides: list = [],  # noqa: B006 - KFP takes list defaults as literals
     faults: list = [],  # noqa: B006
     nodes: str = "2",
-    nproc_per_node: int = 1,
+    nproc_per_node: int = 0,
     instance_type: str = "cpu",
     trainer_image: str = "",
-    backend: str = "local",
+    backend: str = "kubernetes",
     init_from: str = "",
     init_from_required: bool = True,
     deadline_s: int = 0,
@@ -48,10 +48,11 @@ def train_fsdp(
         overrides: Trainer ``section.key=value`` overrides.
         faults: Fault drills ``KIND@STEP[/RANK]`` (kill, raise, hang, kill-in-ckpt).
         nodes: ``N`` or ``MIN:MAX`` nodes (pods, or local ft_launcher agents).
-        nproc_per_node: Processes per node (GPUs per node on GPU instances).
+        nproc_per_node: Processes per node; 0 = the instance profile's (its GPUs; 1 locally).
         instance_type: Instance profile of the worker pods (p5.48xlarge, p4d.24xlarge, cpu).
         trainer_image: Trainer image of the worker pods ('' = the image of this package version).
-        backend: ``local`` or ``kubernetes``.
+        backend: ``kubernetes`` (a PyTorchJob) or ``local`` (in this task's container, which
+            then needs torch and NVRx: ``kfp-nvrx run-local``, or a custom image).
         init_from: Warm start from this export directory or model.safetensors.
         init_from_required: Fail when ``init_from`` is missing (False: train from scratch).
         deadline_s: Wall-clock limit of the job in seconds (0 = none).
@@ -59,6 +60,7 @@ def train_fsdp(
         kfp_task: KFP task name (job name).
 
     """
+    import importlib.util
     import os
 
     from kfp_nvrx.components import images
@@ -67,6 +69,9 @@ def train_fsdp(
     from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
     from kfp_nvrx.components.train_fsdp.launcher.backends import launch
 
+    if backend == "local" and importlib.util.find_spec("torch") is None:
+        raise UserError("backend", "'local' trains inside this task's container, which has no "
+                        "torch (the component image); use backend=kubernetes")
     sets = [f"data.path={dataset.metadata['path']}", *overrides]
     if init_from and os.path.exists(init_from):
         sets.append(f"checkpoint.init_from={init_from}")
@@ -76,7 +81,7 @@ def train_fsdp(
         print(f"no model at {init_from} yet: training from scratch")
     spec = JobSpec(image=trainer_image or images.trainer_image(), pvc=pvc_name, run_id=kfp_run_id,
                    task=kfp_task, nodes=nodes, instance_type=instance_type,
-                   nproc_per_node=nproc_per_node, mount=mount_path, config=config,
+                   nproc_per_node=nproc_per_node or None, mount=mount_path, config=config,
                    overrides=sets, faults=list(faults))
     name = spec.job_name()
     spec.run_dir = os.path.join(workspace, "runs", name)

@@ -78,7 +78,8 @@ def local_arguments(name: str, params: list[str], out: Path) -> dict[str, Any]:
     spec = pipeline_parameters(pipeline_spec_dict(load_pipeline(name)))
     args = parse_params(params, spec)
     args.setdefault("workspace", str((out / "workspace").absolute()))
-    if args.get("backend", "local") != "local":
+    args.setdefault("backend", "local")  # the compiled default is kubernetes
+    if args["backend"] != "local":
         raise UserError("--param backend", "run-local runs the local backend only; use "
                         "`kfp-nvrx submit` to train on Kubernetes")
 
