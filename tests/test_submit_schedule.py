@@ -4,10 +4,15 @@ There is no KFP API server here; ``kfp_api_double.KfpApiDouble`` serves the few 
 ``kfp.Client`` calls and records the requests, which these tests assert on.
 """
 
+import json
+import os
 import socket
+import subprocess
+import sys
 
 import pytest
 from kfp_api_double import KfpApiDouble
+from kfp_nvrx.components import __version__
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.pipelines.cli import main
 from kfp_nvrx.pipelines.client import parse_params, validate_cron
@@ -19,7 +24,7 @@ def _no_kfp_context(tmp_path, monkeypatch):
     from kfp.client import client as kfp_client
 
     monkeypatch.setattr(kfp_client.Client, "_LOCAL_KFP_CONTEXT", str(tmp_path / "context.json"))
-    for var in ("KF_PIPELINES_ENDPOINT", "KF_PIPELINES_UI_ENDPOINT",
+    for var in ("KFP_NVRX_REGISTRY", "KF_PIPELINES_ENDPOINT", "KF_PIPELINES_UI_ENDPOINT",
                 "KF_PIPELINES_DEFAULT_EXPERIMENT_NAME", "KF_PIPELINES_OVERRIDE_EXPERIMENT_NAME"):
         monkeypatch.delenv(var, raising=False)
 
@@ -81,6 +86,27 @@ def test_submit_bad_param_is_one_line_and_sends_nothing(api, capsys, param, need
     err = _one_line_error(capsys, main(["submit", "--host", api.url, "--param", param]))
     assert needle in err
     assert api.requests == []
+
+
+def test_submit_with_registry_compiles_for_it(api):
+    # a fresh process: the component modules read the registry when first imported
+    reg = "123456789012.dkr.ecr.us-west-2.amazonaws.com/kfp-nvrx"
+    env = {k: v for k, v in os.environ.items() if k != "KFP_NVRX_REGISTRY"}
+    done = subprocess.run([sys.executable, "-m", "kfp_nvrx.pipelines.cli", "submit", "--host",
+                           api.url, "--registry", reg], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    (run,) = api.calls("POST", "/apis/v2beta1/runs")
+    images = {ex["container"]["image"] for ex in
+              run.body["pipeline_spec"]["pipeline_spec"]["deploymentSpec"]["executors"].values()}
+    assert images == {f"{reg}/kfp-nvrx-components:{__version__}",
+                      f"{reg}/kfp-nvrx-trainer:{__version__}"}
+    assert "localhost:5000" not in json.dumps(run.body)
+
+
+def test_submit_package_and_registry_conflict(api, capsys, tmp_path):
+    err = _one_line_error(capsys, main(["submit", "--host", api.url, "--registry", "r.io/x",
+                                        "--package", str(tmp_path / "p.yaml")]))
+    assert "--registry: cannot re-target" in err and api.requests == []
 
 
 def test_submit_unknown_pipeline(api, capsys):

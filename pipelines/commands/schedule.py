@@ -30,17 +30,18 @@ def run(args: argparse.Namespace) -> int:
     """Validate, create the recurring run and print its id and link."""
     from kfp_nvrx.components.errors import UserError
     from kfp_nvrx.pipelines import client as kc
-    from kfp_nvrx.pipelines.commands.submit import prepare
+    from kfp_nvrx.pipelines.commands.submit import package_for, prepare
 
     cron = kc.validate_cron(args.cron)  # before connecting: bad input never reaches the API
     if not 1 <= args.max_concurrency <= kc.MAX_CONCURRENCY:
         raise UserError("--max-concurrency", f"must be within 1-{kc.MAX_CONCURRENCY}, got "
                         f"{args.max_concurrency}")
-    package, arguments, client, host = prepare(args)
-    info = kc.schedule(client, host, package, cron=cron, max_concurrency=args.max_concurrency,
-                       no_catchup=args.no_catchup, arguments=arguments,
-                       experiment=args.experiment, name=args.name or args.pipeline,
-                       namespace=args.namespace)
+    with package_for(args) as package:
+        arguments, client, host = prepare(args, package)
+        info = kc.schedule(client, host, package, cron=cron,
+                           max_concurrency=args.max_concurrency, no_catchup=args.no_catchup,
+                           arguments=arguments, experiment=args.experiment,
+                           name=args.name or args.pipeline, namespace=args.namespace)
     print(f"scheduled {args.pipeline} ({cron}) as recurring run {info['recurring_run_id']} in "
           f"experiment {args.experiment}: {info['url']}")
     return 0

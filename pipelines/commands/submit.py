@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
+import os
+import tempfile
+from collections.abc import Iterator
 
 
 def add_connection_args(p: argparse.ArgumentParser, pipeline: str = "fsdp-train") -> None:
@@ -15,6 +19,10 @@ def add_connection_args(p: argparse.ArgumentParser, pipeline: str = "fsdp-train"
                    help=f"fsdp-train or scheduled-retrain (default {pipeline})")
     p.add_argument("--package", default=None,
                    help="compiled pipeline YAML to send instead of the shipped one")
+    p.add_argument("--registry", default=None,
+                   help="compile the pipeline for images in this registry before sending it "
+                   "(also done when $KFP_NVRX_REGISTRY is set); default: the shipped YAML, "
+                   "which names localhost:5000/kfp-nvrx images")
     p.add_argument("--experiment", default="kfp-nvrx",
                    help="experiment name, created when missing (default kfp-nvrx)")
     p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
@@ -24,17 +32,35 @@ def add_connection_args(p: argparse.ArgumentParser, pipeline: str = "fsdp-train"
                    help="file holding a bearer token for the API (e.g. a service-account token)")
 
 
-def prepare(args: argparse.Namespace) -> tuple[str, dict, object, str]:
-    """Check the arguments, then connect: (package path, typed arguments, client, host)."""
-    from kfp_nvrx.pipelines import client as kc
-    from kfp_nvrx.pipelines.compile import check_name, compiled_path
+@contextlib.contextmanager
+def package_for(args: argparse.Namespace) -> Iterator[str]:
+    """Yield the pipeline YAML to send: ``--package``, a fresh compile, or the shipped file."""
+    from kfp_nvrx.components.errors import UserError
+    from kfp_nvrx.components.images import REGISTRY_ENV
+    from kfp_nvrx.pipelines.compile import check_name, compile_pipelines, compiled_path
 
     check_name(args.pipeline)
-    package = args.package or str(compiled_path(args.pipeline))
+    if args.package:
+        if args.registry:
+            raise UserError("--registry", "cannot re-target a given --package; compile it with "
+                            "`kfp-nvrx compile --registry` instead")
+        yield args.package
+    elif args.registry or os.environ.get(REGISTRY_ENV, "").strip():
+        with tempfile.TemporaryDirectory(prefix="kfp-nvrx-compile-") as tmp:
+            (path,) = compile_pipelines(tmp, [args.pipeline], args.registry)
+            yield str(path)
+    else:
+        yield str(compiled_path(args.pipeline))
+
+
+def prepare(args: argparse.Namespace, package: str) -> tuple[dict, object, str]:
+    """Check the parameters against ``package``, then connect: (arguments, client, host)."""
+    from kfp_nvrx.pipelines import client as kc
+
     arguments = kc.parse_params(args.param, kc.pipeline_parameters(kc.load_package(package)))
     host = kc.normalize_host(args.host)
     token = kc.read_token(args.token_file)
-    return package, arguments, kc.connect(host, token=token, namespace=args.namespace), host
+    return arguments, kc.connect(host, token=token, namespace=args.namespace), host
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -54,10 +80,11 @@ def run(args: argparse.Namespace) -> int:
     """Submit and print the run id and link."""
     from kfp_nvrx.pipelines import client as kc
 
-    package, arguments, client, host = prepare(args)
-    name = args.run_name or f"{args.pipeline} {dt.datetime.now():%Y-%m-%d %H:%M:%S}"
-    info = kc.submit(client, host, package, arguments=arguments, experiment=args.experiment,
-                     run_name=name, namespace=args.namespace)
+    with package_for(args) as package:
+        arguments, client, host = prepare(args, package)
+        name = args.run_name or f"{args.pipeline} {dt.datetime.now():%Y-%m-%d %H:%M:%S}"
+        info = kc.submit(client, host, package, arguments=arguments,
+                         experiment=args.experiment, run_name=name, namespace=args.namespace)
     print(f"submitted {args.pipeline} run {info['run_id']} in experiment {args.experiment}: "
           f"{info['url']}")
     return 0
