@@ -1,0 +1,34 @@
+"""``kfp-nvrx goodput``: goodput, lost work, restarts and recovery of a run, from its events."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from kfp_nvrx.components.errors import UserError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Adds the subcommand."""
+    p = sub.add_parser("goodput", help="summarise a run's events.jsonl")
+    p.add_argument("--run-dir", required=True, help="run directory holding events.jsonl")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(handler=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from kfp_nvrx.components.train_fsdp.trainer.goodput import summarize
+
+    if not (Path(args.run_dir) / "events.jsonl").is_file():
+        raise UserError("--run-dir", f"{args.run_dir} has no events.jsonl (not a training run)")
+    rep = summarize(args.run_dir).to_dict()
+    if args.json:
+        print(json.dumps(rep, indent=2))
+        return 0
+    width = max(len(k) for k in rep)
+    for key, value in rep.items():
+        if isinstance(value, float):
+            value = f"{value:.4f}"
+        print(f"{key:<{width}}  {value}")
+    return 0
