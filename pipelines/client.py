@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
 from kfp_nvrx.components.errors import UserError
 
 #: Upper bound the KFP API server enforces on a recurring run's max_concurrency.

@@ -63,6 +63,7 @@ def compile_pipelines(out_dir: str | os.PathLike[str] = COMPILED_DIR,
 
     """
     from kfp import compiler
+
     from kfp_nvrx.components import images
 
     names = [check_name(n) for n in (names or list(PIPELINES))]

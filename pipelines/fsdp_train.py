@@ -9,6 +9,7 @@ node selector and tolerations, no caching and a long timeout; prepare and export
 from typing import NamedTuple
 
 from kfp import dsl, kubernetes
+
 from kfp_nvrx.components import images
 from kfp_nvrx.components.export_checkpoint.component import export_checkpoint
 from kfp_nvrx.components.prepare_dataset.component import prepare_dataset

@@ -10,6 +10,7 @@ decision and both eval losses are in the compare task's ``Metrics``. The promote
 from typing import NamedTuple
 
 from kfp import dsl
+
 from kfp_nvrx.components import images
 from kfp_nvrx.components.evaluate_promote.component import compare_models, promote_model
 from kfp_nvrx.components.export_checkpoint.component import export_checkpoint

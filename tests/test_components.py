@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from kfp import dsl
+
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.evaluate_promote.component import compare_models, promote_model
 from kfp_nvrx.components.export_checkpoint.component import export_checkpoint

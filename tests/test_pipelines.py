@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from kfp_nvrx.components import __version__
 from kfp_nvrx.pipelines.cli import main
 from kfp_nvrx.pipelines.compile import COMPILED_DIR, PIPELINES
@@ -139,6 +140,7 @@ def test_scheduled_retrain_promotes_under_condition():
     ("backend=kubernetes", "run-local runs the local backend only"),
     ("overrides=train.nope=1", "--param overrides (train.nope)"),
     ("faults=explode@3", "--param faults"),
+    ("faults=kill@100", "--param faults: kill@100 is after the last step (40)"),
     ("nodes=0", "--param nodes"),
     ("config=no-such-preset", "--param config"),
     ("source=/no/such/corpus.jsonl", "--param source: /no/such/corpus.jsonl does not exist"),
@@ -154,6 +156,30 @@ def test_run_local_scheduled_retrain_needs_a_source(tmp_path, capsys):
     rc = main(["run-local", "--pipeline", "scheduled-retrain", "--out", str(tmp_path)])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "--param source: /fsx/kfp-nvrx/incoming does not exist" in err, err
+
+
+def test_run_local_drops_retries_only_in_its_copy():
+    from kfp_nvrx.pipelines.commands.run_local import without_retries
+    from kfp_nvrx.pipelines.compile import load_pipeline
+
+    pipeline = load_pipeline("scheduled-retrain")
+    local_copy = without_retries(pipeline)
+    tasks = pipeline.pipeline_spec.root.dag.tasks
+    assert tasks["prepare-dataset"].retry_policy.max_retry_count == 2
+    assert not local_copy.pipeline_spec.root.dag.tasks["prepare-dataset"].HasField("retry_policy")
+    inner = local_copy.pipeline_spec.components["comp-condition-1"].dag.tasks["promote-model"]
+    assert not inner.HasField("retry_policy")
+
+
+def test_run_local_failed_task_exit_1(tmp_path, capsys):
+    # passes the up-front checks, then the prepare task fails (one sample document)
+    rc = main(["run-local", "--out", str(tmp_path), "--param", "source=sample:1"])
+    captured = capsys.readouterr()
+    last = captured.err.strip().splitlines()[-1]
+    assert rc == 1
+    assert last.startswith("kfp-nvrx run-local: fsdp-train failed:") and "prepare-dataset" in last
+    assert "\x1b[" not in last
+    assert "at least 2 documents" in captured.out  # the task's own error is shown above
 
 
 @pytest.mark.slow

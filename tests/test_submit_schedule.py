@@ -12,6 +12,7 @@ import sys
 
 import pytest
 from kfp_api_double import KfpApiDouble
+
 from kfp_nvrx.components import __version__
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.pipelines.cli import main

@@ -8,6 +8,7 @@ and writes the decision and both eval losses to ``Metrics``; ``promote_model`` r
 """
 
 from kfp import dsl
+
 from kfp_nvrx.components.images import components_image, trainer_image
 
 

@@ -5,6 +5,7 @@ component image has no torch). That image must also contain ``kfp`` for the KFP 
 """
 
 from kfp import dsl
+
 from kfp_nvrx.components.images import trainer_image
 
 

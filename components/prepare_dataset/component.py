@@ -6,6 +6,7 @@ that directory in its metadata (``path``). A dataset whose fingerprint matches i
 """
 
 from kfp import dsl
+
 from kfp_nvrx.components.images import components_image
 
 

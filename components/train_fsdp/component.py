@@ -8,6 +8,7 @@ Caching must stay off for this task (the pipelines do that): its cache key cover
 """
 
 from kfp import dsl
+
 from kfp_nvrx.components.images import components_image
 
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import io
+import re
 import sys
 import time
 import warnings
@@ -90,13 +92,30 @@ def local_arguments(name: str, params: list[str], out: Path) -> dict[str, Any]:
         source = str(value("source"))
         if not source.strip().startswith(SAMPLE_SCHEME):
             resolve_sources(source)
-        load_config(value("config"), list(value("overrides") or []))
-        for fault in value("faults") or []:
-            parse_fault(fault)
+        cfg = load_config(value("config"), list(value("overrides") or []))
+        for fault in map(parse_fault, value("faults") or []):
+            if fault.step > cfg.train.steps:
+                raise UserError("--fault", f"{fault.kind}@{fault.step} is after the last step "
+                                f"({cfg.train.steps})")
         parse_nodes(value("nodes"))
     except UserError as err:
         raise UserError(f"--param {_param_of(err.field)}", err.message) from None
     return args
+
+
+def without_retries(pipeline: Any) -> Any:
+    """Return a copy of the pipeline whose tasks have no retry policy.
+
+    ``kfp.local`` honours ``set_retry``; the cluster back-off (60 s, then 120 s) only delays a
+    local failure, which is never transient.
+    """
+    local_copy = copy.deepcopy(pipeline)
+    spec = local_copy.pipeline_spec
+    dags = [spec.root.dag] + [c.dag for c in spec.components.values() if c.HasField("dag")]
+    for dag in dags:
+        for task in dag.tasks.values():
+            task.ClearField("retry_policy")
+    return local_copy
 
 
 def _param_of(field: str) -> str:
@@ -192,6 +211,7 @@ def format_table(rows: list[tuple[str, str]]) -> str:
 def run(args: argparse.Namespace) -> int:
     """Run the pipeline locally and print the summary table."""
     from kfp import local
+
     from kfp_nvrx.pipelines.compile import check_name, load_pipeline
 
     name = check_name(args.pipeline)
@@ -208,9 +228,10 @@ def run(args: argparse.Namespace) -> int:
             # tasks run in this environment, which has the package installed.
             warnings.filterwarnings("ignore", message=".*non-Python base image.*")
             warnings.filterwarnings("ignore", message=".*no effect in the current local runner.*")
-            task = load_pipeline(name)(**arguments)
+            task = without_retries(load_pipeline(name))(**arguments)
     except RuntimeError as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        text = re.sub(r"\x1b\[[0-9;]*m", "", str(err)).strip()  # kfp colours its messages
+        first = text.splitlines()[0] if text else type(err).__name__
         sys.stderr.write(f"kfp-nvrx run-local: {name} failed: {first} (the failing task's "
                          "output is above)\n")
         return 1
