@@ -262,7 +262,7 @@ h1{font-size:18px;margin:0 0 10px} h1 small{color:#777;font-weight:normal}
 svg{width:100%;height:auto;max-width:1000px;font-family:inherit}
 .legend span{margin-right:14px;font-size:12px;white-space:nowrap}
 .legend i{display:inline-block;width:12px;height:12px;margin-right:4px;vertical-align:-2px}
-.empty{color:#a00}
+.empty{color:#a00} .note{font-size:12px;color:#555;max-width:1000px}
 """
 _LEGEND = (("kept", "step kept"), ("redone", "step redone (rolled back)"),
            ("ckpt", "checkpoint save"), ("ckpt_block", "training blocked by save"),
@@ -292,6 +292,9 @@ def render_timeline(events: list[dict[str, Any]], summary: dict[str, Any], title
             f"<title>Goodput timeline {esc(title)}</title><style>{_CSS}</style></head><body>\n"
             f"<h1>Goodput timeline <small>{esc(title)}</small></h1>\n"
             f'<div class="cards">{cards}</div>{empty}\n{render_svg(events)}\n'
+            '<p class="note">Goodput = time inside steps that were kept / wall time. A restart '
+            "rolls training back to the last committed checkpoint; the steps after it are run "
+            "again (redone). Hover a shape for details.</p>\n"
             f'<div class="legend">{legend}</div>\n</body></html>\n')
 
 
