@@ -236,3 +236,27 @@ def test_scheduled_retrain_twice(tmp_path, kfp_local):
     runs = sorted((ws / "runs").iterdir(), key=lambda p: p.stat().st_mtime)
     config = yaml.safe_load((runs[-1] / "config.yaml").read_text())
     assert config["checkpoint"]["init_from"] == str(promoted)
+
+
+def test_summary_rows_for_scheduled_retrain():
+    from kfp import dsl
+
+    from kfp_nvrx.pipelines.commands.run_local import format_table, summary_rows
+
+    outputs = {
+        "train_metrics": dsl.Metrics(uri="/x/m", metadata={
+            "goodput": 0.5, "steps_final": 8.0, "steps_redone": 2.0, "restarts_total": 1.0,
+            "restarts_in_job": 1.0, "recovery_mean_s": 3.25, "recovery_max_s": 3.25,
+            "checkpoint_stall_s": 0.1, "final_loss": 2.5}),
+        "decision_metrics": dsl.Metrics(uri="/x/d", metadata={
+            "promote": 0.0, "candidate_eval_loss": 3.0, "promoted_eval_loss": 2.0}),
+        "model": dsl.Model(uri="/x/model"), "timeline": dsl.HTML(uri="/x/timeline"),
+    }
+    table = dict(summary_rows("scheduled-retrain", outputs, 12.0))
+    assert table["goodput"] == "50.0%" and table["steps"] == "8 final, 2 redone"
+    assert table["restarts"] == "1 (in-job 1, in-process 0)"
+    assert table["recovery"] == "mean 3.25 s, max 3.25 s"
+    assert table["decision"] == "keep" and table["promoted eval loss"] == "2.0000"
+    assert table["model"] == "/x/model/model.safetensors" and table["timeline"] == "/x/timeline"
+    text = format_table(list(table.items()))
+    assert text.splitlines()[0].startswith("  pipeline ")
