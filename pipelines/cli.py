@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import Sequence
+import warnings
+from collections.abc import Sequence
 
 from kfp_nvrx.components.errors import UserError
 
@@ -52,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kfp-nvrx`` console script."""
+    # torch imports pynvml on CPU-only machines and warns about it on every command.
+    warnings.filterwarnings("ignore", message="The pynvml package is deprecated")
     args = build_parser().parse_args(argv)
     try:
         rc = args.handler(args)

@@ -15,6 +15,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import yaml
+from safetensors import safe_open
+from safetensors.torch import load_file
+
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.export_checkpoint.consolidate import (
     export_checkpoint,
@@ -31,8 +34,6 @@ from kfp_nvrx.components.prepare_dataset.prepare import prepare_dataset
 from kfp_nvrx.components.train_fsdp.trainer.config import load_config
 from kfp_nvrx.components.train_fsdp.trainer.model import build_model
 from kfp_nvrx.pipelines import cli
-from safetensors import safe_open
-from safetensors.torch import load_file
 
 # dcp.save(no_dist=True) in the fixtures warns that it assumes a single process: it does.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")

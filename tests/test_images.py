@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from dockerfile_parse import DockerfileParser
+
 from kfp_nvrx.components import __version__
 from kfp_nvrx.components import images as img
 

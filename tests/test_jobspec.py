@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from kfp_nvrx.components.train_fsdp.jobspec import naming
 from kfp_nvrx.components.train_fsdp.jobspec.profiles import PROFILES
 from kfp_nvrx.components.train_fsdp.jobspec.pytorchjob import render

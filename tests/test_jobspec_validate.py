@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.train_fsdp.jobspec import validate
 from kfp_nvrx.components.train_fsdp.jobspec.pytorchjob import build_pytorchjob, render

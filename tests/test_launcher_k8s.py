@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import pytest
 from k8s_double import K8sDouble
+
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.train_fsdp.jobspec import naming
 from kfp_nvrx.components.train_fsdp.jobspec.pytorchjob import render

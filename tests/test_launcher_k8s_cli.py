@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from k8s_double import K8sDouble
+
 from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
 
 ARGS = ["--instance-type", "cpu", "--image", "img:1", "--pvc", "fsx", "--nodes", "1",

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from kfp_nvrx.components.train_fsdp.jobspec.pytorchjob import render
 from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
 from kfp_nvrx.components.train_fsdp.launcher.backends import launch

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.prepare_dataset.prepare import prepare_dataset
 from kfp_nvrx.components.prepare_dataset.sample import sample_documents, write_sample_corpus

@@ -152,6 +152,7 @@ def load_model_state(ckpt_dir: str | os.PathLike[str]) -> dict[str, Any]:
 def read_run_config(run_dir: str | os.PathLike[str]) -> Any:
     """Rebuild the trainer Config from ``<run_dir>/config.yaml``."""
     import yaml
+
     from kfp_nvrx.components.train_fsdp.trainer.config import config_from_dict
 
     path = Path(run_dir) / "config.yaml"
@@ -212,13 +213,14 @@ def export_checkpoint(run_dir: str | os.PathLike[str], out_dir: str | os.PathLik
             ``eval_batches``).
 
     """
+    from safetensors.torch import save_file
+
     from kfp_nvrx.components.export_checkpoint.evaluate import (
         check_dataset,
         eval_loss,
         load_exported_model,
     )
     from kfp_nvrx.components.train_fsdp.trainer.model import build_model
-    from safetensors.torch import save_file
 
     log = log or (lambda _msg: None)
     run = Path(run_dir).absolute()

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.prepare_dataset.shards import SplitTokens, read_index
 
@@ -113,8 +114,9 @@ def read_export_config(export_dir: str | os.PathLike[str]) -> Any:
 
 def load_exported_model(export_dir: str | os.PathLike[str]) -> Any:
     """Build the model of an export and load ``model.safetensors`` into it (strict)."""
-    from kfp_nvrx.components.train_fsdp.trainer.model import build_model
     from safetensors.torch import load_file
+
+    from kfp_nvrx.components.train_fsdp.trainer.model import build_model
 
     model = build_model(read_export_config(export_dir))
     weights = Path(export_dir) / "model.safetensors"

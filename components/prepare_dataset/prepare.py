@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.prepare_dataset.sample import write_sample_corpus
 from kfp_nvrx.components.prepare_dataset.shards import (

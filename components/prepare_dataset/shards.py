@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from kfp_nvrx.components.errors import UserError
 
 FORMAT = "kfp-nvrx-tokens/1"

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Protocol
 
 import numpy as np
+
 from kfp_nvrx.components.errors import UserError
 
 #: Special tokens tried, in order, when a tokenizer.json is given without ``--eos-token``.

@@ -40,8 +40,9 @@ def _cluster(args: argparse.Namespace) -> tuple[object, str]:
     """Return (client configuration, namespace): in-cluster service account or kubeconfig."""
     import os
 
-    from kfp_nvrx.components.train_fsdp.launcher.kubernetes import ClusterError
     from kubernetes import client, config
+
+    from kfp_nvrx.components.train_fsdp.launcher.kubernetes import ClusterError
 
     cfg = client.Configuration()
     in_cluster = "KUBERNETES_SERVICE_HOST" in os.environ and not (args.kubeconfig or args.context)

@@ -62,6 +62,7 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
 
 def _affinity(text: str) -> dict[str, Any] | None:
     import yaml
+
     from kfp_nvrx.components.errors import UserError
 
     if not text:

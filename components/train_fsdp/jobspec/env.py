@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import posixpath
 
+from kubernetes import client as k8s
+
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.train_fsdp.jobspec.profiles import InstanceProfile
 from kfp_nvrx.components.train_fsdp.jobspec.spec import (
@@ -18,7 +20,6 @@ from kfp_nvrx.components.train_fsdp.jobspec.spec import (
     parse_secret_env,
 )
 from kfp_nvrx.components.train_fsdp.trainer.config import ResilienceConfig
-from kubernetes import client as k8s
 
 
 def _field_ref(path: str) -> k8s.V1EnvVarSource:

@@ -23,6 +23,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import yaml
+from kubeflow.training import models
+from kubeflow.training.api_client import ApiClient
+from kubeflow.training.constants import constants
+from kubernetes import client as k8s
+
 from kfp_nvrx.components import __version__
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.train_fsdp.jobspec import naming
@@ -43,10 +48,6 @@ from kfp_nvrx.components.train_fsdp.jobspec.spec import (
 )
 from kfp_nvrx.components.train_fsdp.launcher.command import TrainerArgs, ft_launcher_argv
 from kfp_nvrx.components.train_fsdp.trainer.config import PRESETS_DIR, Config, load_config
-from kubeflow.training import models
-from kubeflow.training.api_client import ApiClient
-from kubeflow.training.constants import constants
-from kubernetes import client as k8s
 
 CONTAINER_NAME = "pytorch"  # the operator (and its webhook) require this name
 REPLICA_TYPE = "Worker"

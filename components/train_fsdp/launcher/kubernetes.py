@@ -19,17 +19,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kubeflow.training import TrainingClient, models
+from kubeflow.training.constants import constants
+from kubeflow.training.utils import utils as sdk_utils
+from kubernetes import client as k8s
+from kubernetes.client.rest import ApiException
+
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.train_fsdp.jobspec import naming
 from kfp_nvrx.components.train_fsdp.jobspec.pytorchjob import RenderedJob, render
 from kfp_nvrx.components.train_fsdp.jobspec.spec import DELETE_AFTER, JobSpec
 from kfp_nvrx.components.train_fsdp.launcher.logs import PodLogFollower
 from kfp_nvrx.components.train_fsdp.launcher.result import LaunchResult
-from kubeflow.training import TrainingClient, models
-from kubeflow.training.constants import constants
-from kubeflow.training.utils import utils as sdk_utils
-from kubernetes import client as k8s
-from kubernetes.client.rest import ApiException
 
 PLURAL = constants.JOB_PARAMETERS[constants.PYTORCHJOB_KIND]["plural"]
 #: Extra time past ``activeDeadlineSeconds`` before the launcher itself gives up, so the

@@ -19,8 +19,8 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.train_fsdp.launcher.command import (
@@ -151,7 +151,7 @@ def run_local(nodes: str, nproc_per_node: int, run_dir: str, config: str,
     base = {**os.environ, **(env or {}), _MARKER: marker, "PYTHONUNBUFFERED": "1",
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads)),
             **pet_env(nnodes=f"{lo}:{hi}" if lo != hi else str(hi), nproc_per_node=nproc_per_node,
-                      rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id=name,
+                      rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id=f"{name}-{marker[:8]}",
                       max_restarts=cfg.resilience.max_restarts)}
     run_path.mkdir(parents=True, exist_ok=True)
     log(f"[launch-local] {name}: {hi} node(s) x {nproc_per_node} proc, run dir {run_path}")

@@ -6,6 +6,9 @@ import os
 
 # FT: in-process restart needs quiet c10d logs, set before torch is imported.
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "error")
+import warnings  # noqa: E402
+
+warnings.filterwarnings("ignore", message="The pynvml package is deprecated")
 
 import argparse  # noqa: E402
 import sys  # noqa: E402

@@ -18,9 +18,10 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -151,8 +152,11 @@ class Checkpointer:
         self.last_commit_step = -1
 
     def warm_up(self) -> None:
-        """Starts NVRx's persistent writer process now, so the first save does not pay for
-        spawning a Python interpreter (seconds) inside the training loop."""
+        """Starts NVRx's persistent writer process now.
+
+        The first save then does not pay for spawning a Python interpreter (seconds) inside the
+        training loop.
+        """
         if not self.cfg.async_save or self._caller is not None:
             return
         from nvidia_resiliency_ext.checkpointing.async_ckpt.core import (
@@ -314,13 +318,25 @@ class Checkpointer:
         return choice[0]
 
     def metadata_keys(self, step: int) -> set[str]:
-        """Top-level keys stored in a checkpoint (e.g. to skip per-rank RNG of another world size)."""
+        """Flattened keys stored in a checkpoint (e.g. to skip per-rank RNG of another world size)."""
         md = dcp.FileSystemReader(str(step_dir(self.root, step))).read_metadata()
         return set(md.state_dict_metadata)
 
     def load(self, step: int, state: dict[str, Any]) -> None:
         """Loads ``step`` into ``state`` in place (DCP reshards to this world size)."""
         dcp.load(state, checkpoint_id=str(step_dir(self.root, step)))
+
+    def abort(self) -> None:
+        """Error path: drops the pending save (it will never be committed) and kills the writer.
+
+        NVRx's own shutdown joins its queue and would hang forever after a failed collective.
+        """
+        self.inflight = None
+        caller, self._caller = self._caller, None
+        if caller is not None and caller.process is not None:
+            caller.process.kill()
+            caller.process.join(timeout=10)
+            caller.process = None
 
     def close(self) -> None:
         """Finishes the pending save (blocking) and stops the writer process."""

@@ -221,7 +221,7 @@ def load_config(name_or_path: str, overrides: list[str] | tuple[str, ...] = ()) 
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as err:
-        raise UserError("--config", f"{path} is not valid YAML ({' '.join(str(err).split())})")
+        raise UserError("--config", f"{path} is not valid YAML ({' '.join(str(err).split())})") from None
     if not isinstance(raw, dict):
         raise UserError("--config", f"{path} must hold a mapping of sections")
     cfg = Config()
@@ -280,8 +280,6 @@ def validate(cfg: Config) -> None:
     r = cfg.resilience
     if r.in_process and r.hard_timeout <= r.soft_timeout:
         raise UserError("resilience.hard_timeout", "must exceed resilience.soft_timeout")
-    if r.in_process and r.pg_timeout <= r.hard_timeout:
-        raise UserError("resilience.pg_timeout", "must exceed resilience.hard_timeout (NVRx rule)")
     if r.in_process and r.restart_policy == "any-failed":
         raise UserError(
             "resilience.restart_policy",

@@ -48,6 +48,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Causal self-attention over x (B, T, dim)."""
         b, t, _ = x.shape
         q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
@@ -70,6 +71,7 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(cfg.dim, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """w2(silu(w1 x) * w3 x)."""
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
@@ -84,6 +86,7 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Attention and MLP, each with a residual."""
         x = x + self.attention(self.attention_norm(x), cos, sin)
         return x + self.feed_forward(self.ffn_norm(x))
 
@@ -124,6 +127,7 @@ class Transformer(nn.Module):
         nn.init.trunc_normal_(self.output.weight, std=self.cfg.dim**-0.5)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits for every position."""
         x = self.tok_embeddings(tokens)
         for block in self.layers:
             x = block(x, self.rope_cos, self.rope_sin)

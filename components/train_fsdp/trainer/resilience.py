@@ -1,5 +1,8 @@
-"""NVRx integration: the rank monitor client (sections/heartbeats, learned timeouts) and the
-opt-in in-process restart wrapper."""
+"""NVRx integration: the rank monitor client and the opt-in in-process restart wrapper.
+
+The client opens sections and sends heartbeats, learns timeouts from observed times and persists
+them in checkpoints.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +10,8 @@ import contextlib
 import datetime
 import logging
 import os
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from kfp_nvrx.components.train_fsdp.trainer.config import ResilienceConfig
 
@@ -133,7 +137,7 @@ def in_process_wrapper(cfg: ResilienceConfig, store_port: int) -> Callable[[Call
     # FT: in-process restart; the wrapper's own TCPStore listens on MASTER_PORT + 2.
     from nvidia_resiliency_ext import inprocess
 
-    return inprocess.Wrapper(
+    wrapper = inprocess.Wrapper(
         store_kwargs={"port": store_port},
         soft_timeout=datetime.timedelta(seconds=cfg.soft_timeout),
         hard_timeout=datetime.timedelta(seconds=cfg.hard_timeout),
@@ -143,6 +147,17 @@ def in_process_wrapper(cfg: ResilienceConfig, store_port: int) -> Callable[[Call
         initialize=inprocess.initialize.RetryController(max_iterations=cfg.in_process_max_iterations),
         health_check=_health_check(),
     )
+
+    def decorate(fn: Callable) -> Callable:
+        def entry(*args: Any, call_wrapper: Any = None) -> Any:
+            return fn(*args, call_wrapper=call_wrapper)
+
+        # NVRx finds the argument to inject by its annotation, which must be the real class
+        # (this module's annotations are strings under `from __future__ import annotations`).
+        entry.__annotations__ = {"call_wrapper": inprocess.CallWrapper}
+        return wrapper(entry)
+
+    return decorate
 
 
 def _health_check():

@@ -25,12 +25,35 @@ def validate_inputs(config: str, overrides: list[str], faults: list[str]) -> tup
         if f.kind == "kill-in-ckpt" and (not interval or f.step % interval):
             raise UserError("--fault", f"kill-in-ckpt@{f.step} needs a checkpoint step "
                             f"(a multiple of checkpoint.interval={interval})")
+    check_in_process_timeouts(cfg)
     if not cfg.data.path:
         raise UserError("data.path", "not set; pass --set data.path=DIR (from prepare-data)")
     from kfp_nvrx.components.train_fsdp.trainer.data import TokenDataset
 
     TokenDataset(cfg.data.path, cfg.data.split).check_fits(cfg.data.seq_len, cfg.model.vocab_size)
     return cfg, parsed
+
+
+def check_in_process_timeouts(cfg: Config) -> None:
+    """In-process restart needs the collective timeout on the right side of ``hard_timeout``.
+
+    NCCL: the wrapper aborts blocked collectives, and NCCL's own watchdog must not fire first, so
+    ``pg_timeout > hard_timeout`` (NVRx rule). gloo: a blocked collective cannot be aborted, the
+    survivors wait ``pg_timeout``, and the monitor kills them at ``hard_timeout``, so
+    ``pg_timeout < soft_timeout`` keeps the restart in-process.
+    """
+    r = cfg.resilience
+    if not r.in_process:
+        return
+    import torch
+
+    cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
+    if cuda and r.pg_timeout <= r.hard_timeout:
+        raise UserError("resilience.pg_timeout", f"must exceed resilience.hard_timeout "
+                        f"({r.hard_timeout:g}) with NCCL and in-process restart")
+    if not cuda and r.pg_timeout >= r.soft_timeout:
+        raise UserError("resilience.pg_timeout", f"must be below resilience.soft_timeout "
+                        f"({r.soft_timeout:g}) with gloo: blocked gloo collectives cannot be aborted")
 
 
 def check_run_dir(run_dir: Path) -> Path:

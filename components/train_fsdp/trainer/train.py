@@ -15,7 +15,7 @@ import torch.distributed as dist
 from kfp_nvrx.components.train_fsdp.trainer.checkpoint import Checkpointer
 from kfp_nvrx.components.train_fsdp.trainer.config import Config
 from kfp_nvrx.components.train_fsdp.trainer.data import TokenDataset
-from kfp_nvrx.components.train_fsdp.trainer.events import EventLog
+from kfp_nvrx.components.train_fsdp.trainer.events import EventLog, read_events
 from kfp_nvrx.components.train_fsdp.trainer.faults import Fault, FaultInjector
 from kfp_nvrx.components.train_fsdp.trainer.resilience import Monitor, in_process_wrapper
 from kfp_nvrx.components.train_fsdp.trainer.state import (
@@ -39,7 +39,8 @@ class Job:
     data: TokenDataset
     device: torch.device
     monitor: Monitor
-    restart_count: int = field(default_factory=lambda: env_int("TORCHELASTIC_RESTART_COUNT", 0))
+    run_id: str = field(default_factory=lambda: os.environ.get("TORCHELASTIC_RUN_ID", ""))
+    restart_count: int = 0  # in-job incarnation of this job (rank 0 derives it from events)
 
 
 def pick_device(cfg: Config) -> torch.device:
@@ -110,18 +111,24 @@ def incarnation(job: Job, base_store: Any = None, call_wrapper: Any = None) -> N
                 keys = ckpt.metadata_keys(resumed)
                 check_compatible(model, keys, resumed)
                 state = full_state(model, opt, sched, train, monitor.state_dict(), rank)
-                state = {k: v for k, v in state.items() if k in keys}
+                state = {k: v for k, v in state.items()
+                         if any(s == k or s.startswith(f"{k}.") for s in keys)}
                 ckpt.load(resumed, state)
                 apply_state(model, opt, sched, train, state, rank)
                 monitor.load_state_dict(state.get("ft", {}))
             elif cfg.checkpoint.init_from:
                 warm_start(model, cfg.checkpoint.init_from)
             load_s = time.perf_counter() - t_load
+        if iteration == 0 and rank == 0:
+            # Agents count restarts per node; the job-wide count is what rank 0 has logged.
+            job.restart_count = sum(1 for e in read_events(job.run_dir) if e["type"] == "start"
+                                    and e.get("run_id") == job.run_id and e["iteration"] == 0)
         if job.restart_count or iteration:
             events.emit("restart", kind="in-process" if iteration else "in-job",
                         incarnation=job.restart_count, iteration=iteration)
         events.emit("start", time=t_start, incarnation=job.restart_count, iteration=iteration,
-                    world_size=world, resumed_from=resumed, load_s=round(load_s, 4))
+                    world_size=world, resumed_from=resumed, load_s=round(load_s, 4),
+                    pid=os.getpid(), run_id=job.run_id)
         log0(f"start: world_size={world} incarnation={job.restart_count}.{iteration} "
              f"resumed_from={resumed} load={load_s:.2f}s device={job.device}")
         _loop(job, model, opt, sched, train, ckpt, events, injector, rank, world, iteration,
@@ -131,6 +138,10 @@ def incarnation(job: Job, base_store: Any = None, call_wrapper: Any = None) -> N
         if rank == 0:
             events.emit("end", step=train.step, status="completed")
         log0(f"done: step {train.step}/{cfg.train.steps}")
+    except BaseException:
+        if ckpt is not None:
+            ckpt.abort()
+        raise
     finally:
         monitor.stop()
         if dist.is_initialized():
