@@ -160,6 +160,11 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
     elif typ is str:
         if isinstance(value, str):
             return value
+        word = {False: "off", True: "on"}.get(value) if isinstance(value, bool) else None
+        if word is not None and word in _CHOICES.get(key, ()):
+            return word  # YAML 1.1 reads a bare `off` as false
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in _CHOICES:
+            return str(value)
     name = getattr(typ, "__name__", str(typ))
     raise UserError(key, f"expected {name}, got {value!r} ({type(value).__name__})")
 
