@@ -16,7 +16,7 @@ $(VENV)/.installed-%: setup.cfg pyproject.toml
 	touch $@
 
 demo: $(VENV)/.installed-all
-	$(VENV)/bin/kfp-nvrx demo --out $(DEMO_DIR)
+	$(VENV)/bin/kfp-nvrx run-local --pipeline fsdp-train --out $(DEMO_DIR) --param faults=kill@20/1
 
 test: $(VENV)/.installed-test
 	$(PY) -m ruff check components pipelines tests bench
