@@ -19,11 +19,11 @@ demo: $(VENV)/.installed-all
 	$(VENV)/bin/kfp-nvrx run-local --pipeline fsdp-train --out $(DEMO_DIR) --param faults=kill@20/1
 
 test: $(VENV)/.installed-test
-	$(PY) -m ruff check components pipelines tests bench
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q -ra
 
 lint: $(VENV)/.installed-test
-	$(PY) -m ruff check components pipelines tests bench
+	$(PY) -m ruff check .
 
 bench: $(VENV)/.installed-all
 	$(PY) -m bench.run
