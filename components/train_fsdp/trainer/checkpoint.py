@@ -2,8 +2,11 @@
 
 Layout: ``<run_dir>/checkpoints/step_XXXXXXXX/`` holds a torch DCP checkpoint (reshardable to any
 world size). It counts only once ``COMMITTED`` exists: rank 0 writes that marker (tmp + fsync +
-rename) after every rank's write finished and the DCP metadata was written. Resume takes the newest
-committed checkpoint whose files match the sizes recorded in its marker; torn ones are ignored.
+rename) after every rank's write finished and the DCP metadata was written. The marker records each
+file's size and CRC32 (every rank checksums its own files in the writer process, off the training
+loop). Resume takes the newest committed checkpoint whose files match both; torn or corrupt ones are
+skipped with a log line (DCP itself loads flipped bytes silently). Resume splits the CRC work over
+the ranks.
 
 One save is in flight at a time. The blocking part of a save is planning plus staging (GPU: D2H by
 NVRx's persistent worker; CPU: a clone, because NVRx does not snapshot CPU tensors and later
@@ -14,10 +17,12 @@ a step boundary once every rank's write is done, bounded by ``checkpoint.finaliz
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import shutil
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +36,7 @@ from kfp_nvrx.components.train_fsdp.trainer.config import CheckpointConfig
 
 COMMIT_MARKER = "COMMITTED"
 _PREFIX = "step_"
+_CRC_PREFIX = ".crc32_rank"
 
 
 class CheckpointError(RuntimeError):
@@ -61,8 +67,43 @@ def committed_steps(root: Path) -> list[int]:
     return sorted(steps, reverse=True)
 
 
-def verify(path: Path) -> str | None:
-    """Checks a committed checkpoint's files against its marker; returns a problem or None."""
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def write_checksums(files: list[str], rank: int) -> None:
+    """Records the CRC32 of this rank's checkpoint files in a sidecar next to them.
+
+    Runs in NVRx's writer process after the write (or inline for synchronous saves); rank 0 folds
+    every sidecar into the commit marker.
+    """
+    if not files:
+        return
+    sums = {}
+    for name in files:
+        try:
+            sums[Path(name).name] = _crc32(Path(name))
+        except OSError:  # the write failed; finalisation reports it
+            return
+    _write_atomic(Path(files[0]).parent / f"{_CRC_PREFIX}{rank}.json", json.dumps(sums).encode())
+
+
+def _write_then_checksum(save_fn: Callable, rank: int, write_buckets: list, *rest: Any) -> None:
+    """The writer process's job: NVRx's write, then the checksums of the files it wrote."""
+    save_fn(rank, write_buckets, *rest)
+    write_checksums([bucket[0] for bucket in write_buckets], rank)
+
+
+def verify(path: Path, share: tuple[int, int] = (0, 1)) -> str | None:
+    """Checks a committed checkpoint's files against its marker; returns a problem or None.
+
+    Sizes are always checked; CRC32s (when the marker has them) only for this ``(index, count)``
+    share of the files, so ranks can split that work.
+    """
     try:
         marker = json.loads((path / COMMIT_MARKER).read_text())
     except (OSError, json.JSONDecodeError) as err:
@@ -77,6 +118,14 @@ def verify(path: Path) -> str | None:
             return f"missing file {name}"
         if actual[name] != size:
             return f"{name} is {actual[name]} bytes, expected {size} (truncated or corrupt)"
+    for i, (name, crc) in enumerate(sorted(marker.get("crc32", {}).items())):
+        if i % share[1] != share[0]:
+            continue
+        try:
+            if _crc32(path / name) != crc:
+                return f"{name} fails its CRC32 check (corrupt)"
+        except OSError as err:
+            return f"cannot read {name} ({err})"
     return None
 
 
@@ -165,7 +214,7 @@ class Checkpointer:
         )
 
         # FT: NVRx persistent async checkpoint worker (spawned once, reused by every save).
-        self._caller = PersistentAsyncCaller()
+        self._caller = self._new_caller(PersistentAsyncCaller)
         self._caller.schedule_async_call(AsyncRequest(time.sleep, (0,), []))
         self._warming = True
         try:  # the writer's results queue is a multiprocessing Manager: another process to spawn
@@ -174,6 +223,15 @@ class Checkpointer:
             filesystem_async._get_write_results_queue()
         except (ImportError, AttributeError):  # other NVRx versions: created on first save
             pass
+
+    def _new_caller(self, cls: Any) -> Any:
+        """A PersistentAsyncCaller; on CPU without the worker's CUDA setup where NVRx has it.
+
+        NVRx >= 0.6 makes its worker call ``torch.cuda.set_device`` unless ``cpu_shm_mode``.
+        """
+        if self.device.type != "cuda" and "cpu_shm_mode" in inspect.signature(cls).parameters:
+            return cls(cpu_shm_mode=True)
+        return cls()
 
     def _finish_warm_up(self) -> None:
         if self._warming:
@@ -199,6 +257,7 @@ class Checkpointer:
             finalize_fns = self._save_async(path, state)
         else:
             dcp.save(state, checkpoint_id=str(path))
+            write_checksums(sorted(str(p) for p in path.glob(f"__{self.rank}_*")), self.rank)
             finalize_fns = []
         blocking = time.perf_counter() - t0
         self.inflight = _InFlight(step, path, t0, blocking, finalize_fns,
@@ -225,16 +284,19 @@ class Checkpointer:
         writer = FileSystemWriterAsync(str(path), thread_count=1)
         plan = save_state_dict_async_plan(state, writer)
         save_fn, preload_fn, args = writer.get_save_function_and_args()
-        if self.device.type != "cuda":
-            # CPU: NVRx's staging assumes CUDA and would not copy CPU tensors: snapshot here.
+        if self.device.type != "cuda" and hasattr(writer, "write_buckets"):
+            # CPU, NVRx <= 0.4: its staging assumes CUDA and would not copy CPU tensors:
+            # snapshot here. (NVRx >= 0.6 clones CPU tensors itself and builds the write
+            # buckets in its worker, from preload_fn.)
             writer.write_buckets = _snapshot(writer.write_buckets)
             args = [args[0], writer.write_buckets, *args[2:]]
             preload_fn = None
         if save_fn is not None:
             if self._caller is None:
-                self._caller = PersistentAsyncCaller()
+                self._caller = self._new_caller(PersistentAsyncCaller)
             # Blocks until the worker staged the tensors (GPU D2H) or queued the snapshot.
-            self._caller.schedule_async_call(AsyncRequest(save_fn, tuple(args), [],
+            self._caller.schedule_async_call(AsyncRequest(_write_then_checksum,
+                                                          (save_fn, *args), [],
                                                           preload_fn=preload_fn))
         return [lambda: save_state_dict_async_finalize(*plan)]
 
@@ -287,8 +349,13 @@ class Checkpointer:
         if self.rank == 0:
             files = _dir_files(inf.path)
             nbytes = sum(files.values())
+            sums: dict[str, int] = {}
+            for sidecar in inf.path.glob(f"{_CRC_PREFIX}*.json"):
+                sums.update(json.loads(sidecar.read_text()))
+            if (inf.path / ".metadata").is_file():
+                sums[".metadata"] = _crc32(inf.path / ".metadata")
             marker = {"step": inf.step, "world_size": self.world_size, "time": time.time(),
-                      "bytes": nbytes, "files": files}
+                      "bytes": nbytes, "files": files, "crc32": sums}
             _write_atomic(inf.path / COMMIT_MARKER, json.dumps(marker).encode())
             self._prune()
             if self.on_commit is not None:
@@ -312,10 +379,24 @@ class Checkpointer:
 
     # ---------------------------------------------------------------- load
     def select(self, log: Callable[[str], None] = print) -> int | None:
-        """Rank 0 picks the checkpoint to resume from; every rank gets the same answer."""
-        choice = [select_checkpoint(self.root, self.cfg.load_step, log) if self.rank == 0 else None]
-        dist.broadcast_object_list(choice, src=0)
-        return choice[0]
+        """The newest intact committed step (or ``load_step``), the same on every rank.
+
+        Every rank checks the sizes and the CRC32 of its share of the files; a damaged checkpoint
+        is skipped (logged) in favour of the next older one.
+        """
+        steps = [committed_steps(self.root) if self.rank == 0 else None]
+        dist.broadcast_object_list(steps, src=0)
+        for step in steps[0]:
+            if self.cfg.load_step >= 0 and step != self.cfg.load_step:
+                continue
+            problem = verify(step_dir(self.root, step), share=(self.rank, self.world_size))
+            problems: list[str | None] = [None] * self.world_size
+            dist.all_gather_object(problems, problem)
+            bad = next((p for p in problems if p), None)
+            if bad is None:
+                return step
+            log(f"checkpoint step {step} is damaged ({bad}); falling back to an older one")
+        return None
 
     def metadata_keys(self, step: int) -> set[str]:
         """Flattened keys stored in a checkpoint (e.g. to skip per-rank RNG of another world size)."""
