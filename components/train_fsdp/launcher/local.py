@@ -108,7 +108,8 @@ def run_local(nodes: str, nproc_per_node: int, run_dir: str, config: str,
               overrides: list[str] | None = None, faults: list[str] | None = None, *,
               name: str | None = None, env: dict[str, str] | None = None,
               log: Callable[[str], None] = print, deadline_s: float | None = None,
-              verbose: bool = False) -> LaunchResult:
+              verbose: bool = False,
+              on_start: Callable[[list[int]], None] | None = None) -> LaunchResult:
     """Runs one training job on localhost and waits for it.
 
     Args:
@@ -123,6 +124,9 @@ def run_local(nodes: str, nproc_per_node: int, run_dir: str, config: str,
         log: Where streamed output goes.
         deadline_s: Wall-clock limit; exceeded -> agents stopped, state ``DeadlineExceeded``.
         verbose: Stream every launcher line (default: trainer lines and errors only).
+        on_start: Called once with the agents' PIDs, node 0 first, after all were started. Each
+            agent leads its own process group, so ``os.killpg(pid, SIGKILL)`` takes down one
+            whole local node (agent and workers): the fault drills use it.
 
     Returns:
         The LaunchResult (``Succeeded``, ``Failed``, ``Cancelled`` or ``DeadlineExceeded``).
@@ -172,6 +176,8 @@ def run_local(nodes: str, nproc_per_node: int, run_dir: str, config: str,
         for i in range(hi):
             agent_env = {**base, "PET_RDZV_CONF": f"is_host={1 if i == 0 else 0}"}
             agents.append(_Agent(i, argv, agent_env, log, verbose))
+        if on_start is not None:
+            on_start([a.proc.pid for a in agents])
         while not stop.is_set() and any(a.proc.poll() is None for a in agents):
             if deadline_s is not None and time.time() - started > deadline_s:
                 state, reason = "DeadlineExceeded", f"deadline of {deadline_s:g}s passed"
