@@ -83,13 +83,11 @@ def write_checksums(files: list[str], rank: int) -> None:
     """
     if not files:
         return
-    sums = {}
-    for name in files:
-        try:
-            sums[Path(name).name] = _crc32(Path(name))
-        except OSError:  # the write failed; finalisation reports it
-            return
-    _write_atomic(Path(files[0]).parent / f"{_CRC_PREFIX}{rank}.json", json.dumps(sums).encode())
+    try:
+        sums = {Path(name).name: _crc32(Path(name)) for name in files}
+        _write_atomic(Path(files[0]).parent / f"{_CRC_PREFIX}{rank}.json", json.dumps(sums).encode())
+    except OSError:  # the write itself failed (e.g. disk full): finalisation reports that error
+        return
 
 
 def _write_then_checksum(save_fn: Callable, rank: int, write_buckets: list, *rest: Any) -> None:
