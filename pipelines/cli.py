@@ -24,6 +24,7 @@ COMMAND_MODULES = (
     "kfp_nvrx.pipelines.commands.export",
     "kfp_nvrx.pipelines.commands.goodput",
     "kfp_nvrx.pipelines.commands.demo",
+    "kfp_nvrx.pipelines.commands.drill",
     "kfp_nvrx.pipelines.commands.compile",
     "kfp_nvrx.pipelines.commands.run_local",
     "kfp_nvrx.pipelines.commands.submit",

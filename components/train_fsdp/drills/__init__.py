@@ -1,0 +1,1 @@
+"""Fault drills: the local backend run through a matrix of faults (``kfp-nvrx drill``)."""

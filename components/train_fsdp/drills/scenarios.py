@@ -1,0 +1,94 @@
+"""The drill matrix: one scenario per fault, all on the same tiny job.
+
+Every final weight can so be compared bitwise with one fault-free reference run.
+
+The job: ``tiny`` preset, 2 local nodes x 1 process (gloo), :data:`STEPS` steps, a committed
+checkpoint every :data:`INTERVAL` steps (all kept). Faults are placed relative to those commits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kfp_nvrx.components.errors import UserError
+
+STEPS = 16
+INTERVAL = 4
+#: Overrides every drill run shares (the reference too): same steps, schedule and data.
+BASE_OVERRIDES = (f"train.steps={STEPS}", f"checkpoint.interval={INTERVAL}", "checkpoint.keep=4")
+#: In-process restart on gloo (see ``trainer.setup.check_in_process_timeouts``).
+IN_PROCESS = ("resilience.in_process=true", "resilience.monitor=off",
+              "resilience.learn_timeouts=false", "resilience.soft_timeout=6",
+              "resilience.hard_timeout=10", "resilience.pg_timeout=4")
+
+SURVIVE, FAIL, STOP = "survive", "fail cleanly", "stop cleanly, then resume"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One drill.
+
+    Attributes:
+        name: Identifier (``--scenario``).
+        what: One line: what is done to the job.
+        expect: :data:`SURVIVE`, :data:`FAIL` or :data:`STOP`.
+        faults: Trainer ``--fault`` items.
+        extra: ``--set`` items on top of :data:`BASE_OVERRIDES`.
+        nodes: ``N`` or ``MIN:MAX`` local nodes.
+        action: What the drill itself does during the run: ``kill-node``, ``flip-newest``,
+            ``truncate-newest``, ``disk-full`` or ``sigterm`` ('' = nothing).
+        bitwise: Whether the final weights must equal the reference (False when the world size
+            changes: each rank draws its own batches, so fewer ranks train on other data).
+        min_restarts: Restarts the run must show.
+        quick: Part of ``drill --quick`` (CI).
+    """
+
+    name: str
+    what: str
+    expect: str = SURVIVE
+    faults: tuple[str, ...] = ()
+    extra: tuple[str, ...] = ()
+    nodes: str = "2"
+    action: str = ""
+    bitwise: bool = True
+    min_restarts: int = 1
+    quick: bool = False
+
+
+SCENARIOS: tuple[Scenario, ...] = (
+    Scenario("kill-rank", "SIGKILL rank 1 at step 6", faults=("kill@6/1",)),
+    Scenario("kill-node", "SIGKILL node 1's ft_launcher agent and its worker (--nodes 1:2) after "
+             "the first commit", nodes="1:2", action="kill-node", bitwise=False),
+    Scenario("hang-rank", "rank 1 stops (no heartbeats, blocked) at step 10", faults=("hang@10/1",)),
+    Scenario("raise-in-process", "exception on rank 1 at step 6, in-process restart on",
+             faults=("raise@6/1",), extra=IN_PROCESS),
+    Scenario("kill-in-ckpt", "SIGKILL rank 1 while the step-8 checkpoint is being written",
+             faults=("kill-in-ckpt@8/1",)),
+    Scenario("corrupt-newest", "SIGKILL rank 1 at step 14, then flip 64 bytes of the newest "
+             "committed checkpoint (same size) before the restart", faults=("kill@14/1",),
+             action="flip-newest", quick=True),
+    Scenario("truncate-newest", "SIGKILL rank 1 at step 14, then truncate the newest committed "
+             "checkpoint to half before the restart", faults=("kill@14/1",),
+             action="truncate-newest"),
+    Scenario("disk-full", "checkpoint volume (tmpfs) fills up while the step-8 checkpoint is "
+             "written; space is freed once the failure shows", action="disk-full"),
+    Scenario("two-faults", "SIGKILL rank 1 at step 5 and rank 0 at step 7 (both before the next "
+             "commit at 8)", faults=("kill@5/1", "kill@7/0"), min_restarts=2),
+    Scenario("launcher-sigterm", "SIGTERM to `kfp-nvrx launch-local` after the first commit; "
+             "then launch again", expect=STOP, action="sigterm", min_restarts=0, quick=True),
+    Scenario("max-restarts", "3 kills with resilience.max_restarts=1", expect=FAIL,
+             faults=("kill@3/1", "kill@6/1", "kill@9/1"), extra=("resilience.max_restarts=1",),
+             bitwise=False, quick=True),
+)
+
+
+def select(names: list[str] | None, quick: bool) -> list[Scenario]:
+    """The scenarios to run: the named ones, the quick set, or all; raises UserError on a typo."""
+    by_name = {s.name: s for s in SCENARIOS}
+    if names:
+        unknown = [n for n in names if n not in by_name]
+        if unknown:
+            raise UserError("--scenario", f"unknown {', '.join(map(repr, unknown))}; known: "
+                            f"{', '.join(by_name)}")
+        return [by_name[n] for n in dict.fromkeys(names)]
+    return [s for s in SCENARIOS if s.quick or not quick]
