@@ -153,6 +153,9 @@ def run_local(nodes: str, nproc_per_node: int, run_dir: str, config: str,
                             local_addr="127.0.0.1", executable=exe)
     threads = max(1, (os.cpu_count() or 1) // (hi * nproc_per_node))
     base = {**os.environ, **(env or {}), _MARKER: marker, "PYTHONUNBUFFERED": "1",
+            # NVRx >= 0.6 closes the rendezvous when two agents share a host unless told this
+            # is deliberate (local "nodes" are agents on one machine).
+            "NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE": "1",
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads)),
             **pet_env(nnodes=f"{lo}:{hi}" if lo != hi else str(hi), nproc_per_node=nproc_per_node,
                       rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id=f"{name}-{marker[:8]}",

@@ -17,6 +17,7 @@ a step boundary once every rank's write is done, bounded by ``checkpoint.finaliz
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import os
@@ -293,9 +294,10 @@ class Checkpointer:
             if self._caller is None:
                 self._caller = self._new_caller(PersistentAsyncCaller)
             # Blocks until the worker staged the tensors (GPU D2H) or queued the snapshot.
-            self._caller.schedule_async_call(AsyncRequest(_write_then_checksum,
-                                                          (save_fn, *args), [],
-                                                          preload_fn=preload_fn))
+            # The worker puts preload_fn's staged buckets in place of args[1]: keep it there.
+            self._caller.schedule_async_call(AsyncRequest(functools.partial(_write_then_checksum,
+                                                                            save_fn),
+                                                          tuple(args), [], preload_fn=preload_fn))
         return [lambda: save_state_dict_async_finalize(*plan)]
 
     def _poll_local(self, blocking_wait: float) -> bool:
