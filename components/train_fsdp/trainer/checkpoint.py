@@ -275,7 +275,6 @@ class Checkpointer:
             FileSystemWriterAsync,
         )
         from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import (
-            save_state_dict_async_finalize,
             save_state_dict_async_plan,
         )
 
@@ -298,7 +297,24 @@ class Checkpointer:
             self._caller.schedule_async_call(AsyncRequest(functools.partial(_write_then_checksum,
                                                                             save_fn),
                                                           tuple(args), [], preload_fn=preload_fn))
-        return [lambda: save_state_dict_async_finalize(*plan)]
+        return [lambda: self._finalize_dcp(*plan)]
+
+    def _finalize_dcp(self, writer: Any, metadata: Any, dist_wrapper: Any) -> None:
+        """NVRx's ``save_state_dict_async_finalize``, with the failure flag on our device.
+
+        Collective: gathers every rank's write results; the coordinator writes ``.metadata``.
+        (NVRx >= 0.6 broadcasts the flag on ``torch.cuda.current_device()``, which fails on CPU.)
+        """
+        from torch.distributed.checkpoint.utils import _get_failure_dict
+
+        all_results = dist_wrapper.gather_object(writer.retrieve_write_results())
+        failures = {}
+        if dist_wrapper.is_coordinator:
+            failures = _get_failure_dict(all_results)
+            if not failures:
+                writer.finish(metadata, all_results)
+        if not self._all(not failures):  # MIN over ranks: only the coordinator can see failures
+            raise CheckpointError(f"checkpoint write failed: {failures or 'on another rank'}")
 
     def _poll_local(self, blocking_wait: float) -> bool:
         """Whether this rank's write finished (sticky), waiting at most ``blocking_wait`` s."""
