@@ -1,0 +1,141 @@
+"""Fast unit tests of the trainer's pure parts: config, faults, goodput, model factory, FSDP2 build."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kfp_nvrx.components.errors import UserError
+from kfp_nvrx.components.train_fsdp.launcher.command import TrainerArgs, ft_flags, ft_launcher_argv
+from kfp_nvrx.components.train_fsdp.trainer.config import load_config
+from kfp_nvrx.components.train_fsdp.trainer.faults import Fault, FaultInjector, parse_fault
+from kfp_nvrx.components.train_fsdp.trainer.goodput import summarize_events
+from kfp_nvrx.components.train_fsdp.trainer.model import build_model, num_params
+
+
+def tiny_factory(cfg):  # used through model.factory below
+    return torch.nn.Sequential(torch.nn.Embedding(cfg.vocab_size, 8), torch.nn.Linear(8, cfg.vocab_size))
+
+
+def test_presets_load_and_size():
+    sizes = {}
+    for name in ("tiny", "125m", "1b", "8b"):
+        cfg = load_config(name)
+        with torch.device("meta"):
+            sizes[name] = num_params(build_model(cfg.model))
+    assert sizes["tiny"] < 1e6 < sizes["125m"] < 2e8 < sizes["1b"] < 1.5e9 < sizes["8b"] < 8.1e9
+
+
+def test_yaml_file_and_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model: {dim: 32, n_heads: 2}\ntrain: {steps: 7}\nresilience: {monitor: off}\n")
+    cfg = load_config(str(path), ["train.lr=1e-2", "train.activation_checkpointing=true",
+                                  "data.path=/x/y"])
+    assert (cfg.model.dim, cfg.train.steps, cfg.train.lr) == (32, 7, 1e-2)
+    assert cfg.train.activation_checkpointing is True and cfg.resilience.monitor == "off"
+    assert cfg.data.path == "/x/y"
+
+
+@pytest.mark.parametrize("yaml_text, sets, field", [
+    ("bogus: {a: 1}\n", [], "bogus"),
+    ("train: {stepz: 1}\n", [], "train.stepz"),
+    ("train: {steps: ten}\n", [], "train.steps"),
+    ("train: [1, 2]\n", [], "train"),
+    ("", ["train.steps=0"], "train.steps"),
+    ("", ["model.dim=65"], "model.dim"),
+    ("", ["data.seq_len=4096"], "data.seq_len"),
+    ("", ["resilience.monitor=loud"], "resilience.monitor"),
+    ("", ["resilience.in_process=true", "resilience.restart_policy=any-failed"],
+     "resilience.restart_policy"),
+    ("", ["model.factory=nomodule"], "model.factory"),
+    ("", ["train.lr=-1"], "train.lr"),
+    ("", ["train.steps=1.5"], "train.steps"),
+])
+def test_bad_config_names_the_field(tmp_path, yaml_text, sets, field):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml_text)
+    with pytest.raises(UserError) as err:
+        load_config(str(path), sets)
+    assert err.value.field == field or err.value.field.endswith(field)
+
+
+def test_model_factory_hook():
+    cfg = load_config("tiny", [f"model.factory={__name__}:tiny_factory"])
+    assert isinstance(build_model(cfg.model), torch.nn.Sequential)
+    with pytest.raises(UserError, match="model.factory"):
+        build_model(load_config("tiny", ["model.factory=nope.nothing:fn"]).model)
+
+
+def test_fault_parsing_and_fire_once(tmp_path):
+    assert parse_fault("kill@5/1") == Fault("kill", 5, 1)
+    assert parse_fault("hang@3") == Fault("hang", 3, 0)
+    for bad in ("kill", "kill@0", "boom@3", "kill@x/1", "kill@3/-1"):
+        with pytest.raises(UserError, match="--fault"):
+            parse_fault(bad)
+    inj = FaultInjector([Fault("raise", 4, 1)], tmp_path, rank=1)
+    assert inj.due(3, ("raise",)) is None
+    assert inj.due(4, ("raise",)) == Fault("raise", 4, 1)
+    again = FaultInjector([Fault("raise", 4, 1)], tmp_path, rank=1)  # a restarted worker
+    assert again.due(4, ("raise",)) is None
+    assert FaultInjector([Fault("raise", 4, 1)], tmp_path, rank=0).faults == []
+
+
+def test_goodput_recovery_and_redone_steps():
+    def step(n, t, inc=0, it=0, loss=1.0):
+        return {"type": "step", "step": n, "start": t, "end": t + 1, "time": t + 1,
+                "incarnation": inc, "iteration": it, "loss": loss, "tokens": 10}
+
+    events = [{"type": "start", "time": 0.0, "incarnation": 0, "iteration": 0},
+              step(1, 0), step(2, 1), step(3, 2), {"type": "checkpoint", "time": 3.5, "step": 2,
+                                                   "blocking_s": 0.25, "total_s": 1, "bytes": 9},
+              {"type": "fault", "time": 4.0, "kind": "kill", "step": 4, "rank": 1},
+              {"type": "restart", "time": 8.0, "kind": "in-job", "incarnation": 1, "iteration": 0},
+              step(3, 9, inc=1), step(4, 10, inc=1, loss=0.5)]
+    rep = summarize_events(events)
+    assert rep.steps_final == 4 and rep.steps_run == 5 and rep.steps_redone == 1
+    assert rep.productive_s == 4 and rep.lost_work_s == 1 and rep.wall_s == 11
+    assert rep.goodput == pytest.approx(4 / 11)
+    assert rep.recovery_s == [6.0]  # fault at t=4 -> first step of the next incarnation ends at 10
+    assert rep.restarts == {"in-job": 1} and rep.checkpoint_stall_s == 0.25
+    assert rep.final_loss == 0.5 and rep.faults == 1
+
+
+def test_one_builder_for_pod_and_local_commands():
+    res = load_config("tiny").resilience
+    trainer = TrainerArgs("tiny", "/fsx/runs/r", ["train.steps=5"], ["kill@3/1"])
+    pod = ft_launcher_argv(res, trainer, local_addr="$(POD_IP)", nic_monitor=True)
+    local = ft_launcher_argv(res, trainer, local_addr="127.0.0.1", executable="/venv/bin/ft_launcher")
+    strip = {0, pod.index("--local-addr=$(POD_IP)")}
+    assert [a for i, a in enumerate(pod) if i not in strip and "nic-monitor" not in a] == \
+        [a for i, a in enumerate(local) if i not in strip and "nic-monitor" not in a]
+    flags = ft_flags(res)
+    assert any(f.startswith("--ft-rank-section-timeouts=setup:") for f in flags)
+    assert "--ft-restart-policy=any-failed" in flags
+    res.in_process = True
+    assert "--ft-restart-policy=min-healthy" in ft_flags(res)
+    res.monitor = "heartbeats"
+    assert not any("section" in f for f in ft_flags(res))
+
+
+def test_fsdp2_build_with_activation_checkpointing_single_rank():
+    import torch.distributed as dist
+
+    from kfp_nvrx.components.train_fsdp.trainer.state import build
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29517", RANK="0", WORLD_SIZE="1")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        cfg = load_config("tiny", ["train.activation_checkpointing=true"])
+        model, opt, sched = build(cfg, torch.device("cpu"))
+        tokens = torch.randint(0, 256, (2, 16))
+        loss = model(tokens).float().logsumexp(-1).mean()
+        loss.backward()
+        opt.step()
+        sched.step()
+        assert "checkpoint_wrapper" in type(model.layers[0]).__name__.lower() or any(
+            "checkpoint" in n for n, _ in model.layers[0].named_modules())
+        assert sched.get_last_lr()[0] < cfg.train.lr  # warmup
+    finally:
+        dist.destroy_process_group()
