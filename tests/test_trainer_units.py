@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -119,12 +117,14 @@ def test_one_builder_for_pod_and_local_commands():
     assert not any("section" in f for f in ft_flags(res))
 
 
-def test_fsdp2_build_with_activation_checkpointing_single_rank():
+def test_fsdp2_build_with_activation_checkpointing_single_rank(monkeypatch):
     import torch.distributed as dist
 
     from kfp_nvrx.components.train_fsdp.trainer.state import build
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29517", RANK="0", WORLD_SIZE="1")
+    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29517", RANK="0",
+                           WORLD_SIZE="1").items():
+        monkeypatch.setenv(key, value)
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         cfg = load_config("tiny", ["train.activation_checkpointing=true"])
