@@ -22,12 +22,25 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
         layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
 
 
-def parallelize(model: nn.Module, device: torch.device, *, activation_checkpointing: bool) -> nn.Module:
+def compile_blocks(model: nn.Module) -> None:
+    """``torch.compile`` each block's forward (``train.compile``), as torchtitan does per block.
+
+    Only the forward function is replaced, so parameter names, and with them checkpoints, are
+    the same with compile on or off; FSDP's hooks stay outside the compiled region.
+    """
+    for block in _blocks(model):
+        block.forward = torch.compile(block.forward)
+
+
+def parallelize(model: nn.Module, device: torch.device, *, activation_checkpointing: bool,
+                compile: bool = False) -> nn.Module:
     """Shards ``model`` in place with FSDP2 and returns it.
 
     bf16 parameters with fp32 gradient reduction on CUDA; fp32 everywhere on CPU (gloo has no
     bf16 reduce and the CPU path is for exactness tests).
     """
+    if compile:
+        compile_blocks(model)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if device.type == "cuda":

@@ -29,14 +29,16 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, torch.optim.Opt
     if device.type == "cuda":
         with torch.device("meta"):
             model = build_model(cfg.model)
-        parallelize(model, device, activation_checkpointing=cfg.train.activation_checkpointing)
+        parallelize(model, device, activation_checkpointing=cfg.train.activation_checkpointing,
+                    compile=cfg.train.compile)
         model.to_empty(device=device)
         with torch.no_grad():
             _init(model)
     else:
         model = build_model(cfg.model)
         _init(model)
-        parallelize(model, device, activation_checkpointing=cfg.train.activation_checkpointing)
+        parallelize(model, device, activation_checkpointing=cfg.train.activation_checkpointing,
+                    compile=cfg.train.compile)
     t = cfg.train
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2),
                             weight_decay=t.weight_decay, foreach=True)
