@@ -126,7 +126,7 @@ def test_in_process_restart_env() -> None:
     assert cpu["TORCH_CPP_LOG_LEVEL"] == "error"
     assert not any(k.startswith(("NCCL_", "TORCH_NCCL")) for k in cpu)
     cmd = _container(render(JobSpec(instance_type="cpu", **base)).to_dict())["command"]
-    assert "--ft-restart-policy=min-healthy" in cmd
+    assert "--ft-restart-policy=any-failed" in cmd
 
 
 def test_user_env_overrides_defaults_and_secrets() -> None:

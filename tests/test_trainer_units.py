@@ -45,8 +45,7 @@ def test_yaml_file_and_overrides(tmp_path):
     ("", ["model.dim=65"], "model.dim"),
     ("", ["data.seq_len=4096"], "data.seq_len"),
     ("", ["resilience.monitor=loud"], "resilience.monitor"),
-    ("", ["resilience.in_process=true", "resilience.restart_policy=any-failed"],
-     "resilience.restart_policy"),
+    ("", ["resilience.restart_policy=sometimes"], "resilience.restart_policy"),
     ("", ["model.factory=nomodule"], "model.factory"),
     ("", ["train.lr=-1"], "train.lr"),
     ("", ["train.steps=1.5"], "train.steps"),
@@ -112,7 +111,7 @@ def test_one_builder_for_pod_and_local_commands():
     assert any(f.startswith("--ft-rank-section-timeouts=setup:") for f in flags)
     assert "--ft-restart-policy=any-failed" in flags
     res.in_process = True
-    assert "--ft-restart-policy=min-healthy" in ft_flags(res)
+    assert "--ft-restart-policy=any-failed" in ft_flags(res)  # NVRx >= 0.6 has no other
     res.monitor = "heartbeats"
     assert not any("section" in f for f in ft_flags(res))
 

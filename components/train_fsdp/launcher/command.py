@@ -38,10 +38,13 @@ class TrainerArgs:
 
 
 def restart_policy(res: ResilienceConfig) -> str:
-    """ft_launcher restart policy; ``auto`` picks min-healthy when in-process restart is on."""
-    if res.restart_policy != "auto":
-        return res.restart_policy
-    return "min-healthy" if res.in_process else "any-failed"
+    """ft_launcher restart policy; ``auto`` is ``any-failed``.
+
+    NVRx >= 0.6 (the images ship 0.7.0) accepts only ``any-failed``. In-process restart works
+    with it: an exception handled in-process never reaches the launcher. ``min-healthy``
+    (NVRx <= 0.5 only) is passed through when set explicitly.
+    """
+    return "any-failed" if res.restart_policy == "auto" else res.restart_policy
 
 
 def ft_flags(res: ResilienceConfig, *, nic_monitor: bool = False) -> list[str]:

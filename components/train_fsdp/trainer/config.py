@@ -97,7 +97,7 @@ class ResilienceConfig:
     safety_factor: float = 5.0
     workload_check_interval: float = 1.0
     max_restarts: int = 3
-    restart_policy: str = "auto"  # auto (min-healthy if in_process) | any-failed | min-healthy
+    restart_policy: str = "auto"  # auto (= any-failed) | any-failed | min-healthy (NVRx <= 0.5)
     workers_stop_timeout: float = 15.0
     in_process: bool = False
     in_process_max_iterations: int = 3
@@ -290,8 +290,3 @@ def validate(cfg: Config) -> None:
     r = cfg.resilience
     if r.in_process and r.hard_timeout <= r.soft_timeout:
         raise UserError("resilience.hard_timeout", "must exceed resilience.soft_timeout")
-    if r.in_process and r.restart_policy == "any-failed":
-        raise UserError(
-            "resilience.restart_policy",
-            "in-process restart needs min-healthy (or auto); any-failed restarts every worker",
-        )
