@@ -81,6 +81,7 @@ class _Agent:
     def __init__(self, idx: int, argv: list[str], env: dict[str, str], log: Callable[[str], None],
                  verbose: bool) -> None:
         self.idx, self.tail = idx, deque(maxlen=40)
+        self.exited_at: float | None = None  # when the launcher first saw it gone
         self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, bufsize=1,
                                      start_new_session=True)
@@ -94,11 +95,15 @@ class _Agent:
             if verbose or _QUIET.search(line):
                 log(f"[node{self.idx}] {line}")
 
-    def stop(self, grace: float) -> None:
+    def terminate(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)  # ft_launcher stops its workers on SIGTERM
+
+    def stop(self, grace: float) -> None:
+        if self.proc.poll() is None:
+            self.terminate()
             try:
-                self.proc.wait(grace)
+                self.proc.wait(max(grace, 0.1))
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
@@ -167,9 +172,12 @@ def run_local(nodes: str, nproc_per_node: int, run_dir: str, config: str,
     state, reason = "Running", ""
     stop = threading.Event()
 
+    received: dict[str, int] = {}
+
     def _on_signal(signum, _frame):
         nonlocal state, reason
         state, reason = "Cancelled", f"received {signal.Signals(signum).name}"
+        received["signal"] = int(signum)
         stop.set()
 
     old = {}
@@ -182,13 +190,20 @@ def run_local(nodes: str, nproc_per_node: int, run_dir: str, config: str,
         if on_start is not None:
             on_start([a.proc.pid for a in agents])
         while not stop.is_set() and any(a.proc.poll() is None for a in agents):
+            for a in agents:
+                if a.exited_at is None and a.proc.poll() is not None:
+                    a.exited_at = time.time()
             if deadline_s is not None and time.time() - started > deadline_s:
                 state, reason = "DeadlineExceeded", f"deadline of {deadline_s:g}s passed"
                 break
             stop.wait(0.2)
     finally:
+        # Every node is told at once (one by one, each waited for, took up to N x grace).
         for a in agents:
-            a.stop(grace=float(cfg.resilience.workers_stop_timeout) + 10)
+            a.terminate()
+        stop_by = time.time() + float(cfg.resilience.workers_stop_timeout) + 10
+        for a in agents:
+            a.stop(grace=stop_by - time.time())
         for a in agents:
             a.thread.join(timeout=5)
         leftovers = _reap(marker)
@@ -206,15 +221,20 @@ def run_local(nodes: str, nproc_per_node: int, run_dir: str, config: str,
             state = "Succeeded"
         else:
             state = "Failed"
+            # The agent that failed first holds the cause; the others report its consequences.
+            failing.sort(key=lambda a: a.exited_at or float("inf"))
             bad = failing[0] if failing else agents[0]
             tail = list(bad.tail)[-20:]
             last_err = next((ln for ln in reversed(tail) if "error" in ln.lower()), "")
-            reason = (f"node{bad.idx} ft_launcher exited {bad.proc.returncode}"
+            in_job, most = report.restarts.get("in-job", 0), cfg.resilience.max_restarts
+            gave_up = (f" after {in_job} in-job restart(s), the most resilience.max_restarts="
+                       f"{most} allows" if failing and in_job >= most else "")
+            reason = (f"node{bad.idx} ft_launcher exited {bad.proc.returncode}{gave_up}"
                       + (f": {last_err.strip()[:300]}" if last_err else ""))
     return LaunchResult(
         name=name, backend="local", state=state, run_dir=str(run_path), reason=reason,
         restarts=sum(report.restarts.values()), started_at=started, finished_at=time.time(),
         last_log_lines=tail,
         extra={"goodput": report.to_dict(), "agents_exit_codes": [a.proc.returncode for a in agents],
-               "leftover_processes_killed": leftovers, "command": argv},
+               "leftover_processes_killed": leftovers, "command": argv, **received},
     )
