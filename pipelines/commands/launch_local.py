@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 
 
@@ -40,5 +41,7 @@ def _run(args: argparse.Namespace) -> int:
         sys.stderr.write(f"kfp-nvrx launch-local: {res.state}: {res.reason}\n")
         for line in res.last_log_lines:
             sys.stderr.write(f"  {line}\n")
+        if res.state == "Cancelled":  # like `launch`: 130 on SIGINT, 143 on SIGTERM
+            return 128 + int(res.extra.get("signal", signal.SIGTERM))
         return 1
     return 0
