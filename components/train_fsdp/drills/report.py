@@ -21,7 +21,8 @@ class Row:
         what: What was done to the job.
         expect: What should happen (survive / fail cleanly / stop cleanly, then resume).
         state: Final launcher state (``Succeeded``, ``Failed``, ``Cancelled``, ``skipped``).
-        survived: The job reached its last step (after a relaunch for ``launcher-sigterm``).
+        survived: The job reached its last step (after a relaunch for ``launcher-sigterm``;
+            None: not relaunched).
         passed: Every expectation of the scenario held (None: skipped).
         restarts: Restarts by kind (``in-job``, ``in-process``).
         committed_steps_lost: Committed progress thrown away (newest commit - step resumed).
@@ -37,7 +38,7 @@ class Row:
     what: str
     expect: str
     state: str = ""
-    survived: bool = False
+    survived: bool | None = False
     passed: bool | None = False
     restarts: dict[str, int] = field(default_factory=dict)
     committed_steps_lost: int = 0
@@ -55,7 +56,7 @@ class Row:
 
 
 def _yes(value: bool | None) -> str:
-    return "n/a" if value is None else ("yes" if value else "**no**")
+    return "n/a" if value is None else ("yes" if value else "no")
 
 
 def table(rows: list[Row]) -> str:

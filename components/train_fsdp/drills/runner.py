@@ -166,7 +166,7 @@ def _scenario(sc: Scenario, ctx: _Ctx) -> Row:
     return row
 
 
-def _sigterm(sc: Scenario, ctx: _Ctx) -> Row:
+def _sigterm(sc: Scenario, ctx: _Ctx, relaunch: bool) -> Row:
     """SIGTERM to the ``kfp-nvrx launch-local`` process, checks, then a relaunch to the end."""
     row = Row(sc.name, sc.what, sc.expect)
     run_dir = ctx.out / "runs" / sc.name
@@ -174,7 +174,7 @@ def _sigterm(sc: Scenario, ctx: _Ctx) -> Row:
     token = uuid.uuid4().hex
     t0 = time.time()
     argv = [sys.executable, "-m", "kfp_nvrx.pipelines.cli", "launch-local", "--nodes", "2",
-            "--run-dir", str(run_dir), "--config", "tiny"]
+            "--run-dir", str(run_dir), "--config", "tiny", "--verbose"]
     for item in ctx.overrides(sc):
         argv += ["--set", item]
     with open(log_file, "w") as fh:
@@ -198,7 +198,7 @@ def _sigterm(sc: Scenario, ctx: _Ctx) -> Row:
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     row.check(not left, f"{len(left)} process(es) still running after launch-local exited")
-    row.check(rc not in (0, None), f"launch-local exited {rc} after SIGTERM")
+    row.check(rc == 128 + signal.SIGTERM, f"launch-local exited {rc} after SIGTERM, not 143")
     events = read_events(run_dir)
     row.check(not measure.completed(events), "trainer logged a completed end before SIGTERM")
     problems = measure.run_dir_problems(run_dir)
@@ -208,6 +208,13 @@ def _sigterm(sc: Scenario, ctx: _Ctx) -> Row:
     steps_before = max((e["step"] for e in events if e["type"] == "step"), default=0)
     row.notes.append(f"stopped {stop_s:.1f} s after SIGTERM (exit code {rc}) at step "
                      f"{steps_before}; nothing left running; committed {sorted(kept)} all verify")
+    row.state = "Cancelled"
+    if not relaunch:  # drill --quick: the stop and the run dir checks only
+        row.survived = None
+        row.notes.append("no relaunch (--quick)")
+        row.wall_s = round(time.time() - t0, 1)
+        row.passed = not row.failures
+        return row
     res = _train(run_dir, ctx.overrides(sc), [], "2", log_file, token)
     row.state = f"Cancelled, relaunch {res.state}"
     _common(row, sc, ctx, run_dir, res, token)
@@ -221,7 +228,7 @@ def _sigterm(sc: Scenario, ctx: _Ctx) -> Row:
     return row
 
 
-def _reference(ctx_out: Path, data: str, log: Callable[[str], None]) -> tuple[dict, int, float]:
+def _reference(ctx_out: Path, data: str) -> tuple[dict, int, float]:
     run_dir = ctx_out / "runs" / "reference"
     t0 = time.time()
     res = _train(run_dir, [f"data.path={data}", *BASE_OVERRIDES], [], "2",
@@ -264,7 +271,7 @@ def run_drill(out: str | os.PathLike, *, quick: bool = False, names: list[str] |
     data = out / "data"
     prepare_dataset("sample:400", data, seq_len=64, log=lambda _m: None)
     log(f"drill: reference run ({STEPS} steps, 2 nodes x 1 process, tiny) ...")
-    reference, ckpt_bytes, ref_s = _reference(out, str(data), log)
+    reference, ckpt_bytes, ref_s = _reference(out, str(data))
     ctx = _Ctx(out, str(data), reference, ckpt_bytes, log)
     from importlib.metadata import version
 
@@ -280,7 +287,8 @@ def run_drill(out: str | os.PathLike, *, quick: bool = False, names: list[str] |
     rows: list[Row] = []
     for sc in scenarios:
         log(f"drill: {sc.name}: {sc.what} ...")
-        row = _sigterm(sc, ctx) if sc.action == "sigterm" else _scenario(sc, ctx)
+        row = _sigterm(sc, ctx, relaunch=meta["mode"] != "quick") if sc.action == "sigterm" \
+            else _scenario(sc, ctx)
         rows.append(row)
         write(out, rows, meta)
         verdict = "skipped" if row.passed is None else ("passed" if row.passed else "FAILED")
