@@ -140,7 +140,11 @@ def run_local(nodes: str, nproc_per_node: int, run_dir: str, config: str,
         UserError: Bad input, before anything is started.
     """
     from kfp_nvrx.components.train_fsdp.trainer.goodput import summarize
-    from kfp_nvrx.components.train_fsdp.trainer.setup import check_run_dir, validate_inputs
+    from kfp_nvrx.components.train_fsdp.trainer.setup import (
+        check_checkpoint_model,
+        check_run_dir,
+        validate_inputs,
+    )
 
     overrides, faults = list(overrides or []), list(faults or [])
     lo, hi = parse_nodes(nodes)
@@ -150,6 +154,7 @@ def run_local(nodes: str, nproc_per_node: int, run_dir: str, config: str,
         raise UserError("--deadline", f"must be > 0 seconds, got {deadline_s}")
     cfg, _ = validate_inputs(config, overrides, faults)
     run_path = check_run_dir(Path(run_dir)).resolve()
+    check_checkpoint_model(cfg, run_path)
     exe = _ft_launcher()
     name = name or re.sub(r"[^a-z0-9-]", "-", run_path.name.lower()) or "run"
     marker = uuid.uuid4().hex

@@ -65,6 +65,41 @@ def check_run_dir(run_dir: Path) -> Path:
     return run_dir
 
 
+def check_checkpoint_model(cfg: Config, run_dir: Path) -> None:
+    """The run dir's newest committed checkpoint must hold this config's model (names and shapes).
+
+    Otherwise reusing a run dir with another model fails inside every worker, once per restart
+    (and a same-named model of other sizes only at ``dcp.load``, with a traceback).
+    """
+    from kfp_nvrx.components.train_fsdp.trainer.checkpoint import committed_steps, step_dir
+
+    root = run_dir / "checkpoints"
+    steps = [s for s in committed_steps(root)
+             if cfg.checkpoint.load_step < 0 or s == cfg.checkpoint.load_step]
+    if not steps:
+        return
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from kfp_nvrx.components.train_fsdp.trainer.model import build_model
+
+    try:
+        md = dcp.FileSystemReader(str(step_dir(root, steps[0]))).read_metadata()
+        with torch.device("meta"):
+            model = build_model(cfg.model)
+    except Exception:  # noqa: BLE001 - unreadable (resume falls back) or a meta-unfriendly factory
+        return
+    theirs = {k[len("model."):]: tuple(m.size) for k, m in md.state_dict_metadata.items()
+              if k.startswith("model.") and hasattr(m, "size")}
+    ours = {k: tuple(t.shape) for k, t in model.state_dict().items()}
+    for key in sorted(set(ours) | set(theirs)):
+        if theirs and ours.get(key) != theirs.get(key):
+            raise UserError("checkpoint", f"step {steps[0]} in {root} was written by a different "
+                            f"model ({key}: checkpoint {theirs.get(key, 'none')}, this config "
+                            f"{ours.get(key, 'none')}); use a fresh --run-dir or the model.* "
+                            "settings it was trained with")
+
+
 def write_config(cfg: Config, run_dir: Path) -> None:
     """Writes the resolved config (atomically; every rank writes the same bytes)."""
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -77,6 +112,7 @@ def prepare_job(config: str, overrides: list[str], faults: list[str], run_dir: P
     """Validates everything, then creates the run dir and the per-worker Job."""
     cfg, parsed = validate_inputs(config, overrides, faults)
     check_run_dir(run_dir)
+    check_checkpoint_model(cfg, run_dir)
     from kfp_nvrx.components.train_fsdp.trainer.data import TokenDataset
     from kfp_nvrx.components.train_fsdp.trainer.resilience import Monitor
     from kfp_nvrx.components.train_fsdp.trainer.train import Job, pick_device
