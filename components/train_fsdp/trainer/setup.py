@@ -56,6 +56,18 @@ def check_in_process_timeouts(cfg: Config) -> None:
                         f"({r.soft_timeout:g}) with gloo: blocked gloo collectives cannot be aborted")
 
 
+#: What torchrun / ft_launcher give every worker; without them init_process_group fails deep down.
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def check_launcher_env() -> None:
+    """The worker was started by a launcher (raises UserError naming ``environment``)."""
+    missing = [k for k in LAUNCHER_ENV if not os.environ.get(k)]
+    if missing:
+        raise UserError("environment", f"{', '.join(missing)} not set: the trainer runs under a "
+                        "launcher (kfp-nvrx launch-local, ft_launcher or torchrun), not on its own")
+
+
 def check_run_dir(run_dir: Path) -> Path:
     """A usable run directory: no ``..`` components, not a file."""
     if ".." in Path(run_dir).parts:
@@ -113,6 +125,7 @@ def prepare_job(config: str, overrides: list[str], faults: list[str], run_dir: P
     cfg, parsed = validate_inputs(config, overrides, faults)
     check_run_dir(run_dir)
     check_checkpoint_model(cfg, run_dir)
+    check_launcher_env()
     from kfp_nvrx.components.train_fsdp.trainer.data import TokenDataset
     from kfp_nvrx.components.train_fsdp.trainer.resilience import Monitor
     from kfp_nvrx.components.train_fsdp.trainer.train import Job, pick_device
