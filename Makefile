@@ -20,7 +20,7 @@ demo: $(VENV)/.installed-all
 
 test: $(VENV)/.installed-test
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --durations=15
 
 lint: $(VENV)/.installed-test
 	$(PY) -m ruff check .
