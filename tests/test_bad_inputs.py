@@ -1,0 +1,314 @@
+"""Bad-input sweep: every bad input is one line naming the field, exit code 2, and nothing behind.
+
+CLI and trainer cases run as real processes (``python -m kfp_nvrx.pipelines.cli ...``), three at
+a time, each in its own empty working directory: afterwards that directory and the shared
+fixtures must be byte-for-byte unchanged (no run dir, out dir, YAML or partial file) and no
+process carrying the case's environment marker may be alive. Kubernetes/KFP cases point at an
+address where nothing listens, so an input checked too late shows up as a connection error
+naming ``--host`` (or a kubeconfig error) instead of the expected field. Component cases call the
+KFP components' Python functions in-process (the KFP executor would wrap any exception in its own
+traceback); they must raise :class:`UserError` naming the parameter before anything is created.
+No case may start training.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kfp_nvrx.components.errors import UserError
+from kfp_nvrx.components.train_fsdp.trainer.setup import LAUNCHER_ENV
+
+SWEEP_ENV = "KFP_NVRX_SWEEP"
+HOST = "http://127.0.0.1:9"  # discard port: nothing answers
+
+
+@dataclass(frozen=True)
+class Case:
+    """One bad input: ``argv`` after the program (``{name}`` placeholders are fixture paths)."""
+
+    id: str
+    argv: tuple[str, ...]
+    field: str
+    program: str = "cli"  # cli | trainer
+
+
+def _c(id_: str, field: str, *argv: str, program: str = "cli") -> Case:
+    return Case(id_, argv, field, program)
+
+
+LAUNCH = ("launch-local", "--run-dir", "{ws}/run", "--set", "data.path={data}")
+RENDER = ("render-job", "--image", "img:1", "--pvc", "shared", "--out", "{ws}/job.yaml")
+TRAINER = ("--config", "tiny", "--run-dir", "{ws}/run", "--set", "data.path={data}")
+
+CASES = [
+    # prepare-data
+    _c("prep-missing-source", "--source", "prepare-data", "--source", "{fx}/nope.txt", "--out",
+       "{ws}/ds"),
+    _c("prep-bad-jsonl", "--source", "prepare-data", "--source", "{badjsonl}", "--out", "{ws}/ds"),
+    _c("prep-not-utf8", "--source", "prepare-data", "--source", "{latin1}", "--out", "{ws}/ds"),
+    _c("prep-seq-len-type", "--seq-len", "prepare-data", "--source", "sample:", "--out", "{ws}/ds",
+       "--seq-len", "sixty"),
+    _c("prep-seq-len-zero", "--seq-len", "prepare-data", "--source", "sample:", "--out",
+       "{ws}/ds", "--seq-len", "0"),
+    _c("prep-val-fraction", "--val-fraction", "prepare-data", "--source", "sample:", "--out",
+       "{ws}/ds", "--val-fraction", "1.5"),
+    _c("prep-missing-tokenizer", "--tokenizer", "prepare-data", "--source", "sample:", "--out",
+       "{ws}/ds", "--tokenizer", "{fx}/tokenizer.json"),
+    # launch-local: nodes, trainer config, dataset, faults, run dir, checkpoint
+    _c("local-nodes-reversed", "--nodes", *LAUNCH, "--nodes", "3:1"),
+    _c("local-nproc-zero", "--nproc-per-node", *LAUNCH, "--nproc-per-node", "0"),
+    _c("local-run-dir-traversal", "--run-dir", "launch-local", "--run-dir", "{ws}/a/../../escape",
+       "--set", "data.path={data}"),
+    _c("local-steps-type", "train.steps", *LAUNCH, "--set", "train.steps=ten"),
+    _c("local-lr-negative", "train.lr", *LAUNCH, "--set", "train.lr=-0.1"),
+    _c("local-unknown-key", "train.stepz", *LAUNCH, "--set", "train.stepz=3"),
+    _c("local-monitor-choice", "resilience.monitor", *LAUNCH, "--set", "resilience.monitor=loud"),
+    _c("local-dataset-missing", "data.path", "launch-local", "--run-dir", "{ws}/run", "--set",
+       "data.path={empty}"),
+    _c("local-dataset-truncated", "data.path", "launch-local", "--run-dir", "{ws}/run", "--set",
+       "data.path={truncated}"),
+    _c("local-vocab-mismatch", "model.vocab_size", *LAUNCH, "--set", "model.vocab_size=100"),
+    _c("local-seq-len-too-long", "data.seq_len", *LAUNCH, "--set", "data.seq_len=512"),
+    _c("local-fault-kind", "--fault", *LAUNCH, "--fault", "explode@3"),
+    _c("local-fault-after-end", "--fault", *LAUNCH, "--fault", "kill@999"),
+    _c("local-config-missing", "--config", *LAUNCH, "--config", "{fx}/nope.yaml"),
+    _c("local-config-bad-yaml", "--config", *LAUNCH, "--config", "{badyaml}"),
+    _c("local-config-unknown-section", "trainer", *LAUNCH, "--config", "{badsection}"),
+    _c("local-deadline-negative", "--deadline", *LAUNCH, "--deadline", "-5"),
+    _c("local-other-model-checkpoint", "checkpoint", "launch-local", "--run-dir", "{othermodel}",
+       "--set", "data.path={data}"),
+    # trainer entry point (what every pod runs)
+    _c("trainer-heads", "model.dim", *TRAINER, "--set", "model.dim=66", program="trainer"),
+    _c("trainer-in-process-gloo", "resilience.pg_timeout", *TRAINER, "--set",
+       "resilience.in_process=true", "--set", "resilience.pg_timeout=30", program="trainer"),
+    _c("trainer-without-launcher", "environment", *TRAINER, program="trainer"),
+    # export
+    _c("export-not-a-run", "--run-dir", "export", "--run-dir", "{empty}", "--out", "{ws}/model"),
+    _c("export-missing-step", "--step", "export", "--run-dir", "{othermodel}", "--out",
+       "{ws}/model", "--step", "7"),
+    _c("export-eval-batches", "--eval-batches", "export", "--run-dir", "{othermodel}", "--out",
+       "{ws}/model", "--eval-batches", "-1"),
+    # job spec: render-job and launch
+    _c("job-instance-type", "--instance-type", *RENDER, "--instance-type", "p9.huge"),
+    _c("job-name", "--name", *RENDER, "--name", "Train_Job"),
+    _c("job-run-dir-traversal", "--run-dir", *RENDER, "--run-dir", "/fsx/../etc/runs"),
+    _c("job-run-dir-off-volume", "--run-dir", *RENDER, "--run-dir", "/tmp/run"),
+    _c("job-nproc-gpus", "--nproc-per-node", *RENDER, "--nproc-per-node", "9"),
+    _c("job-memory", "--memory", *RENDER, "--memory", "lots"),
+    _c("job-reserved-env", "--env", *RENDER, "--env", "MASTER_ADDR=1.2.3.4"),
+    _c("job-toleration", "--toleration", *RENDER, "--toleration", "gpu:Sometimes"),
+    _c("job-fault", "--fault", *RENDER, "--fault", "kill@x"),
+    _c("job-override", "train.steps", *RENDER, "--set", "train.steps=-1"),
+    _c("launch-k8s-no-image", "--image", "launch", "--backend", "kubernetes", "--pvc", "shared",
+       "--kubeconfig", "{fx}/kubeconfig"),
+    _c("launch-deadline", "--deadline", "launch", "--backend", "kubernetes", "--image", "i:1",
+       "--pvc", "shared", "--deadline", "0"),
+    _c("launch-local-nodes", "--nodes", "launch", "--backend", "local", "--nodes", "0",
+       "--run-dir", "{ws}/run", "--set", "data.path={data}"),
+    # pipelines: compile, run-local, submit, schedule
+    _c("compile-pipeline", "--pipeline", "compile", "--out", "{ws}/compiled", "--pipeline", "nope"),
+    _c("run-local-param-type", "--param seq_len", "run-local", "--out", "{ws}/local", "--param",
+       "seq_len=long"),
+    _c("run-local-unknown-param", "--param", "run-local", "--out", "{ws}/local", "--param",
+       "bogus=1"),
+    _c("run-local-bad-override", "--param overrides", "run-local", "--out", "{ws}/local",
+       "--param", 'overrides=["train.steps=0"]'),
+    _c("submit-unknown-param", "--param", "submit", "--host", HOST, "--param", "bogus=1"),
+    _c("submit-missing-package", "--package", "submit", "--host", HOST, "--package",
+       "{fx}/nope.yaml"),
+    _c("schedule-5-field-cron", "--cron", "schedule", "--host", HOST, "--cron", "0 3 * * *"),
+    _c("schedule-cron-range", "--cron", "schedule", "--host", HOST, "--cron", "0 0 25 * * *"),
+    _c("schedule-concurrency", "--max-concurrency", "schedule", "--host", HOST, "--cron",
+       "0 0 3 * * *", "--max-concurrency", "0"),
+    _c("drill-scenario", "--scenario", "drill", "--out", "{ws}/drill", "--scenario", "nope"),
+]
+
+
+def _snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath, name)
+            st = p.lstat()
+            out[str(p.relative_to(root))] = (st.st_size if p.is_file() else -1, st.st_mtime_ns)
+    return out
+
+
+def _alive_with(token: str) -> list[int]:
+    needle = f"{SWEEP_ENV}={token}".encode()
+    pids = []
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            if needle in (d / "environ").read_bytes().split(b"\0"):
+                pids.append(int(d.name))
+        except OSError:
+            continue
+    return pids
+
+
+def _other_model_run(run_dir: Path) -> None:
+    """A run dir whose committed step 4 holds a model of other sizes (dim 32, not tiny's 64)."""
+    import torch.distributed.checkpoint as dcp
+
+    from kfp_nvrx.components.train_fsdp.trainer.checkpoint import COMMIT_MARKER, step_dir
+    from kfp_nvrx.components.train_fsdp.trainer.config import load_config
+    from kfp_nvrx.components.train_fsdp.trainer.model import build_model
+
+    cfg = load_config("tiny", ["model.dim=32"])
+    path = step_dir(run_dir / "checkpoints", 4)
+    path.mkdir(parents=True)
+    state = {"model": build_model(cfg.model).state_dict()}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(path)), no_dist=True)
+    files = {p.name: p.stat().st_size for p in path.iterdir()}
+    (path / COMMIT_MARKER).write_text(json.dumps({"step": 4, "world_size": 1, "files": files}))
+    (run_dir / "config.yaml").write_text(json.dumps({"model": cfg.to_dict()["model"]}))
+
+
+@pytest.fixture(scope="module")
+def fixtures(tmp_path_factory) -> dict[str, str]:
+    from kfp_nvrx.components.prepare_dataset.prepare import prepare_dataset
+
+    fx = tmp_path_factory.mktemp("fixtures")
+    data = fx / "data"
+    prepare_dataset("sample:200", data, seq_len=64)
+    truncated = fx / "truncated"
+    prepare_dataset("sample:200", truncated, seq_len=64)
+    shard = next(truncated.glob("train*"))
+    os.truncate(shard, shard.stat().st_size // 2)
+    (fx / "empty").mkdir()
+    (fx / "bad.jsonl").write_text('{"text": "fine"}\n{"text": broken\n')
+    (fx / "latin1.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1"))
+    (fx / "bad.yaml").write_text("train: {steps: 3\n")
+    (fx / "section.yaml").write_text("trainer: {steps: 3}\n")
+    (fx / "kubeconfig").write_text("apiVersion: v1\nkind: Config\nclusters: []\n")
+    _other_model_run(fx / "othermodel")
+    return {"fx": str(fx), "data": str(data), "truncated": str(truncated),
+            "empty": str(fx / "empty"), "badjsonl": str(fx / "bad.jsonl"),
+            "latin1": str(fx / "latin1.txt"), "badyaml": str(fx / "bad.yaml"),
+            "badsection": str(fx / "section.yaml"), "othermodel": str(fx / "othermodel")}
+
+
+def _run_case(case: Case, fixtures: dict[str, str], root: Path) -> dict:
+    ws = root / case.id
+    ws.mkdir()
+    argv = [a.format(ws=ws, **fixtures) for a in case.argv]
+    module = ("kfp_nvrx.pipelines.cli" if case.program == "cli"
+              else "kfp_nvrx.components.train_fsdp.trainer")
+    token = uuid.uuid4().hex
+    env = {**os.environ, SWEEP_ENV: token, "KUBECONFIG": str(Path(fixtures["fx"], "kubeconfig"))}
+    for key in ("KFP_NVRX_REGISTRY", *LAUNCHER_ENV):
+        env.pop(key, None)
+    proc = subprocess.run([sys.executable, "-m", module, *argv], cwd=ws, env=env,
+                          capture_output=True, text=True, timeout=180)
+    return {"rc": proc.returncode, "stderr": proc.stderr, "stdout": proc.stdout,
+            "ws_after": _snapshot(ws), "alive": _alive_with(token)}
+
+
+@pytest.fixture(scope="module")
+def results(fixtures, tmp_path_factory) -> dict[str, dict]:
+    root = tmp_path_factory.mktemp("sweep")
+    before = _snapshot(Path(fixtures["fx"]))
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        futures = {c.id: pool.submit(_run_case, c, fixtures, root) for c in CASES}
+        out = {k: f.result() for k, f in futures.items()}
+    out["__fixtures_unchanged__"] = before == _snapshot(Path(fixtures["fx"]))
+    return out
+
+
+def test_sweep_is_large_and_spans_every_surface() -> None:
+    assert len(CASES) >= 25 and len({c.id for c in CASES}) == len(CASES)
+    commands = {c.argv[0] for c in CASES if c.program == "cli"}
+    assert {"prepare-data", "launch-local", "export", "render-job", "launch", "compile",
+            "run-local", "submit", "schedule"} <= commands
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input_is_one_line_exit_2_and_leaves_nothing(case: Case, results) -> None:
+    r = results[case.id]
+    lines = r["stderr"].strip().splitlines()
+    assert r["rc"] == 2, (r["rc"], r["stderr"][-2000:])
+    assert len(lines) == 1, r["stderr"]
+    assert "Traceback" not in r["stderr"] + r["stdout"]
+    assert "error: " in lines[0] and case.field in lines[0].split("error: ", 1)[1], lines[0]
+    assert r["ws_after"] == {}, f"left behind: {sorted(r['ws_after'])}"
+    assert r["alive"] == []
+
+
+def test_no_case_touched_the_shared_fixtures(results) -> None:
+    assert results["__fixtures_unchanged__"]
+
+
+# -- KFP components, called as the KFP executor calls them (in-process) ----------------------------
+
+COMPONENT_CASES = [  # (id, component, parameters, field the error must name)
+    ("train-nodes", "train", {"nodes": "0"}, "nodes"),
+    ("train-backend", "train", {"backend": "cloud"}, "backend"),
+    ("train-instance-type", "train", {"instance_type": "p9.huge", "backend": "kubernetes"},
+     "instance-type"),
+    ("train-fault", "train", {"faults": ["explode@3"]}, "fault"),
+    ("train-override", "train", {"overrides": ["train.steps=abc"]}, "train.steps"),
+    ("train-init-from", "train", {"init_from": "{fx}/nope/model.safetensors"}, "init_from"),
+    ("prepare-source", "prepare", {"source": "{fx}/nope.txt"}, "source"),
+    ("prepare-seq-len", "prepare", {"seq_len": 0}, "seq_len"),
+    ("export-no-checkpoint", "export", {"run_path": "{empty}"}, "run_dir"),
+    ("export-step", "export", {"step": 7}, "step"),
+    ("compare-min-improvement", "compare", {"min_improvement": -1.0}, "min_improvement"),
+]
+
+
+def _call_component(kind: str, params: dict, ws: Path, fx: dict[str, str]):
+    from kfp import dsl
+
+    params = {k: v.format(**fx) if isinstance(v, str) else v for k, v in params.items()}
+    out = ws / "outputs"
+    if kind == "train":
+        from kfp_nvrx.components.train_fsdp.component import train_fsdp
+
+        args = dict(dataset=dsl.Dataset(uri=fx["data"], metadata={"path": fx["data"]}),
+                    workspace=str(ws / "workspace"), run=dsl.Artifact(uri=str(out / "run")),
+                    metrics=dsl.Metrics(uri=str(out / "metrics")),
+                    timeline=dsl.HTML(uri=str(out / "timeline")), backend="local",
+                    kfp_run_id="run-1", kfp_task="train-fsdp")
+        return train_fsdp.python_func(**{**args, **params})
+    if kind == "prepare":
+        from kfp_nvrx.components.prepare_dataset.component import prepare_dataset
+
+        args = dict(source="sample:", workspace=str(ws / "workspace"),
+                    dataset=dsl.Dataset(uri=str(out / "dataset")))
+        return prepare_dataset.python_func(**{**args, **params})
+    if kind == "export":
+        from kfp_nvrx.components.export_checkpoint.component import export_checkpoint
+
+        run_path = params.pop("run_path", fx["othermodel"])
+        args = dict(run=dsl.Artifact(uri=str(out / "run"), metadata={"path": run_path}),
+                    model=dsl.Model(uri=str(out / "model")),
+                    metrics=dsl.Metrics(uri=str(out / "metrics")))
+        return export_checkpoint.python_func(**{**args, **params})
+    from kfp_nvrx.components.evaluate_promote.component import compare_models
+
+    args = dict(candidate=dsl.Model(uri=str(ws / "nope")),
+                dataset=dsl.Dataset(uri=fx["data"], metadata={"path": fx["data"]}),
+                promoted_dir=str(ws / "promoted"), metrics=dsl.Metrics(uri=str(out / "m")))
+    return compare_models.python_func(**{**args, **params})
+
+
+@pytest.mark.parametrize("id_, kind, params, field", COMPONENT_CASES,
+                         ids=[c[0] for c in COMPONENT_CASES])
+def test_component_bad_parameter_is_a_user_error_before_anything_exists(
+        id_, kind, params, field, fixtures, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("KUBECONFIG", str(Path(fixtures["fx"], "kubeconfig")))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError) as err:
+        _call_component(kind, dict(params), tmp_path, fixtures)
+    assert field in err.value.field, err.value.one_line()
+    assert "\n" not in err.value.one_line() and UserError.exit_code == 2
+    assert _snapshot(tmp_path) == {}, sorted(_snapshot(tmp_path))
