@@ -147,6 +147,12 @@ def in_process_wrapper(cfg: ResilienceConfig, store_port: int) -> Callable[[Call
         initialize=inprocess.initialize.RetryController(max_iterations=cfg.in_process_max_iterations),
         health_check=_health_check(),
     )
+    import torch
+
+    if not torch.cuda.is_available() and hasattr(wrapper, "restart_health_check"):
+        # NVRx >= 0.6 chains NVML GPU/NVLink/NIC checks whenever LOCAL_RANK is set; on a host
+        # without NVML every restart would fail its health check and end the process.
+        wrapper.restart_health_check = None
 
     def decorate(fn: Callable) -> Callable:
         def entry(*args: Any, call_wrapper: Any = None) -> Any:
