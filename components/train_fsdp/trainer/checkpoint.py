@@ -18,6 +18,7 @@ a step boundary once every rank's write is done, bounded by ``checkpoint.finaliz
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import json
 import os
@@ -214,7 +215,10 @@ class Checkpointer:
 
         # FT: NVRx persistent async checkpoint worker (spawned once, reused by every save).
         self._caller = self._new_caller(PersistentAsyncCaller)
-        self._caller.schedule_async_call(AsyncRequest(time.sleep, (0,), []))
+        # The warm-up call imports the DCP writer in the worker, so the first real save does not
+        # pay for that either (seconds on a busy host).
+        writer_module = "nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async"
+        self._caller.schedule_async_call(AsyncRequest(importlib.import_module, (writer_module,), []))
         self._warming = True
         try:  # the writer's results queue is a multiprocessing Manager: another process to spawn
             from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async
