@@ -435,9 +435,12 @@ class Checkpointer:
         self.inflight = None
         caller, self._caller = self._caller, None
         if caller is not None and caller.process is not None:
-            caller.process.kill()
-            caller.process.join(timeout=10)
-            caller.process = None
+            # Detach first: an in-process restart's async exception can land in the kill/join
+            # below, and NVRx's __del__ -> close() would then wait forever on a dead writer's
+            # queue (the rank goes unresponsive and the wrapper drops it from the world).
+            proc, caller.process = caller.process, None
+            proc.kill()
+            proc.join(timeout=10)
 
     def close(self) -> None:
         """Finishes the pending save (blocking) and stops the writer process."""
