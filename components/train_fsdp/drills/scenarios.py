@@ -56,12 +56,12 @@ class Scenario:
 
 
 SCENARIOS: tuple[Scenario, ...] = (
-    Scenario("kill-rank", "SIGKILL rank 1 at step 6", faults=("kill@6/1",)),
+    Scenario("kill-rank", "SIGKILL rank 1 at step 10", faults=("kill@10/1",)),
     Scenario("kill-node", "SIGKILL node 1's ft_launcher agent and its worker (--nodes 1:2) after "
              "the first commit", nodes="1:2", action="kill-node", bitwise=False),
     Scenario("hang-rank", "rank 1 stops (no heartbeats, blocked) at step 10", faults=("hang@10/1",)),
-    Scenario("raise-in-process", "exception on rank 1 at step 6, in-process restart on",
-             faults=("raise@6/1",), extra=IN_PROCESS),
+    Scenario("raise-in-process", "exception on rank 1 at step 6 (the first checkpoint still in "
+             "flight), in-process restart on", faults=("raise@6/1",), extra=IN_PROCESS),
     Scenario("kill-in-ckpt", "SIGKILL rank 1 while the step-8 checkpoint is being written",
              faults=("kill-in-ckpt@8/1",)),
     Scenario("corrupt-newest", "SIGKILL rank 1 at step 14, then flip 64 bytes of the newest "
@@ -72,8 +72,8 @@ SCENARIOS: tuple[Scenario, ...] = (
              action="truncate-newest"),
     Scenario("disk-full", "checkpoint volume (tmpfs) fills up while the step-8 checkpoint is "
              "written; space is freed once the failure shows", action="disk-full"),
-    Scenario("two-faults", "SIGKILL rank 1 at step 5 and rank 0 at step 7 (both before the next "
-             "commit at 8)", faults=("kill@5/1", "kill@7/0"), min_restarts=2),
+    Scenario("two-faults", "SIGKILL rank 1 at step 9 and rank 0 at step 11 (both before the next "
+             "commit at 12)", faults=("kill@9/1", "kill@11/0"), min_restarts=2),
     Scenario("launcher-sigterm", "SIGTERM to `kfp-nvrx launch-local` after the first commit; "
              "then launch again (not with --quick)", expect=STOP, action="sigterm", min_restarts=0,
              quick=True),
