@@ -23,6 +23,7 @@ import inspect
 import json
 import os
 import shutil
+import threading
 import time
 import zlib
 from collections.abc import Callable
@@ -166,6 +167,30 @@ def _snapshot(obj: Any) -> Any:
     return obj
 
 
+_DELETING: set[Path] = set()  # trash directories a thread of this process is removing
+
+
+def _discard(path: Path) -> None:
+    """Deletes a checkpoint directory off the training loop's critical path.
+
+    The directory is renamed first (atomic: resume never sees it half-deleted), then removed by a
+    daemon thread: unlinking a multi-GB file can take seconds, which showed up as a stalled
+    training step at commit time.
+    """
+    if path in _DELETING:
+        return
+    trash = path
+    if not path.name.startswith(".trash-"):
+        trash = path.with_name(f".trash-{path.name}-{os.getpid()}-{time.monotonic_ns()}")
+        try:
+            os.replace(path, trash)
+        except OSError:
+            return
+    _DELETING.add(trash)
+    threading.Thread(target=shutil.rmtree, args=(trash,), kwargs={"ignore_errors": True},
+                     daemon=True, name="ckpt-prune").start()
+
+
 @dataclass
 class _InFlight:
     step: int
@@ -283,7 +308,13 @@ class Checkpointer:
         )
 
         self._finish_warm_up()
-        writer = FileSystemWriterAsync(str(path), thread_count=1)
+        kwargs = {}
+        if "use_cached_data_structure" in inspect.signature(FileSystemWriterAsync).parameters:
+            # NVRx >= 0.6 sends CUDA IPC handles to its worker, which does the D2H; cached, the
+            # worker keeps them between saves (same plan and storages) instead of reopening
+            # hundreds of handles inside every save's blocking part.
+            kwargs["use_cached_data_structure"] = self.device.type == "cuda"
+        writer = FileSystemWriterAsync(str(path), thread_count=1, **kwargs)
         plan = save_state_dict_async_plan(state, writer)
         save_fn, preload_fn, args = writer.get_save_function_and_args()
         if self.device.type != "cuda" and hasattr(writer, "write_buckets"):
@@ -390,12 +421,14 @@ class Checkpointer:
         """Keeps the newest ``checkpoint.keep`` committed checkpoints; drops older torn ones."""
         committed = committed_steps(self.root)
         for step in committed[self.cfg.keep:]:
-            shutil.rmtree(step_dir(self.root, step), ignore_errors=True)
+            _discard(step_dir(self.root, step))
         if committed:
             oldest_kept = committed[: self.cfg.keep][-1]
             for p in self.root.glob(f"{_PREFIX}*"):
                 if not (p / COMMIT_MARKER).exists() and p.name < step_dir(self.root, oldest_kept).name:
-                    shutil.rmtree(p, ignore_errors=True)
+                    _discard(p)
+        for p in self.root.glob(".trash-*"):  # left by an earlier incarnation
+            _discard(p)
 
     # ---------------------------------------------------------------- load
     def select(self, log: Callable[[str], None] = print) -> int | None:
