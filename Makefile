@@ -25,7 +25,7 @@ test: $(VENV)/.installed-test
 lint: $(VENV)/.installed-test
 	$(PY) -m ruff check .
 
-bench: $(VENV)/.installed-all
+bench: $(VENV)/.installed-bench
 	$(PY) -m bench.run
 
 clean:
