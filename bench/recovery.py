@@ -1,0 +1,111 @@
+"""Recovery time of the shipped trainer under ft_launcher: fault -> first step of the next incarnation.
+
+Scenarios: ``kill`` (SIGKILL; ft_launcher restarts the workers), ``hang`` (no heartbeats; the rank
+monitor's learned timeout fires), ``raise`` with ``resilience.in_process=true`` (NVRx's in-process
+wrapper re-enters the training function in the same process). Each total is split into
+detection (fault -> first launcher line reporting it; 0 in-process: the exception is the
+detection), restart (-> the new incarnation begins), setup (process group, model build),
+checkpoint load and the first step, from ``events.jsonl`` and the launcher's timed output.
+
+``python -m bench.recovery --preset 1b --out recovery.json``
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from bench.common import log, machine_info, make_dataset, write_json
+from bench.runs import run_trainer
+
+# NVRx 0.7 logs "Event: failure_detected"; torch elastic "failed (exitcode ...)".
+_DETECT = re.compile(r"Event: failure_detected|Worker group FAILED|failed \(exitcode|timed out|"
+                     r"Timeout elapsed|did not send", re.IGNORECASE)
+_SPAWNED = "Event: worker_start_completed"
+SCENARIOS = {
+    "kill": {"faults": ["kill@{f}"], "set": [], "kind": "in-job"},
+    "hang": {"faults": ["hang@{f}"], "set": [], "kind": "in-job"},
+    "raise": {"faults": ["raise@{f}"], "set": ["resilience.in_process=true"], "kind": "in-process"},
+}
+
+
+def split(events: list[dict[str, Any]], lines: list[tuple[float, str]], in_process: bool) -> dict:
+    """The recovery split of the first fault of a run."""
+    fault = next((e for e in events if e["type"] == "fault"), None)
+    if fault is None:
+        return {"error": "no fault event"}
+    t_fault = fault["time"]
+    start = next((e for e in events if e["type"] == "start" and e["time"] > t_fault), None)
+    if start is None:
+        return {"error": "no incarnation started after the fault"}
+    first = next((e for e in events if e["type"] == "step" and e["start"] >= start["time"]), None)
+    if first is None:
+        return {"error": "no step after the restart"}
+    if in_process:
+        t_detect = t_fault
+    else:
+        t_detect = next((t for t, ln in lines if t >= t_fault and "[trainer]" not in ln
+                         and _DETECT.search(ln)), start["time"])
+    load = float(start.get("load_s", 0.0))
+    t_spawned = next((t for t, ln in lines if t >= t_detect and _SPAWNED in ln), None)
+    out = {
+        "total_s": first["end"] - t_fault,
+        "detection_s": t_detect - t_fault,
+        "restart_s": start["time"] - t_detect,
+        # of which: the launcher (stop workers, rendezvous, spawn), then interpreter + imports
+        "launcher_s": t_spawned - t_detect if t_spawned else None,
+        "setup_s": first["start"] - start["time"] - load,
+        "load_s": load,
+        "first_step_s": first["end"] - first["start"],
+        "resumed_from": start.get("resumed_from"),
+        "restart_kind": next((e["kind"] for e in events if e["type"] == "restart"), None),
+        "fault_step": fault["step"],
+    }
+    ckpts = [e for e in events if e["type"] == "checkpoint" and e["step"] == start.get("resumed_from")]
+    if ckpts and load > 0:
+        out["load_gb_per_s"] = ckpts[-1]["bytes"] / load / 1e9
+        out["checkpoint_bytes"] = ckpts[-1]["bytes"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs each scenario once and writes one JSON file."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--preset", default="1b")
+    p.add_argument("--steps", type=int, default=18)
+    p.add_argument("--fault-step", type=int, default=12)
+    p.add_argument("--interval", type=int, default=5)
+    p.add_argument("--only", default="kill,hang,raise")
+    p.add_argument("--run-timeout", type=float, default=240)
+    args = p.parse_args(argv)
+
+    from kfp_nvrx.components.train_fsdp.trainer.config import load_config
+
+    cfg = load_config(args.preset)
+    work = Path(tempfile.mkdtemp(prefix="kfp-nvrx-bench-"))
+    data = make_dataset(work, cfg.data.seq_len)
+    base = [f"data.path={data}", f"train.steps={args.steps}", f"checkpoint.interval={args.interval}",
+            "checkpoint.keep=2", "checkpoint.save_final=false", "resilience.learn_after=3",
+            "resilience.workers_stop_timeout=5"]
+    res: dict[str, Any] = {"bench": "recovery", "preset": args.preset, "machine": machine_info(),
+                           "scenarios": {}}
+    for name in args.only.split(","):
+        sc = SCENARIOS[name]
+        faults = [f.format(f=args.fault_step) for f in sc["faults"]]
+        run = run_trainer("ft", args.preset, work / f"run_{name}", [*base, *sc["set"]], faults,
+                          timeout=args.run_timeout)
+        row = {"kind": sc["kind"], "state": run["state"], "wall_s": run["wall_s"],
+               **split(run["events"], run["lines"], sc["kind"] == "in-process")}
+        row["detect_lines"] = [ln[-300:] for t, ln in run["lines"] if _DETECT.search(ln)][:8]
+        res["scenarios"][name] = row
+        log(f"recovery {name}: {({k: v for k, v in row.items() if k != 'detect_lines'})}")
+        write_json(args.out, res)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,71 @@
+"""``make bench``: every benchmark as a subprocess, then the report in ``docs/benchmarks/``.
+
+``python -m bench.run [--out docs/benchmarks] [--only ckpt_stall,throughput,recovery] [--quick]``
+
+Needs a CUDA GPU. ``--quick`` uses the ``125m`` preset and fewer steps (a smoke run of the
+benchmarks themselves, not figures to publish). ``--report-only`` rebuilds the markdown, plots
+and summary from the JSON files already in ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench.common import SAFE_ENV, log
+
+BENCHES = ("ckpt_stall", "throughput", "recovery")
+
+
+def _args(name: str, quick: bool) -> list[str]:
+    if name == "ckpt_stall":
+        return ["--config", "125m" if quick else "1b"]
+    if name == "throughput":
+        return ["--steps-125m", "20", "--steps-1b", "16", "--skip", "5"] if quick else []
+    if name == "recovery":
+        return ["--preset", "125m"] if quick else []
+    return []
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the selected benchmarks, then writes the report."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="docs/benchmarks")
+    p.add_argument("--only", default=",".join(BENCHES))
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--report-only", action="store_true")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per benchmark")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    if not args.report_only:
+        import torch
+
+        if not torch.cuda.is_available():
+            sys.stderr.write("bench: needs a CUDA GPU (torch.cuda.is_available() is False)\n")
+            return 2
+        out.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **SAFE_ENV, "PYTHONUNBUFFERED": "1"}
+        for name in filter(None, args.only.split(",")):
+            if name not in BENCHES:
+                sys.stderr.write(f"bench: unknown benchmark {name!r}; known: {', '.join(BENCHES)}\n")
+                return 2
+            t0 = time.time()
+            cmd = [sys.executable, "-m", f"bench.{name}", "--out", str(out / f"{name}.json"),
+                   *_args(name, args.quick)]
+            try:
+                rc = subprocess.run(cmd, env=env, timeout=args.timeout).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+            log(f"{name}: exit {rc} after {time.time() - t0:.0f}s")
+    from bench.report import build_report
+
+    build_report(out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

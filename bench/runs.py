@@ -1,0 +1,77 @@
+"""Running the shipped trainer as a user would, and reading its ``events.jsonl`` back.
+
+Two ways: ``direct`` (one ``python -m kfp_nvrx.components.train_fsdp.trainer`` process with the
+torchrun environment, no NVRx launcher) and ``ft`` (``launch-local``'s :func:`run_local`: one
+``ft_launcher`` agent, the same command line a PyTorchJob pod runs). Launcher output lines are
+kept with the wall time they arrived, so detection can be timed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import SAFE_ENV, log, median, single_process_env
+
+TRAINER = "kfp_nvrx.components.train_fsdp.trainer"
+
+
+def run_trainer(mode: str, preset: str, run_dir: Path, overrides: list[str],
+                faults: list[str] | None = None, timeout: float = 300) -> dict[str, Any]:
+    """Runs one training job to the end; returns state, wall seconds, events and log lines."""
+    from kfp_nvrx.components.train_fsdp.trainer.events import read_events
+
+    shutil.rmtree(run_dir, ignore_errors=True)
+    faults = list(faults or [])
+    lines: list[tuple[float, str]] = []
+    t0 = time.time()
+    if mode == "direct":
+        argv = [sys.executable, "-m", TRAINER, "--config", preset, "--run-dir", str(run_dir)]
+        for o in overrides:
+            argv += ["--set", o]
+        for f in faults:
+            argv += ["--fault", f]
+        env = {**os.environ, **SAFE_ENV, **single_process_env(), "PYTHONUNBUFFERED": "1"}
+        try:
+            proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
+            state = "Succeeded" if proc.returncode == 0 else f"Failed (exit {proc.returncode})"
+            lines = [(time.time(), ln) for ln in (proc.stdout + proc.stderr).splitlines()]
+        except subprocess.TimeoutExpired as err:
+            state = "DeadlineExceeded"
+            lines = [(time.time(), ln) for ln in str(err.stdout or "").splitlines()]
+    else:
+        from kfp_nvrx.components.train_fsdp.launcher.local import run_local
+
+        res = run_local("1", 1, str(run_dir), preset, overrides, faults,
+                        env=dict(SAFE_ENV), deadline_s=timeout, verbose=True,
+                        log=lambda ln: lines.append((time.time(), ln)))
+        state = res.state if res.state == "Succeeded" else f"{res.state}: {res.reason}"
+    wall = time.time() - t0
+    if not state.startswith("Succeeded"):
+        log(f"{mode} {preset} {faults}: {state}")
+        for _, ln in lines[-15:]:
+            log(f"   {ln}")
+    return {"state": state, "wall_s": wall, "events": read_events(run_dir), "lines": lines}
+
+
+def step_times(events: list[dict[str, Any]], skip: int) -> list[float]:
+    """Durations of the steps after the first ``skip`` (warm-up, compile)."""
+    steps = [e for e in events if e["type"] == "step"]
+    return [e["end"] - e["start"] for e in steps[skip:]]
+
+
+def step_summary(events: list[dict[str, Any]], skip: int, tokens_per_step: int) -> dict[str, Any]:
+    """Median/mean step time and tokens/s over the steady-state steps."""
+    times = step_times(events, skip)
+    med = median(times)
+    steps = [e for e in events if e["type"] == "step"][skip:]
+    span = steps[-1]["end"] - steps[0]["start"] if steps else 0.0
+    return {"steps_timed": len(times), "step_median_s": med,
+            "step_mean_s": sum(times) / len(times) if times else 0.0,
+            "wall_per_step_s": span / len(steps) if steps else 0.0,
+            "tokens_per_s": tokens_per_step / med if med else 0.0}
