@@ -17,6 +17,7 @@ a step boundary once every rank's write is done, bounded by ``checkpoint.finaliz
 
 from __future__ import annotations
 
+import atexit
 import functools
 import importlib
 import inspect
@@ -40,6 +41,30 @@ from kfp_nvrx.components.train_fsdp.trainer.config import CheckpointConfig
 COMMIT_MARKER = "COMMITTED"
 _PREFIX = "step_"
 _CRC_PREFIX = ".crc32_rank"
+#: NVRx writer processes this worker started and has not seen stop. They are not daemons, so one
+#: left running blocks interpreter exit (multiprocessing joins its children) forever.
+_WRITERS: list[Any] = []
+
+
+def kill_writers() -> None:
+    """Kills and reaps every writer process still tracked (abort path and interpreter exit).
+
+    A process leaves the list only once reaped, so an async exception (in-process restart) that
+    interrupts this leaves the rest for the next call.
+    """
+    for proc in list(_WRITERS):
+        if proc.is_alive():
+            proc.kill()
+        proc.join(timeout=10)
+        _WRITERS.remove(proc)
+
+
+atexit.register(kill_writers)  # registered after multiprocessing's exit hook, so it runs first
+
+
+def _track(caller: Any) -> None:
+    if caller.process is not None and caller.process not in _WRITERS:
+        _WRITERS.append(caller.process)
 
 
 class CheckpointError(RuntimeError):
@@ -244,6 +269,7 @@ class Checkpointer:
         # pay for that either (seconds on a busy host).
         writer_module = "nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async"
         self._caller.schedule_async_call(AsyncRequest(importlib.import_module, (writer_module,), []))
+        _track(self._caller)
         self._warming = True
         try:  # the writer's results queue is a multiprocessing Manager: another process to spawn
             from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async
@@ -332,6 +358,7 @@ class Checkpointer:
             self._caller.schedule_async_call(AsyncRequest(functools.partial(_write_then_checksum,
                                                                             save_fn),
                                                           tuple(args), [], preload_fn=preload_fn))
+            _track(self._caller)
         return [lambda: self._finalize_dcp(*plan)]
 
     def _finalize_dcp(self, writer: Any, metadata: Any, dist_wrapper: Any) -> None:
@@ -467,13 +494,12 @@ class Checkpointer:
         """
         self.inflight = None
         caller, self._caller = self._caller, None
-        if caller is not None and caller.process is not None:
-            # Detach first: an in-process restart's async exception can land in the kill/join
-            # below, and NVRx's __del__ -> close() would then wait forever on a dead writer's
-            # queue (the rank goes unresponsive and the wrapper drops it from the world).
-            proc, caller.process = caller.process, None
-            proc.kill()
-            proc.join(timeout=10)
+        if caller is not None:
+            # Detached first: NVRx's __del__ -> close() would wait forever on a killed writer's
+            # queue (an in-process restart's async exception can land anywhere in here; the rank
+            # then went unresponsive and the wrapper dropped it from the world).
+            caller.process = None
+        kill_writers()
 
     def close(self) -> None:
         """Finishes the pending save (blocking) and stops the writer process."""
@@ -483,3 +509,4 @@ class Checkpointer:
             if self._caller is not None:
                 self._caller.close()
                 self._caller = None
+            kill_writers()  # reaps the closed writer (and any an interrupted abort left)
