@@ -17,16 +17,13 @@ a step boundary once every rank's write is done, bounded by ``checkpoint.finaliz
 
 from __future__ import annotations
 
-import atexit
 import functools
 import importlib
 import inspect
 import json
 import os
 import shutil
-import threading
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,184 +33,26 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from kfp_nvrx.components.train_fsdp.trainer.checkpoint_files import (  # noqa: F401 (re-exported)
+    _CRC_PREFIX,
+    _PREFIX,
+    COMMIT_MARKER,
+    CheckpointError,
+    _crc32,
+    _dir_files,
+    _discard,
+    _snapshot,
+    _track,
+    _write_atomic,
+    _write_then_checksum,
+    committed_steps,
+    kill_writers,
+    select_checkpoint,
+    step_dir,
+    verify,
+    write_checksums,
+)
 from kfp_nvrx.components.train_fsdp.trainer.config import CheckpointConfig
-
-COMMIT_MARKER = "COMMITTED"
-_PREFIX = "step_"
-_CRC_PREFIX = ".crc32_rank"
-#: NVRx writer processes this worker started and has not seen stop. They are not daemons, so one
-#: left running blocks interpreter exit (multiprocessing joins its children) forever.
-_WRITERS: list[Any] = []
-
-
-def kill_writers() -> None:
-    """Kills and reaps every writer process still tracked (abort path and interpreter exit).
-
-    A process leaves the list only once reaped, so an async exception (in-process restart) that
-    interrupts this leaves the rest for the next call.
-    """
-    for proc in list(_WRITERS):
-        if proc.is_alive():
-            proc.kill()
-        proc.join(timeout=10)
-        _WRITERS.remove(proc)
-
-
-atexit.register(kill_writers)  # registered after multiprocessing's exit hook, so it runs first
-
-
-def _track(caller: Any) -> None:
-    if caller.process is not None and caller.process not in _WRITERS:
-        _WRITERS.append(caller.process)
-
-
-class CheckpointError(RuntimeError):
-    """A save that failed or did not finish in time (never swallowed)."""
-
-
-def step_dir(root: Path, step: int) -> Path:
-    """``<root>/step_XXXXXXXX``."""
-    return root / f"{_PREFIX}{step:08d}"
-
-
-def _dir_files(path: Path) -> dict[str, int]:
-    return {p.name: p.stat().st_size for p in sorted(path.iterdir())
-            if p.is_file() and p.name != COMMIT_MARKER}
-
-
-def committed_steps(root: Path) -> list[int]:
-    """Steps with a commit marker, newest first."""
-    if not root.is_dir():
-        return []
-    steps = []
-    for p in root.iterdir():
-        if p.name.startswith(_PREFIX) and (p / COMMIT_MARKER).is_file():
-            try:
-                steps.append(int(p.name[len(_PREFIX):]))
-            except ValueError:
-                continue
-    return sorted(steps, reverse=True)
-
-
-def _crc32(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 24):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
-def write_checksums(files: list[str], rank: int) -> None:
-    """Records the CRC32 of this rank's checkpoint files in a sidecar next to them.
-
-    Runs in NVRx's writer process after the write (or inline for synchronous saves); rank 0 folds
-    every sidecar into the commit marker.
-    """
-    if not files:
-        return
-    try:
-        sums = {Path(name).name: _crc32(Path(name)) for name in files}
-        _write_atomic(Path(files[0]).parent / f"{_CRC_PREFIX}{rank}.json", json.dumps(sums).encode())
-    except OSError:  # the write itself failed (e.g. disk full): finalisation reports that error
-        return
-
-
-def _write_then_checksum(save_fn: Callable, rank: int, write_buckets: list, *rest: Any) -> None:
-    """The writer process's job: NVRx's write, then the checksums of the files it wrote."""
-    save_fn(rank, write_buckets, *rest)
-    write_checksums([bucket[0] for bucket in write_buckets], rank)
-
-
-def verify(path: Path, share: tuple[int, int] = (0, 1)) -> str | None:
-    """Checks a committed checkpoint's files against its marker; returns a problem or None.
-
-    Sizes are always checked; CRC32s (when the marker has them) only for this ``(index, count)``
-    share of the files, so ranks can split that work.
-    """
-    try:
-        marker = json.loads((path / COMMIT_MARKER).read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        return f"unreadable commit marker ({err})"
-    expected = marker.get("files", {})
-    try:
-        actual = _dir_files(path)
-    except OSError as err:
-        return f"cannot list files ({err})"
-    for name, size in expected.items():
-        if name not in actual:
-            return f"missing file {name}"
-        if actual[name] != size:
-            return f"{name} is {actual[name]} bytes, expected {size} (truncated or corrupt)"
-    for i, (name, crc) in enumerate(sorted(marker.get("crc32", {}).items())):
-        if i % share[1] != share[0]:
-            continue
-        try:
-            if _crc32(path / name) != crc:
-                return f"{name} fails its CRC32 check (corrupt)"
-        except OSError as err:
-            return f"cannot read {name} ({err})"
-    return None
-
-
-def select_checkpoint(root: Path, wanted: int = -1, log: Callable[[str], None] = print) -> int | None:
-    """The newest intact committed step (or ``wanted``), logging any that are skipped."""
-    for step in committed_steps(root):
-        if wanted >= 0 and step != wanted:
-            continue
-        problem = verify(step_dir(root, step))
-        if problem is None:
-            return step
-        log(f"checkpoint step {step} is damaged ({problem}); falling back to an older one")
-    return None
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
-def _snapshot(obj: Any) -> Any:
-    """Clones CPU tensors inside NVRx write buckets (the CPU path's staging)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, list):
-        return [_snapshot(x) for x in obj]
-    if isinstance(obj, tuple):
-        return tuple(_snapshot(x) for x in obj)
-    return obj
-
-
-_DELETING: set[Path] = set()  # trash directories a thread of this process is removing
-
-
-def _discard(path: Path) -> None:
-    """Deletes a checkpoint directory off the training loop's critical path.
-
-    The directory is renamed first (atomic: resume never sees it half-deleted), then removed by a
-    daemon thread: unlinking a multi-GB file can take seconds, which showed up as a stalled
-    training step at commit time.
-    """
-    if path in _DELETING:
-        return
-    trash = path
-    if not path.name.startswith(".trash-"):
-        trash = path.with_name(f".trash-{path.name}-{os.getpid()}-{time.monotonic_ns()}")
-        try:
-            os.replace(path, trash)
-        except OSError:
-            return
-    _DELETING.add(trash)
-    threading.Thread(target=shutil.rmtree, args=(trash,), kwargs={"ignore_errors": True},
-                     daemon=True, name="ckpt-prune").start()
 
 
 @dataclass
