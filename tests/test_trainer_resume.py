@@ -100,8 +100,8 @@ def test_hang_is_detected_by_learned_timeout(tmp_path, dataset, reference):
 
 def test_raise_recovers_in_process_without_new_pids(tmp_path, dataset, reference):
     extra = ["resilience.in_process=true", "resilience.monitor=off",
-             "resilience.learn_timeouts=false", "resilience.soft_timeout=6",
-             "resilience.hard_timeout=10", "resilience.pg_timeout=4"]
+             "resilience.learn_timeouts=false", "resilience.soft_timeout=15",
+             "resilience.hard_timeout=30", "resilience.pg_timeout=4"]
     res = _train(tmp_path / "run", dataset, faults=["raise@14/1"], extra=extra)
     g = _report("raise in-process", res)
     assert g["restarts"] == {"in-process": 1}
