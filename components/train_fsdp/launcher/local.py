@@ -139,7 +139,8 @@ def run_local(nodes: str, nproc_per_node: int, run_dir: str, config: str,
     Raises:
         UserError: Bad input, before anything is started.
     """
-    from kfp_nvrx.components.train_fsdp.trainer.goodput import summarize
+    from kfp_nvrx.components.train_fsdp.trainer.events import read_events
+    from kfp_nvrx.components.train_fsdp.trainer.goodput import summarize_events
     from kfp_nvrx.components.train_fsdp.trainer.setup import (
         check_checkpoint_model,
         check_run_dir,
@@ -214,11 +215,9 @@ def run_local(nodes: str, nproc_per_node: int, run_dir: str, config: str,
         leftovers = _reap(marker)
         for s, h in old.items():
             signal.signal(s, h)
-    report = summarize(run_path)
-    from kfp_nvrx.components.train_fsdp.trainer.events import read_events
-
-    completed = any(e["type"] == "end" and e.get("status") == "completed"
-                    for e in read_events(run_path))
+    events = read_events(run_path)  # read once: the report and the completion check share it
+    report = summarize_events(events)
+    completed = any(e["type"] == "end" and e.get("status") == "completed" for e in events)
     failing = [a for a in agents if a.proc.returncode not in (0, None) and a.proc.returncode > 0]
     tail: list[str] = []
     if state == "Running":

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -135,9 +134,3 @@ def warm_start(model: nn.Module, path: str) -> None:
 def env_int(name: str, default: int) -> int:
     """An integer from the torchrun/ft_launcher environment."""
     return int(os.environ.get(name, default))
-
-
-def barrier_ok() -> None:
-    """A barrier that tolerates an already-destroyed group (shutdown paths)."""
-    if dist.is_initialized():
-        dist.barrier()
