@@ -79,6 +79,11 @@ class CheckpointConfig:
     save_final: bool = True
     load_step: int = -1  # -1 = newest committed checkpoint
     init_from: str = ""  # warm start: model.safetensors (or an export dir) used when no checkpoint exists
+    # auto | overlap | blocking | nvrx. overlap/blocking: the state is staged into persistent pinned,
+    # shared host buffers; overlap copies on a side stream during the next forward/backward and the
+    # optimizer step waits for it (GPU-side); blocking waits in save(). nvrx: NVRx's own staging.
+    # auto = overlap on CUDA, blocking on CPU.
+    staging: str = "auto"
 
 
 @dataclass
@@ -125,6 +130,7 @@ class Config:
 _CHOICES = {
     "resilience.monitor": ("sections", "heartbeats", "off"),
     "resilience.restart_policy": ("auto", "any-failed", "min-healthy"),
+    "checkpoint.staging": ("auto", "overlap", "blocking", "nvrx"),
     "train.device": ("auto", "cpu", "cuda"),
     "data.split": ("train", "val"),
 }
