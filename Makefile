@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 DEMO_DIR ?= runs/demo
 
-.PHONY: demo test lint bench compile clean
+.PHONY: demo test test-gpu lint bench compile clean
 
 $(VENV)/.installed-%: setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,10 @@ demo: $(VENV)/.installed-all
 test: $(VENV)/.installed-test
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q -ra --durations=15
+
+# On a CUDA machine: the GPU tests (pinned staging, overlapped D2H, in-memory restore).
+test-gpu: $(VENV)/.installed-test
+	$(PY) -m pytest -q -ra tests/gpu
 
 lint: $(VENV)/.installed-test
 	$(PY) -m ruff check .

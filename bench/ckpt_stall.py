@@ -3,7 +3,9 @@
 The model, optimizer and state dict come from the shipped trainer (``state.build``,
 ``state.full_state``) and the async path is the shipped :class:`Checkpointer`. Measured, in order:
 the pinned D2H copy of the same state (the floor), the shipped async DCP save inside a training
-loop (blocking seconds per save and the step time while a write is in flight), torch
+loop for each ``checkpoint.staging`` mode (blocking: the plain path; overlap: D2H on a side stream
+during the next forward/backward; nvrx: NVRx's own staging) with seconds blocked per save, the
+visible cost and the step time while a write is in flight, the checkpoint load, torch
 ``dcp.async_save`` with its default stager, torch's ``DefaultStager(StagingOptions(...))`` with the
 process checkpointer, sync ``dcp.save`` and sync ``torch.save``.
 
@@ -19,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.ckpt_load import cold_load
+from bench.ckpt_peers import _tensors, torch_async, torch_sync
 from bench.common import init_single_gpu, log, machine_info, median, write_json
 
 
@@ -57,38 +61,6 @@ def _trainer(config: str, device):
     return cfg, model, opt, sched, TrainState(), step, fwd_bwd, opt_step
 
 
-def _tensors(obj: Any) -> list:
-    """Local tensors of a (nested) state dict; DTensors contribute their local shard."""
-    import torch
-    from torch.distributed.tensor import DTensor
-
-    out = []
-    if isinstance(obj, DTensor):
-        out.append(obj.to_local())
-    elif isinstance(obj, torch.Tensor):
-        out.append(obj)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            out.extend(_tensors(v))
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            out.extend(_tensors(v))
-    return out
-
-
-def _plain(obj: Any) -> Any:
-    """The state with DTensors replaced by their local tensors (what torch.save can pickle)."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(obj, DTensor):
-        return obj.to_local()
-    if isinstance(obj, dict):
-        return {k: _plain(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_plain(v) for v in obj]
-    return obj
-
-
 def d2h_floor(state: dict, reps: int) -> dict[str, float]:
     """Pinned, pre-allocated host buffers; all tensors copied non-blocking, then one sync."""
     import torch
@@ -112,12 +84,13 @@ def d2h_floor(state: dict, reps: int) -> dict[str, float]:
             "pinned_alloc_s": alloc_s, "gb_per_s": nbytes / min(times) / 1e9}
 
 
-def shipped_async(cfg, step, state_fn, root: Path, device, saves: int, gap: int,
-                  max_steps: int) -> tuple[Any, dict[str, Any]]:
+def shipped_async(cfg, fwd_bwd, opt_step, state_fn, root: Path, device, mode: str, saves: int,
+                  gap: int, max_steps: int) -> tuple[Any, dict[str, Any]]:
     """The shipped Checkpointer inside a training loop: a save whenever the last one committed.
 
-    Returns per-save blocking seconds and total (stage+write+commit) seconds, and step times
-    split into steps with and without a write in flight.
+    ``mode`` is ``checkpoint.staging``. Returns per save the seconds ``save()`` blocked, the time
+    of the step right after it (where overlapped D2H copies run) and the visible cost (blocking
+    + that step's excess over a quiet step), and step times with and without a write in flight.
     """
     import torch
 
@@ -129,198 +102,50 @@ def shipped_async(cfg, step, state_fn, root: Path, device, saves: int, gap: int,
         commits.append({"step": st, "blocking_s": blocking, "total_s": total, "bytes": nbytes})
 
     cfg.checkpoint.keep = 1
-    ckpt = Checkpointer(root, cfg.checkpoint, device, on_commit=on_commit)
+    cfg.checkpoint.staging = mode
+    ckpt = Checkpointer(root, cfg.checkpoint, device, on_commit=on_commit, log=log)
     t0 = time.perf_counter()
     ckpt.warm_up()
     warm_up_s = time.perf_counter() - t0
-    blocking, quiet, busy = [], [], []
-    since, done = 0, 0
+    ckpt.prepare(lambda: state_fn(0))  # as the trainer does after its first step
+    blocking, after, quiet, busy = [], [], [], []
+    since, done, saved_at = 0, 0, -1
     for s in range(1, max_steps + 1):
         inflight = ckpt.inflight is not None
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        step()
+        loss = fwd_bwd()
+        ckpt.wait_before_update()  # as the trainer's loop: the optimizer waits for staging
+        opt_step()
+        loss.item()
         ckpt.finalize(blocking=False)
         dt = time.perf_counter() - t0
-        if s > 2:  # the first steps after building still warm caches
+        if s == saved_at + 1:
+            after.append(dt)
+        elif s > 2:  # the first steps after building still warm caches
             (busy if inflight else quiet).append(dt)
         since = 0 if ckpt.inflight is not None else since + 1
         if done < saves and ckpt.inflight is None and since >= gap:
             blocking.append(ckpt.save(s, state_fn(s)))
-            done += 1
-            since = 0
-        if done == saves and ckpt.inflight is None and s > gap:
+            done, since, saved_at = done + 1, 0, s
+        if done == saves and ckpt.inflight is None and s > saved_at + 1:
             break
     ckpt.close()
     base = median(quiet)
+    visible = [b + max(0.0, a - base) for b, a in zip(blocking, after, strict=False)]
     return ckpt, {
-        "warm_up_s": warm_up_s, "blocking_s": blocking, "commits": commits,
+        "mode": ckpt.mode, "warm_up_s": warm_up_s, "blocking_s": blocking, "commits": commits,
+        "next_step_s": after, "visible_s": visible,
         "first_s": blocking[0] if blocking else None,
         "steady_s": median(blocking[1:]) if len(blocking) > 1 else (blocking or [None])[0],
+        "steady_visible_s": median(visible[1:]) if len(visible) > 1 else (visible or [None])[0],
         "step_quiet_median_s": base, "step_inflight_median_s": median(busy),
         "step_inflight_max_s": max(busy) if busy else 0.0, "steps_quiet": len(quiet),
         "steps_inflight": len(busy),
         "slowdown_median": median(busy) / base - 1 if busy and base else 0.0,
         "slowdown_max": max(busy) / base - 1 if busy and base else 0.0,
+        "next_step_slowdown_max": max(after[1:] or after or [base]) / base - 1 if base else 0.0,
     }
-
-
-def _evict(files: list[Path]) -> None:
-    """Drops the files' pages from the page cache, so the next read comes from the disk."""
-    import os
-
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def _profiled(fn, top: int = 18) -> tuple[float, str]:
-    """Runs ``fn`` under cProfile; returns its seconds and the top functions by cumulative time."""
-    import cProfile
-    import io
-    import pstats
-
-    prof = cProfile.Profile()
-    t0 = time.perf_counter()
-    prof.runcall(fn)
-    dt = time.perf_counter() - t0
-    buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(top)
-    return dt, buf.getvalue()
-
-
-def cold_load(ckpt, step: int, state: dict, profile: bool = False) -> dict[str, Any]:
-    """Disk read bandwidth of the checkpoint's own files vs ``Checkpointer.load`` of them, cold.
-
-    Both read the same bytes after evicting them from the page cache.
-    """
-    import subprocess
-
-    import torch
-
-    from kfp_nvrx.components.train_fsdp.trainer.checkpoint import step_dir
-
-    path = step_dir(ckpt.root, step)
-    files = [f for f in sorted(path.iterdir()) if f.is_file()]
-    nbytes = sum(f.stat().st_size for f in files)
-    _evict(files)
-    buf = bytearray(64 << 20)
-    t0 = time.perf_counter()
-    for f in files:
-        with open(f, "rb", buffering=0) as fh:
-            while fh.readinto(buf):
-                pass
-    raw = time.perf_counter() - t0
-    out: dict[str, Any] = {"bytes": nbytes, "raw_read_s": raw, "raw_gb_per_s": nbytes / raw / 1e9}
-    for label in ("cold", "warm"):
-        if label == "cold":
-            _evict(files)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        if profile and label == "warm":
-            _, out["warm_profile"] = _profiled(lambda: ckpt.load(step, state))
-        else:
-            ckpt.load(step, state)
-        torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        out[f"{label}_load_s"] = dt
-        out[f"{label}_load_gb_per_s"] = nbytes / dt / 1e9
-        if not profile:
-            break
-    out["load_over_disk_read"] = out["cold_load_gb_per_s"] / out["raw_gb_per_s"]
-    df = subprocess.run(["df", "-T", str(path)], capture_output=True, text=True).stdout
-    out["filesystem"] = " ".join(df.splitlines()[-1].split()[:2]) if df else ""
-    return out
-
-
-def torch_async(state: dict, root: Path, reps: int, stager_opts: bool, fwd_bwd, opt_step) -> dict:
-    """torch ``dcp.async_save``: default stager (thread), or DefaultStager + process checkpointer.
-
-    Per save: seconds until the call returns, seconds until staging is complete (the state may
-    only change after that) and seconds until the upload finished. With the stager, the second
-    save runs the next forward/backward before waiting for staging, as a loop would.
-    """
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-
-    out: dict[str, Any] = {"runs": [], "errors": []}
-    stager = None
-    kwargs: dict[str, Any] = {}
-    if stager_opts:
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-        stager = DefaultStager(StagingOptions(True, True, True, True))
-        kwargs = {"async_checkpointer_type": AsyncCheckpointerType.PROCESS}
-    for i in range(reps):
-        path = root / f"torch_async_{i}"
-        shutil.rmtree(path, ignore_errors=True)
-        overlap = stager_opts and i > 0
-        for attempt in ("reused", "fresh"):
-            try:
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                res = dcp.async_save(state, checkpoint_id=str(path),
-                                     **({"async_stager": stager} if stager else {}), **kwargs)
-                ret = time.perf_counter() - t0
-                staged_fut = getattr(res, "staging_completion", None)
-                upload = getattr(res, "upload_completion", res)
-                fb = 0.0
-                if overlap:
-                    t1 = time.perf_counter()
-                    fwd_bwd()
-                    torch.cuda.synchronize()
-                    fb = time.perf_counter() - t1
-                t2 = time.perf_counter()
-                if staged_fut is not None:
-                    staged_fut.result()
-                wait = time.perf_counter() - t2
-                staged = time.perf_counter() - t0
-                if overlap:
-                    opt_step()
-                upload.result()
-                out["runs"].append({"return_s": ret, "staged_s": staged, "wait_after_fwd_bwd_s":
-                                    wait if overlap else None, "fwd_bwd_s": fb if overlap else None,
-                                    "upload_done_s": time.perf_counter() - t0, "stager": attempt})
-                break
-            except Exception as err:  # recorded: torch 2.11's reused stager failed here before
-                out["errors"].append(f"save {i} ({attempt} stager): {type(err).__name__}: "
-                                     f"{str(err)[:300]}")
-                if not stager_opts or attempt == "fresh":
-                    break
-                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-                stager = DefaultStager(StagingOptions(True, True, True, True))
-        shutil.rmtree(path, ignore_errors=True)
-    if stager is not None:
-        stager.close()
-    rets = [r["return_s"] for r in out["runs"]]
-    out["first_s"] = rets[0] if rets else None
-    out["steady_s"] = median(rets[1:]) if len(rets) > 1 else out["first_s"]
-    return out
-
-
-def torch_sync(state: dict, root: Path, kind: str) -> dict[str, float]:
-    """Sync ``dcp.save`` or ``torch.save`` (GPU tensors, as a naive loop would call it)."""
-    import torch
-    import torch.distributed.checkpoint as dcp
-
-    path = root / f"sync_{kind}"
-    shutil.rmtree(path, ignore_errors=True)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    if kind == "dcp":
-        dcp.save(state, checkpoint_id=str(path))
-    else:
-        path.mkdir(parents=True)
-        torch.save(_plain(state), path / "model.pt")
-    dt = time.perf_counter() - t0
-    shutil.rmtree(path, ignore_errors=True)
-    return {"blocking_s": dt}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -330,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--dir", default="/tmp/kfp-nvrx-bench-ckpt", help="checkpoint directory")
     p.add_argument("--saves", type=int, default=3)
+    p.add_argument("--modes", default="blocking,overlap,nvrx",
+                   help="checkpoint.staging modes of the shipped path, in order")
     p.add_argument("--skip", default="",
                    help="comma list of: load,torch_save,dcp_save,dcp_async,stager")
     p.add_argument("--profile-load", action="store_true", help="cProfile a warm load too")
@@ -364,22 +191,32 @@ def main(argv: list[str] | None = None) -> int:
     res["d2h"] = d2h_floor(state, reps=5)
     log(f"d2h floor {res['d2h']['floor_s']:.3f}s ({res['d2h']['gb_per_s']:.1f} GB/s)")
     write_json(args.out, res)  # partial results survive a timeout
-    ckpt, res["shipped"] = shipped_async(cfg, step, state_fn, root / "shipped", device,
-                                         args.saves, gap=3, max_steps=200)
-    sh = res["shipped"]
-    log(f"shipped blocking {sh['blocking_s']} commits {sh['commits']} step quiet "
-        f"{sh['step_quiet_median_s']:.4f}s in flight {sh['step_inflight_median_s']:.4f}s "
-        f"(max {sh['step_inflight_max_s']:.4f}s, {sh['steps_inflight']} steps)")
-    write_json(args.out, res)
-    if ckpt.last_commit_step > 0 and "load" not in skip:
-        try:
-            res["load"] = cold_load(ckpt, ckpt.last_commit_step, state_fn(0), args.profile_load)
-        except Exception as err:
-            res["load"] = {"error": f"{type(err).__name__}: {str(err)[:400]}"}
-        log(f"load: { {k: v for k, v in res['load'].items() if k != 'warm_profile'} }")
-        if "warm_profile" in res["load"]:
-            log(res["load"]["warm_profile"])
+    res["modes"] = {}
+    ckpt = None
+    for mode in filter(None, args.modes.split(",")):
+        ckpt, row = shipped_async(cfg, fwd_bwd, opt_step, state_fn, root / "shipped", device,
+                                  mode, args.saves, gap=3, max_steps=200)
+        res["modes"][mode] = row
+        log(f"shipped[{mode}] blocking {[round(b, 4) for b in row['blocking_s']]} visible "
+            f"{[round(v, 4) for v in row['visible_s']]} next step {[round(a, 4) for a in row['next_step_s']]}"
+            f" quiet {row['step_quiet_median_s']:.4f}s in flight {row['step_inflight_median_s']:.4f}s "
+            f"(max {row['step_inflight_max_s']:.4f}s, {row['steps_inflight']} steps) commits "
+            f"{[round(c['total_s'], 2) for c in row['commits']]}")
+        res["shipped"] = res["modes"].get("blocking", row)  # the plain (non-overlapped) path
         write_json(args.out, res)
+        if ckpt.last_commit_step > 0 and "load" not in skip and "load" not in res:
+            try:
+                res["load"] = cold_load(ckpt, ckpt.last_commit_step, state_fn(0), args.profile_load)
+            except Exception as err:
+                res["load"] = {"error": f"{type(err).__name__}: {str(err)[:400]}"}
+            log(f"load: { {k: v for k, v in res['load'].items() if k != 'warm_profile'} }")
+            if "warm_profile" in res["load"]:
+                log(res["load"]["warm_profile"])
+            write_json(args.out, res)
+        shutil.rmtree(root / "shipped", ignore_errors=True)
+        if ckpt.staging is not None:
+            ckpt.staging.release()
+        gc.collect()
     shutil.rmtree(root / "shipped", ignore_errors=True)
     gc.collect()
     state = state_fn(0)

@@ -8,11 +8,15 @@ loop). Resume takes the newest committed checkpoint whose files match both; torn
 skipped with a log line (DCP itself loads flipped bytes silently). Resume splits the CRC work over
 the ranks.
 
-One save is in flight at a time. The blocking part of a save is planning plus staging (GPU: D2H by
-NVRx's persistent worker; CPU: a clone, because NVRx does not snapshot CPU tensors and later
-in-place optimizer updates would leak into the file). Writing runs in NVRx's persistent worker
+One save is in flight at a time. Staging (``checkpoint.staging``, see :mod:`staging`) copies the
+state into a persistent pinned, shared host buffer: on CUDA on a side stream, overlapped with the
+next forward/backward (``overlap``: the optimizer step waits for it on the GPU) or waited for in
+``save`` (``blocking``); ``nvrx`` leaves staging to NVRx (GPU: D2H in its worker; CPU: a clone,
+because NVRx <= 0.4 does not snapshot CPU tensors). Writing runs in NVRx's persistent worker
 process; finalisation (gather write results, metadata, commit marker) is collective and happens at
 a step boundary once every rank's write is done, bounded by ``checkpoint.finalize_timeout``.
+The staging buffer keeps the newest committed state in host memory: an in-process restart restores
+from it instead of reading the files back.
 """
 
 from __future__ import annotations
@@ -52,7 +56,26 @@ from kfp_nvrx.components.train_fsdp.trainer.checkpoint_files import (  # noqa: F
     verify,
     write_checksums,
 )
+from kfp_nvrx.components.train_fsdp.trainer.checkpoint_reader import load as fast_load
 from kfp_nvrx.components.train_fsdp.trainer.config import CheckpointConfig
+from kfp_nvrx.components.train_fsdp.trainer.staging import (
+    HostStaging,
+    StagingUnavailable,
+    flat_state,
+    staged_writer,
+    write_staged,
+)
+
+
+def staging_mode(cfg: CheckpointConfig, device: torch.device) -> str:
+    """``checkpoint.staging`` resolved: overlap (CUDA) | blocking | nvrx | sync (no async save)."""
+    if not cfg.async_save:
+        return "sync"
+    if cfg.staging == "auto":
+        return "overlap" if device.type == "cuda" else "blocking"
+    if cfg.staging == "overlap" and device.type != "cuda":
+        return "blocking"  # CPU copies are synchronous anyway
+    return cfg.staging
 
 
 @dataclass
@@ -73,10 +96,14 @@ class Checkpointer:
         cfg: The ``checkpoint`` config section.
         device: Training device (decides GPU staging vs CPU snapshot).
         on_commit: Called on rank 0 with (step, blocking_s, total_s, bytes) after each commit.
+        staging: The process's staging buffer, kept across in-process restarts (created if None).
+        log: Where one-line notices go (e.g. falling back to NVRx staging).
     """
 
     def __init__(self, run_dir: str | os.PathLike, cfg: CheckpointConfig, device: torch.device,
-                 on_commit: Callable[[int, float, float, int], None] | None = None) -> None:
+                 on_commit: Callable[[int, float, float, int], None] | None = None,
+                 staging: HostStaging | None = None,
+                 log: Callable[[str], None] = print) -> None:
         self.root = Path(run_dir) / "checkpoints"
         self.cfg = cfg
         self.device = device
@@ -88,6 +115,13 @@ class Checkpointer:
         self._warming = False
         self.commits = 0  # saves committed by this incarnation
         self.last_commit_step = -1
+        self.mode = staging_mode(cfg, device)
+        self.staging = None
+        if self.mode in ("overlap", "blocking"):
+            self.staging = staging if staging is not None else HostStaging(device)
+        self.log = log
+        self._pending: Any = None  # staged writer whose request waits for the D2H copies
+        self.restored_from_memory = False
 
     def warm_up(self) -> None:
         """Starts NVRx's persistent writer process now.
@@ -146,7 +180,9 @@ class Checkpointer:
                 shutil.rmtree(path)
             path.mkdir(parents=True)
         dist.barrier()
-        if self.cfg.async_save:
+        if self.staging is not None and self._staging_ok(state):
+            finalize_fns = self._save_staged(path, state, step)
+        elif self.cfg.async_save:
             finalize_fns = self._save_async(path, state)
         else:
             dcp.save(state, checkpoint_id=str(path))
@@ -158,6 +194,67 @@ class Checkpointer:
         if not self.cfg.async_save:
             self.finalize(blocking=True)
         return blocking
+
+    def prepare(self, state_fn: Callable[[], dict[str, Any]]) -> None:
+        """Allocates the staging buffer for this state in the background (pinning takes seconds)."""
+        if self.staging is not None:
+            self.staging.prepare(state_fn())
+
+    def _staging_ok(self, state: dict[str, Any]) -> bool:
+        """Every rank has a staging buffer for this state; else all fall back to NVRx staging."""
+        problem = ""
+        try:
+            self.staging.ensure(flat_state(state))
+        except StagingUnavailable as err:
+            problem = str(err)
+        if self._all(not problem):
+            return True
+        self.log(f"checkpoint.staging={self.cfg.staging}: {problem or 'unavailable on another rank'}; "
+                 "using NVRx's staging")
+        self.staging.release()
+        self.staging, self.mode = None, "nvrx"
+        return False
+
+    def _save_staged(self, path: Path, state: dict[str, Any], step: int) -> list[Callable[[], None]]:
+        # FT: NVRx async DCP planning and writer, fed from our pinned staging buffer.
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import (
+            save_state_dict_async_plan,
+        )
+
+        self.staging.stage(flat_state(state), step)  # D2H starts now, planning runs beside it
+        writer = staged_writer(str(path), self.staging, self.cfg.write_threads)
+        plan = save_state_dict_async_plan(state, writer)
+        self._pending = writer
+        if self.mode == "blocking":
+            self.staging.synchronize()
+            self._submit()
+        return [lambda: self._finalize_dcp(*plan)]
+
+    def _submit(self) -> None:
+        """Hands the staged save to NVRx's persistent writer (the buffer once per writer)."""
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.core import (
+            AsyncRequest,
+            PersistentAsyncCaller,
+        )
+
+        writer, self._pending = self._pending, None
+        self.staging.synchronize()
+        self._finish_warm_up()
+        if self._caller is None:
+            self._caller = self._new_caller(PersistentAsyncCaller)
+        send = getattr(self._caller, "_kfp_staging_key", None) != self.staging.key
+        self._caller.schedule_async_call(AsyncRequest(
+            write_staged, (self.rank, writer.request(send), writer.results_queue), []))
+        self._caller._kfp_staging_key = self.staging.key
+        _track(self._caller)
+
+    def wait_before_update(self) -> None:
+        """Call before the optimizer step: it must not change tensors still being staged.
+
+        The wait is on the GPU stream (the CPU goes on queueing work).
+        """
+        if self._pending is not None:
+            self.staging.wait_before_update()
 
     def _save_async(self, path: Path, state: dict[str, Any]) -> list[Callable[[], None]]:
         # FT: NVRx async DCP writer: plan collectively, stage, write in a persistent worker.
@@ -222,6 +319,10 @@ class Checkpointer:
         inf = self.inflight
         if inf.local_done:
             return True
+        if self._pending is not None:
+            if not self.staging.ready():
+                return False
+            self._submit()
         caller = self._caller
         deadline = time.monotonic() + blocking_wait
         while True:
@@ -278,6 +379,8 @@ class Checkpointer:
             if self.on_commit is not None:
                 self.on_commit(inf.step, inf.blocking_s, time.perf_counter() - inf.started, nbytes)
         dist.barrier()
+        if self.staging is not None:
+            self.staging.mark_committed(inf.step)
         self.commits += 1
         self.last_commit_step = inf.step
         self.inflight = None
@@ -323,8 +426,25 @@ class Checkpointer:
         return set(md.state_dict_metadata)
 
     def load(self, step: int, state: dict[str, Any]) -> None:
-        """Loads ``step`` into ``state`` in place (DCP reshards to this world size)."""
-        dcp.load(state, checkpoint_id=str(step_dir(self.root, step)))
+        """Loads ``step`` into ``state`` in place (DCP reshards to this world size).
+
+        From the staging buffer when every rank holds that committed step in it (in-process
+        restart, same layout); otherwise from the files.
+        """
+        self.restored_from_memory = False
+        if self.staging is not None:
+            from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+            from torch.distributed.checkpoint._traverse import set_element
+
+            flat, mapping = flatten_state_dict(state)
+            if self._all(self.staging.can_restore(flat, step)):
+                # FT: in-process restart: the last committed state is still in host memory.
+                for key, value in self.staging.restore(flat).items():
+                    set_element(state, mapping[key], value)
+                self.restored_from_memory = True
+                return
+        # Large sequential reads pipelined with deserialisation and (pinned) H2D copies.
+        fast_load(state, str(step_dir(self.root, step)))
 
     def abort(self) -> None:
         """Error path: drops the pending save (it will never be committed) and kills the writer.
@@ -332,6 +452,9 @@ class Checkpointer:
         NVRx's own shutdown joins its queue and would hang forever after a failed collective.
         """
         self.inflight = None
+        self._pending = None
+        if self.staging is not None:
+            self.staging.invalidate()
         caller, self._caller = self._caller, None
         if caller is not None:
             # Detached first: NVRx's __del__ -> close() would wait forever on a killed writer's

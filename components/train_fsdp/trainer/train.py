@@ -41,6 +41,7 @@ class Job:
     monitor: Monitor
     run_id: str = field(default_factory=lambda: os.environ.get("TORCHELASTIC_RUN_ID", ""))
     restart_count: int = 0  # in-job incarnation of this job (rank 0 derives it from events)
+    staging: Any = None  # checkpoint staging buffer: outlives in-process restarts (restore source)
 
 
 def pick_device(cfg: Config) -> torch.device:
@@ -103,7 +104,9 @@ def incarnation(job: Job, base_store: Any = None, call_wrapper: Any = None) -> N
                 events.emit("checkpoint", step=step, blocking_s=round(blocking, 6),
                             total_s=round(total, 6), bytes=nbytes)
 
-            ckpt = Checkpointer(job.run_dir, cfg.checkpoint, job.device, on_commit=on_commit)
+            ckpt = Checkpointer(job.run_dir, cfg.checkpoint, job.device, on_commit=on_commit,
+                                staging=job.staging, log=log0)
+            job.staging = ckpt.staging
             ckpt.warm_up()
             t_load = time.perf_counter()
             resumed = ckpt.select(log=log0)
@@ -128,9 +131,10 @@ def incarnation(job: Job, base_store: Any = None, call_wrapper: Any = None) -> N
                         incarnation=job.restart_count, iteration=iteration)
         events.emit("start", time=t_start, incarnation=job.restart_count, iteration=iteration,
                     world_size=world, resumed_from=resumed, load_s=round(load_s, 4),
-                    pid=os.getpid(), run_id=job.run_id)
+                    from_memory=ckpt.restored_from_memory, pid=os.getpid(), run_id=job.run_id)
+        source = " (from host memory)" if ckpt.restored_from_memory else ""
         log0(f"start: world_size={world} incarnation={job.restart_count}.{iteration} "
-             f"resumed_from={resumed} load={load_s:.2f}s device={job.device}")
+             f"resumed_from={resumed}{source} load={load_s:.2f}s device={job.device}")
         _loop(job, model, opt, sched, train, ckpt, events, injector, rank, world, iteration,
               call_wrapper)
         with monitor.section("checkpoint"):
@@ -170,6 +174,7 @@ def _loop(job, model, opt, sched, train, ckpt, events, injector, rank, world, it
             loss.backward()
             if t.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+            ckpt.wait_before_update()  # a save's D2H copies overlap forward/backward, not this
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
@@ -191,6 +196,8 @@ def _loop(job, model, opt, sched, train, ckpt, events, injector, rank, world, it
         events.emit("step", step=step, start=t0, end=time.time(), incarnation=job.restart_count,
                     iteration=iteration, loss=round(loss_value, 6), tokens=tokens_per_step)
         steps_here += 1
+        if steps_here == 1 and interval:  # the state's final layout exists (optimizer state)
+            ckpt.prepare(lambda: full_state(model, opt, sched, train, monitor.state_dict(), rank))
         # Learn only once a whole save (stage, write, commit) lies between observed heartbeats.
         cycles = ckpt.commits if step > ckpt.last_commit_step else ckpt.commits - 1
         if monitor.maybe_learn(steps_here, cycles, checkpointing=interval > 0) and rank == 0:

@@ -1,0 +1,155 @@
+"""Checkpoint staging buffer: staged async saves equal NVRx-staged ones, in-memory restore, fallback.
+
+CPU, gloo, world size 1, the tiny preset; the writer is NVRx's real persistent worker process. The
+CUDA side (pinned buffer, side-stream copies, overlap with the next step) runs in
+``tests/gpu/test_staging_cuda.py`` on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from kfp_nvrx.components.train_fsdp.trainer import staging as staging_mod
+from kfp_nvrx.components.train_fsdp.trainer.checkpoint import Checkpointer, step_dir
+from kfp_nvrx.components.train_fsdp.trainer.config import load_config
+from kfp_nvrx.components.train_fsdp.trainer.state import TrainState, build, full_state
+
+
+@pytest.fixture()
+def pg(monkeypatch):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0",
+                           WORLD_SIZE="1", LOCAL_RANK="0").items():
+        monkeypatch.setenv(key, value)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _trainer(overrides=()):
+    cfg = load_config("tiny", ["train.device=cpu", *overrides])
+    model, opt, sched = build(cfg, torch.device("cpu"))
+    train = TrainState()
+
+    def step():
+        tokens = torch.randint(0, cfg.model.vocab_size, (2, 16))
+        model(tokens).float().logsumexp(-1).mean().backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        train.step += 1
+
+    return cfg, model, opt, sched, train, step
+
+
+def _state(model, opt, sched, train):
+    return full_state(model, opt, sched, train, {"note": "ft"}, 0)
+
+
+def _tensors(state):
+    flat = staging_mod.flat_state(state)
+    return {k: (v.to_local() if hasattr(v, "to_local") else v).clone()
+            for k, v in flat.items() if isinstance(v, torch.Tensor)}
+
+
+def _fresh_load(path, model, opt, sched, train):
+    target = _state(model, opt, sched, train)
+    dcp.load(target, checkpoint_id=str(path))
+    return target
+
+
+def test_staged_save_writes_the_state_at_save_time_and_equals_nvrx_staging(tmp_path, pg):
+    saved = {}
+    for mode in ("blocking", "nvrx"):  # one writer process at a time, same seeded run
+        cfg, model, opt, sched, train, step = _trainer([f"checkpoint.staging={mode}"])
+        for _ in range(2):
+            step()
+        ckpt = Checkpointer(tmp_path / mode, cfg.checkpoint, torch.device("cpu"))
+        assert ckpt.mode == mode
+        state = _state(model, opt, sched, train)
+        expected = _tensors(state)
+        ckpt.save(train.step, state)
+        step()  # in-place optimizer updates while the write is in flight must not leak in
+        ckpt.close()
+        assert (step_dir(ckpt.root, 2) / "COMMITTED").is_file()
+        got = _fresh_load(step_dir(ckpt.root, 2), *_trainer()[1:5])
+        saved[mode] = _tensors(got)
+        assert saved[mode].keys() == expected.keys()
+        for key, value in expected.items():
+            assert torch.equal(saved[mode][key], value), (mode, key)
+        assert got["train"] == {"step": 2, "tokens": 0} and got["ft"] == {"note": "ft"}
+    for key, value in saved["nvrx"].items():
+        assert torch.equal(saved["blocking"][key], value), key
+
+
+def test_reused_buffer_second_save_and_in_memory_restore(tmp_path, pg):
+    cfg, model, opt, sched, train, step = _trainer(["checkpoint.staging=blocking"])
+    staging = staging_mod.HostStaging(torch.device("cpu"))
+    ckpt = Checkpointer(tmp_path, cfg.checkpoint, torch.device("cpu"), staging=staging)
+    step()
+    ckpt.prepare(lambda: _state(model, opt, sched, train))  # background allocation
+    for _ in range(2):
+        step()
+        ckpt.save(train.step, _state(model, opt, sched, train))
+        ckpt.finalize(blocking=True)
+    buffer_ptr = staging.buffer.data_ptr()
+    assert staging.valid_step == 3 and staging.generation == 1
+    want = _tensors(_state(model, opt, sched, train))
+    ckpt.close()
+
+    # A new incarnation in the same process (in-process restart) restores from host memory.
+    _, model2, opt2, sched2, train2, step2 = _trainer(["checkpoint.staging=blocking"])
+    step2()  # other values (and optimizer state present)
+    ckpt2 = Checkpointer(tmp_path, cfg.checkpoint, torch.device("cpu"), staging=staging)
+    assert ckpt2.select() == 3
+    target = _state(model2, opt2, sched2, train2)
+    ckpt2.load(3, target)
+    assert ckpt2.restored_from_memory and staging.buffer.data_ptr() == buffer_ptr
+    disk = _fresh_load(step_dir(ckpt2.root, 3), *_trainer()[1:5])
+    got = _tensors(target)
+    for key, value in _tensors(disk).items():
+        assert torch.equal(got[key], value), key
+        assert torch.equal(got[key], want[key]), key
+    assert target["train"] == disk["train"] and target["sched"] == disk["sched"]
+
+    # A save that did not commit leaves nothing to restore: the files are used.
+    ckpt2.save(4, _state(model2, opt2, sched2, train2))
+    ckpt2.abort()
+    ckpt3 = Checkpointer(tmp_path, cfg.checkpoint, torch.device("cpu"), staging=staging)
+    ckpt3.load(3, _state(model2, opt2, sched2, train2))
+    assert not ckpt3.restored_from_memory
+    ckpt3.close()
+
+
+def test_writer_views_own_exactly_their_bytes():
+    base = torch.zeros(1 << 20, dtype=torch.uint8)
+    slot = staging_mod.Slot(offset=128, nbytes=64, shape=(4, 4), dtype=torch.float32)
+    base[128:192].view(torch.float32).copy_(torch.arange(16, dtype=torch.float32))
+    region = staging_mod._region(base, slot)
+    assert region.untyped_storage().nbytes() == 64
+    assert torch.equal(region.flatten(), torch.arange(16, dtype=torch.float32))
+    buf = io.BytesIO()
+    torch.save(region, buf)
+    assert buf.tell() < 4096  # a plain view would serialise the whole 1 MiB buffer
+
+
+def test_too_small_dev_shm_falls_back_to_nvrx_staging(tmp_path, pg, monkeypatch):
+    cfg, model, opt, sched, train, step = _trainer(["checkpoint.staging=blocking"])
+    step()
+    monkeypatch.setattr(staging_mod, "shm_free_bytes", lambda path="/dev/shm": 1024)
+    notes = []
+    ckpt = Checkpointer(tmp_path, cfg.checkpoint, torch.device("cpu"), log=notes.append)
+    ckpt.save(1, _state(model, opt, sched, train))
+    ckpt.close()
+    assert ckpt.mode == "nvrx" and ckpt.staging is None
+    assert len(notes) == 1 and "/dev/shm" in notes[0] and "checkpoint.staging=nvrx" in notes[0]
+    assert (step_dir(ckpt.root, 1) / "COMMITTED").is_file()
