@@ -84,6 +84,7 @@ class CheckpointConfig:
     # optimizer step waits for it (GPU-side); blocking waits in save(). nvrx: NVRx's own staging.
     # auto = overlap on CUDA, blocking on CPU.
     staging: str = "auto"
+    write_threads: int = 4  # files per rank written in parallel by the NVRx writer (staged saves)
 
 
 @dataclass
@@ -137,7 +138,7 @@ _CHOICES = {
 _POSITIVE = {
     "model.vocab_size", "model.dim", "model.n_layers", "model.n_heads", "model.max_seq_len",
     "data.seq_len", "data.batch_size", "train.steps", "checkpoint.keep",
-    "checkpoint.finalize_timeout", "resilience.initial_heartbeat_timeout",
+    "checkpoint.finalize_timeout", "checkpoint.write_threads", "resilience.initial_heartbeat_timeout",
     "resilience.heartbeat_timeout", "resilience.setup_timeout", "resilience.step_timeout",
     "resilience.checkpoint_timeout", "resilience.out_of_section_timeout",
     "resilience.safety_factor", "resilience.workload_check_interval",
