@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (make test-gpu on a GPU machine)")
 
 SETS = ["train.device=cuda", "model.dim=512", "model.n_layers=4", "model.n_heads=8",
-        "model.vocab_size=4096", "data.seq_len=256", "data.batch_size=8"]
+        "model.vocab_size=4096", "model.max_seq_len=256", "data.seq_len=256", "data.batch_size=8"]
 
 
 @pytest.fixture()

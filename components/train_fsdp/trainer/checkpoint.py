@@ -121,6 +121,7 @@ class Checkpointer:
             self.staging = staging if staging is not None else HostStaging(device)
         self.log = log
         self._pending: Any = None  # staged writer whose request waits for the D2H copies
+        self._plan_cache: tuple | None = None  # (staging key, central plan, metadata, dist wrapper)
         self.restored_from_memory = False
 
     def warm_up(self) -> None:
@@ -180,8 +181,9 @@ class Checkpointer:
                 shutil.rmtree(path)
             path.mkdir(parents=True)
         dist.barrier()
-        if self.staging is not None and self._staging_ok(state):
-            finalize_fns = self._save_staged(path, state, step)
+        flat = flat_state(state) if self.staging is not None else None
+        if self.staging is not None and self._staging_ok(flat):
+            finalize_fns = self._save_staged(path, state, flat, step)
         elif self.cfg.async_save:
             finalize_fns = self._save_async(path, state)
         else:
@@ -200,11 +202,11 @@ class Checkpointer:
         if self.staging is not None:
             self.staging.prepare(state_fn())
 
-    def _staging_ok(self, state: dict[str, Any]) -> bool:
+    def _staging_ok(self, flat: dict[str, Any]) -> bool:
         """Every rank has a staging buffer for this state; else all fall back to NVRx staging."""
         problem = ""
         try:
-            self.staging.ensure(flat_state(state))
+            self.staging.ensure(flat)
         except StagingUnavailable as err:
             problem = str(err)
         if self._all(not problem):
@@ -215,15 +217,32 @@ class Checkpointer:
         self.staging, self.mode = None, "nvrx"
         return False
 
-    def _save_staged(self, path: Path, state: dict[str, Any], step: int) -> list[Callable[[], None]]:
+    def _save_staged(self, path: Path, state: dict[str, Any], flat: dict[str, Any],
+                     step: int) -> list[Callable[[], None]]:
         # FT: NVRx async DCP planning and writer, fed from our pinned staging buffer.
         from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import (
             save_state_dict_async_plan,
         )
+        from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-        self.staging.stage(flat_state(state), step)  # D2H starts now, planning runs beside it
+        self.staging.stage(flat, step)  # D2H starts now, planning runs beside it
         writer = staged_writer(str(path), self.staging, self.cfg.write_threads)
-        plan = save_state_dict_async_plan(state, writer)
+        cache = self._plan_cache
+        if cache is not None and self._all(cache[0] == self.staging.key):
+            # Same layout as the last save (same keys, shapes, shards): its plan and metadata hold;
+            # only the bytes entries are resolved again. Planning is collective and pickles every
+            # item: ~0.1 s of GPU idle time per save for a 1B model.
+            _, central_plan, metadata, dist_wrapper = cache
+            planner = DefaultSavePlanner()
+            planner.set_up_planner(state, is_coordinator=dist_wrapper.is_coordinator)
+            writer.set_up_storage_writer(dist_wrapper.is_coordinator)
+            writer.prepare_write_data(central_plan, planner)
+            if metadata is not None and hasattr(writer, "storage_meta"):
+                metadata.storage_meta = writer.storage_meta()
+            plan = (writer, metadata, dist_wrapper)
+        else:
+            plan = save_state_dict_async_plan(state, writer)
+            self._plan_cache = (self.staging.key, writer.central_plan, plan[1], plan[2])
         self._pending = writer
         if self.mode == "blocking":
             self.staging.synchronize()

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.tensor import DTensor
 
 _ALIGN = 64
 
@@ -46,9 +47,8 @@ class Slot:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
+    # DTensor's local shard without to_local()'s autograd bookkeeping (~40 us each, 600+ a save).
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def flat_state(state: dict[str, Any]) -> dict[str, Any]:
@@ -194,10 +194,11 @@ class HostStaging:
             if self._stream is None:
                 self._stream = torch.cuda.Stream(device=self.device)
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream) if self.cuda else contextlib.nullcontext():
+        with torch.cuda.stream(self._stream) if self.cuda else contextlib.nullcontext(), \
+                torch.no_grad():
             for key, value in flat.items():
                 if isinstance(value, torch.Tensor):
-                    src = _local(value.detach())
+                    src = _local(value)
                     if src.is_cuda:  # keeps the source's memory from reuse until the copy ran
                         src.record_stream(self._stream)
                     self.view(key).copy_(src, non_blocking=src.is_cuda)
@@ -240,10 +241,11 @@ class HostStaging:
 
     def restore(self, flat: dict[str, Any]) -> dict[str, Any]:
         """Copies the buffer into ``flat``'s tensors (in place); returns the non-tensor leaves."""
-        for key, value in flat.items():
-            if isinstance(value, torch.Tensor):
-                dst = _local(value.detach())
-                dst.copy_(self.view(key), non_blocking=dst.is_cuda)
+        with torch.no_grad():
+            for key, value in flat.items():
+                if isinstance(value, torch.Tensor):
+                    dst = _local(value)
+                    dst.copy_(self.view(key), non_blocking=dst.is_cuda)
         if self.cuda:
             torch.cuda.current_stream(self.device).synchronize()
         return {k: copy.deepcopy(v) for k, v in self._objects.items() if k in flat}
@@ -288,6 +290,7 @@ def staged_writer(path: str, staging: HostStaging, threads: int = 1) -> Any:
                                        f"tensor (chunk {chunk}, staged {slot})")
                 items.append((item, slot))
             prefix = plan.storage_data.prefix
+            self.central_plan = plan  # reused by the next saves of the same layout
             self.staged = [(os.path.join(str(self.checkpoint_dir), f"{prefix}{i}{DEFAULT_SUFFIX}"),
                             f"{prefix}{i}{DEFAULT_SUFFIX}", byte_data if i == 0 else [], bucket)
                            for i, bucket in enumerate(_split(items, threads))]
