@@ -108,7 +108,7 @@ def shipped_async(cfg, fwd_bwd, opt_step, state_fn, root: Path, device, mode: st
     ckpt.warm_up()
     warm_up_s = time.perf_counter() - t0
     ckpt.prepare(lambda: state_fn(0))  # as the trainer does after its first step
-    blocking, after, quiet, busy = [], [], [], []
+    blocking, after, quiet, busy, trace = [], [], [], [], []
     since, done, saved_at = 0, 0, -1
     for s in range(1, max_steps + 1):
         inflight = ckpt.inflight is not None
@@ -120,6 +120,7 @@ def shipped_async(cfg, fwd_bwd, opt_step, state_fn, root: Path, device, mode: st
         loss.item()
         ckpt.finalize(blocking=False)
         dt = time.perf_counter() - t0
+        trace.append((s, round(dt, 5), inflight, ckpt.commits))
         if s == saved_at + 1:
             after.append(dt)
         elif s > 2:  # the first steps after building still warm caches
@@ -145,6 +146,8 @@ def shipped_async(cfg, fwd_bwd, opt_step, state_fn, root: Path, device, mode: st
         "slowdown_median": median(busy) / base - 1 if busy and base else 0.0,
         "slowdown_max": max(busy) / base - 1 if busy and base else 0.0,
         "next_step_slowdown_max": max(after[1:] or after or [base]) / base - 1 if base else 0.0,
+        "commit_s": ckpt.commit_s, "save_steps": [c["step"] for c in commits],
+        "trace": trace,  # (step, seconds, write in flight, commits so far)
     }
 
 

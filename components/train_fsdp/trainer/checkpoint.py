@@ -114,6 +114,7 @@ class Checkpointer:
         self._caller = None  # NVRx PersistentAsyncCaller
         self._warming = False
         self.commits = 0  # saves committed by this incarnation
+        self.commit_s: list[float] = []  # seconds each commit held the training loop
         self.last_commit_step = -1
         self.mode = staging_mode(cfg, device)
         self.staging = None
@@ -380,6 +381,7 @@ class Checkpointer:
             if time.monotonic() >= deadline:
                 raise CheckpointError(f"checkpoint step {inf.step} not written within "
                                       f"checkpoint.finalize_timeout={self.cfg.finalize_timeout:g}s")
+        t_commit = time.perf_counter()
         for fn in inf.finalize_fns:
             fn()  # gathers write results, coordinator writes .metadata; raises on worker errors
         dist.barrier()
@@ -401,6 +403,7 @@ class Checkpointer:
         if self.staging is not None:
             self.staging.mark_committed(inf.step)
         self.commits += 1
+        self.commit_s.append(time.perf_counter() - t_commit)
         self.last_commit_step = inf.step
         self.inflight = None
         return True
