@@ -3,12 +3,16 @@
 Node count, processes per node, rendezvous endpoint and id, and max restarts reach ft_launcher
 through the ``PET_*`` environment that the Training Operator injects into a PyTorchJob with an
 ``elasticPolicy`` (``launch-local`` sets the same variables), so the argv below is identical on a
-laptop and in a pod except for ``--local-addr``.
+laptop and in a pod except for ``--local-addr`` and flags only newer NVRx versions accept, which
+are added only where the launcher's version is known (see :func:`launcher_nvrx_version`).
 """
 
 from __future__ import annotations
 
+import re
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from kfp_nvrx.components.train_fsdp.trainer.config import ResilienceConfig
 
@@ -16,6 +20,8 @@ from kfp_nvrx.components.train_fsdp.trainer.config import ResilienceConfig
 TRAINER_MODULE = "kfp_nvrx.components.train_fsdp.trainer"
 #: Rendezvous backend: ft_launcher requires c10d.
 RDZV_BACKEND = "c10d"
+#: First NVRx release known to accept ``--ft-gpu-memory-poll-interval`` (0.4.1 rejects it).
+GPU_MEMORY_POLL_SINCE = (0, 7)
 
 
 @dataclass
@@ -47,12 +53,39 @@ def restart_policy(res: ResilienceConfig) -> str:
     return "any-failed" if res.restart_policy == "auto" else res.restart_policy
 
 
-def ft_flags(res: ResilienceConfig, *, nic_monitor: bool = False) -> list[str]:
+def _version_tuple(version: str | None) -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", version or "")[:3])
+
+
+def launcher_nvrx_version(executable: str) -> str | None:
+    """NVRx version of ``executable`` when it is this environment's ft_launcher, else None.
+
+    ``launch-local`` runs the ft_launcher next to ``sys.executable``, whose version is the one
+    installed here. A pod runs the image's ft_launcher, whose version this machine cannot know.
+    """
+    if Path(executable).parent != Path(sys.executable).parent:
+        return None
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("nvidia-resiliency-ext")
+    except PackageNotFoundError:
+        return None
+
+
+def ft_flags(res: ResilienceConfig, *, nic_monitor: bool = False,
+             nvrx_version: str | None = None) -> list[str]:
     """Every ``--ft-*`` value set explicitly (NVRx 0.5+ changed several defaults).
 
     In ``sections`` mode the trainer opens ``setup``/``step``/``checkpoint`` sections and also sends
     one heartbeat per step, so both sets of timeouts are live. In ``heartbeats`` mode no section is
     ever opened, and the section flags are left out (their default, ``None``, disables them).
+
+    With ``nvrx_version`` >= 0.7 the GPU-memory poll after stopping failed workers runs every
+    ``resilience.launcher_poll_interval`` seconds instead of NVRx's 2 s: ft_launcher waits for the
+    failed workers' GPU memory to be released before it starts new ones, and the 2 s period alone
+    could add up to 2 s to every in-job restart. Older versions have no such wait and reject the
+    flag, so it is left out when the version is unknown.
     """
     # FT: timeouts the rank monitors start with; learned values replace them at run time.
     flags = [
@@ -70,6 +103,9 @@ def ft_flags(res: ResilienceConfig, *, nic_monitor: bool = False) -> list[str]:
             f"checkpoint:{res.checkpoint_timeout:g}",
             f"--ft-rank-out-of-section-timeout={res.out_of_section_timeout:g}",
         ]
+    if _version_tuple(nvrx_version) >= GPU_MEMORY_POLL_SINCE:
+        # FT: how often ft_launcher checks that the failed workers' GPU memory is free again.
+        flags.append(f"--ft-gpu-memory-poll-interval={res.launcher_poll_interval:g}")
     return flags
 
 
@@ -80,6 +116,7 @@ def ft_launcher_argv(
     local_addr: str,
     nic_monitor: bool = False,
     executable: str = "ft_launcher",
+    nvrx_version: str | None = None,
 ) -> list[str]:
     """The full ``ft_launcher`` command line.
 
@@ -90,18 +127,25 @@ def ft_launcher_argv(
             In a pod this is ``$(POD_IP)`` (expanded by Kubernetes from the downward API).
         nic_monitor: Whether NVRx watches InfiniBand/EFA link state (off on CPU).
         executable: The launcher binary (an absolute path for local runs).
+        nvrx_version: NVRx version of that launcher, enabling flags only newer versions accept;
+            by default the installed one when ``executable`` is this environment's ft_launcher
+            (``launch-local``), else none (pods: the image's version is not known here).
 
     Returns:
         argv, ready for ``subprocess`` or a container ``command``.
     """
+    if nvrx_version is None:
+        nvrx_version = launcher_nvrx_version(executable)
     return [
         executable,
         f"--rdzv-backend={RDZV_BACKEND}",
         f"--local-addr={local_addr}",
         f"--max-restarts={res.max_restarts}",
         f"--workers-stop-timeout={res.workers_stop_timeout:g}",
-        "--monitor-interval=0.5",
-        *ft_flags(res, nic_monitor=nic_monitor),
+        # FT: how often the agent checks its workers (and, in NVRx 0.7, whether a peer opened a
+        # restart round): the failure-detection latency of an in-job restart (torchrun: 0.1 s).
+        f"--monitor-interval={res.launcher_poll_interval:g}",
+        *ft_flags(res, nic_monitor=nic_monitor, nvrx_version=nvrx_version),
         "-m",
         TRAINER_MODULE,
         *trainer.argv(),

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import time
 
+_T_MAIN = time.time()  # this module starts running: the interpreter, site and runpy are done
 # FT: in-process restart needs quiet c10d logs, set before torch is imported.
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "error")
 import warnings  # noqa: E402
@@ -30,6 +32,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def process_start_time() -> float | None:
+    """When this process was created (Unix seconds, 10 ms resolution; None off Linux)."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return time.time() - uptime + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def boot_line(t_prepared: float) -> str:
+    """Where a worker's start-up went before training code runs (an in-job restart's share).
+
+    ``interpreter``: process creation to this module (Python, site-packages, runpy);
+    ``imports+checks+device``: :func:`prepare_job`, i.e. config, dataset and checkpoint checks with
+    the imports they need (torch, DCP, the training modules), the NVRx client and the device (the
+    CUDA context). Between this and the ``start`` event only the in-process wrapper (when on) is
+    set up.
+    """
+    t_exec = process_start_time()
+    interp = f"interpreter {_T_MAIN - t_exec:.2f}s, " if t_exec else ""
+    return f"[trainer] boot: {interp}imports+checks+device {t_prepared - _T_MAIN:.2f}s"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Validates inputs before any process group exists, then trains."""
     args = parse_args(argv)
@@ -40,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:
         sys.stderr.write(f"trainer: error: {err.one_line()}\n")
         return UserError.exit_code
+    if os.environ.get("RANK", "0") == "0":
+        print(boot_line(time.time()), flush=True)
     from kfp_nvrx.components.train_fsdp.trainer.train import run
 
     try:

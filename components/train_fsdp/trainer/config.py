@@ -111,6 +111,23 @@ class ResilienceConfig:
     hard_timeout: float = 90.0
     barrier_timeout: float = 120.0
     pg_timeout: float = 600.0  # collective timeout (gloo/NCCL); must exceed hard_timeout
+    # Recovery latency (issue 6). last_call_wait: seconds the in-process wrapper waits after the
+    # first fault report for other ranks' concurrent reports before it restarts; they only enrich
+    # the logged attribution (NVRx default 1 s, half of its restart time on the H200). >= 0.
+    last_call_wait: float = 0.1
+    # ft_launcher polling period, seconds: --monitor-interval (how soon a failed worker is seen;
+    # every agent also polls the rendezvous store at this rate) and, with NVRx >= 0.7,
+    # --ft-gpu-memory-poll-interval (restarted workers wait for the failed ones' GPU memory to be
+    # released, polled every 2 s by default). > 0.
+    launcher_poll_interval: float = 0.1
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Range checks of the recovery-latency fields, on every assignment (YAML, --set, Python).
+        if name == "last_call_wait" and not value >= 0:
+            raise UserError(f"resilience.{name}", f"must be >= 0, got {value}")
+        if name == "launcher_poll_interval" and not 0 < value <= 60:
+            raise UserError(f"resilience.{name}", f"must be > 0 and <= 60 seconds, got {value}")
+        super().__setattr__(name, value)
 
 
 @dataclass
