@@ -84,7 +84,6 @@ class NvrxWriterMixin:
         )
         from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-        self.staging.stage(flat, step)  # D2H starts now, planning runs beside it
         writer = staged_writer(str(path), self.staging, self.cfg.write_threads)
         cache = self._plan_cache
         if cache is not None and self._all(cache[0] == self.staging.key):
@@ -102,6 +101,9 @@ class NvrxWriterMixin:
         else:
             plan = save_state_dict_async_plan(state, writer)
             self._plan_cache = (self.staging.key, writer.central_plan, plan[1], plan[2])
+        # D2H starts now, after planning: planning's collectives sync on small device-to-host
+        # copies, which would queue behind the staging copies on the copy engine.
+        self.staging.stage(flat, step)
         self._pending = writer
         if self.mode == "blocking":
             self.staging.synchronize()
