@@ -11,6 +11,7 @@ import atexit
 import json
 import os
 import shutil
+import signal
 import threading
 import time
 import zlib
@@ -28,17 +29,49 @@ _CRC_PREFIX = ".crc32_rank"
 _WRITERS: list[Any] = []
 
 
-def kill_writers() -> None:
+def kill_writers(reap_timeout: float = 5.0) -> None:
     """Kills and reaps every writer process still tracked (abort path and interpreter exit).
 
-    A process leaves the list only once reaped, so an async exception (in-process restart) that
-    interrupts this leaves the rest for the next call.
+    A process leaves the list only once reaped (or after ``reap_timeout`` seconds, e.g. stuck in
+    uninterruptible I/O), so an async exception (in-process restart) that interrupts this leaves
+    the rest for the next call.
     """
     for proc in list(_WRITERS):
-        if proc.is_alive():
-            proc.kill()
-        proc.join(timeout=10)
+        if proc.exitcode is None:
+            _kill_tree(proc.pid)
+        # Not join(): NVRx's writer forks child write processes that inherit the write end of its
+        # exit-sentinel pipe, so join() sat out its whole timeout (10 s, longer than a learned
+        # heartbeat timeout during an in-process restart). exitcode polls waitpid(WNOHANG).
+        deadline = time.monotonic() + reap_timeout
+        while proc.exitcode is None and time.monotonic() < deadline:
+            time.sleep(0.005)
         _WRITERS.remove(proc)
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILLs a writer and all its descendants (NVRx's forked write processes).
+
+    The writer is stopped first so it cannot fork more while its tree is listed. psutil comes
+    with nvidia-resiliency-ext, the only source of tracked writers.
+    """
+    import psutil
+
+    try:
+        writer = psutil.Process(pid)
+        writer.suspend()
+        procs = [*writer.children(recursive=True), writer]
+    except psutil.Error:  # already gone (or a zombie waiting to be reaped)
+        procs = []
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    if not procs:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
 
 
 atexit.register(kill_writers)  # registered after multiprocessing's exit hook, so it runs first
