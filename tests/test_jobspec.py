@@ -81,7 +81,7 @@ def test_p5_manifest_has_what_p5_needs() -> None:
     pod = _worker(m)["template"]["spec"]
     assert pod["nodeSelector"] == {"node.kubernetes.io/instance-type": "p5.48xlarge"}
     shm = [v for v in pod["volumes"] if v["name"] == "dshm"][0]["emptyDir"]
-    assert shm == {"medium": "Memory", "sizeLimit": "64Gi"}
+    assert shm == {"medium": "Memory", "sizeLimit": "512Gi"}
     claim = [v for v in pod["volumes"] if "persistentVolumeClaim" in v][0]
     assert claim["persistentVolumeClaim"]["claimName"] == "fsx-claim"
     env = _env(m)

@@ -68,7 +68,13 @@ PROFILES: dict[str, InstanceProfile] = {
         cpu="180",
         memory="1800Gi",
         hugepages="5120Mi",
-        shm_size="64Gi",
+        # /dev/shm holds the checkpoint staging buffer (trainer/staging.py): the whole per-node
+        # state, ~12 bytes/param (fp32 params + AdamW moments) divided by the node count, e.g.
+        # ~90 GiB for 8B on one node. 512Gi covers the largest state that fits in the node's
+        # 640 GB of HBM (state is 12 of the ~16 bytes/param held on the GPUs: <= ~450 GiB) plus
+        # NCCL and DataLoader segments. The sizeLimit is only an eviction threshold; tmpfs pages
+        # count against node memory as they are written, and there is no container memory limit.
+        shm_size="512Gi",
         instance_type="p5.48xlarge",
         tolerations=(_GPU_TOLERATION,),
         default_procs=8,
@@ -81,7 +87,8 @@ PROFILES: dict[str, InstanceProfile] = {
         cpu="88",
         memory="1000Gi",
         hugepages="5120Mi",
-        shm_size="64Gi",
+        # As p5: 320 GB of HBM bounds the per-node state at ~225 GiB (8B on one node: ~90 GiB).
+        shm_size="256Gi",
         instance_type="p4d.24xlarge",
         tolerations=(_GPU_TOLERATION,),
         default_procs=8,
