@@ -91,7 +91,7 @@ def test_staged_save_writes_the_state_at_save_time_and_equals_nvrx_staging(tmp_p
         assert torch.equal(saved["blocking"][key], value), key
 
 
-def test_reused_buffer_second_save_and_in_memory_restore(tmp_path, pg):
+def test_reused_buffer_second_save_and_in_memory_restore(tmp_path, pg, monkeypatch):
     cfg, model, opt, sched, train, step = _trainer(["checkpoint.staging=blocking"])
     staging = staging_mod.HostStaging(torch.device("cpu"))
     ckpt = Checkpointer(tmp_path, cfg.checkpoint, torch.device("cpu"), staging=staging)
@@ -121,13 +121,43 @@ def test_reused_buffer_second_save_and_in_memory_restore(tmp_path, pg):
         assert torch.equal(got[key], want[key]), key
     assert target["train"] == disk["train"] and target["sched"] == disk["sched"]
 
-    # A save that did not commit leaves nothing to restore: the files are used.
-    ckpt2.save(4, _state(model2, opt2, sched2, train2))
+    # A save whose copies completed but whose write the fault cut off: every rank holds the
+    # snapshot, so an in-process restart restores it although it never reached the disk.
+    step2()
+    state4 = _state(model2, opt2, sched2, train2)
+    want4 = _tensors(state4)
+    ckpt2.save(4, state4)
     ckpt2.abort()
+    assert not (step_dir(ckpt2.root, 4) / "COMMITTED").exists()
     ckpt3 = Checkpointer(tmp_path, cfg.checkpoint, torch.device("cpu"), staging=staging)
-    ckpt3.load(3, _state(model2, opt2, sched2, train2))
-    assert not ckpt3.restored_from_memory
-    ckpt3.close()
+    assert ckpt3.select() == 3 and ckpt3.memory_step() == 4
+    assert ckpt3.metadata_keys(4) >= set(want4)  # from the snapshot: step 4 has no .metadata
+    target4 = _state(*_trainer()[1:5])
+    ckpt3.load(4, target4)
+    assert ckpt3.restored_from_memory
+    for key, value in _tensors(target4).items():
+        assert torch.equal(value, want4[key]), key
+
+    # A fault while staging leaves a torn buffer: nothing to restore, the files are used.
+    original = staging_mod.HostStaging.view
+    calls = []
+
+    def failing_view(self, key):
+        calls.append(key)
+        if len(calls) > 3:
+            raise RuntimeError("fault while staging")
+        return original(self, key)
+
+    monkeypatch.setattr(staging_mod.HostStaging, "view", failing_view)
+    with pytest.raises(RuntimeError, match="fault while staging"):
+        ckpt3.save(5, _state(model2, opt2, sched2, train2))
+    ckpt3.abort()
+    monkeypatch.undo()
+    ckpt4 = Checkpointer(tmp_path, cfg.checkpoint, torch.device("cpu"), staging=staging)
+    assert ckpt4.memory_step() is None
+    ckpt4.load(3, _state(model2, opt2, sched2, train2))
+    assert not ckpt4.restored_from_memory
+    ckpt4.close()
 
 
 def test_writer_views_own_exactly_their_bytes():

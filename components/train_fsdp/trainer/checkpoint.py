@@ -241,8 +241,6 @@ class Checkpointer(NvrxWriterMixin):
             if self.on_commit is not None:
                 self.on_commit(inf.step, inf.blocking_s, time.perf_counter() - inf.started, nbytes)
         dist.barrier()
-        if self.staging is not None:
-            self.staging.mark_committed(inf.step)
         self.commits += 1
         self.commit_s.append(time.perf_counter() - t_commit)
         self.last_commit_step = inf.step
@@ -283,8 +281,26 @@ class Checkpointer(NvrxWriterMixin):
             log(f"checkpoint step {step} is damaged ({bad}); falling back to an older one")
         return None
 
+    def memory_step(self) -> int | None:
+        """The step of the snapshot every rank holds in its staging buffer (collective), if any.
+
+        After an in-process restart that can be newer than the newest committed checkpoint: a
+        save whose copies completed on every rank but whose write the fault interrupted.
+        """
+        mine = -1
+        if self.staging is not None and self.staging.valid_step is not None:
+            if self.cfg.load_step < 0 or self.staging.valid_step == self.cfg.load_step:
+                mine = self.staging.valid_step
+        t = torch.tensor([mine, -mine], dtype=torch.int64,
+                         device=self.device if self.device.type == "cuda" else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)  # [min, -max]
+        low, high = int(t[0]), -int(t[1])
+        return low if low == high and low >= 0 else None
+
     def metadata_keys(self, step: int) -> set[str]:
         """Flattened keys stored in a checkpoint (e.g. to skip per-rank RNG of another world size)."""
+        if self.staging is not None and self.staging.valid_step == step:
+            return self.staging.keys()
         md = dcp.FileSystemReader(str(step_dir(self.root, step))).read_metadata()
         return set(md.state_dict_metadata)
 
@@ -315,8 +331,8 @@ class Checkpointer(NvrxWriterMixin):
         NVRx's own shutdown joins its queue and would hang forever after a failed collective.
         """
         self.inflight = None
-        self._pending = None
-        if self.staging is not None:
+        staging_incomplete, self._pending = self._pending is not None, None
+        if self.staging is not None and staging_incomplete:
             self.staging.invalidate()
         caller, self._caller = self._caller, None
         if caller is not None:

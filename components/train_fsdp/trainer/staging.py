@@ -9,8 +9,9 @@ device-to-host copies run at DMA speed. On CUDA the copies are issued on a side 
 * ``overlap``: ``save()`` returns at once; the next step's forward/backward runs beside the copy and
   only the optimizer step waits for it, on the GPU (``wait_before_update``), never the CPU.
 
-The buffer also holds the newest committed state in host memory: an in-process restart restores
-from it (H2D) instead of reading the checkpoint back from disk, when every rank holds that step.
+The buffer also holds the newest complete snapshot in host memory: an in-process restart restores
+from it (H2D) instead of reading a checkpoint back from disk when every rank holds the same step,
+even one whose write to disk the fault interrupted (the snapshot of every rank is complete).
 
 The writer request carries the buffer once per writer process; afterwards only the layout. In the
 writer, every tensor becomes a zero-copy view with a storage of exactly its own bytes (``torch.save``
@@ -95,7 +96,7 @@ class HostStaging:
         self.buffer: torch.Tensor | None = None  # uint8, shared memory (pinned on CUDA)
         self.key = ""  # layout + allocation identity, what the writer process caches under
         self.generation = 0
-        self.valid_step: int | None = None  # committed step the buffer holds (restore source)
+        self.valid_step: int | None = None  # step of the complete snapshot held (restore source)
         self.staged_step: int | None = None  # step being staged or written
         self._objects: dict[str, Any] = {}  # non-tensor leaves of the staged state
         self._event: Any = None
@@ -205,6 +206,8 @@ class HostStaging:
             if self.cuda:
                 self._event = torch.cuda.Event()
                 self._event.record(self._stream)
+        if not self.cuda:
+            self.valid_step = step  # CPU copies are complete on return
 
     def ready(self) -> bool:
         """Whether the last stage()'s copies are complete (never blocks)."""
@@ -220,15 +223,15 @@ class HostStaging:
         if self._event is not None:
             self._event.synchronize()
             self._event = None
-
-    def mark_committed(self, step: int) -> None:
-        """The buffer now holds the committed ``step`` (restorable)."""
-        if self.staged_step == step:
-            self.valid_step = step
+            self.valid_step = self.staged_step
 
     def invalidate(self) -> None:
-        """After a failed or abandoned save: the buffer holds no committed state."""
+        """After a fault while staging: the buffer may hold a torn snapshot."""
         self.valid_step = self.staged_step = None
+
+    def keys(self) -> set[str]:
+        """The flattened keys of the snapshot held (as a DCP checkpoint's metadata lists them)."""
+        return set(self.slots) | set(self._objects)
 
     def can_restore(self, flat: dict[str, Any], step: int) -> bool:
         """Whether ``flat`` can be filled from the buffer holding ``step`` (same layout)."""

@@ -110,6 +110,11 @@ def incarnation(job: Job, base_store: Any = None, call_wrapper: Any = None) -> N
             ckpt.warm_up()
             t_load = time.perf_counter()
             resumed = ckpt.select(log=log0)
+            in_memory = ckpt.memory_step()  # FT: in-process restart: the last snapshot survives
+            if in_memory is not None and (resumed is None or in_memory > resumed):
+                log0(f"restoring step {in_memory} from host memory (newest committed on disk: "
+                     f"{resumed})")
+                resumed = in_memory
             if resumed is not None:
                 keys = ckpt.metadata_keys(resumed)
                 check_compatible(model, keys, resumed)
