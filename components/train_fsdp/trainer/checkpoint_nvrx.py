@@ -84,6 +84,10 @@ class NvrxWriterMixin:
         )
         from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
+        # The writer process must be up before the copies are handed to it. Waiting here keeps that
+        # (seconds, on the first save only) inside the checkpoint section: waited for in the next
+        # step's _submit, it inflated the learned step timeout (hang detection 6 s -> 16 s).
+        self._finish_warm_up()
         writer = staged_writer(str(path), self.staging, self.cfg.write_threads)
         cache = self._plan_cache
         if cache is not None and self._all(cache[0] == self.staging.key):
