@@ -7,6 +7,7 @@ from the page cache; plus the warm load and, with ``profile``, a cProfile of it.
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -109,4 +110,53 @@ def cold_load(ckpt, step: int, state: dict, profile: bool = False) -> dict[str, 
     out["load_over_disk_read"] = out["cold_load_gb_per_s"] / out["raw_gb_per_s"]
     df = subprocess.run(["df", "-T", str(path)], capture_output=True, text=True).stdout
     out["filesystem"] = " ".join(df.splitlines()[-1].split()[:2]) if df else ""
+    return out
+
+
+def reader_vs_stock(path: str | os.PathLike, state_dict: dict[str, Any], process_group: Any = None,
+                    **reader_kwargs: Any) -> dict[str, Any]:
+    """Cold read bandwidth: raw sequential read vs stock ``dcp.load`` vs ``load``, same run.
+
+    Each measurement starts from an evicted page cache. Not a test: the numbers depend on the disk.
+
+    Args:
+        path: The checkpoint directory.
+        state_dict: The state to load into (both loads fill it; it ends holding the checkpoint).
+        process_group: Passed to ``dcp.load``.
+        **reader_kwargs: ``FastFileSystemReader`` options.
+
+    Returns:
+        Bytes, seconds and GB/s of each, and ``stock_over_raw`` / ``fast_over_raw`` ratios.
+    """
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from kfp_nvrx.components.train_fsdp.trainer.checkpoint_reader import load
+
+    files = sorted(p for p in Path(path).iterdir() if p.is_file())
+    nbytes = sum(f.stat().st_size for f in files)
+    block = bytearray(64 << 20)
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+
+    def raw() -> None:
+        for f in files:
+            with open(f, "rb", buffering=0) as fh:
+                while fh.readinto(block):
+                    pass
+
+    out: dict[str, Any] = {"bytes": nbytes}
+    for label, fn in (("raw", raw),
+                      ("stock", lambda: dcp.load(state_dict, storage_reader=FileSystemReader(path),
+                                                 process_group=process_group)),
+                      ("fast", lambda: load(state_dict, path, process_group, **reader_kwargs))):
+        _evict(files)
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        out[f"{label}_s"] = time.perf_counter() - t0
+        out[f"{label}_gb_per_s"] = nbytes / out[f"{label}_s"] / 1e9
+    out["stock_over_raw"] = out["stock_gb_per_s"] / out["raw_gb_per_s"]
+    out["fast_over_raw"] = out["fast_gb_per_s"] / out["raw_gb_per_s"]
     return out

@@ -17,7 +17,6 @@ import os
 import queue
 import sys
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -367,57 +366,3 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, process_group: Any
     """
     dcp.load(state_dict, storage_reader=FastFileSystemReader(path, **reader_kwargs),
              process_group=process_group, planner=planner)
-
-
-def evict(path: str | os.PathLike) -> None:
-    """Drops the checkpoint's files from the page cache (fsync, then POSIX_FADV_DONTNEED)."""
-    for f in sorted(p for p in Path(path).iterdir() if p.is_file()):
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def bench_read(path: str | os.PathLike, state_dict: dict[str, Any], process_group: Any = None,
-               **reader_kwargs: Any) -> dict[str, Any]:
-    """Cold read bandwidth: raw sequential read vs stock ``dcp.load`` vs ``load``, same run.
-
-    Each measurement starts from an evicted page cache. Not a test: the numbers depend on the disk.
-
-    Args:
-        path: The checkpoint directory.
-        state_dict: The state to load into (both loads fill it; it ends holding the checkpoint).
-        process_group: Passed to ``dcp.load``.
-        **reader_kwargs: ``FastFileSystemReader`` options.
-
-    Returns:
-        Bytes, seconds and GB/s of each, and ``stock_over_raw`` / ``fast_over_raw`` ratios.
-    """
-    files = sorted(p for p in Path(path).iterdir() if p.is_file())
-    nbytes = sum(f.stat().st_size for f in files)
-    block = bytearray(64 << 20)
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-
-    def raw() -> None:
-        for f in files:
-            with open(f, "rb", buffering=0) as fh:
-                while fh.readinto(block):
-                    pass
-
-    out: dict[str, Any] = {"bytes": nbytes}
-    for label, fn in (("raw", raw),
-                      ("stock", lambda: dcp.load(state_dict, storage_reader=FileSystemReader(path),
-                                                 process_group=process_group)),
-                      ("fast", lambda: load(state_dict, path, process_group, **reader_kwargs))):
-        evict(path)
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        out[f"{label}_s"] = time.perf_counter() - t0
-        out[f"{label}_gb_per_s"] = nbytes / out[f"{label}_s"] / 1e9
-    out["stock_over_raw"] = out["stock_gb_per_s"] / out["raw_gb_per_s"]
-    out["fast_over_raw"] = out["fast_gb_per_s"] / out["raw_gb_per_s"]
-    return out
