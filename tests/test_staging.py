@@ -183,3 +183,18 @@ def test_too_small_dev_shm_falls_back_to_nvrx_staging(tmp_path, pg, monkeypatch)
     assert ckpt.mode == "nvrx" and ckpt.staging is None
     assert len(notes) == 1 and "/dev/shm" in notes[0] and "checkpoint.staging=nvrx" in notes[0]
     assert (step_dir(ckpt.root, 1) / "COMMITTED").is_file()
+
+
+def test_first_allocation_leaves_room_for_every_local_rank(monkeypatch):
+    flat = {"w": torch.zeros(1024, dtype=torch.float32), "step": 3}
+    need = staging_mod.layout_of(flat)["w"].nbytes
+    monkeypatch.setattr(staging_mod, "shm_free_bytes", lambda path="/dev/shm": 5 * need)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    with pytest.raises(staging_mod.StagingUnavailable, match=r"x 8 local rank\(s\)"):
+        staging_mod.HostStaging(torch.device("cpu")).ensure(flat)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    ok = staging_mod.HostStaging(torch.device("cpu"))
+    ok.ensure(flat)
+    ok.stage(flat, 1)
+    assert ok.valid_step == 1 and torch.equal(ok.view("w"), flat["w"])
+    ok.release()

@@ -144,12 +144,18 @@ class HostStaging:
                 return
             last = max(slots.values(), key=lambda s: s.offset, default=None)
             nbytes = max(_ALIGN, last.offset + last.nbytes if last else 0)
+            first = self.generation == 0
             self.release()
+            # The first allocation of every local rank happens at about the same time, so each
+            # must see room for all of them: a tmpfs that fills up while pages are touched kills
+            # the process with SIGBUS instead of failing the allocation.
+            ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) if first else 1
             free = shm_free_bytes()
-            if free < nbytes * 1.05:
+            if free < nbytes * ranks * 1.05:
                 raise StagingUnavailable(
-                    f"/dev/shm has {free / 1e9:.2f} GB free, the staging buffer needs "
-                    f"{nbytes / 1e9:.2f} GB (mount a larger /dev/shm, or set checkpoint.staging=nvrx)")
+                    f"/dev/shm has {free / 1e9:.2f} GB free, the staging buffers need "
+                    f"{nbytes / 1e9:.2f} GB x {ranks} local rank(s) (mount a larger /dev/shm, e.g. "
+                    "--shm-size, or set checkpoint.staging=nvrx)")
             storage = torch.UntypedStorage._new_shared(nbytes)
             buf = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,))
             if self.cuda:
