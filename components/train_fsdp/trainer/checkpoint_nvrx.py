@@ -36,18 +36,12 @@ class NvrxWriterMixin:
         """
         if not self.cfg.async_save or self._caller is not None:
             return
-        from nvidia_resiliency_ext.checkpointing.async_ckpt.core import (
-            AsyncRequest,
-            PersistentAsyncCaller,
-        )
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
 
-        # FT: NVRx persistent async checkpoint worker (spawned once, reused by every save).
-        self._caller = self._new_caller(PersistentAsyncCaller)
         # The warm-up call imports the DCP writer in the worker, so the first real save does not
         # pay for that either (seconds on a busy host).
         writer_module = "nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async"
-        self._caller.schedule_async_call(AsyncRequest(importlib.import_module, (writer_module,), []))
-        _track(self._caller)
+        self._schedule(AsyncRequest(importlib.import_module, (writer_module,), []))
         self._warming = True
         try:  # the writer's results queue is a multiprocessing Manager: another process to spawn
             from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async
@@ -56,14 +50,23 @@ class NvrxWriterMixin:
         except (ImportError, AttributeError):  # other NVRx versions: created on first save
             pass
 
-    def _new_caller(self, cls: Any) -> Any:
-        """A PersistentAsyncCaller; on CPU without the worker's CUDA setup where NVRx has it.
+    def _schedule(self, request: Any) -> None:
+        """Hands ``request`` to NVRx's persistent writer process, starting it if there is none.
 
-        NVRx >= 0.6 makes its worker call ``torch.cuda.set_device`` unless ``cpu_shm_mode``.
+        On CPU the worker skips its CUDA setup where NVRx has that switch (NVRx >= 0.6 makes it
+        call ``torch.cuda.set_device`` unless ``cpu_shm_mode``).
         """
-        if self.device.type != "cuda" and "cpu_shm_mode" in inspect.signature(cls).parameters:
-            return cls(cpu_shm_mode=True)
-        return cls()
+        if self._caller is None:
+            from nvidia_resiliency_ext.checkpointing.async_ckpt.core import PersistentAsyncCaller
+
+            # FT: NVRx persistent async checkpoint worker (spawned once, reused by every save).
+            cpu = self.device.type != "cuda"
+            if cpu and "cpu_shm_mode" in inspect.signature(PersistentAsyncCaller).parameters:
+                self._caller = PersistentAsyncCaller(cpu_shm_mode=True)
+            else:
+                self._caller = PersistentAsyncCaller()
+        self._caller.schedule_async_call(request)
+        _track(self._caller)
 
     def _finish_warm_up(self) -> None:
         if self._warming:
@@ -110,34 +113,23 @@ class NvrxWriterMixin:
         self.staging.stage(flat, step)
         self._pending = writer
         if self.mode == "blocking":
-            self.staging.synchronize()
             self._submit()
         return [lambda: self._finalize_dcp(*plan)]
 
     def _submit(self) -> None:
         """Hands the staged save to NVRx's persistent writer (the buffer once per writer)."""
-        from nvidia_resiliency_ext.checkpointing.async_ckpt.core import (
-            AsyncRequest,
-            PersistentAsyncCaller,
-        )
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
 
         writer, self._pending = self._pending, None
-        self.staging.synchronize()
-        self._finish_warm_up()
-        if self._caller is None:
-            self._caller = self._new_caller(PersistentAsyncCaller)
+        self.staging.synchronize()  # the writer reads the buffer: the copies must be complete
         send = getattr(self._caller, "_kfp_staging_key", None) != self.staging.key
-        self._caller.schedule_async_call(AsyncRequest(
+        self._schedule(AsyncRequest(
             write_staged, (self.rank, writer.request(send), writer.results_queue), []))
         self._caller._kfp_staging_key = self.staging.key
-        _track(self._caller)
 
     def _save_async(self, path: Path, state: dict[str, Any]) -> list[Callable[[], None]]:
         # FT: NVRx async DCP writer: plan collectively, stage, write in a persistent worker.
-        from nvidia_resiliency_ext.checkpointing.async_ckpt.core import (
-            AsyncRequest,
-            PersistentAsyncCaller,
-        )
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
         from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import (
             FileSystemWriterAsync,
         )
@@ -163,14 +155,10 @@ class NvrxWriterMixin:
             args = [args[0], writer.write_buckets, *args[2:]]
             preload_fn = None
         if save_fn is not None:
-            if self._caller is None:
-                self._caller = self._new_caller(PersistentAsyncCaller)
             # Blocks until the worker staged the tensors (GPU D2H) or queued the snapshot.
             # The worker puts preload_fn's staged buckets in place of args[1]: keep it there.
-            self._caller.schedule_async_call(AsyncRequest(functools.partial(_write_then_checksum,
-                                                                            save_fn),
-                                                          tuple(args), [], preload_fn=preload_fn))
-            _track(self._caller)
+            self._schedule(AsyncRequest(functools.partial(_write_then_checksum, save_fn),
+                                        tuple(args), [], preload_fn=preload_fn))
         return [lambda: self._finalize_dcp(*plan)]
 
     def _finalize_dcp(self, writer: Any, metadata: Any, dist_wrapper: Any) -> None:

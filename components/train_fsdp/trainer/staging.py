@@ -190,10 +190,12 @@ class HostStaging:
     def stage(self, flat: dict[str, Any], step: int) -> None:
         """Starts copying ``flat`` into the buffer (CUDA tensors on a side stream).
 
-        CPU tensors and non-tensor leaves are captured before this returns; CUDA tensors are
-        complete once :meth:`ready` (or after :meth:`synchronize`).
+        Call :meth:`ensure` for ``flat`` first (the save path does, once per save). CPU tensors
+        and non-tensor leaves are captured before this returns; CUDA tensors are complete once
+        :meth:`ready` (or after :meth:`synchronize`).
         """
-        self.ensure(flat)
+        if self.buffer is None:
+            raise RuntimeError("HostStaging.stage() before ensure()")
         self.valid_step, self.staged_step = None, step
         self._objects = {k: copy.deepcopy(v) for k, v in flat.items()
                          if not isinstance(v, torch.Tensor)}
