@@ -41,24 +41,26 @@ def _profiled(fn, top: int = 18) -> tuple[float, str]:
     return dt, buf.getvalue()
 
 
+def _read(f: Path) -> None:
+    """Reads one file raw, in 64 MiB reads."""
+    buf = bytearray(64 << 20)
+    with open(f, "rb", buffering=0) as fh:
+        while fh.readinto(buf):
+            pass
+
+
 def _raw_read(files: list[Path], parallel: bool) -> float:
     """Seconds to read ``files`` from disk (evicted first): one after another, or one thread each."""
     from concurrent.futures import ThreadPoolExecutor
-
-    def read(f: Path) -> None:
-        buf = bytearray(64 << 20)
-        with open(f, "rb", buffering=0) as fh:
-            while fh.readinto(buf):
-                pass
 
     _evict(files)
     t0 = time.perf_counter()
     if parallel:
         with ThreadPoolExecutor(len(files)) as pool:
-            list(pool.map(read, files))
+            list(pool.map(_read, files))
     else:
         for f in files:
-            read(f)
+            _read(f)
     return time.perf_counter() - t0
 
 
@@ -136,17 +138,9 @@ def reader_vs_stock(path: str | os.PathLike, state_dict: dict[str, Any], process
 
     files = sorted(p for p in Path(path).iterdir() if p.is_file())
     nbytes = sum(f.stat().st_size for f in files)
-    block = bytearray(64 << 20)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-
-    def raw() -> None:
-        for f in files:
-            with open(f, "rb", buffering=0) as fh:
-                while fh.readinto(block):
-                    pass
-
     out: dict[str, Any] = {"bytes": nbytes}
-    for label, fn in (("raw", raw),
+    for label, fn in (("raw", lambda: [_read(f) for f in files]),
                       ("stock", lambda: dcp.load(state_dict, storage_reader=FileSystemReader(path),
                                                  process_group=process_group)),
                       ("fast", lambda: load(state_dict, path, process_group, **reader_kwargs))):

@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from kfp_nvrx.components.train_fsdp.launcher.local import free_port
 
 #: NVLink multicast stays off everywhere (it can take a shared host's GPUs out of service).
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -20,13 +21,6 @@ SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
 PEAK_BF16_FLOPS = 989.4e12
 
 os.environ.update(SAFE_ENV)
-
-
-def free_port() -> int:
-    """A free TCP port on localhost."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def single_process_env() -> dict[str, str]:

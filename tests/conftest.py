@@ -16,3 +16,13 @@ def kfp_local(tmp_path):
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(root),
                raise_on_error=True)
     return root
+
+
+@pytest.fixture()
+def one_rank_env(monkeypatch):
+    """The launcher environment of a one-process job on a free local port (init_process_group)."""
+    from kfp_nvrx.components.train_fsdp.launcher.local import free_port
+
+    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
+                           WORLD_SIZE="1", LOCAL_RANK="0").items():
+        monkeypatch.setenv(key, value)

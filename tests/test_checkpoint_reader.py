@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -16,6 +15,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from kfp_nvrx.components.train_fsdp.launcher.local import free_port
 from kfp_nvrx.components.train_fsdp.trainer import checkpoint_reader as cr
 
 
@@ -225,10 +225,7 @@ def test_two_rank_checkpoint_resharded(pg, tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     script = tmp_path / "two_ranks.py"
     script.write_text(_TWO_RANKS)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    proc = subprocess.run([sys.executable, str(script), str(ckpt), str(port)],
+    proc = subprocess.run([sys.executable, str(script), str(ckpt), str(free_port())],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(p.name for p in ckpt.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]

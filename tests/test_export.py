@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import socket
 import subprocess
 import sys
 import textwrap
@@ -31,6 +30,7 @@ from kfp_nvrx.components.export_checkpoint.evaluate import (
     window_starts,
 )
 from kfp_nvrx.components.prepare_dataset.prepare import prepare_dataset
+from kfp_nvrx.components.train_fsdp.launcher.local import free_port
 from kfp_nvrx.components.train_fsdp.trainer.config import load_config
 from kfp_nvrx.components.train_fsdp.trainer.model import build_model
 from kfp_nvrx.pipelines import cli
@@ -315,10 +315,7 @@ def test_export_of_a_two_rank_fsdp2_checkpoint(tmp_path: Path) -> None:
     (run_dir / "config.yaml").write_text(yaml.safe_dump(load_config("tiny").to_dict()))
     script = tmp_path / "fsdp_save.py"
     script.write_text(_FSDP_SCRIPT)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    proc = subprocess.run([sys.executable, str(script), str(ckpt), str(port)],
+    proc = subprocess.run([sys.executable, str(script), str(ckpt), str(free_port())],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(p.name for p in ckpt.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]

@@ -21,15 +21,7 @@ from kfp_nvrx.components.train_fsdp.trainer.state import TrainState, build, full
 
 
 @pytest.fixture()
-def pg(monkeypatch):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0",
-                           WORLD_SIZE="1", LOCAL_RANK="0").items():
-        monkeypatch.setenv(key, value)
+def pg(one_rank_env):
     dist.init_process_group("gloo", rank=0, world_size=1)
     yield
     dist.destroy_process_group()

@@ -6,7 +6,6 @@ There is no KFP API server here; ``kfp_api_double.KfpApiDouble`` serves the few 
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -15,6 +14,7 @@ from kfp_api_double import KfpApiDouble
 
 from kfp_nvrx.components import __version__
 from kfp_nvrx.components.errors import UserError
+from kfp_nvrx.components.train_fsdp.launcher.local import free_port
 from kfp_nvrx.pipelines.cli import main
 from kfp_nvrx.pipelines.client import parse_params, validate_cron
 
@@ -117,14 +117,8 @@ def test_submit_unknown_pipeline(api, capsys):
 
 # -- connection and auth errors -----------------------------------------------------------------
 
-def _closed_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_unreachable_host_is_one_line(capsys):
-    err = _one_line_error(capsys, main(["submit", "--host", f"http://127.0.0.1:{_closed_port()}"]))
+    err = _one_line_error(capsys, main(["submit", "--host", f"http://127.0.0.1:{free_port()}"]))
     assert "--host: cannot reach" in err and "port-forward" in err
 
 

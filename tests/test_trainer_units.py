@@ -116,14 +116,11 @@ def test_one_builder_for_pod_and_local_commands():
     assert not any("section" in f for f in ft_flags(res))
 
 
-def test_fsdp2_build_with_activation_checkpointing_single_rank(monkeypatch):
+def test_fsdp2_build_with_activation_checkpointing_single_rank(one_rank_env):
     import torch.distributed as dist
 
     from kfp_nvrx.components.train_fsdp.trainer.state import build
 
-    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29517", RANK="0",
-                           WORLD_SIZE="1").items():
-        monkeypatch.setenv(key, value)
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         cfg = load_config("tiny", ["train.activation_checkpointing=true"])

@@ -7,8 +7,6 @@ and the CPU side of the same code runs in ``tests/test_staging.py``. NCCL, world
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -22,13 +20,7 @@ SETS = ["train.device=cuda", "model.dim=512", "model.n_layers=4", "model.n_heads
 
 
 @pytest.fixture()
-def pg(monkeypatch):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0",
-                           WORLD_SIZE="1", LOCAL_RANK="0").items():
-        monkeypatch.setenv(key, value)
+def pg(one_rank_env):
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
     yield

@@ -48,7 +48,8 @@ def parse_nodes(nodes: str | int) -> tuple[int, int]:
     return lo, hi
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on localhost that is free now (rendezvous and test process groups)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -159,7 +160,7 @@ def run_local(nodes: str, nproc_per_node: int, run_dir: str, config: str,
     exe = _ft_launcher()
     name = name or re.sub(r"[^a-z0-9-]", "-", run_path.name.lower()) or "run"
     marker = uuid.uuid4().hex
-    port = _free_port()
+    port = free_port()
     argv = ft_launcher_argv(cfg.resilience, TrainerArgs(config, str(run_path), overrides, faults),
                             local_addr="127.0.0.1", executable=exe)
     threads = max(1, (os.cpu_count() or 1) // (hi * nproc_per_node))
