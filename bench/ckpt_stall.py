@@ -31,7 +31,7 @@ def _trainer(config: str, device):
     import torch
     import torch.nn.functional as F
 
-    from kfp_nvrx.components.train_fsdp.trainer.config import load_config
+    from kfp_nvrx.components.core.config import load_config
     from kfp_nvrx.components.train_fsdp.trainer.state import TrainState, build
 
     cfg = load_config(config)

@@ -24,7 +24,7 @@ TRAINER = "kfp_nvrx.components.train_fsdp.trainer"
 def run_trainer(mode: str, preset: str, run_dir: Path, overrides: list[str],
                 faults: list[str] | None = None, timeout: float = 300) -> dict[str, Any]:
     """Runs one training job to the end; returns state, wall seconds, events and log lines."""
-    from kfp_nvrx.components.train_fsdp.trainer.events import read_events
+    from kfp_nvrx.components.core.events import read_events
 
     shutil.rmtree(run_dir, ignore_errors=True)
     faults = list(faults or [])

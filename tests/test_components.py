@@ -190,7 +190,7 @@ def _events():
 
 
 def test_metrics_from_summary():
-    from kfp_nvrx.components.train_fsdp.trainer.goodput import summarize_events
+    from kfp_nvrx.components.core.goodput import summarize_events
 
     m = report.metrics_from_summary(summarize_events(_events()).to_dict())
     assert m["steps_final"] == 8 and m["steps_run"] == 11 and m["steps_redone"] == 3
@@ -204,7 +204,7 @@ def test_metrics_from_summary():
 
 
 def test_timeline_shows_every_kind_of_event():
-    from kfp_nvrx.components.train_fsdp.trainer.goodput import summarize_events
+    from kfp_nvrx.components.core.goodput import summarize_events
 
     events = _events()
     page = report.render_timeline(events, summarize_events(events).to_dict(), "run-x")

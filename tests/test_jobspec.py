@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kfp_nvrx.components.core.config import load_config
+from kfp_nvrx.components.core.launch_command import TrainerArgs, ft_launcher_argv
 from kfp_nvrx.components.train_fsdp.jobspec import naming
 from kfp_nvrx.components.train_fsdp.jobspec.profiles import PROFILES
 from kfp_nvrx.components.train_fsdp.jobspec.pytorchjob import render
 from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
-from kfp_nvrx.components.train_fsdp.launcher.command import TrainerArgs, ft_launcher_argv
-from kfp_nvrx.components.train_fsdp.trainer.config import load_config
 
 GOLDEN = Path(__file__).parent / "golden"
 IMAGE = "123456789012.dkr.ecr.us-west-2.amazonaws.com/kfp-nvrx-trainer:0.1.0"

@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.train_fsdp.launcher.command import (
+from kfp_nvrx.components.core.config import ResilienceConfig, load_config
+from kfp_nvrx.components.core.launch_command import (
     TrainerArgs,
     ft_flags,
     ft_launcher_argv,
     launcher_nvrx_version,
 )
-from kfp_nvrx.components.train_fsdp.trainer.config import ResilienceConfig, load_config
+from kfp_nvrx.components.errors import UserError
 
 GPU_POLL = "--ft-gpu-memory-poll-interval"
 

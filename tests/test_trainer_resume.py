@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from kfp_nvrx.components.core.events import read_events
+from kfp_nvrx.components.core.rundir import COMMIT_MARKER, committed_steps, step_dir
 from kfp_nvrx.components.export_checkpoint.consolidate import load_model_state
 from kfp_nvrx.components.train_fsdp.launcher.local import run_local
-from kfp_nvrx.components.train_fsdp.trainer.checkpoint import COMMIT_MARKER, committed_steps, step_dir
-from kfp_nvrx.components.train_fsdp.trainer.events import read_events
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 

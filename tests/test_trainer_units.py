@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kfp_nvrx.components.core.config import load_config
+from kfp_nvrx.components.core.faults import Fault, parse_fault
+from kfp_nvrx.components.core.goodput import summarize_events
+from kfp_nvrx.components.core.launch_command import TrainerArgs, ft_flags, ft_launcher_argv
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.train_fsdp.launcher.command import TrainerArgs, ft_flags, ft_launcher_argv
-from kfp_nvrx.components.train_fsdp.trainer.config import load_config
-from kfp_nvrx.components.train_fsdp.trainer.faults import Fault, FaultInjector, parse_fault
-from kfp_nvrx.components.train_fsdp.trainer.goodput import summarize_events
+from kfp_nvrx.components.train_fsdp.trainer.fault_injector import FaultInjector
 from kfp_nvrx.components.train_fsdp.trainer.model import build_model, num_params
 
 

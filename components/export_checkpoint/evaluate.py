@@ -101,7 +101,7 @@ def read_export_config(export_dir: str | os.PathLike[str]) -> Any:
     """Rebuild the ModelConfig from an export's ``config.json``."""
     import dataclasses
 
-    from kfp_nvrx.components.train_fsdp.trainer.config import ModelConfig, config_from_dict
+    from kfp_nvrx.components.core.config import ModelConfig, config_from_dict
 
     path = Path(export_dir) / "config.json"
     try:

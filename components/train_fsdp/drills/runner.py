@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kfp_nvrx.components.core.events import read_events
+from kfp_nvrx.components.core.rundir import COMMIT_MARKER, checkpoints_dir, committed_steps, step_dir
 from kfp_nvrx.components.train_fsdp.drills import measure
 from kfp_nvrx.components.train_fsdp.drills.actions import (
     DamageNewest,
@@ -40,8 +42,6 @@ from kfp_nvrx.components.train_fsdp.drills.scenarios import (
     Scenario,
     select,
 )
-from kfp_nvrx.components.train_fsdp.trainer.checkpoint import COMMIT_MARKER, committed_steps, step_dir
-from kfp_nvrx.components.train_fsdp.trainer.events import read_events
 
 #: Environment variable every process of a drill run inherits (finds anything left running).
 DRILL_ENV = "KFP_NVRX_DRILL"
@@ -204,7 +204,7 @@ def _sigterm(sc: Scenario, ctx: _Ctx, relaunch: bool) -> Row:
     problems = measure.run_dir_problems(run_dir)
     for problem in problems:
         row.check(False, problem)
-    kept = committed_steps(run_dir / "checkpoints")
+    kept = committed_steps(checkpoints_dir(run_dir))
     steps_before = max((e["step"] for e in events if e["type"] == "step"), default=0)
     row.notes.append(f"stopped {stop_s:.1f} s after SIGTERM (exit code {rc}) at step "
                      f"{steps_before}; nothing left running; committed {sorted(kept)} all verify")
@@ -236,7 +236,7 @@ def _reference(ctx_out: Path, data: str) -> tuple[dict, int, float]:
     if not res.succeeded:
         raise DrillError(f"the fault-free reference run {res.state}: {res.reason} (see "
                          f"{ctx_out / 'logs' / 'reference.log'})")
-    marker = (step_dir(run_dir / "checkpoints", INTERVAL) / COMMIT_MARKER).read_text()
+    marker = (step_dir(checkpoints_dir(run_dir), INTERVAL) / COMMIT_MARKER).read_text()
     import json
 
     return measure.final_weights(run_dir, STEPS), int(json.loads(marker)["bytes"]), time.time() - t0

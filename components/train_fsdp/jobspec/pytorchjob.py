@@ -29,6 +29,8 @@ from kubeflow.training.constants import constants
 from kubernetes import client as k8s
 
 from kfp_nvrx.components import __version__
+from kfp_nvrx.components.core.config import PRESETS_DIR, Config, load_config
+from kfp_nvrx.components.core.launch_command import TrainerArgs, ft_launcher_argv
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.train_fsdp.jobspec import naming
 from kfp_nvrx.components.train_fsdp.jobspec.env import container_env
@@ -46,8 +48,6 @@ from kfp_nvrx.components.train_fsdp.jobspec.spec import (
     check_resource_name,
     parse_extra_pvc,
 )
-from kfp_nvrx.components.train_fsdp.launcher.command import TrainerArgs, ft_launcher_argv
-from kfp_nvrx.components.train_fsdp.trainer.config import PRESETS_DIR, Config, load_config
 
 CONTAINER_NAME = "pytorch"  # the operator (and its webhook) require this name
 REPLICA_TYPE = "Worker"

@@ -149,7 +149,7 @@ class JobSpec:
 
     def checked_faults(self) -> list[str]:
         """Return ``faults`` after the trainer's own syntax check (typos fail before a job)."""
-        from kfp_nvrx.components.train_fsdp.trainer.faults import parse_fault
+        from kfp_nvrx.components.core.faults import parse_fault
 
         for item in self.faults:
             parse_fault(item)

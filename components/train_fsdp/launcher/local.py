@@ -22,12 +22,12 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
-from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.train_fsdp.launcher.command import (
+from kfp_nvrx.components.core.launch_command import (
     TrainerArgs,
     ft_launcher_argv,
     pet_env,
 )
+from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.train_fsdp.launcher.result import LaunchResult
 
 _MARKER = "KFP_NVRX_LOCAL_RUN"
@@ -140,8 +140,8 @@ def run_local(nodes: str, nproc_per_node: int, run_dir: str, config: str,
     Raises:
         UserError: Bad input, before anything is started.
     """
-    from kfp_nvrx.components.train_fsdp.trainer.events import read_events
-    from kfp_nvrx.components.train_fsdp.trainer.goodput import summarize_events
+    from kfp_nvrx.components.core.events import read_events
+    from kfp_nvrx.components.core.goodput import summarize_events
     from kfp_nvrx.components.train_fsdp.trainer.setup import (
         check_checkpoint_model,
         check_run_dir,

@@ -21,7 +21,6 @@ from it instead of reading the files back.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -34,28 +33,24 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from kfp_nvrx.components.train_fsdp.trainer.checkpoint_files import (  # noqa: F401 (re-exported)
-    _CRC_PREFIX,
-    _PREFIX,
+from kfp_nvrx.components.core.config import CheckpointConfig
+from kfp_nvrx.components.core.rundir import (
     COMMIT_MARKER,
-    CheckpointError,
-    _crc32,
-    _dir_files,
-    _discard,
-    _snapshot,
-    _track,
-    _write_atomic,
-    _write_then_checksum,
+    STEP_PREFIX,
+    checkpoints_dir,
     committed_steps,
-    kill_writers,
-    select_checkpoint,
     step_dir,
     verify,
+    write_commit_marker,
+)
+from kfp_nvrx.components.train_fsdp.trainer.checkpoint_files import (
+    CheckpointError,
+    _discard,
+    kill_writers,
     write_checksums,
 )
 from kfp_nvrx.components.train_fsdp.trainer.checkpoint_nvrx import NvrxWriterMixin
 from kfp_nvrx.components.train_fsdp.trainer.checkpoint_reader import load as fast_load
-from kfp_nvrx.components.train_fsdp.trainer.config import CheckpointConfig
 from kfp_nvrx.components.train_fsdp.trainer.staging import (
     HostStaging,
     StagingUnavailable,
@@ -100,7 +95,7 @@ class Checkpointer(NvrxWriterMixin):
                  on_commit: Callable[[int, float, float, int], None] | None = None,
                  staging: HostStaging | None = None,
                  log: Callable[[str], None] = print) -> None:
-        self.root = Path(run_dir) / "checkpoints"
+        self.root = checkpoints_dir(run_dir)
         self.cfg = cfg
         self.device = device
         self.rank = dist.get_rank()
@@ -227,16 +222,7 @@ class Checkpointer(NvrxWriterMixin):
             fn()  # gathers write results, coordinator writes .metadata; raises on worker errors
         dist.barrier()
         if self.rank == 0:
-            files = _dir_files(inf.path)
-            nbytes = sum(files.values())
-            sums: dict[str, int] = {}
-            for sidecar in inf.path.glob(f"{_CRC_PREFIX}*.json"):
-                sums.update(json.loads(sidecar.read_text()))
-            if (inf.path / ".metadata").is_file():
-                sums[".metadata"] = _crc32(inf.path / ".metadata")
-            marker = {"step": inf.step, "world_size": self.world_size, "time": time.time(),
-                      "bytes": nbytes, "files": files, "crc32": sums}
-            _write_atomic(inf.path / COMMIT_MARKER, json.dumps(marker).encode())
+            nbytes = write_commit_marker(inf.path, inf.step, self.world_size)
             self._prune()
             if self.on_commit is not None:
                 self.on_commit(inf.step, inf.blocking_s, time.perf_counter() - inf.started, nbytes)
@@ -254,7 +240,7 @@ class Checkpointer(NvrxWriterMixin):
             _discard(step_dir(self.root, step))
         if committed:
             oldest_kept = committed[: self.cfg.keep][-1]
-            for p in self.root.glob(f"{_PREFIX}*"):
+            for p in self.root.glob(f"{STEP_PREFIX}*"):
                 if not (p / COMMIT_MARKER).exists() and p.name < step_dir(self.root, oldest_kept).name:
                     _discard(p)
         for p in self.root.glob(".trash-*"):  # left by an earlier incarnation

@@ -1,8 +1,9 @@
-"""Checkpoints on disk: layout, commit markers, verification and selection.
+"""Checkpoint files the trainer handles itself.
 
-Also per-file size + CRC32 checks, atomic writes, off-loop deletion and NVRx writer-process tracking.
+Per-rank CRC32 sidecars, snapshots of CPU write buckets, off-loop deletion and NVRx writer-process
+tracking.
 
-:mod:`checkpoint` (the collective save/load logic) builds on these; export and drills use them too.
+The layout, the commit marker and its verification live in :mod:`kfp_nvrx.components.core.rundir`.
 """
 
 from __future__ import annotations
@@ -14,16 +15,14 @@ import shutil
 import signal
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-COMMIT_MARKER = "COMMITTED"
-_PREFIX = "step_"
-_CRC_PREFIX = ".crc32_rank"
+from kfp_nvrx.components.core.rundir import CRC_SIDECAR_PREFIX, crc32_file, write_atomic
+
 #: NVRx writer processes this worker started and has not seen stop. They are not daemons, so one
 #: left running blocks interpreter exit (multiprocessing joins its children) forever.
 _WRITERS: list[Any] = []
@@ -86,38 +85,6 @@ class CheckpointError(RuntimeError):
     """A save that failed or did not finish in time (never swallowed)."""
 
 
-def step_dir(root: Path, step: int) -> Path:
-    """``<root>/step_XXXXXXXX``."""
-    return root / f"{_PREFIX}{step:08d}"
-
-
-def _dir_files(path: Path) -> dict[str, int]:
-    return {p.name: p.stat().st_size for p in sorted(path.iterdir())
-            if p.is_file() and p.name != COMMIT_MARKER}
-
-
-def committed_steps(root: Path) -> list[int]:
-    """Steps with a commit marker, newest first."""
-    if not root.is_dir():
-        return []
-    steps = []
-    for p in root.iterdir():
-        if p.name.startswith(_PREFIX) and (p / COMMIT_MARKER).is_file():
-            try:
-                steps.append(int(p.name[len(_PREFIX):]))
-            except ValueError:
-                continue
-    return sorted(steps, reverse=True)
-
-
-def _crc32(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 24):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
 def write_checksums(files: list[str], rank: int) -> None:
     """Records the CRC32 of this rank's checkpoint files in a sidecar next to them.
 
@@ -127,8 +94,8 @@ def write_checksums(files: list[str], rank: int) -> None:
     if not files:
         return
     try:
-        sums = {Path(name).name: _crc32(Path(name)) for name in files}
-        _write_atomic(Path(files[0]).parent / f"{_CRC_PREFIX}{rank}.json", json.dumps(sums).encode())
+        sums = {Path(name).name: crc32_file(Path(name)) for name in files}
+        write_atomic(Path(files[0]).parent / f"{CRC_SIDECAR_PREFIX}{rank}.json", json.dumps(sums).encode())
     except OSError:  # the write itself failed (e.g. disk full): finalisation reports that error
         return
 
@@ -137,63 +104,6 @@ def _write_then_checksum(save_fn: Callable, rank: int, write_buckets: list, *res
     """The writer process's job: NVRx's write, then the checksums of the files it wrote."""
     save_fn(rank, write_buckets, *rest)
     write_checksums([bucket[0] for bucket in write_buckets], rank)
-
-
-def verify(path: Path, share: tuple[int, int] = (0, 1)) -> str | None:
-    """Checks a committed checkpoint's files against its marker; returns a problem or None.
-
-    Sizes are always checked; CRC32s (when the marker has them) only for this ``(index, count)``
-    share of the files, so ranks can split that work.
-    """
-    try:
-        marker = json.loads((path / COMMIT_MARKER).read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        return f"unreadable commit marker ({err})"
-    expected = marker.get("files", {})
-    try:
-        actual = _dir_files(path)
-    except OSError as err:
-        return f"cannot list files ({err})"
-    for name, size in expected.items():
-        if name not in actual:
-            return f"missing file {name}"
-        if actual[name] != size:
-            return f"{name} is {actual[name]} bytes, expected {size} (truncated or corrupt)"
-    for i, (name, crc) in enumerate(sorted(marker.get("crc32", {}).items())):
-        if i % share[1] != share[0]:
-            continue
-        try:
-            if _crc32(path / name) != crc:
-                return f"{name} fails its CRC32 check (corrupt)"
-        except OSError as err:
-            return f"cannot read {name} ({err})"
-    return None
-
-
-def select_checkpoint(root: Path, wanted: int = -1, log: Callable[[str], None] = print) -> int | None:
-    """The newest intact committed step (or ``wanted``), logging any that are skipped."""
-    for step in committed_steps(root):
-        if wanted >= 0 and step != wanted:
-            continue
-        problem = verify(step_dir(root, step))
-        if problem is None:
-            return step
-        log(f"checkpoint step {step} is damaged ({problem}); falling back to an older one")
-    return None
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def _snapshot(obj: Any) -> Any:

@@ -5,13 +5,16 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import yaml
-
+from kfp_nvrx.components.core.config import Config, load_config
+from kfp_nvrx.components.core.faults import Fault, parse_fault
+from kfp_nvrx.components.core.rundir import (
+    check_run_dir,
+    checkpoints_dir,
+    committed_steps,
+    step_dir,
+    write_config,
+)
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.train_fsdp.trainer.config import Config, load_config
-from kfp_nvrx.components.train_fsdp.trainer.faults import Fault, parse_fault
-
-CONFIG_FILE = "config.yaml"
 
 
 def validate_inputs(config: str, overrides: list[str], faults: list[str]) -> tuple[Config, list[Fault]]:
@@ -68,24 +71,13 @@ def check_launcher_env() -> None:
                         "launcher (kfp-nvrx launch-local, ft_launcher or torchrun), not on its own")
 
 
-def check_run_dir(run_dir: Path) -> Path:
-    """A usable run directory: no ``..`` components, not a file."""
-    if ".." in Path(run_dir).parts:
-        raise UserError("--run-dir", f"{run_dir} must not contain '..'")
-    if run_dir.exists() and not run_dir.is_dir():
-        raise UserError("--run-dir", f"{run_dir} exists and is not a directory")
-    return run_dir
-
-
 def check_checkpoint_model(cfg: Config, run_dir: Path) -> None:
     """The run dir's newest committed checkpoint must hold this config's model (names and shapes).
 
     Otherwise reusing a run dir with another model fails inside every worker, once per restart
     (and a same-named model of other sizes only at ``dcp.load``, with a traceback).
     """
-    from kfp_nvrx.components.train_fsdp.trainer.checkpoint import committed_steps, step_dir
-
-    root = run_dir / "checkpoints"
+    root = checkpoints_dir(run_dir)
     steps = [s for s in committed_steps(root)
              if cfg.checkpoint.load_step < 0 or s == cfg.checkpoint.load_step]
     if not steps:
@@ -110,14 +102,6 @@ def check_checkpoint_model(cfg: Config, run_dir: Path) -> None:
                             f"model ({key}: checkpoint {theirs.get(key, 'none')}, this config "
                             f"{ours.get(key, 'none')}); use a fresh --run-dir or the model.* "
                             "settings it was trained with")
-
-
-def write_config(cfg: Config, run_dir: Path) -> None:
-    """Writes the resolved config (atomically; every rank writes the same bytes)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run_dir / f".{CONFIG_FILE}.{os.getpid()}.tmp"
-    tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    os.replace(tmp, run_dir / CONFIG_FILE)
 
 
 def prepare_job(config: str, overrides: list[str], faults: list[str], run_dir: Path):

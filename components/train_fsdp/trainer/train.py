@@ -12,11 +12,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from kfp_nvrx.components.core.config import Config
+from kfp_nvrx.components.core.events import EventLog, read_events
+from kfp_nvrx.components.core.faults import Fault
 from kfp_nvrx.components.train_fsdp.trainer.checkpoint import Checkpointer
-from kfp_nvrx.components.train_fsdp.trainer.config import Config
 from kfp_nvrx.components.train_fsdp.trainer.data import TokenDataset
-from kfp_nvrx.components.train_fsdp.trainer.events import EventLog, read_events
-from kfp_nvrx.components.train_fsdp.trainer.faults import Fault, FaultInjector
+from kfp_nvrx.components.train_fsdp.trainer.fault_injector import FaultInjector
 from kfp_nvrx.components.train_fsdp.trainer.resilience import Monitor, in_process_wrapper
 from kfp_nvrx.components.train_fsdp.trainer.state import (
     TrainState,

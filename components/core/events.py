@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-EVENTS_FILE = "events.jsonl"
+from kfp_nvrx.components.core.rundir import EVENTS_FILE
 
 
 class EventLog:

@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kfp_nvrx.components.train_fsdp.trainer.config import ResilienceConfig
+from kfp_nvrx.components.core.config import ResilienceConfig
 
 #: The module ft_launcher runs in every worker process.
 TRAINER_MODULE = "kfp_nvrx.components.train_fsdp.trainer"
