@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.train_fsdp.trainer.setup import LAUNCHER_ENV
+from kfp_nvrx.components.train_fsdp.trainer.bootstrap import LAUNCHER_ENV
 
 SWEEP_ENV = "KFP_NVRX_SWEEP"
 HOST = "http://127.0.0.1:9"  # discard port: nothing answers

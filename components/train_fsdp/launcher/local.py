@@ -8,6 +8,7 @@ deadline stop every agent and every worker they started (nothing is left running
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -22,7 +23,11 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
+from kfp_nvrx.components.core.config import load_config
+from kfp_nvrx.components.core.events import read_events
+from kfp_nvrx.components.core.goodput import summarize_events
 from kfp_nvrx.components.core.launch_command import (
+    TRAINER_MODULE,
     TrainerArgs,
     ft_launcher_argv,
     pet_env,
@@ -53,6 +58,32 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def preflight(trainer: TrainerArgs, env: dict[str, str] | None = None) -> None:
+    """Runs every check a worker makes before training, once, before any agent starts.
+
+    The checks need the trainer's imports (torch for the dataset, the device and the checkpoint's
+    model shapes), so they run in a child interpreter (``--check``) rather than in this one; bad
+    input there would otherwise fail every worker once per restart.
+
+    Raises:
+        UserError: The first failed check, as the trainer reports it.
+    """
+    proc = subprocess.run([sys.executable, "-m", TRAINER_MODULE, *trainer.argv(), "--check"],
+                          env={**os.environ, **(env or {})}, capture_output=True, text=True)
+    if proc.returncode == 0:
+        return
+    for line in reversed(proc.stdout.splitlines()):
+        try:
+            err = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(err, dict) and {"field", "message"} <= err.keys():
+            raise UserError(str(err["field"]), str(err["message"]))
+    last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    raise UserError("trainer", f"its input check exited {proc.returncode} ({last[:300]}); "
+                    "install the trainer with pip install 'kfp-nvrx[trainer]'")
 
 
 def _ft_launcher() -> str:
@@ -140,23 +171,16 @@ def run_local(nodes: str, nproc_per_node: int, run_dir: str, config: str,
     Raises:
         UserError: Bad input, before anything is started.
     """
-    from kfp_nvrx.components.core.events import read_events
-    from kfp_nvrx.components.core.goodput import summarize_events
-    from kfp_nvrx.components.train_fsdp.trainer.setup import (
-        check_checkpoint_model,
-        check_run_dir,
-        validate_inputs,
-    )
-
     overrides, faults = list(overrides or []), list(faults or [])
     lo, hi = parse_nodes(nodes)
     if not isinstance(nproc_per_node, int) or nproc_per_node < 1:
         raise UserError("--nproc-per-node", f"must be an integer >= 1, got {nproc_per_node!r}")
     if deadline_s is not None and deadline_s <= 0:
         raise UserError("--deadline", f"must be > 0 seconds, got {deadline_s}")
-    cfg, _ = validate_inputs(config, overrides, faults)
-    run_path = check_run_dir(Path(run_dir)).resolve()
-    check_checkpoint_model(cfg, run_path)
+    cfg = load_config(config, overrides)
+    run_path = Path(run_dir)
+    preflight(TrainerArgs(config, str(run_path), overrides, faults), env)
+    run_path = run_path.resolve()
     exe = _ft_launcher()
     name = name or re.sub(r"[^a-z0-9-]", "-", run_path.name.lower()) or "run"
     marker = uuid.uuid4().hex

@@ -29,6 +29,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="override a config value (repeatable)")
     p.add_argument("--fault", action="append", default=[], metavar="KIND@STEP[/RANK]",
                    help="inject a fault once per run: kill, raise, hang, kill-in-ckpt")
+    # The launcher's preflight: every check a worker makes before training, without a launcher
+    # environment and without writing the run dir; a UserError comes back as one JSON line.
+    p.add_argument("--check", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -59,8 +62,12 @@ def boot_line(t_prepared: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Validates inputs before any process group exists, then trains."""
     args = parse_args(argv)
+    if args.check:
+        from kfp_nvrx.components.train_fsdp.trainer.bootstrap import check_job
+
+        return check_job(args.config, args.set, args.fault, Path(args.run_dir))
     try:
-        from kfp_nvrx.components.train_fsdp.trainer.setup import prepare_job
+        from kfp_nvrx.components.train_fsdp.trainer.bootstrap import prepare_job
 
         job = prepare_job(args.config, args.set, args.fault, Path(args.run_dir))
     except UserError as err:

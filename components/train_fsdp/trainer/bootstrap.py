@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -102,6 +103,23 @@ def check_checkpoint_model(cfg: Config, run_dir: Path) -> None:
                             f"model ({key}: checkpoint {theirs.get(key, 'none')}, this config "
                             f"{ours.get(key, 'none')}); use a fresh --run-dir or the model.* "
                             "settings it was trained with")
+
+
+def check_job(config: str, overrides: list[str], faults: list[str], run_dir: Path) -> int:
+    """The launcher's preflight (``--check``): what :func:`prepare_job` checks, nothing written.
+
+    Returns:
+        0 when every check passes; else 2 after printing the UserError as one JSON line
+        (``field``, ``message``) for the launcher to raise again.
+    """
+    try:
+        cfg, _ = validate_inputs(config, overrides, faults)
+        check_run_dir(run_dir)
+        check_checkpoint_model(cfg, run_dir)
+    except UserError as err:
+        print(json.dumps({"field": err.field, "message": err.message}), flush=True)
+        return UserError.exit_code
+    return 0
 
 
 def prepare_job(config: str, overrides: list[str], faults: list[str], run_dir: Path):
