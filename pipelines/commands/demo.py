@@ -20,6 +20,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _run(args: argparse.Namespace) -> int:
     from kfp_nvrx.components.export_checkpoint.consolidate import export_checkpoint
     from kfp_nvrx.components.prepare_dataset.prepare import prepare_dataset, summary
+    from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
     from kfp_nvrx.components.train_fsdp.launcher.local import run_local
 
     out = Path(args.out)
@@ -29,8 +30,8 @@ def _run(args: argparse.Namespace) -> int:
     print("== 1/3 prepare-data (bundled sample corpus, byte tokenizer)")
     print(summary(prepare_dataset("sample:", data_dir, seq_len=64)))
     print(f"== 2/3 launch-local: 2 nodes x 1 process, tiny model, fault {args.fault}")
-    res = run_local("2", 1, str(run_dir), "tiny",
-                    [f"data.path={data_dir}", f"train.steps={args.steps}"], [args.fault])
+    res = run_local(JobSpec(nodes="2", run_dir=str(run_dir), config="tiny", faults=[args.fault],
+                            overrides=[f"data.path={data_dir}", f"train.steps={args.steps}"]))
     if not res.succeeded:
         sys.stderr.write(f"demo: training {res.state}: {res.reason}\n")
         return 1

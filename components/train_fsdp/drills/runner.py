@@ -66,6 +66,7 @@ class _Ctx:
 
 def _train(run_dir: Path, overrides: list[str], faults: list[str], nodes: str, log_file: Path,
            token: str, action=None) -> Any:
+    from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
     from kfp_nvrx.components.train_fsdp.launcher.local import run_local
 
     with open(log_file, "a") as fh:
@@ -74,8 +75,9 @@ def _train(run_dir: Path, overrides: list[str], faults: list[str], nodes: str, l
             if action is not None:
                 action.on_line(line)
 
-        return run_local(nodes, 1, str(run_dir), "tiny", overrides, faults, log=log,
-                         deadline_s=DEADLINE_S, verbose=True, env={DRILL_ENV: token},
+        spec = JobSpec(nodes=nodes, run_dir=str(run_dir), config="tiny", overrides=overrides,
+                       faults=faults, env={DRILL_ENV: token})
+        return run_local(spec, log=log, deadline_s=DEADLINE_S, verbose=True,
                          on_start=action.on_start if action is not None else None)
 
 

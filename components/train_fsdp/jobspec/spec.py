@@ -117,9 +117,7 @@ class JobSpec:
     def procs_per_node(self) -> int:
         """Return processes per pod (GPU profiles: GPUs per pod)."""
         prof = self.profile
-        n = prof.default_procs if self.nproc_per_node is None else self.nproc_per_node
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise UserError("--nproc-per-node", f"must be an integer >= 1, got {n!r}")
+        n = check_procs(prof.default_procs if self.nproc_per_node is None else self.nproc_per_node)
         if prof.is_gpu and n > prof.gpus:
             raise UserError(
                 "--nproc-per-node",
@@ -171,6 +169,13 @@ def parse_nodes(text: str | int) -> tuple[int, int]:
     if lo > hi:
         raise UserError("--nodes", f"MIN must not exceed MAX, got {raw!r}")
     return lo, hi
+
+
+def check_procs(n: object) -> int:
+    """Processes per node: an integer >= 1 (raises UserError naming ``--nproc-per-node``)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise UserError("--nproc-per-node", f"must be an integer >= 1, got {n!r}")
+    return n
 
 
 def check_abs_path(flag: str, path: str) -> str:

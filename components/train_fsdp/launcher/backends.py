@@ -2,15 +2,14 @@
 
 * ``local`` (the embedded default): runs the job's trainer part through ``launch-local`` on this
   machine: N ft_launcher agents on localhost with the same ``PET_*`` environment and the same
-  ft_launcher command line a PyTorchJob pod gets. Image, PVC and resources are not used, and
-  processes per agent default to 1 (``nproc_per_node`` when set).
+  ft_launcher command line a PyTorchJob pod gets (:func:`.local.run_local` reads the same
+  JobSpec; image, PVC and resources are not used).
 * ``kubernetes``: renders, validates and creates the PyTorchJob, then follows it
   (:mod:`.kubernetes`).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -19,11 +18,6 @@ from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
 from kfp_nvrx.components.train_fsdp.launcher.result import LaunchResult
 
 BACKENDS = ("local", "kubernetes")
-
-
-def local_run_dir(spec: JobSpec) -> str:
-    """Return the run directory of a local run: ``spec.run_dir`` or ``runs/<job name>``."""
-    return spec.run_dir or os.path.join("runs", spec.job_name())
 
 
 def launch(spec: JobSpec, backend: str = "local", *, log: Callable[[str], None] = print,
@@ -58,20 +52,5 @@ def launch(spec: JobSpec, backend: str = "local", *, log: Callable[[str], None] 
     if backend == "local":
         from kfp_nvrx.components.train_fsdp.launcher.local import run_local
 
-        spec.node_range()  # validates --nodes before anything starts
-        # The profile's GPU count does not describe this machine: one process per agent unless
-        # the user asks for more.
-        nproc = spec.procs_per_node() if spec.nproc_per_node is not None else 1
-        return run_local(
-            spec.nodes,
-            nproc,
-            local_run_dir(spec),
-            spec.config,
-            list(spec.overrides),
-            spec.checked_faults(),
-            name=spec.job_name(),
-            env=dict(spec.env) or None,
-            log=log,
-            deadline_s=deadline_s,
-        )
+        return run_local(spec, log=log, deadline_s=deadline_s)
     raise UserError("--backend", f"must be one of {', '.join(BACKENDS)}, got {backend!r}")

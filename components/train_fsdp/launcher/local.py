@@ -33,24 +33,12 @@ from kfp_nvrx.components.core.launch_command import (
     pet_env,
 )
 from kfp_nvrx.components.errors import UserError
+from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec, check_procs
 from kfp_nvrx.components.train_fsdp.launcher.result import LaunchResult
 
 _MARKER = "KFP_NVRX_LOCAL_RUN"
 _QUIET = re.compile(r"\[trainer\]|error|Error|failed|Traceback|injecting|FT timeout|restart",
                     re.IGNORECASE)
-
-
-def parse_nodes(nodes: str | int) -> tuple[int, int]:
-    """``N`` or ``MIN:MAX`` -> (min, max); raises UserError naming ``--nodes``."""
-    m = re.fullmatch(r"(\d+)(?::(\d+))?", str(nodes).strip())
-    if not m:
-        raise UserError("--nodes", f"expected N or MIN:MAX, got {nodes!r}")
-    lo, hi = int(m[1]), int(m[2] or m[1])
-    if lo < 1:
-        raise UserError("--nodes", f"needs at least 1 node, got {nodes!r}")
-    if lo > hi:
-        raise UserError("--nodes", f"MIN must not exceed MAX, got {nodes!r}")
-    return lo, hi
 
 
 def free_port() -> int:
@@ -141,23 +129,24 @@ class _Agent:
                 self.proc.wait()
 
 
-def run_local(nodes: str, nproc_per_node: int, run_dir: str, config: str,
-              overrides: list[str] | None = None, faults: list[str] | None = None, *,
-              name: str | None = None, env: dict[str, str] | None = None,
-              log: Callable[[str], None] = print, deadline_s: float | None = None,
-              verbose: bool = False,
+def local_run_dir(spec: JobSpec) -> Path:
+    """The run directory of a local run: ``spec.run_dir`` or ``runs/<job name>``."""
+    return Path(spec.run_dir or os.path.join("runs", spec.job_name()))
+
+
+def run_local(spec: JobSpec, *, log: Callable[[str], None] = print,
+              deadline_s: float | None = None, verbose: bool = False,
               on_start: Callable[[list[int]], None] | None = None) -> LaunchResult:
     """Runs one training job on localhost and waits for it.
 
+    Uses the trainer part of ``spec``: ``nodes`` (``N`` or ``MIN:MAX`` ft_launcher agents; MAX
+    are started), ``nproc_per_node`` (workers per agent; default 1, since the instance profile
+    does not describe this machine), ``run_dir`` (default ``runs/<job name>``), ``config``,
+    ``overrides``, ``faults`` and ``env``. The run is named ``spec.name`` (or the name derived
+    from ``run_id``), else after its run directory; the name is also the rendezvous id.
+
     Args:
-        nodes: ``N`` or ``MIN:MAX`` local "nodes" (ft_launcher agents; MAX are started).
-        nproc_per_node: Worker processes per agent.
-        run_dir: Run directory shared by all workers.
-        config: Trainer preset or YAML path.
-        overrides: ``--set`` items.
-        faults: ``--fault`` items.
-        name: Run name (also the rendezvous id); derived from run_dir when omitted.
-        env: Extra environment for the agents.
+        spec: The job.
         log: Where streamed output goes.
         deadline_s: Wall-clock limit; exceeded -> agents stopped, state ``DeadlineExceeded``.
         verbose: Stream every launcher line (default: trainer lines and errors only).
@@ -171,24 +160,25 @@ def run_local(nodes: str, nproc_per_node: int, run_dir: str, config: str,
     Raises:
         UserError: Bad input, before anything is started.
     """
-    overrides, faults = list(overrides or []), list(faults or [])
-    lo, hi = parse_nodes(nodes)
-    if not isinstance(nproc_per_node, int) or nproc_per_node < 1:
-        raise UserError("--nproc-per-node", f"must be an integer >= 1, got {nproc_per_node!r}")
+    lo, hi = spec.node_range()
+    nproc_per_node = check_procs(1 if spec.nproc_per_node is None else spec.nproc_per_node)
     if deadline_s is not None and deadline_s <= 0:
         raise UserError("--deadline", f"must be > 0 seconds, got {deadline_s}")
-    cfg = load_config(config, overrides)
-    run_path = Path(run_dir)
-    preflight(TrainerArgs(config, str(run_path), overrides, faults), env)
+    overrides, env = list(spec.overrides), dict(spec.env)
+    cfg = load_config(spec.config, overrides)
+    run_path = local_run_dir(spec)
+    trainer = TrainerArgs(spec.config, str(run_path), overrides, spec.checked_faults())
+    preflight(trainer, env)
     run_path = run_path.resolve()
+    trainer.run_dir = str(run_path)
     exe = _ft_launcher()
-    name = name or re.sub(r"[^a-z0-9-]", "-", run_path.name.lower()) or "run"
+    name = (spec.job_name() if spec.name or spec.run_id
+            else re.sub(r"[^a-z0-9-]", "-", run_path.name.lower()) or "run")
     marker = uuid.uuid4().hex
     port = free_port()
-    argv = ft_launcher_argv(cfg.resilience, TrainerArgs(config, str(run_path), overrides, faults),
-                            local_addr="127.0.0.1", executable=exe)
+    argv = ft_launcher_argv(cfg.resilience, trainer, local_addr="127.0.0.1", executable=exe)
     threads = max(1, (os.cpu_count() or 1) // (hi * nproc_per_node))
-    base = {**os.environ, **(env or {}), _MARKER: marker, "PYTHONUNBUFFERED": "1",
+    base = {**os.environ, **env, _MARKER: marker, "PYTHONUNBUFFERED": "1",
             # NVRx >= 0.6 closes the rendezvous when two agents share a host unless told this
             # is deliberate (local "nodes" are agents on one machine).
             "NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE": "1",
