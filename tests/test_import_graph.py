@@ -32,7 +32,7 @@ LAUNCHER_MODULES = [
     "kfp_nvrx.components.errors",
     "kfp_nvrx.components.images",
     "kfp_nvrx.components.train_fsdp.component",
-    "kfp_nvrx.components.train_fsdp.report",
+    "kfp_nvrx.components.train_fsdp.ui_outputs",
     "kfp_nvrx.components.export_checkpoint.component",
     "kfp_nvrx.components.evaluate_promote.component",
 ]

@@ -1,4 +1,4 @@
-"""Recovery-latency settings (issue 6): config fields, the ft_launcher flags they become, and the
+"""Recovery-latency settings: config fields, the ft_launcher flags they become, and the
 in-process wrapper's configuration (``last_call_wait``, frozen heap, restart timing line).
 
 The end-to-end restarts themselves (kill/hang/raise resume bit-exactly) are in

@@ -120,7 +120,7 @@ def test_one_builder_for_pod_and_local_commands():
 def test_fsdp2_build_with_activation_checkpointing_single_rank(one_rank_env):
     import torch.distributed as dist
 
-    from kfp_nvrx.components.train_fsdp.trainer.state import build
+    from kfp_nvrx.components.train_fsdp.trainer.build import build
 
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:

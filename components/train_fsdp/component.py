@@ -66,7 +66,7 @@ def train_fsdp(
 
     from kfp_nvrx.components import images
     from kfp_nvrx.components.errors import UserError
-    from kfp_nvrx.components.train_fsdp import report
+    from kfp_nvrx.components.train_fsdp import ui_outputs
     from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
     from kfp_nvrx.components.train_fsdp.launcher.backends import launch
 
@@ -87,7 +87,7 @@ def train_fsdp(
     name = spec.job_name()
     spec.run_dir = os.path.join(workspace, "runs", name)
     result = launch(spec, backend, deadline_s=deadline_s or None)
-    summary = report.publish(spec.run_dir, result, run=run, metrics=metrics, timeline=timeline,
+    summary = ui_outputs.publish(spec.run_dir, result, run=run, metrics=metrics, timeline=timeline,
                              title=name)
     print(f"{result.state}: goodput {summary['goodput']:.3f}, steps {summary['steps_final']}, "
           f"restarts {summary['restarts']}, run dir {spec.run_dir}")

@@ -34,7 +34,7 @@ def _run(args: argparse.Namespace) -> int:
             print(f"{sc.name:<18} {'[quick] ' if sc.quick else ''}{sc.what} -> {sc.expect}")
         return 0
     select(args.scenario, args.quick)  # a typo fails before anything starts
-    from kfp_nvrx.components.train_fsdp.drills.report import JSON_FILE, MD_FILE, table
+    from kfp_nvrx.components.train_fsdp.drills.results import JSON_FILE, MD_FILE, table
     from kfp_nvrx.components.train_fsdp.drills.runner import DrillError, run_drill
 
     try:

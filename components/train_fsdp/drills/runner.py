@@ -32,7 +32,7 @@ from kfp_nvrx.components.train_fsdp.drills.actions import (
     first_commit_passed,
     make_action,
 )
-from kfp_nvrx.components.train_fsdp.drills.report import Row, write
+from kfp_nvrx.components.train_fsdp.drills.results import Row, write
 from kfp_nvrx.components.train_fsdp.drills.scenarios import (
     BASE_OVERRIDES,
     FAIL,

@@ -219,7 +219,7 @@ def run_local(spec: JobSpec, *, log: Callable[[str], None] = print,
                 break
             stop.wait(0.2)
     finally:
-        # Every node is told at once (one by one, each waited for, took up to N x grace).
+        # Tell every node first, then wait: stopping them one at a time would take N x grace.
         for a in agents:
             a.terminate()
         stop_by = time.time() + float(cfg.resilience.workers_stop_timeout) + 10

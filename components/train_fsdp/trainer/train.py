@@ -15,11 +15,7 @@ import torch.distributed as dist
 from kfp_nvrx.components.core.config import Config
 from kfp_nvrx.components.core.events import EventLog, read_events
 from kfp_nvrx.components.core.faults import Fault
-from kfp_nvrx.components.train_fsdp.trainer.checkpoint import Checkpointer
-from kfp_nvrx.components.train_fsdp.trainer.data import TokenDataset
-from kfp_nvrx.components.train_fsdp.trainer.fault_injector import FaultInjector
-from kfp_nvrx.components.train_fsdp.trainer.resilience import Monitor, in_process_wrapper
-from kfp_nvrx.components.train_fsdp.trainer.state import (
+from kfp_nvrx.components.train_fsdp.trainer.build import (
     TrainState,
     apply_state,
     build,
@@ -28,6 +24,10 @@ from kfp_nvrx.components.train_fsdp.trainer.state import (
     full_state,
     warm_start,
 )
+from kfp_nvrx.components.train_fsdp.trainer.checkpoint import Checkpointer
+from kfp_nvrx.components.train_fsdp.trainer.data import TokenDataset
+from kfp_nvrx.components.train_fsdp.trainer.fault_injector import FaultInjector
+from kfp_nvrx.components.train_fsdp.trainer.resilience import Monitor, in_process_wrapper
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Building the model/optimizer/scheduler and turning them into a checkpointable state dict."""
+"""Builds the model, optimizer and schedule, and their checkpointable state dict (TrainState)."""
 
 from __future__ import annotations
 
