@@ -113,6 +113,9 @@ class TrainConfig(Section):
     device: str = one_of("auto", "cpu", "cuda")
     # Seconds slept per step: makes tiny drill runs long enough to fault mid-run.
     step_sleep: float = non_negative(0.0)
+    # Bitwise-reproducible steps: deterministic kernels, math SDPA, fixed cuBLAS workspace. A run
+    # with faults then ends with exactly the weights of a fault-free run (costs step time on GPU).
+    deterministic: bool = False
 
 
 @dataclass
@@ -150,6 +153,10 @@ class ResilienceConfig(Section):
     learn_timeouts: bool = True  # calculate_and_set_*_timeouts after `learn_after` steps
     learn_after: int = non_negative(5)
     safety_factor: float = positive(5.0)
+    # Seconds no learned timeout goes below: NVRx learns safety_factor x the longest gap seen,
+    # under a second for fast steps, and a GC pause or a slow shared-storage read must not kill
+    # a healthy rank. Hang detection after learning takes max(this, learned) + check interval.
+    min_learned_timeout: float = positive(10.0)
     workload_check_interval: float = positive(1.0)
     max_restarts: int = non_negative(3)
     # auto (= any-failed) | any-failed | min-healthy (NVRx <= 0.5)

@@ -1,7 +1,9 @@
 """The fault syntax for drills and tests: ``--fault KIND@STEP[/RANK]`` (repeatable).
 
 Kinds: ``kill`` (SIGKILL self), ``raise`` (exception), ``hang`` (stop heartbeating and block),
-``kill-in-ckpt`` (SIGKILL while an async checkpoint is being written). Parsed here, where the
+``kill-in-ckpt`` (SIGKILL while an async checkpoint is being written), ``stall`` (a healthy step
+that takes a few seconds longer, as a slow read from shared storage would: the run must not be
+killed for it once timeouts are learned). Parsed here, where the
 launcher side can check it; the trainer fires them (:mod:`...trainer.fault_injector`).
 """
 
@@ -12,7 +14,7 @@ from dataclasses import dataclass
 
 from kfp_nvrx.components.errors import UserError
 
-KINDS = ("kill", "raise", "hang", "kill-in-ckpt")
+KINDS = ("kill", "raise", "hang", "kill-in-ckpt", "stall")
 _PATTERN = re.compile(r"^(?P<kind>[a-z-]+)@(?P<step>\d+)(?:/(?P<rank>\d+))?$")
 
 

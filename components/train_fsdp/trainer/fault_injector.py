@@ -14,6 +14,9 @@ from pathlib import Path
 from kfp_nvrx.components.core.faults import Fault
 from kfp_nvrx.components.core.rundir import FAULTS_DIR
 
+#: How much longer a ``stall`` fault makes its step (a slow shared-storage read).
+STALL_S = 3.0
+
 
 class InjectedFault(RuntimeError):
     """The exception a ``raise`` fault throws."""
@@ -52,6 +55,9 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGKILL)
         if fault.kind == "raise":
             raise InjectedFault(f"injected fault {fault.key}")
+        if fault.kind == "stall":
+            time.sleep(STALL_S)
+            return
         if fault.kind == "hang":
             if on_hang is not None:
                 on_hang()
