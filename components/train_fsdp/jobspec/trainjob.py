@@ -35,7 +35,7 @@ from kfp_nvrx.components.train_fsdp.jobspec.pytorchjob import (
     _pod_spec,
     to_dict,
 )
-from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
+from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec, check_resource_name
 from kfp_nvrx.components.train_fsdp.launcher.command import TrainerArgs, ft_launcher_argv
 from kfp_nvrx.components.train_fsdp.trainer.config import Config, load_config
 
@@ -166,6 +166,7 @@ def build_trainjob(spec: JobSpec, runtime_name: str = rt.RUNTIME_NAME) -> Render
 
     """
     refuse_v1_only(spec)
+    check_resource_name("--runtime", runtime_name)
     nodes, _ = spec.node_range()
     check_name(spec.name or naming.derive_name(spec.run_id, spec.task), nodes)
     procs = spec.procs_per_node()
