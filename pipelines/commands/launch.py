@@ -1,8 +1,9 @@
 """``kfp-nvrx launch``: run a training job on a backend (``local`` or ``kubernetes``) and wait.
 
-Kubernetes: creates the PyTorchJob or TrainJob (``--job-api``; or re-attaches to this run's existing one), streams the worker
-logs with a replica prefix, prints progress, and on SIGTERM/SIGINT deletes the job. Exit code 0 on
-Succeeded, 1 on Failed/DeadlineExceeded or a cluster error, 130/143 when cancelled by a signal.
+Kubernetes: creates the PyTorchJob or TrainJob (``--job-api``), or re-attaches to this run's
+existing one, streams the worker logs with a replica prefix, prints progress, and on
+SIGTERM/SIGINT deletes the job. Exit code 0 on Succeeded, 1 on Failed/DeadlineExceeded or a
+cluster error, 130/143 when cancelled by a signal.
 """
 
 from __future__ import annotations
