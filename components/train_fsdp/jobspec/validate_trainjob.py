@@ -133,8 +133,7 @@ def node_pod(job: dict[str, Any], runtime: dict[str, Any], index: int = 0) -> di
     meta, pod = base.get("metadata") or {}, base["spec"]
     spec = job["spec"]
     for patch in spec.get("runtimePatches") or []:
-        tmpl = (patch.get("trainingRuntimeSpec") or {}).get("template") or {}
-        rjob = _node_job(tmpl) or {}
+        rjob = _node_job(patch.get("trainingRuntimeSpec") or {}) or {}
         ptmpl = ((rjob.get("template") or {}).get("spec") or {}).get("template") or {}
         for key in ("labels", "annotations"):
             if (ptmpl.get("metadata") or {}).get(key):
