@@ -117,6 +117,8 @@ def ft_launcher_argv(
     nic_monitor: bool = False,
     executable: str = "ft_launcher",
     nvrx_version: str | None = None,
+    rdzv_endpoint: str = "",
+    rdzv_id: str = "",
 ) -> list[str]:
     """The full ``ft_launcher`` command line.
 
@@ -130,15 +132,21 @@ def ft_launcher_argv(
         nvrx_version: NVRx version of that launcher, enabling flags only newer versions accept;
             by default the installed one when ``executable`` is this environment's ft_launcher
             (``launch-local``), else none (pods: the image's version is not known here).
+        rdzv_endpoint: c10d endpoint given on the command line ('' = from ``PET_RDZV_ENDPOINT``,
+            which a PyTorchJob and ``launch-local`` set; a TrainJob sets none).
+        rdzv_id: Rendezvous id on the command line ('' = from ``PET_RDZV_ID``).
 
     Returns:
         argv, ready for ``subprocess`` or a container ``command``.
     """
     if nvrx_version is None:
         nvrx_version = launcher_nvrx_version(executable)
+    rdzv = [f"--rdzv-endpoint={rdzv_endpoint}"] if rdzv_endpoint else []
+    rdzv += [f"--rdzv-id={rdzv_id}"] if rdzv_id else []
     return [
         executable,
         f"--rdzv-backend={RDZV_BACKEND}",
+        *rdzv,
         f"--local-addr={local_addr}",
         f"--max-restarts={res.max_restarts}",
         f"--workers-stop-timeout={res.workers_stop_timeout:g}",
