@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kfp_nvrx.components.core.config import load_config
+from kfp_nvrx.components.core.launch_command import TrainerArgs, ft_launcher_argv
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.train_fsdp.jobspec import pytorchjob, trainjob
 from kfp_nvrx.components.train_fsdp.jobspec.runtime import build_runtime
@@ -29,8 +31,6 @@ from kfp_nvrx.components.train_fsdp.jobspec.validate_trainjob import (
     validate_schema,
     validate_trainjob,
 )
-from kfp_nvrx.components.train_fsdp.launcher.command import TrainerArgs, ft_launcher_argv
-from kfp_nvrx.components.train_fsdp.trainer.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).parent / "golden"

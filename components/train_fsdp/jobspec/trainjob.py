@@ -25,6 +25,8 @@ from typing import Any
 
 import yaml
 
+from kfp_nvrx.components.core.config import Config, load_config
+from kfp_nvrx.components.core.launch_command import TrainerArgs, ft_launcher_argv
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.train_fsdp.jobspec import naming
 from kfp_nvrx.components.train_fsdp.jobspec import runtime as rt
@@ -36,8 +38,6 @@ from kfp_nvrx.components.train_fsdp.jobspec.pytorchjob import (
     to_dict,
 )
 from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec, check_resource_name
-from kfp_nvrx.components.train_fsdp.launcher.command import TrainerArgs, ft_launcher_argv
-from kfp_nvrx.components.train_fsdp.trainer.config import Config, load_config
 
 KIND = "TrainJob"
 #: The torch plugin injects these into the trainer container; the webhook rejects a TrainJob
