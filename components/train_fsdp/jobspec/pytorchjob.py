@@ -46,7 +46,11 @@ from kfp_nvrx.components.train_fsdp.jobspec.spec import (
     check_resource_name,
     parse_extra_pvc,
 )
-from kfp_nvrx.components.train_fsdp.launcher.command import TrainerArgs, ft_launcher_argv
+from kfp_nvrx.components.train_fsdp.launcher.command import (
+    TrainerArgs,
+    ft_launcher_argv,
+    pod_grace_period_s,
+)
 from kfp_nvrx.components.train_fsdp.trainer.config import PRESETS_DIR, Config, load_config
 
 CONTAINER_NAME = "pytorch"  # the operator (and its webhook) require this name
@@ -198,7 +202,7 @@ def _pod_spec(spec: JobSpec, cfg: Config, run_dir: str, procs: int) -> k8s.V1Pod
     trainer = TrainerArgs(config=spec.config, run_dir=run_dir, overrides=list(spec.overrides),
                           faults=spec.checked_faults())
     # One builder for pods and launch-local; $(POD_IP) is expanded by the kubelet from the env.
-    command = ft_launcher_argv(res, trainer, local_addr="$(POD_IP)", nic_monitor=prof.is_gpu)
+    command = ft_launcher_argv(res, trainer, local_addr="$(POD_IP)", nic_monitor=prof.nic_monitor)
     volumes, mounts = _volumes(spec)
     security = None
     if (prof.efa if spec.efa is None else spec.efa):
@@ -238,8 +242,8 @@ def _pod_spec(spec: JobSpec, cfg: Config, run_dir: str, procs: int) -> k8s.V1Pod
         scheduler_name=spec.scheduler_name or None,
         service_account_name=spec.service_account or None,
         security_context=pod_security,
-        # ft_launcher needs workers_stop_timeout to stop its workers on SIGTERM, plus margin.
-        termination_grace_period_seconds=int(res.workers_stop_timeout) + 30,
+        # ft_launcher's --term-timeout plus its own shutdown: one decision, in command.py.
+        termination_grace_period_seconds=pod_grace_period_s(res),
     )
 
 
