@@ -30,7 +30,11 @@ from kubernetes import client as k8s
 
 from kfp_nvrx.components import __version__
 from kfp_nvrx.components.core.config import PRESETS_DIR, Config, load_config
-from kfp_nvrx.components.core.launch_command import TrainerArgs, ft_launcher_argv
+from kfp_nvrx.components.core.launch_command import (
+    TrainerArgs,
+    ft_launcher_argv,
+    pod_grace_period_s,
+)
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.train_fsdp.jobspec import naming
 from kfp_nvrx.components.train_fsdp.jobspec.env import container_env
@@ -198,7 +202,7 @@ def _pod_spec(spec: JobSpec, cfg: Config, run_dir: str, procs: int) -> k8s.V1Pod
     trainer = TrainerArgs(config=spec.config, run_dir=run_dir, overrides=list(spec.overrides),
                           faults=spec.checked_faults())
     # One builder for pods and launch-local; $(POD_IP) is expanded by the kubelet from the env.
-    command = ft_launcher_argv(res, trainer, local_addr="$(POD_IP)", nic_monitor=prof.is_gpu)
+    command = ft_launcher_argv(res, trainer, local_addr="$(POD_IP)", nic_monitor=prof.nic_monitor)
     volumes, mounts = _volumes(spec)
     security = None
     if (prof.efa if spec.efa is None else spec.efa):
@@ -238,8 +242,8 @@ def _pod_spec(spec: JobSpec, cfg: Config, run_dir: str, procs: int) -> k8s.V1Pod
         scheduler_name=spec.scheduler_name or None,
         service_account_name=spec.service_account or None,
         security_context=pod_security,
-        # ft_launcher needs workers_stop_timeout to stop its workers on SIGTERM, plus margin.
-        termination_grace_period_seconds=int(res.workers_stop_timeout) + 30,
+        # ft_launcher's --term-timeout plus its own shutdown: one decision, in command.py.
+        termination_grace_period_seconds=pod_grace_period_s(res),
     )
 
 

@@ -59,6 +59,20 @@ def boot_line(t_prepared: float) -> str:
     return f"[trainer] boot: {interp}imports+checks+device {t_prepared - _T_MAIN:.2f}s"
 
 
+def make_nccl_trace_dir() -> Path | None:
+    """Create the folder of ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE`` (the pod env points it into the run dir).
+
+    torch's flight recorder writes ``<prefix><rank>`` on a collective timeout and does not create
+    the folder, so without this the dumps that explain a hang are lost.
+    """
+    prefix = os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "")
+    if not prefix:
+        return None
+    folder = Path(prefix).parent
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
 def main(argv: list[str] | None = None) -> int:
     """Validates inputs before any process group exists, then trains."""
     args = parse_args(argv)
@@ -70,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
         from kfp_nvrx.components.train_fsdp.trainer.bootstrap import prepare_job
 
         job = prepare_job(args.config, args.set, args.fault, Path(args.run_dir))
+        make_nccl_trace_dir()
+    except OSError as err:
+        sys.stderr.write(f"trainer: error: TORCH_NCCL_DEBUG_INFO_TEMP_FILE: {err}\n")
+        return UserError.exit_code
     except UserError as err:
         sys.stderr.write(f"trainer: error: {err.one_line()}\n")
         return UserError.exit_code
