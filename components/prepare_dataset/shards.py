@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -206,14 +207,28 @@ class SplitTokens:
         return out
 
 
-def publish_dir(tmp: Path, out: Path, last: str = INDEX_NAME) -> None:
+def dataset_files(index: dict[str, Any]) -> set[str]:
+    """The names a dataset's index accounts for: itself and every shard."""
+    names = {INDEX_NAME}
+    for entry in (index.get("splits") or {}).values():
+        names.update(str(s.get("file")) for s in entry.get("shards", []))
+    return names
+
+
+def publish_dir(tmp: Path, out: Path, ours: Collection[str], last: str = INDEX_NAME,
+                field: str = "out_dir") -> None:
     """Move the finished directory ``tmp`` to ``out``, replacing what is there.
 
-    The normal path is one rename (``out`` missing or empty) or two (``out`` moved aside and
-    removed after). When ``out`` cannot be renamed (a mount point, e.g. a volume or an artifact
-    directory), its entries are replaced one by one: the old ``last`` file (the index) is removed
-    first and the new one is moved in last, so ``out`` is never taken for a complete dataset early.
+    Only a directory holding nothing but ``ours`` (the files an earlier run wrote) is replaced;
+    anything else in it is refused (checked again here, right before the move). The normal path
+    is one rename (``out`` missing or empty) or two (``out`` moved aside and removed after). When
+    ``out`` cannot be renamed (a mount point, e.g. a volume or an artifact directory), only
+    ``ours`` are replaced one by one: the old ``last`` file (the index) is removed first and the
+    new one is moved in last, so ``out`` is never taken for a complete dataset early.
     """
+    from kfp_nvrx.components.ownership import refuse_foreign
+
+    refuse_foreign(out, ours, field, "output")
     try:
         if out.is_dir() and any(out.iterdir()):
             old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:12]}")  # pids repeat in pods
@@ -228,7 +243,8 @@ def publish_dir(tmp: Path, out: Path, last: str = INDEX_NAME) -> None:
             raise
     (out / last).unlink(missing_ok=True)
     for child in list(out.iterdir()):
-        shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+        if child.name in ours:
+            shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
     for name in sorted((p.name for p in tmp.iterdir()), key=lambda n: (n == last, n)):
         shutil.move(str(tmp / name), str(out / name))
     tmp.rmdir()

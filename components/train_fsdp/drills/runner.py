@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import platform
-import shutil
 import signal
 import subprocess
 import sys
@@ -264,9 +263,10 @@ def run_drill(out: str | os.PathLike, *, quick: bool = False, names: list[str] |
     from kfp_nvrx.components.prepare_dataset.prepare import prepare_dataset
 
     scenarios = select(names, quick)
-    out = Path(out).absolute()
+    from kfp_nvrx.components.ownership import reset_out_dir
+
+    out = reset_out_dir(Path(out).absolute(), ("runs", "logs"), "--out")  # only a folder we made
     for sub in ("runs", "logs"):
-        shutil.rmtree(out / sub, ignore_errors=True)
         (out / sub).mkdir(parents=True)
     data = out / "data"
     prepare_dataset("sample:400", data, seq_len=64, log=lambda _m: None)

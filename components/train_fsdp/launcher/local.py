@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kfp_nvrx.components.errors import UserError
+from kfp_nvrx.components.ownership import claim_run_dir
 from kfp_nvrx.components.train_fsdp.launcher.command import (
     TrainerArgs,
     ft_launcher_argv,
@@ -172,7 +173,7 @@ def run_local(nodes: str, nproc_per_node: int, run_dir: str, config: str,
             **pet_env(nnodes=f"{lo}:{hi}" if lo != hi else str(hi), nproc_per_node=nproc_per_node,
                       rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id=f"{name}-{marker[:8]}",
                       max_restarts=cfg.resilience.max_restarts)}
-    run_path.mkdir(parents=True, exist_ok=True)
+    claim_run_dir(run_path)
     log(f"[launch-local] {name}: {hi} node(s) x {nproc_per_node} proc, run dir {run_path}")
     started = time.time()
     agents: list[_Agent] = []

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
 import yaml
 
 from kfp_nvrx.components.errors import UserError
+from kfp_nvrx.components.ownership import check_run_dir_owned, claim_run_dir
 from kfp_nvrx.components.train_fsdp.trainer.config import Config, load_config
 from kfp_nvrx.components.train_fsdp.trainer.faults import Fault, parse_fault
 
@@ -69,11 +71,15 @@ def check_launcher_env() -> None:
 
 
 def check_run_dir(run_dir: Path) -> Path:
-    """A usable run directory: no ``..`` components, not a file."""
+    """Check for a usable run directory: no ``..``, not a file, new, empty or a run dir of ours.
+
+    We write config.yaml and checkpoints into it, and never into a stranger's folder.
+    """
     if ".." in Path(run_dir).parts:
         raise UserError("--run-dir", f"{run_dir} must not contain '..'")
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError("--run-dir", f"{run_dir} exists and is not a directory")
+    check_run_dir_owned(run_dir, [f.name for f in dataclasses.fields(Config)])
     return run_dir
 
 
@@ -114,7 +120,7 @@ def check_checkpoint_model(cfg: Config, run_dir: Path) -> None:
 
 def write_config(cfg: Config, run_dir: Path) -> None:
     """Writes the resolved config (atomically; every rank writes the same bytes)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
+    claim_run_dir(run_dir)
     tmp = run_dir / f".{CONFIG_FILE}.{os.getpid()}.tmp"
     tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     os.replace(tmp, run_dir / CONFIG_FILE)
