@@ -33,6 +33,7 @@ from kfp_nvrx.components.prepare_dataset.shards import (
     dataset_files,
     publish_dir,
     read_index,
+    verify_checksums,
     write_json_atomic,
 )
 from kfp_nvrx.components.prepare_dataset.sources import file_sha256, iter_documents, resolve_sources
@@ -136,11 +137,9 @@ def _existing(out: Path, fp: str, overwrite: bool) -> tuple[dict[str, Any] | Non
                         "replaced: choose a new or empty directory")
     ours = dataset_files(index)
     if index.get("fingerprint") == fp:
-        try:
-            intact = check_files(out, index) is None
-        except (KeyError, TypeError, ValueError):
-            intact = False
-        if intact:
+        # Reuse is checked byte for byte: the sources were just read in full to fingerprint
+        # them, so reading the shards once more is of the same cost.
+        if check_files(out, index) is None and not verify_checksums(out, index=index):
             return index, ours
         refuse_foreign(out, ours, "out_dir", "damaged dataset being rebuilt")
         return None, ours  # our dataset, damaged: rebuild it

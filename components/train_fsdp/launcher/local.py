@@ -155,7 +155,7 @@ def run_local(nodes: str, nproc_per_node: int, run_dir: str, config: str,
         raise UserError("--nproc-per-node", f"must be an integer >= 1, got {nproc_per_node!r}")
     if deadline_s is not None and deadline_s <= 0:
         raise UserError("--deadline", f"must be > 0 seconds, got {deadline_s}")
-    cfg, _ = validate_inputs(config, overrides, faults)
+    cfg, _ = validate_inputs(config, overrides, faults, verify_data=True)
     run_path = check_run_dir(Path(run_dir)).resolve()
     check_checkpoint_model(cfg, run_path)
     exe = _ft_launcher()

@@ -16,8 +16,13 @@ from kfp_nvrx.components.train_fsdp.trainer.faults import Fault, parse_fault
 CONFIG_FILE = "config.yaml"
 
 
-def validate_inputs(config: str, overrides: list[str], faults: list[str]) -> tuple[Config, list[Fault]]:
-    """Loads the config, parses faults and opens the dataset; raises UserError on bad input."""
+def validate_inputs(config: str, overrides: list[str], faults: list[str], *,
+                    verify_data: bool = False) -> tuple[Config, list[Fault]]:
+    """Loads the config, parses faults and opens the dataset; raises UserError on bad input.
+
+    ``verify_data`` also checks the shards' sha256 when the split is small enough to read
+    (the launcher does it once; every worker repeating it would multiply the reads).
+    """
     cfg = load_config(config, overrides)
     parsed = [parse_fault(f) for f in faults]
     interval = cfg.checkpoint.interval
@@ -32,7 +37,12 @@ def validate_inputs(config: str, overrides: list[str], faults: list[str]) -> tup
         raise UserError("data.path", "not set; pass --set data.path=DIR (from prepare-data)")
     from kfp_nvrx.components.train_fsdp.trainer.data import TokenDataset
 
-    TokenDataset(cfg.data.path, cfg.data.split).check_fits(cfg.data.seq_len, cfg.model.vocab_size)
+    dataset = TokenDataset(cfg.data.path, cfg.data.split)
+    dataset.check_fits(cfg.data.seq_len, cfg.model.vocab_size)
+    if verify_data:
+        from kfp_nvrx.components.prepare_dataset.shards import check_checksums
+
+        check_checksums(cfg.data.path, dataset.index, [cfg.data.split], "data.path")
     return cfg, parsed
 
 
