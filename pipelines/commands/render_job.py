@@ -139,8 +139,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from kfp_nvrx.components.errors import UserError
     from kfp_nvrx.components.train_fsdp.jobspec.pytorchjob import render
 
+    if args.out and os.path.isdir(args.out):
+        raise UserError("--out", f"{args.out} is a directory; give a file name such as "
+                        f"{os.path.join(args.out, 'job.yaml')}")
     text = render(spec_from_args(args)).to_yaml()
     if args.out:
         write_atomic(args.out, text)
