@@ -106,6 +106,10 @@ def check_checkpoint_model(cfg: Config, run_dir: Path) -> None:
              if cfg.checkpoint.load_step < 0 or s == cfg.checkpoint.load_step]
     if not steps:
         return
+    if steps[0] > cfg.train.steps:
+        raise UserError("train.steps", f"{cfg.train.steps} is below the newest committed "
+                        f"checkpoint (step {steps[0]}) in {root}: the run would end at once "
+                        "without training; raise train.steps or use a fresh --run-dir")
     import torch
     import torch.distributed.checkpoint as dcp
 
