@@ -163,3 +163,27 @@ def test_demo_and_drill_never_empty_a_foreign_folder(command: str, tmp_path: Pat
     proc = _cli(command, "--out", str(out), cwd=tmp_path)
     assert proc.returncode == 2 and "--out" in proc.stderr, proc.stderr
     assert _tree(out) == before
+
+
+def test_prepare_data_stopped_by_sigterm_leaves_nothing(tmp_path: Path) -> None:
+    """Signalled once its work folder exists, it removes that and the sample corpus copy."""
+    import signal
+    import time
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    work_parent = tmp_path / "out"
+    work_parent.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "kfp_nvrx.pipelines.cli", "prepare-data",
+                             "--source", "sample:400000", "--out", str(work_parent / "ds"),
+                             "--quiet"], env={**os.environ, "TMPDIR": str(tmp)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    end = time.monotonic() + 120
+    while not any(work_parent.iterdir()) and time.monotonic() < end and proc.poll() is None:
+        time.sleep(0.05)
+    assert any(p.name.startswith(".ds.tmp-") for p in work_parent.iterdir())
+    assert any(tmp.iterdir())  # the sample corpus copy
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert list(work_parent.iterdir()) == [] and list(tmp.iterdir()) == []
