@@ -154,9 +154,10 @@ class ResilienceConfig(Section):
     learn_after: int = non_negative(5)
     safety_factor: float = positive(5.0)
     # Seconds no learned timeout goes below: NVRx learns safety_factor x the longest gap seen,
-    # under a second for fast steps, and a GC pause or a slow shared-storage read must not kill
-    # a healthy rank. Hang detection after learning takes max(this, learned) + check interval.
-    min_learned_timeout: float = positive(10.0)
+    # under a second for fast steps, and a GC pause or a stall on shared storage must not kill a
+    # healthy rank (long phases such as saves and the final writer wait heartbeat on their own).
+    # Hang detection after learning takes max(this, learned) + the check interval.
+    min_learned_timeout: float = positive(5.0)
     workload_check_interval: float = positive(1.0)
     max_restarts: int = non_negative(3)
     # auto (= any-failed) | any-failed | min-healthy (NVRx <= 0.5)

@@ -18,6 +18,7 @@ export and the fault drills all decide with that one function. This module impor
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from kfp_nvrx.components.errors import UserError
+from kfp_nvrx.components.ownership import check_run_dir_owned, claim_run_dir
 
 if TYPE_CHECKING:
     from kfp_nvrx.components.core.config import Config
@@ -47,17 +49,23 @@ CRC_SIDECAR_PREFIX = ".crc32_rank"
 
 
 def check_run_dir(run_dir: Path) -> Path:
-    """A usable run directory: no ``..`` components, not a file."""
+    """A usable run directory: no ``..``, not a file, new, empty or a run dir of ours.
+
+    We write config.yaml and checkpoints into it, and never into a stranger's folder.
+    """
     if ".." in Path(run_dir).parts:
         raise UserError("--run-dir", f"{run_dir} must not contain '..'")
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError("--run-dir", f"{run_dir} exists and is not a directory")
+    from kfp_nvrx.components.core.config import Config  # config imports this module
+
+    check_run_dir_owned(run_dir, [f.name for f in dataclasses.fields(Config)])
     return run_dir
 
 
 def write_config(cfg: Config, run_dir: Path) -> None:
     """Writes the resolved config (atomically; every rank writes the same bytes)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
+    claim_run_dir(run_dir)
     tmp = run_dir / f".{CONFIG_FILE}.{os.getpid()}.tmp"
     tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     os.replace(tmp, run_dir / CONFIG_FILE)

@@ -31,6 +31,7 @@ from kfp_nvrx.components.core.rundir import (
     verify,
 )
 from kfp_nvrx.components.errors import UserError
+from kfp_nvrx.components.ownership import check_output_dir, refuse_foreign
 from kfp_nvrx.components.prepare_dataset.shards import publish_dir, write_json_atomic
 
 EXPORT_FORMAT = "kfp-nvrx-export/1"
@@ -172,15 +173,21 @@ def _file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+#: Everything an export folder holds; only a folder of exactly these may be replaced.
+EXPORT_FILES = ("model.safetensors", "config.json", "export.json")
+
+
 def _check_out(out: Path, run_dir: Path) -> None:
     if out == run_dir or out.is_relative_to(run_dir / CHECKPOINTS_DIR):
         raise UserError("out_dir", f"{out} is inside the run's checkpoints; export elsewhere")
+    check_output_dir(out, "out_dir", [run_dir])
     if out.exists():
         if not out.is_dir():
             raise UserError("out_dir", f"{out} exists and is not a directory")
         if any(out.iterdir()) and not (out / "export.json").is_file():
             raise UserError("out_dir", f"{out} is not empty and holds no earlier export; "
                             "choose an empty or new directory")
+        refuse_foreign(out, EXPORT_FILES, "out_dir", "earlier export")
 
 
 def model_config_json(model_cfg: Any, dtype: str) -> dict[str, Any]:
@@ -273,7 +280,9 @@ def export_checkpoint(run_dir: str | os.PathLike[str], out_dir: str | os.PathLik
             info.update(eval_loss=result["loss"], eval_tokens=result["tokens"],
                         eval_data=str(Path(data_dir).resolve()))
         write_json_atomic(work / "export.json", info)
-        publish_dir(work, out, last="export.json")
+        for name in EXPORT_FILES:  # readable by the serving side of a shared volume
+            os.chmod(work / name, 0o644)
+        publish_dir(work, out, EXPORT_FILES, last="export.json")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return {**info, "path": str(out)}

@@ -163,6 +163,9 @@ def render_for(spec: Any, job_api: str, runtime: str = "kfp-nvrx-ft") -> Any:
 def _run(args: argparse.Namespace) -> int:
     from kfp_nvrx.components.errors import UserError
 
+    if args.out and os.path.isdir(args.out):
+        raise UserError("--out", f"{args.out} is a directory; give a file name such as "
+                        f"{os.path.join(args.out, 'job.yaml')}")
     if args.with_runtime and args.job_api != "trainjob":
         raise UserError("--with-runtime", "only a TrainJob refers to a runtime; add "
                         "--job-api trainjob")

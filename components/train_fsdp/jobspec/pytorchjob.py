@@ -37,6 +37,10 @@ from kfp_nvrx.components.core.launch_command import (
 )
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.train_fsdp.jobspec import naming
+from kfp_nvrx.components.train_fsdp.jobspec.cluster_fields import (
+    check_cluster_fields,
+    escape_expansion,
+)
 from kfp_nvrx.components.train_fsdp.jobspec.env import container_env
 from kfp_nvrx.components.train_fsdp.jobspec.profiles import (
     EFA_RESOURCE,
@@ -199,8 +203,10 @@ def _annotations(spec: JobSpec, run_dir: str) -> dict[str, str]:
 def _pod_spec(spec: JobSpec, cfg: Config, run_dir: str, procs: int) -> k8s.V1PodSpec:
     prof = spec.profile
     res = cfg.resilience
-    trainer = TrainerArgs(config=spec.config, run_dir=run_dir, overrides=list(spec.overrides),
-                          faults=spec.checked_faults())
+    # The kubelet expands $(VAR) in a command (secret env values included): user text is escaped.
+    trainer = TrainerArgs(config=escape_expansion(spec.config), run_dir=escape_expansion(run_dir),
+                          overrides=[escape_expansion(o) for o in spec.overrides],
+                          faults=[escape_expansion(f) for f in spec.checked_faults()])
     # One builder for pods and launch-local; $(POD_IP) is expanded by the kubelet from the env.
     command = ft_launcher_argv(res, trainer, local_addr="$(POD_IP)", nic_monitor=prof.nic_monitor)
     volumes, mounts = _volumes(spec)
@@ -254,6 +260,7 @@ def build_pytorchjob(spec: JobSpec) -> RenderedJob:
         UserError: On any bad value, naming the flag.
 
     """
+    check_cluster_fields(spec)
     lo, hi = spec.node_range()
     procs = spec.procs_per_node()
     name = spec.job_name()

@@ -34,8 +34,10 @@ from kfp_nvrx.components.core.launch_command import (
     pet_env,
 )
 from kfp_nvrx.components.errors import UserError
+from kfp_nvrx.components.ownership import claim_run_dir
 from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec, check_procs
 from kfp_nvrx.components.train_fsdp.launcher.gpus import slice_gpus
+from kfp_nvrx.components.train_fsdp.launcher.lifetime import RunDirLock, Watchdog
 from kfp_nvrx.components.train_fsdp.launcher.result import LaunchResult
 
 _MARKER = "KFP_NVRX_LOCAL_RUN"
@@ -189,7 +191,12 @@ def run_local(spec: JobSpec, *, log: Callable[[str], None] = print,
             **pet_env(nnodes=f"{lo}:{hi}" if lo != hi else str(hi), nproc_per_node=nproc_per_node,
                       rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id=f"{name}-{marker[:8]}",
                       max_restarts=cfg.resilience.max_restarts)}
-    run_path.mkdir(parents=True, exist_ok=True)
+    claim_run_dir(run_path)
+    lock = RunDirLock(run_path).acquire()  # one run owns a run dir at a time
+    grace = float(cfg.resilience.workers_stop_timeout) + 10
+    # Stops everything of this run if the launcher itself dies (SIGKILL included); it holds the
+    # lock until then.
+    watchdog = Watchdog(f"{_MARKER}={marker}", grace, keep_fds=(lock.fd,))
     log(f"[launch-local] {name}: {hi} node(s) x {nproc_per_node} proc, run dir {run_path}")
     started = time.time()
     agents: list[_Agent] = []
@@ -206,7 +213,9 @@ def run_local(spec: JobSpec, *, log: Callable[[str], None] = print,
 
     old = {}
     if threading.current_thread() is threading.main_thread():
-        old = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        # SIGHUP: the terminal closed; the run must not go on training unattended.
+        old = {s: signal.signal(s, _on_signal)
+               for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         for i in range(hi):
             agent_env = {**base, "PET_RDZV_CONF": f"is_host={1 if i == 0 else 0}"}
@@ -229,12 +238,14 @@ def run_local(spec: JobSpec, *, log: Callable[[str], None] = print,
         # Tell every node first, then wait: stopping them one at a time would take N x grace.
         for a in agents:
             a.terminate()
-        stop_by = time.time() + float(cfg.resilience.workers_stop_timeout) + 10
+        stop_by = time.time() + grace
         for a in agents:
             a.stop(grace=stop_by - time.time())
         for a in agents:
             a.thread.join(timeout=5)
         leftovers = _reap(marker)
+        watchdog.finish()
+        lock.release()
         for s, h in old.items():
             signal.signal(s, h)
     events = read_events(run_path)  # read once: the report and the completion check share it

@@ -18,8 +18,13 @@ from kfp_nvrx.components.core.rundir import (
 from kfp_nvrx.components.errors import UserError
 
 
-def validate_inputs(config: str, overrides: list[str], faults: list[str]) -> tuple[Config, list[Fault]]:
-    """Loads the config, parses faults and opens the dataset; raises UserError on bad input."""
+def validate_inputs(config: str, overrides: list[str], faults: list[str], *,
+                    verify_data: bool = False) -> tuple[Config, list[Fault]]:
+    """Loads the config, parses faults and opens the dataset; raises UserError on bad input.
+
+    ``verify_data`` also checks the shards' sha256 when the split is small enough to read
+    (the launcher does it once; every worker repeating it would multiply the reads).
+    """
     cfg = load_config(config, overrides)
     parsed = [parse_fault(f) for f in faults]
     interval = cfg.checkpoint.interval
@@ -34,7 +39,12 @@ def validate_inputs(config: str, overrides: list[str], faults: list[str]) -> tup
         raise UserError("data.path", "not set; pass --set data.path=DIR (from prepare-data)")
     from kfp_nvrx.components.train_fsdp.trainer.data import TokenDataset
 
-    TokenDataset(cfg.data.path, cfg.data.split).check_fits(cfg.data.seq_len, cfg.model.vocab_size)
+    dataset = TokenDataset(cfg.data.path, cfg.data.split)
+    dataset.check_fits(cfg.data.seq_len, cfg.model.vocab_size)
+    if verify_data:
+        from kfp_nvrx.components.prepare_dataset.shards import check_checksums
+
+        check_checksums(cfg.data.path, dataset.index, [cfg.data.split], "data.path")
     return cfg, parsed
 
 
@@ -83,6 +93,10 @@ def check_checkpoint_model(cfg: Config, run_dir: Path) -> None:
              if cfg.checkpoint.load_step < 0 or s == cfg.checkpoint.load_step]
     if not steps:
         return
+    if steps[0] > cfg.train.steps:
+        raise UserError("train.steps", f"{cfg.train.steps} is below the newest committed "
+                        f"checkpoint (step {steps[0]}) in {root}: the run would end at once "
+                        "without training; raise train.steps or use a fresh --run-dir")
     import torch
     import torch.distributed.checkpoint as dcp
 
@@ -113,7 +127,7 @@ def check_job(config: str, overrides: list[str], faults: list[str], run_dir: Pat
         (``field``, ``message``) for the launcher to raise again.
     """
     try:
-        cfg, _ = validate_inputs(config, overrides, faults)
+        cfg, _ = validate_inputs(config, overrides, faults, verify_data=True)
         check_run_dir(run_dir)
         check_checkpoint_model(cfg, run_dir)
     except UserError as err:
