@@ -159,7 +159,7 @@ def _other_model_run(run_dir: Path) -> None:
     """A run dir whose committed step 4 holds a model of other sizes (dim 32, not tiny's 64)."""
     import torch.distributed.checkpoint as dcp
 
-    from kfp_nvrx.components.train_fsdp.trainer.checkpoint import COMMIT_MARKER, step_dir
+    from kfp_nvrx.components.train_fsdp.trainer.checkpoint.files import COMMIT_MARKER, step_dir
     from kfp_nvrx.components.train_fsdp.trainer.config import load_config
     from kfp_nvrx.components.train_fsdp.trainer.model import build_model
 

@@ -14,8 +14,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from kfp_nvrx.components.train_fsdp.trainer import staging as staging_mod
-from kfp_nvrx.components.train_fsdp.trainer.checkpoint import Checkpointer, step_dir
+from kfp_nvrx.components.train_fsdp.trainer.checkpoint import Checkpointer
+from kfp_nvrx.components.train_fsdp.trainer.checkpoint import staging as staging_mod
+from kfp_nvrx.components.train_fsdp.trainer.checkpoint.files import step_dir
 from kfp_nvrx.components.train_fsdp.trainer.config import load_config
 from kfp_nvrx.components.train_fsdp.trainer.state import TrainState, build, full_state
 

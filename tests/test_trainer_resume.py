@@ -16,7 +16,7 @@ import torch
 
 from kfp_nvrx.components.export_checkpoint.consolidate import load_model_state
 from kfp_nvrx.components.train_fsdp.launcher.local import run_local
-from kfp_nvrx.components.train_fsdp.trainer.checkpoint import COMMIT_MARKER, committed_steps, step_dir
+from kfp_nvrx.components.train_fsdp.trainer.checkpoint.files import COMMIT_MARKER, committed_steps, step_dir
 from kfp_nvrx.components.train_fsdp.trainer.events import read_events
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]

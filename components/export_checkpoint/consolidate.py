@@ -54,7 +54,7 @@ class Checkpoint:
 
 
 def _inspect(step: int, path: Path) -> Checkpoint:
-    from kfp_nvrx.components.train_fsdp.trainer.checkpoint import verify
+    from kfp_nvrx.components.train_fsdp.trainer.checkpoint.files import verify
 
     if not (path / COMMIT_MARKER).is_file():
         return Checkpoint(step, path, None)

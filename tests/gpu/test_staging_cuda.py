@@ -52,14 +52,15 @@ def _trainer(extra=()):
 
 
 def _snapshot(state):
-    from kfp_nvrx.components.train_fsdp.trainer.staging import flat_state
+    from kfp_nvrx.components.train_fsdp.trainer.checkpoint.staging import flat_state
 
     return {k: (v.to_local() if hasattr(v, "to_local") else v).detach().cpu().clone()
             for k, v in flat_state(state).items() if isinstance(v, torch.Tensor)}
 
 
 def test_overlapped_staging_saves_the_state_at_save_time(tmp_path, pg):
-    from kfp_nvrx.components.train_fsdp.trainer.checkpoint import Checkpointer, step_dir
+    from kfp_nvrx.components.train_fsdp.trainer.checkpoint import Checkpointer
+    from kfp_nvrx.components.train_fsdp.trainer.checkpoint.files import step_dir
     from kfp_nvrx.components.train_fsdp.trainer.state import full_state
 
     cfg, model, opt, sched, train, step, device = _trainer(["checkpoint.staging=overlap"])
@@ -91,7 +92,8 @@ def test_overlapped_staging_saves_the_state_at_save_time(tmp_path, pg):
 
 
 def test_in_memory_restore_equals_the_files(tmp_path, pg):
-    from kfp_nvrx.components.train_fsdp.trainer.checkpoint import Checkpointer, step_dir
+    from kfp_nvrx.components.train_fsdp.trainer.checkpoint import Checkpointer
+    from kfp_nvrx.components.train_fsdp.trainer.checkpoint.files import step_dir
     from kfp_nvrx.components.train_fsdp.trainer.state import full_state
 
     cfg, model, opt, sched, train, step, device = _trainer(["checkpoint.staging=overlap"])

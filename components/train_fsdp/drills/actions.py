@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kfp_nvrx.components.train_fsdp.trainer.checkpoint import committed_steps, step_dir
+from kfp_nvrx.components.train_fsdp.trainer.checkpoint.files import committed_steps, step_dir
 from kfp_nvrx.components.train_fsdp.trainer.events import EventLog, read_events
 
 

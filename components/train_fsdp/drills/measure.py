@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from kfp_nvrx.components.train_fsdp.trainer.checkpoint import committed_steps, step_dir, verify
+from kfp_nvrx.components.train_fsdp.trainer.checkpoint.files import committed_steps, step_dir, verify
 
 
 def starts(events: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -40,7 +40,7 @@ from kfp_nvrx.components.train_fsdp.drills.scenarios import (
     Scenario,
     select,
 )
-from kfp_nvrx.components.train_fsdp.trainer.checkpoint import COMMIT_MARKER, committed_steps, step_dir
+from kfp_nvrx.components.train_fsdp.trainer.checkpoint.files import COMMIT_MARKER, committed_steps, step_dir
 from kfp_nvrx.components.train_fsdp.trainer.events import read_events
 
 #: Environment variable every process of a drill run inherits (finds anything left running).

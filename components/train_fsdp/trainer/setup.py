@@ -83,7 +83,7 @@ def check_checkpoint_model(cfg: Config, run_dir: Path) -> None:
     Otherwise reusing a run dir with another model fails inside every worker, once per restart
     (and a same-named model of other sizes only at ``dcp.load``, with a traceback).
     """
-    from kfp_nvrx.components.train_fsdp.trainer.checkpoint import committed_steps, step_dir
+    from kfp_nvrx.components.train_fsdp.trainer.checkpoint.files import committed_steps, step_dir
 
     root = run_dir / "checkpoints"
     steps = [s for s in committed_steps(root)

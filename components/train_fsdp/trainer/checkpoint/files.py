@@ -1,89 +1,24 @@
-"""Checkpoints on disk: layout, commit markers, verification and selection.
+"""Checkpoints on disk: layout, commit markers, verification, checksums and pruning.
 
-Also per-file size + CRC32 checks, atomic writes, off-loop deletion and NVRx writer-process tracking.
-
-:mod:`checkpoint` (the collective save/load logic) builds on these; export and drills use them too.
+A step directory counts only once its commit marker exists; the marker records each file's size and
+CRC32, which :func:`verify` checks. Deletion renames first and removes off the training loop.
+:class:`~.checkpointer.Checkpointer` (the collective save/load logic) builds on these; export and
+drills use them too.
 """
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import shutil
-import signal
 import threading
 import time
 import zlib
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-
-import torch
 
 COMMIT_MARKER = "COMMITTED"
 _PREFIX = "step_"
 _CRC_PREFIX = ".crc32_rank"
-#: NVRx writer processes this worker started and has not seen stop. They are not daemons, so one
-#: left running blocks interpreter exit (multiprocessing joins its children) forever.
-_WRITERS: list[Any] = []
-
-
-def kill_writers(reap_timeout: float = 5.0) -> None:
-    """Kills and reaps every writer process still tracked (abort path and interpreter exit).
-
-    A process leaves the list only once reaped (or after ``reap_timeout`` seconds, e.g. stuck in
-    uninterruptible I/O), so an async exception (in-process restart) that interrupts this leaves
-    the rest for the next call.
-    """
-    for proc in list(_WRITERS):
-        if proc.exitcode is None:
-            _kill_tree(proc.pid)
-        # Not join(): NVRx's writer forks child write processes that inherit the write end of its
-        # exit-sentinel pipe, so join() sat out its whole timeout (10 s, longer than a learned
-        # heartbeat timeout during an in-process restart). exitcode polls waitpid(WNOHANG).
-        deadline = time.monotonic() + reap_timeout
-        while proc.exitcode is None and time.monotonic() < deadline:
-            time.sleep(0.005)
-        _WRITERS.remove(proc)
-
-
-def _kill_tree(pid: int) -> None:
-    """SIGKILLs a writer and all its descendants (NVRx's forked write processes).
-
-    The writer is stopped first so it cannot fork more while its tree is listed. psutil comes
-    with nvidia-resiliency-ext, the only source of tracked writers.
-    """
-    import psutil
-
-    try:
-        writer = psutil.Process(pid)
-        writer.suspend()
-        procs = [*writer.children(recursive=True), writer]
-    except psutil.Error:  # already gone (or a zombie waiting to be reaped)
-        procs = []
-    for p in procs:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    if not procs:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-
-
-atexit.register(kill_writers)  # registered after multiprocessing's exit hook, so it runs first
-
-
-def _track(caller: Any) -> None:
-    if caller.process is not None and caller.process not in _WRITERS:
-        _WRITERS.append(caller.process)
-
-
-class CheckpointError(RuntimeError):
-    """A save that failed or did not finish in time (never swallowed)."""
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -133,12 +68,6 @@ def write_checksums(files: list[str], rank: int) -> None:
         return
 
 
-def _write_then_checksum(save_fn: Callable, rank: int, write_buckets: list, *rest: Any) -> None:
-    """The writer process's job: NVRx's write, then the checksums of the files it wrote."""
-    save_fn(rank, write_buckets, *rest)
-    write_checksums([bucket[0] for bucket in write_buckets], rank)
-
-
 def verify(path: Path, share: tuple[int, int] = (0, 1)) -> str | None:
     """Checks a committed checkpoint's files against its marker; returns a problem or None.
 
@@ -170,16 +99,37 @@ def verify(path: Path, share: tuple[int, int] = (0, 1)) -> str | None:
     return None
 
 
-def select_checkpoint(root: Path, wanted: int = -1, log: Callable[[str], None] = print) -> int | None:
-    """The newest intact committed step (or ``wanted``), logging any that are skipped."""
-    for step in committed_steps(root):
-        if wanted >= 0 and step != wanted:
-            continue
-        problem = verify(step_dir(root, step))
-        if problem is None:
-            return step
-        log(f"checkpoint step {step} is damaged ({problem}); falling back to an older one")
-    return None
+def write_commit_marker(path: Path, step: int, world_size: int) -> int:
+    """Commits the step directory ``path`` (rank 0, once every rank's files and ``.metadata`` exist).
+
+    The marker lists every file's size and the CRC32s the ranks recorded in their sidecars; it is
+    written atomically (tmp + fsync + rename). Returns the checkpoint's size in bytes.
+    """
+    files = _dir_files(path)
+    sums: dict[str, int] = {}
+    for sidecar in path.glob(f"{_CRC_PREFIX}*.json"):
+        sums.update(json.loads(sidecar.read_text()))
+    if (path / ".metadata").is_file():
+        sums[".metadata"] = _crc32(path / ".metadata")
+    nbytes = sum(files.values())
+    marker = {"step": step, "world_size": world_size, "time": time.time(), "bytes": nbytes,
+              "files": files, "crc32": sums}
+    _write_atomic(path / COMMIT_MARKER, json.dumps(marker).encode())
+    return nbytes
+
+
+def prune(root: Path, keep: int) -> None:
+    """Keeps the newest ``keep`` committed checkpoints; drops older torn ones and old trash."""
+    committed = committed_steps(root)
+    for step in committed[keep:]:
+        _discard(step_dir(root, step))
+    if committed:
+        oldest_kept = step_dir(root, committed[:keep][-1]).name
+        for p in root.glob(f"{_PREFIX}*"):
+            if not (p / COMMIT_MARKER).exists() and p.name < oldest_kept:
+                _discard(p)
+    for p in root.glob(".trash-*"):  # left by an earlier incarnation
+        _discard(p)
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -194,17 +144,6 @@ def _write_atomic(path: Path, data: bytes) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
-
-
-def _snapshot(obj: Any) -> Any:
-    """Clones CPU tensors inside NVRx write buckets (the CPU path's staging)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, list):
-        return [_snapshot(x) for x in obj]
-    if isinstance(obj, tuple):
-        return tuple(_snapshot(x) for x in obj)
-    return obj
 
 
 _DELETING: set[Path] = set()  # trash directories a thread of this process is removing
