@@ -22,6 +22,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="runs/drill",
                    help="output directory: data, runs, logs, drill.json, drill.md "
                    "(default runs/drill)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where the ranks run: cuda = one GPU per local node over NCCL with "
+                   "deterministic steps; auto = cuda when this host shows a GPU (default)")
+    p.add_argument("--gpus", type=int, default=None, choices=(1, 2),
+                   help="GPUs (ranks) on CUDA (default: 2 when the host has 2 or more, else 1)")
     p.add_argument("--list", action="store_true", help="list the scenarios and exit")
     p.set_defaults(handler=_run)
 
@@ -34,12 +39,26 @@ def _run(args: argparse.Namespace) -> int:
             print(f"{sc.name:<18} {'[quick] ' if sc.quick else ''}{sc.what} -> {sc.expect}")
         return 0
     select(args.scenario, args.quick)  # a typo fails before anything starts
+    from kfp_nvrx.components.errors import UserError
+    from kfp_nvrx.components.train_fsdp.drills.scenarios import Placement
+    from kfp_nvrx.components.train_fsdp.launcher.gpus import uses_cuda, visible_gpus
+
+    gpus = visible_gpus()
+    if not uses_cuda(args.device, gpus):
+        place = Placement()
+    elif not gpus:
+        raise UserError("--device", "is cuda but this host shows no NVIDIA GPU; use --device cpu")
+    else:
+        world = args.gpus or min(2, len(gpus))
+        if world > len(gpus):
+            raise UserError("--gpus", f"asks for {world} GPUs, this host has {len(gpus)}")
+        place = Placement("cuda", world)
     from kfp_nvrx.components.train_fsdp.drills.report import JSON_FILE, MD_FILE, table
     from kfp_nvrx.components.train_fsdp.drills.runner import DrillError, run_drill
 
     try:
         rows, _meta = run_drill(args.out, quick=args.quick, names=args.scenario,
-                                log=lambda m: print(m, flush=True))
+                                log=lambda m: print(m, flush=True), place=place)
     except DrillError as err:
         sys.stderr.write(f"kfp-nvrx drill: {err}\n")
         return 1

@@ -37,6 +37,7 @@ from kfp_nvrx.components.train_fsdp.drills.scenarios import (
     INTERVAL,
     STEPS,
     SURVIVE,
+    Placement,
     Scenario,
     select,
 )
@@ -59,9 +60,10 @@ class _Ctx:
     reference: dict[str, Any]
     ckpt_bytes: int
     log: Callable[[str], None]
+    place: Placement
 
-    def overrides(self, sc: Scenario) -> list[str]:
-        return [f"data.path={self.data}", *BASE_OVERRIDES, *sc.extra]
+    def overrides(self, sc: Scenario | None) -> list[str]:
+        return [f"data.path={self.data}", *BASE_OVERRIDES, *self.place.overrides(sc)]
 
 
 def _train(run_dir: Path, overrides: list[str], faults: list[str], nodes: str, log_file: Path,
@@ -145,7 +147,10 @@ def _scenario(sc: Scenario, ctx: _Ctx) -> Row:
     action = make_action(sc.action, run_dir, ctx.ckpt_bytes)
     token = uuid.uuid4().hex
     t0 = time.time()
+    nodes = ctx.place.nodes(sc.nodes)
     try:
+        if nodes is None:
+            raise DrillSkipped(f"needs {sc.nodes} nodes, this placement has {ctx.place.world}")
         action.setup()
     except DrillSkipped as err:
         row.state, row.passed = "skipped", None
@@ -153,7 +158,7 @@ def _scenario(sc: Scenario, ctx: _Ctx) -> Row:
         return row
     try:
         with Watcher(action):
-            res = _train(run_dir, ctx.overrides(sc), list(sc.faults), sc.nodes,
+            res = _train(run_dir, ctx.overrides(sc), ctx.place.faults(sc), nodes,
                          ctx.out / "logs" / f"{sc.name}.log", token, action)
     finally:
         action.teardown()
@@ -173,7 +178,8 @@ def _sigterm(sc: Scenario, ctx: _Ctx, relaunch: bool) -> Row:
     log_file = ctx.out / "logs" / f"{sc.name}.log"
     token = uuid.uuid4().hex
     t0 = time.time()
-    argv = [sys.executable, "-m", "kfp_nvrx.pipelines.cli", "launch-local", "--nodes", "2",
+    nodes = str(ctx.place.world)
+    argv = [sys.executable, "-m", "kfp_nvrx.pipelines.cli", "launch-local", "--nodes", nodes,
             "--run-dir", str(run_dir), "--config", "tiny", "--verbose"]
     for item in ctx.overrides(sc):
         argv += ["--set", item]
@@ -215,7 +221,7 @@ def _sigterm(sc: Scenario, ctx: _Ctx, relaunch: bool) -> Row:
         row.wall_s = round(time.time() - t0, 1)
         row.passed = not row.failures
         return row
-    res = _train(run_dir, ctx.overrides(sc), [], "2", log_file, token)
+    res = _train(run_dir, ctx.overrides(sc), [], nodes, log_file, token)
     row.state = f"Cancelled, relaunch {res.state}"
     _common(row, sc, ctx, run_dir, res, token)
     first = next((e for e in read_events(run_dir)[len(events):] if e["type"] == "step"), None)
@@ -228,10 +234,11 @@ def _sigterm(sc: Scenario, ctx: _Ctx, relaunch: bool) -> Row:
     return row
 
 
-def _reference(ctx_out: Path, data: str) -> tuple[dict, int, float]:
+def _reference(ctx_out: Path, data: str, place: Placement) -> tuple[dict, int, float]:
     run_dir = ctx_out / "runs" / "reference"
     t0 = time.time()
-    res = _train(run_dir, [f"data.path={data}", *BASE_OVERRIDES], [], "2",
+    res = _train(run_dir, [f"data.path={data}", *BASE_OVERRIDES, *place.overrides(None)], [],
+                 str(place.world),
                  ctx_out / "logs" / "reference.log", uuid.uuid4().hex)
     if not res.succeeded:
         raise DrillError(f"the fault-free reference run {res.state}: {res.reason} (see "
@@ -242,8 +249,25 @@ def _reference(ctx_out: Path, data: str) -> tuple[dict, int, float]:
     return measure.final_weights(run_dir, STEPS), int(json.loads(marker)["bytes"]), time.time() - t0
 
 
+def _gpu_line(place: Placement) -> str:
+    """Machine, driver, CUDA, NCCL and GPU names for a CUDA drill's setup line."""
+    if place.device == "cpu":
+        return ""
+    import torch
+
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=30).stdout.split()[0]
+    except (OSError, IndexError, subprocess.SubprocessError):
+        driver = "unknown"
+    nccl = ".".join(map(str, torch.cuda.nccl.version()))
+    return (f" {place.world} x {torch.cuda.get_device_name(0)}, driver {driver}, CUDA "
+            f"{torch.version.cuda}, NCCL {nccl}, host {platform.node()}.")
+
+
 def run_drill(out: str | os.PathLike, *, quick: bool = False, names: list[str] | None = None,
-              log: Callable[[str], None] = print) -> tuple[list[Row], dict[str, Any]]:
+              log: Callable[[str], None] = print,
+              place: Placement | None = None) -> tuple[list[Row], dict[str, Any]]:
     """Runs the reference and the chosen scenarios; writes ``drill.json``/``drill.md`` as it goes.
 
     Args:
@@ -251,6 +275,7 @@ def run_drill(out: str | os.PathLike, *, quick: bool = False, names: list[str] |
         quick: Only the CI subset.
         names: Only these scenarios (overrides ``quick``).
         log: Progress lines.
+        place: CPU (default) or CUDA with 1-2 GPUs.
 
     Returns:
         (rows, meta) as written to the reports.
@@ -264,24 +289,25 @@ def run_drill(out: str | os.PathLike, *, quick: bool = False, names: list[str] |
     from kfp_nvrx.components.prepare_dataset.prepare import prepare_dataset
 
     scenarios = select(names, quick)
+    place = place or Placement()
     out = Path(out).absolute()
     for sub in ("runs", "logs"):
         shutil.rmtree(out / sub, ignore_errors=True)
         (out / sub).mkdir(parents=True)
     data = out / "data"
     prepare_dataset("sample:400", data, seq_len=64, log=lambda _m: None)
-    log(f"drill: reference run ({STEPS} steps, 2 nodes x 1 process, tiny) ...")
-    reference, ckpt_bytes, ref_s = _reference(out, str(data))
-    ctx = _Ctx(out, str(data), reference, ckpt_bytes, log)
+    log(f"drill: reference run ({STEPS} steps, {place.label}, tiny) ...")
+    reference, ckpt_bytes, ref_s = _reference(out, str(data), place)
+    ctx = _Ctx(out, str(data), reference, ckpt_bytes, log, place)
     from importlib.metadata import version
 
     meta = {
         "mode": "quick" if quick and not names else ("selected" if names else "full"),
-        "setup": f"tiny preset, 2 local nodes x 1 process (gloo, CPU), {STEPS} steps, a committed "
+        "setup": f"tiny preset, {place.label}, {STEPS} steps, a committed "
                  f"checkpoint every {INTERVAL}; fault-free reference {ref_s:.0f} s. "
                  f"{os.cpu_count()} CPUs, Python {platform.python_version()}, torch "
                  f"{torch.__version__}, nvidia-resiliency-ext {version('nvidia-resiliency-ext')}, "
-                 f"{time.strftime('%Y-%m-%d')}.",
+                 f"{time.strftime('%Y-%m-%d')}.{_gpu_line(place)}",
         "steps": STEPS, "interval": INTERVAL, "reference_s": round(ref_s, 1),
     }
     rows: list[Row] = []

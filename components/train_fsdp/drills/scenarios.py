@@ -2,8 +2,10 @@
 
 Every final weight can so be compared bitwise with one fault-free reference run.
 
-The job: ``tiny`` preset, 2 local nodes x 1 process (gloo), :data:`STEPS` steps, a committed
-checkpoint every :data:`INTERVAL` steps (all kept). Faults are placed relative to those commits.
+The job: ``tiny`` preset, 2 local nodes x 1 process, :data:`STEPS` steps, a committed checkpoint
+every :data:`INTERVAL` steps (all kept). Faults are placed relative to those commits. On the CPU
+the ranks talk over gloo; on CUDA (:class:`Placement`) each local node gets its own GPU, the
+ranks talk over NCCL and the steps are deterministic, so the bitwise column holds there too.
 """
 
 from __future__ import annotations
@@ -20,6 +22,11 @@ BASE_OVERRIDES = (f"train.steps={STEPS}", f"checkpoint.interval={INTERVAL}", "ch
 IN_PROCESS = ("resilience.in_process=true", "resilience.monitor=off",
               "resilience.learn_timeouts=false", "resilience.soft_timeout=6",
               "resilience.hard_timeout=10", "resilience.pg_timeout=4")
+
+#: In-process restart over NCCL: the wrapper aborts blocked collectives, so the monitor and the
+#: learned timeouts stay on (what users run), and NCCL's timeout exceeds the hard timeout.
+IN_PROCESS_CUDA = ("resilience.in_process=true", "resilience.soft_timeout=30",
+                   "resilience.hard_timeout=45", "resilience.pg_timeout=120")
 
 SURVIVE, FAIL, STOP = "survive", "fail cleanly", "stop cleanly, then resume"
 
@@ -81,6 +88,49 @@ SCENARIOS: tuple[Scenario, ...] = (
              faults=("kill@3/1", "kill@6/1"), extra=("resilience.max_restarts=1",),
              bitwise=False, quick=True),
 )
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the drill's ranks run: ``cpu`` (2 ranks, gloo) or ``cuda`` with 1 or 2 GPUs (NCCL).
+
+    Scenarios are written for 2 ranks; on one GPU their faults all land on rank 0, and a
+    scenario that needs a second node is skipped.
+    """
+
+    device: str = "cpu"
+    world: int = 2
+
+    @property
+    def label(self) -> str:
+        """How the setup line names the placement."""
+        if self.device == "cpu":
+            return f"{self.world} local nodes x 1 process (gloo, CPU)"
+        return f"{self.world} local node(s) x 1 GPU (NCCL, deterministic)"
+
+    def overrides(self, sc: Scenario | None) -> list[str]:
+        """``--set`` items for this placement (the scenario's own last)."""
+        extra = list(sc.extra) if sc is not None else []
+        if self.device == "cpu":
+            return extra
+        if "resilience.in_process=true" in extra:
+            extra = [e for e in extra if e not in IN_PROCESS] + list(IN_PROCESS_CUDA)
+        return ["train.device=cuda", "train.deterministic=true", *extra]
+
+    def faults(self, sc: Scenario) -> list[str]:
+        """The scenario's faults with ranks folded onto the ranks that exist."""
+        out = []
+        for f in sc.faults:
+            head, _, rank = f.partition("/")
+            out.append(f"{head}/{int(rank or 0) % self.world}")
+        return out
+
+    def nodes(self, nodes: str) -> str | None:
+        """The scenario's ``--nodes`` here, or None when it needs more nodes than there are."""
+        most = int(nodes.split(":")[-1])
+        if most <= self.world:
+            return nodes
+        return None if ":" in nodes else str(self.world)
 
 
 def select(names: list[str] | None, quick: bool) -> list[Scenario]:

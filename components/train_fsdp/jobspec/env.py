@@ -13,12 +13,12 @@ import posixpath
 from kubernetes import client as k8s
 
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.train_fsdp.jobspec.profiles import InstanceProfile
 from kfp_nvrx.components.train_fsdp.jobspec.spec import (
     JobSpec,
     check_env_name,
     parse_secret_env,
 )
+from kfp_nvrx.components.train_fsdp.launcher.command import in_process_env
 from kfp_nvrx.components.train_fsdp.trainer.config import ResilienceConfig
 
 
@@ -44,21 +44,6 @@ def gpu_env(run_dir: str) -> dict[str, str]:
     }
 
 
-def in_process_env(profile: InstanceProfile) -> dict[str, str]:
-    """Return what NVRx in-process restart requires before torch is imported."""
-    env = {"TORCH_CPP_LOG_LEVEL": "error"}
-    if profile.is_gpu:
-        env.update({
-            # CUDA errors seen by the NCCL watchdog must reach the Wrapper, not kill the process.
-            "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0",
-            # NVLink SHARP / multicast objects do not survive an in-process communicator rebuild.
-            "NCCL_NVLS_ENABLE": "0",
-            "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-            "NVSHMEM_DISABLE_NVLS": "1",
-        })
-    return env
-
-
 def container_env(spec: JobSpec, res: ResilienceConfig, run_dir: str) -> list[k8s.V1EnvVar]:
     """Build the full env list of the trainer container, in a stable order.
 
@@ -78,7 +63,7 @@ def container_env(spec: JobSpec, res: ResilienceConfig, run_dir: str) -> list[k8
     if profile.is_gpu:
         defaults.update(gpu_env(run_dir))
     if res.in_process:
-        defaults.update(in_process_env(profile))
+        defaults.update(in_process_env(gpu=profile.is_gpu))
     for name in spec.env:
         check_env_name("--env", name)
     merged = {**defaults, **{k: str(v) for k, v in spec.env.items()}}

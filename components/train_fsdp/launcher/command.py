@@ -152,6 +152,24 @@ def ft_launcher_argv(
     ]
 
 
+def in_process_env(gpu: bool) -> dict[str, str]:
+    """What NVRx in-process restart requires of a worker's environment before torch is imported.
+
+    Shared by the pod spec and the local launcher, so what the drills verify is what pods get.
+    """
+    env = {"TORCH_CPP_LOG_LEVEL": "error"}
+    if gpu:
+        env.update({
+            # CUDA errors seen by the NCCL watchdog must reach the Wrapper, not kill the process.
+            "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0",
+            # NVLink SHARP / multicast objects do not survive an in-process communicator rebuild.
+            "NCCL_NVLS_ENABLE": "0",
+            "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+            "NVSHMEM_DISABLE_NVLS": "1",
+        })
+    return env
+
+
 def pet_env(
     *, nnodes: str, nproc_per_node: int, rdzv_endpoint: str, rdzv_id: str, max_restarts: int
 ) -> dict[str, str]:

@@ -26,8 +26,10 @@ from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.train_fsdp.launcher.command import (
     TrainerArgs,
     ft_launcher_argv,
+    in_process_env,
     pet_env,
 )
+from kfp_nvrx.components.train_fsdp.launcher.gpus import slice_gpus
 from kfp_nvrx.components.train_fsdp.launcher.result import LaunchResult
 
 _MARKER = "KFP_NVRX_LOCAL_RUN"
@@ -157,6 +159,7 @@ def run_local(nodes: str, nproc_per_node: int, run_dir: str, config: str,
     cfg, _ = validate_inputs(config, overrides, faults)
     run_path = check_run_dir(Path(run_dir)).resolve()
     check_checkpoint_model(cfg, run_path)
+    slices = slice_gpus(hi, nproc_per_node, cfg.train.device)
     exe = _ft_launcher()
     name = name or re.sub(r"[^a-z0-9-]", "-", run_path.name.lower()) or "run"
     marker = uuid.uuid4().hex
@@ -193,6 +196,10 @@ def run_local(nodes: str, nproc_per_node: int, run_dir: str, config: str,
     try:
         for i in range(hi):
             agent_env = {**base, "PET_RDZV_CONF": f"is_host={1 if i == 0 else 0}"}
+            if slices[i] is not None:
+                # Each local node sees only its own GPUs, as a pod would; LOCAL_RANK indexes them.
+                agent_env["CUDA_VISIBLE_DEVICES"] = slices[i]
+                agent_env.update(in_process_env(gpu=True) if cfg.resilience.in_process else {})
             agents.append(_Agent(i, argv, agent_env, log, verbose))
         if on_start is not None:
             on_start([a.proc.pid for a in agents])

@@ -66,6 +66,9 @@ class TrainConfig:
     log_every: int = 10
     device: str = "auto"  # auto | cpu | cuda
     step_sleep: float = 0.0  # seconds slept per step (drills: makes tiny runs long enough to fault)
+    # Bitwise-reproducible steps: deterministic kernels, math SDPA, fixed cuBLAS workspace. A run
+    # with faults then ends with exactly the weights of a fault-free run (costs step time on GPU).
+    deterministic: bool = False
 
 
 @dataclass
@@ -101,6 +104,10 @@ class ResilienceConfig:
     learn_timeouts: bool = True  # calculate_and_set_*_timeouts after `learn_after` steps
     learn_after: int = 5
     safety_factor: float = 5.0
+    # Seconds no learned timeout goes below: NVRx learns safety_factor x the longest gap seen,
+    # under a second for fast steps, and a GC pause or a slow shared-storage read must not kill
+    # a healthy rank. Hang detection after learning takes max(this, learned) + check interval.
+    min_learned_timeout: float = 10.0
     workload_check_interval: float = 1.0
     max_restarts: int = 3
     restart_policy: str = "auto"  # auto (= any-failed) | any-failed | min-healthy (NVRx <= 0.5)
@@ -159,6 +166,7 @@ _POSITIVE = {
     "resilience.heartbeat_timeout", "resilience.setup_timeout", "resilience.step_timeout",
     "resilience.checkpoint_timeout", "resilience.out_of_section_timeout",
     "resilience.safety_factor", "resilience.workload_check_interval",
+    "resilience.min_learned_timeout",
     "resilience.workers_stop_timeout", "resilience.soft_timeout", "resilience.hard_timeout",
     "resilience.barrier_timeout", "resilience.pg_timeout", "resilience.in_process_max_iterations",
     "train.log_every",

@@ -1,7 +1,9 @@
 """Fault injection for drills and tests: ``--fault KIND@STEP[/RANK]`` (repeatable).
 
 Kinds: ``kill`` (SIGKILL self), ``raise`` (exception), ``hang`` (stop heartbeating and block),
-``kill-in-ckpt`` (SIGKILL while an async checkpoint is being written). Each fault fires once per
+``kill-in-ckpt`` (SIGKILL while an async checkpoint is being written), ``stall`` (a healthy step
+that takes ``STALL_S`` seconds longer, as a slow read from shared storage would: the run must not
+be killed for it once timeouts are learned). Each fault fires once per
 run: a marker file in ``<run_dir>/faults/`` is created (O_EXCL) before it fires, so a restarted
 worker does not fire it again.
 """
@@ -17,7 +19,8 @@ from pathlib import Path
 
 from kfp_nvrx.components.errors import UserError
 
-KINDS = ("kill", "raise", "hang", "kill-in-ckpt")
+KINDS = ("kill", "raise", "hang", "kill-in-ckpt", "stall")
+STALL_S = 3.0
 _PATTERN = re.compile(r"^(?P<kind>[a-z-]+)@(?P<step>\d+)(?:/(?P<rank>\d+))?$")
 
 
@@ -84,6 +87,9 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGKILL)
         if fault.kind == "raise":
             raise InjectedFault(f"injected fault {fault.key}")
+        if fault.kind == "stall":
+            time.sleep(STALL_S)
+            return
         if fault.kind == "hang":
             if on_hang is not None:
                 on_hang()

@@ -11,6 +11,7 @@ import datetime
 import gc
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -40,6 +41,9 @@ class Monitor:
         self.learned = False
         self._open: set[str] = set()
         self._pending_state: dict[str, Any] | None = None
+        # The client's socket carries one message at a time: keepalive heartbeats come from a
+        # second thread while the main thread is inside a long phase.
+        self._lock = threading.Lock()
         if self.enabled:
             # FT: the client talks to this rank's monitor process started by ft_launcher.
             from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
@@ -50,10 +54,27 @@ class Monitor:
         """(Re)connects to the rank monitor; called at every (in-process) restart."""
         if not self.enabled:
             return
-        if self.client.is_initialized:
-            self.client.shutdown_workload_monitoring()
+        self.disconnect()
         # FT: init_workload_monitoring; learned timeouts loaded earlier are sent right away.
-        self.client.init_workload_monitoring()
+        with self._lock:
+            self.client.init_workload_monitoring()
+        self._open.clear()
+
+    def disconnect(self) -> None:
+        """Closes every section and leaves the rank monitor (before an in-process restart).
+
+        Between a fault and the re-entry of the training function the in-process wrapper aborts
+        the process group, checks health and waits at its barriers: seconds without heartbeats.
+        The wrapper's own soft/hard timeouts bound that phase, so the rank monitor must not
+        apply its learned step rhythm to it (it would SIGKILL the rank and turn the in-process
+        restart into an in-job one).
+        """
+        if not self.enabled or not self.client.is_initialized:
+            return
+        with self._lock, contextlib.suppress(Exception):
+            self.client.end_all_sections()
+        with self._lock, contextlib.suppress(Exception):
+            self.client.shutdown_workload_monitoring()
         self._open.clear()
 
     @contextlib.contextmanager
@@ -63,26 +84,64 @@ class Monitor:
             yield
             return
         # FT: start_section/end_section bound each phase by its (learned) timeout.
-        self.client.start_section(name)
+        with self._lock:
+            self.client.start_section(name)
         self._open.add(name)
         try:
             yield
         finally:
             if name in self._open:
-                self.client.end_section(name)
+                with self._lock:
+                    self.client.end_section(name)
                 self._open.discard(name)
+
+    @contextlib.contextmanager
+    def phase(self, name: str | None, bound: float) -> Iterator[None]:
+        """A phase outside the step rhythm: setup, a save, the final wait for the writer.
+
+        Heartbeat timeouts are learned from the gaps between steps; a phase such as a checkpoint
+        load or the final wait for the writer can take far longer than that without anything
+        being wrong. While the phase runs, a thread keeps heartbeating for at most ``bound``
+        seconds (then stops, so a phase that hangs is still caught by the heartbeat timeout), and
+        ``name``, when given, is also opened as a section (bounded by its own timeout).
+        """
+        stop = threading.Event()
+        beat = None
+        if self.enabled:
+            period = max(0.05, min(1.0, self.cfg.min_learned_timeout / 4))
+            deadline = time.monotonic() + bound
+
+            def keepalive() -> None:
+                while not stop.wait(period) and time.monotonic() < deadline:
+                    self.heartbeat()
+
+            beat = threading.Thread(target=keepalive, name=f"ft-keepalive-{name}", daemon=True)
+            beat.start()
+        try:
+            if name is None:
+                yield
+            else:
+                with self.section(name):
+                    yield
+        finally:
+            stop.set()
+            if beat is not None:
+                beat.join()
+                self.heartbeat()  # the phase's end restarts the step rhythm from now
 
     def heartbeat(self) -> None:
         """One heartbeat per step (both modes: in sections mode it backs up the sections)."""
-        if self.enabled:
+        if self.enabled and self.client.is_initialized:
             # FT: heartbeat; a rank that stops sending is killed after the heartbeat timeout.
-            self.client.send_heartbeat()
+            with self._lock:
+                self.client.send_heartbeat()
 
     def stop(self) -> None:
         """Stops heartbeats and sections (before a deliberate hang, or at shutdown)."""
         if self.enabled and self.client.is_initialized:
-            with contextlib.suppress(Exception):
+            with self._lock, contextlib.suppress(Exception):
                 self.client.end_all_sections()
+            self._open.clear()
 
     def maybe_learn(self, steps_done: int, saves_done: int, checkpointing: bool) -> bool:
         """Collective: compute and set timeouts from observed times, once enough was seen.
@@ -102,8 +161,39 @@ class Monitor:
             ok = self.client.calculate_and_set_section_timeouts(
                 selected_sections=sections, calc_out_of_section=False, skip_if_not_ready=True
             ) and ok
+        if ok:
+            self._apply_floor()
         self.learned = bool(ok)
         return self.learned
+
+    def _apply_floor(self) -> None:
+        """Raises every learned timeout to ``resilience.min_learned_timeout`` at least.
+
+        NVRx learns ``safety_factor`` x the longest gap it saw; with sub-second steps that is
+        well under a second, and a GC pause, a slow read from shared storage or a recompile
+        would then kill a healthy rank. The floored values go back to the monitor through the
+        client's public state API and are what checkpoints persist.
+        """
+        floor = self.cfg.min_learned_timeout
+        state = dict(self.client.state_dict())
+        timeouts = state.get(self.client.CURRENT_TIMEOUTS_STATE_KEY) or {}
+        changed = False
+        hb = timeouts.get("heartbeat")
+        for key in ("initial", "subsequent"):
+            if hb and hb.get(key) is not None and hb[key] < floor:
+                hb[key], changed = floor, True
+        sec = timeouts.get("section")
+        if sec:
+            for name in sec.get("calculated_sections") or []:
+                if sec["section"].get(name) is not None and sec["section"][name] < floor:
+                    sec["section"][name], changed = floor, True
+            if sec.get("is_out_of_section_calculated") and sec.get("out_of_section") is not None \
+                    and sec["out_of_section"] < floor:
+                sec["out_of_section"], changed = floor, True
+        if changed:
+            # FT: load_state_dict sends the timeouts to the rank monitor right away.
+            with self._lock:
+                self.client.load_state_dict(state)
 
     def timeouts(self) -> dict[str, Any]:
         """Current timeouts, for logs."""
@@ -119,14 +209,13 @@ class Monitor:
         """Restores learned timeouts from a checkpoint."""
         if self.enabled and state:
             # FT: persisted learned timeouts survive restarts.
-            self.client.load_state_dict(state)
+            with self._lock:
+                self.client.load_state_dict(state)
             self.learned = bool(state.get(self.client.CURRENT_TIMEOUTS_STATE_KEY))
 
     def close(self) -> None:
-        """Shuts the client down."""
-        if self.enabled and self.client.is_initialized:
-            with contextlib.suppress(Exception):
-                self.client.shutdown_workload_monitoring()
+        """Closes every section and shuts the client down."""
+        self.disconnect()
 
 
 def in_process_wrapper(cfg: ResilienceConfig, store_port: int) -> Callable[[Callable], Callable]:

@@ -47,8 +47,29 @@ class Job:
     writer: NvrxWriter | None = None
 
 
+def make_deterministic() -> None:
+    """``train.deterministic``: the same inputs give bitwise the same weights, run after run.
+
+    Deterministic kernels (embedding backward and friends without atomics), the math SDPA
+    backend (flash/efficient attention backward accumulate with atomics), no cuDNN autotuning,
+    and a fixed cuBLAS workspace (read when the first cuBLAS handle is made, so set before
+    the first matmul). NCCL reductions are deterministic for a fixed world size and sizes.
+    """
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    for backend in ("flash", "mem_efficient", "cudnn"):
+        getattr(torch.backends.cuda, f"enable_{backend}_sdp")(False)
+    torch.backends.cuda.enable_math_sdp(True)
+
+
 def pick_device(cfg: Config) -> torch.device:
     """``train.device``: auto picks CUDA when present."""
+    if cfg.train.deterministic:
+        make_deterministic()
     want = cfg.train.device
     if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
         torch.cuda.set_device(env_int("LOCAL_RANK", 0))
@@ -97,9 +118,10 @@ def incarnation(job: Job, base_store: Any = None, call_wrapper: Any = None) -> N
     events = EventLog(job.run_dir, enabled=rank == 0)
     injector = FaultInjector(job.faults, job.run_dir, rank)
     monitor.connect()
+    res = cfg.resilience
     ckpt = None
     try:
-        with monitor.section("setup"):
+        with monitor.phase("setup", bound=res.setup_timeout):
             model, opt, sched = build(cfg, job.device)
 
             def on_commit(step: int, blocking: float, total: float, nbytes: int) -> None:
@@ -130,7 +152,8 @@ def incarnation(job: Job, base_store: Any = None, call_wrapper: Any = None) -> N
         log0(f"start: world_size={world} incarnation={job.restart_count}.{iteration} "
              f"resumed_from={resumed}{source} load={load_s:.2f}s device={job.device}")
         trainer.loop()
-        with monitor.section("checkpoint"):
+        # The final wait for the writer is no step: heartbeats continue while it lasts.
+        with monitor.phase(None, bound=res.checkpoint_timeout):
             ckpt.close()
         if rank == 0:
             events.emit("end", step=trainer.train.step, status="completed")
@@ -138,11 +161,18 @@ def incarnation(job: Job, base_store: Any = None, call_wrapper: Any = None) -> N
     except BaseException:
         if ckpt is not None:
             ckpt.abort()
-        raise
-    finally:
+        if base_store is not None:
+            # FT: in-process restart. The wrapper's abort (a monitor thread) tears the process
+            # group down; destroying it here as well races with that abort on another thread.
+            monitor.disconnect()
+            raise
         monitor.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
+        raise
+    monitor.stop()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 @dataclass
@@ -186,15 +216,19 @@ class Trainer:
 
         for step in range(first, t.steps + 1):
             t0 = time.time()
-            with monitor.section("step"):
-                self._fault(step, ("kill", "raise", "hang"))
+            # The first step of an incarnation (allocations, autotuning, compilation) is part of
+            # the start-up, not of the step rhythm the timeouts are learned from.
+            timed = (monitor.phase("setup", bound=cfg.resilience.setup_timeout) if steps_here == 0
+                     else monitor.section("step"))
+            with timed:
+                self._fault(step, ("kill", "raise", "hang", "stall"))
                 loss_value = self._step(step, tokens_per_step)
                 ckpt.finalize(blocking=False)
             monitor.heartbeat()
             if self.call_wrapper is not None:
                 self.call_wrapper.ping()  # FT: in-process progress watchdog
             if ckpt.should_save(step):
-                with monitor.section("checkpoint"):
+                with monitor.phase("checkpoint", bound=cfg.resilience.checkpoint_timeout):
                     ckpt.save(step, self.state())
                     self._fault(step, ("kill-in-ckpt",))
             self.events.emit("step", step=step, start=t0, end=time.time(),
