@@ -111,6 +111,8 @@ class Checkpointer:
         if self.mode in ("overlap", "blocking"):
             self.staging = staging if staging is not None else HostStaging(device)
         self.writer = writer if writer is not None else NvrxWriter(device)
+        if self.writer.started:  # the last incarnation's, whose abort was cut short: not ours
+            self.writer.abort()
         self.saver = AsyncSaver(self.writer, device, self.rank, cfg.write_threads,
                                 start_timeout=cfg.finalize_timeout)
         self.log = log
