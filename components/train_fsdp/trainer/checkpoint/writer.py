@@ -154,7 +154,8 @@ class NvrxWriter:
         NVRx's own shutdown joins its queue and would hang forever after a failed collective.
         """
         if self._caller is not None:
-            self._caller.abandoned = True  # before the last reference goes: see _caller_class
+            # FT: NVRx's writer is killed, not closed: flagged before the last reference goes.
+            self._caller.abandoned = True
         self._caller, self._warming = None, False
         self.kill()
 
