@@ -75,7 +75,7 @@ def cold_load(ckpt, step: int, state: dict, profile: bool = False) -> dict[str, 
 
     import torch
 
-    from kfp_nvrx.components.train_fsdp.trainer.checkpoint.files import step_dir
+    from kfp_nvrx.components.core.rundir import step_dir
 
     path = step_dir(ckpt.root, step)
     files = [f for f in sorted(path.iterdir()) if f.is_file()]

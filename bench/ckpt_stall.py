@@ -31,8 +31,8 @@ def _trainer(config: str, device):
     import torch
     import torch.nn.functional as F
 
-    from kfp_nvrx.components.train_fsdp.trainer.config import load_config
-    from kfp_nvrx.components.train_fsdp.trainer.state import TrainState, build
+    from kfp_nvrx.components.core.config import load_config
+    from kfp_nvrx.components.train_fsdp.trainer.build import TrainState, build
 
     cfg = load_config(config)
     model, opt, sched = build(cfg, device)
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from kfp_nvrx.components.train_fsdp.trainer.state import full_state
+    from kfp_nvrx.components.train_fsdp.trainer.build import full_state
 
     device = init_single_gpu()
     root = Path(args.dir)

@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-timeout", type=float, default=240)
     args = p.parse_args(argv)
 
-    from kfp_nvrx.components.train_fsdp.trainer.config import load_config
+    from kfp_nvrx.components.core.config import load_config
 
     cfg = load_config(args.preset)
     work = Path(tempfile.mkdtemp(prefix="kfp-nvrx-bench-"))

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
             except subprocess.TimeoutExpired:
                 rc = "timeout"
             log(f"{name}: exit {rc} after {time.time() - t0:.0f}s")
-    from bench.report import build_report
+    from bench.summary import build_report
 
     build_report(out)
     return 0

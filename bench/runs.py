@@ -24,7 +24,7 @@ TRAINER = "kfp_nvrx.components.train_fsdp.trainer"
 def run_trainer(mode: str, preset: str, run_dir: Path, overrides: list[str],
                 faults: list[str] | None = None, timeout: float = 300) -> dict[str, Any]:
     """Runs one training job to the end; returns state, wall seconds, events and log lines."""
-    from kfp_nvrx.components.train_fsdp.trainer.events import read_events
+    from kfp_nvrx.components.core.events import read_events
 
     shutil.rmtree(run_dir, ignore_errors=True)
     faults = list(faults or [])
@@ -45,10 +45,12 @@ def run_trainer(mode: str, preset: str, run_dir: Path, overrides: list[str],
             state = "DeadlineExceeded"
             lines = [(time.time(), ln) for ln in str(err.stdout or "").splitlines()]
     else:
+        from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
         from kfp_nvrx.components.train_fsdp.launcher.local import run_local
 
-        res = run_local("1", 1, str(run_dir), preset, overrides, faults,
-                        env=dict(SAFE_ENV), deadline_s=timeout, verbose=True,
+        spec = JobSpec(run_dir=str(run_dir), config=preset, overrides=list(overrides),
+                       faults=list(faults), env=dict(SAFE_ENV))
+        res = run_local(spec, deadline_s=timeout, verbose=True,
                         log=lambda ln: lines.append((time.time(), ln)))
         state = res.state if res.state == "Succeeded" else f"{res.state}: {res.reason}"
     wall = time.time() - t0

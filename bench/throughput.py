@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default="", help="comma list of variant-name prefixes")
     args = p.parse_args(argv)
 
-    from kfp_nvrx.components.train_fsdp.trainer.config import load_config
+    from kfp_nvrx.components.core.config import load_config
     from kfp_nvrx.components.train_fsdp.trainer.model import flops_per_token
 
     res: dict[str, Any] = {"bench": "throughput", "machine": machine_info(),

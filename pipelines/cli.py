@@ -8,12 +8,23 @@ inside the command's handler so ``kfp-nvrx --help`` is fast and works without to
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import os
+import signal
 import sys
+import threading
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 
-from kfp_nvrx.components.errors import UserError
+from kfp_nvrx.components.errors import UserError, redact
+
+#: Set to show the traceback of an unexpected error (bug reports).
+DEBUG_ENV = "KFP_NVRX_DEBUG"
+#: OSErrors that come from what the user typed (a path), reported as bad input (exit 2).
+_INPUT_ERRNOS = {errno.ENAMETOOLONG, errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES,
+                 errno.EPERM, errno.EEXIST, errno.ELOOP, errno.EROFS, errno.ENOTEMPTY}
 
 #: Subcommand modules, in the order ``--help`` lists them.
 COMMAND_MODULES = (
@@ -52,19 +63,79 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _secrets(args: argparse.Namespace) -> list[str]:
+    """Every credential the command line points at, to cut out of whatever we print."""
+    found = []
+    token_file = getattr(args, "token_file", None)
+    if token_file:
+        try:
+            text = Path(token_file).read_bytes().decode("utf-8", errors="replace")
+            found += [line.strip() for line in text.splitlines() if line.strip()]
+        except OSError:
+            pass
+    host = getattr(args, "host", None) or ""
+    userinfo = host.partition("://")[2].partition("/")[0].rpartition("@")[0]
+    if userinfo:
+        found += [userinfo, *userinfo.split(":", 1)]
+    return found
+
+
+def _field_of(args: argparse.Namespace, path: str | None) -> str:
+    """The flag whose value is (or holds) ``path``; else the path itself."""
+    if path:
+        target = os.path.abspath(str(path))
+        for dest, value in vars(args).items():
+            if isinstance(value, str) and value and dest not in ("command", "handler"):
+                mine = os.path.abspath(value)
+                if target == mine or target.startswith(mine.rstrip(os.sep) + os.sep):
+                    return f"--{dest.replace('_', '-')}"
+    return str(path or "input")
+
+
+def _report(args: argparse.Namespace, err: BaseException) -> int:
+    """One line on stderr for any error escaping a command; returns the exit code."""
+    if isinstance(err, UserError):
+        line, rc = err.one_line(), UserError.exit_code
+    elif isinstance(err, OSError) and err.errno in _INPUT_ERRNOS:
+        field = _field_of(args, err.filename)
+        line = f"{field}: {err.strerror} ({err.filename})"
+        rc = UserError.exit_code
+    else:
+        line = (f"unexpected {type(err).__name__}: {err} (set {DEBUG_ENV}=1 to see the "
+                "traceback)")
+        rc = 1
+    line = redact(" ".join(line.split()), _secrets(args))
+    sys.stderr.write(f"kfp-nvrx {args.command}: error: {line}\n")
+    return rc
+
+
+def _terminate(signum: int, _frame: object) -> None:
+    """Unwind the command like Ctrl-C on SIGTERM/SIGHUP, so its cleanup runs before exit.
+
+    Temporary folders are removed and child processes stopped by the ``finally`` blocks.
+    """
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kfp-nvrx`` console script."""
     # torch imports pynvml on CPU-only machines and warns about it on every command.
     warnings.filterwarnings("ignore", message="The pynvml package is deprecated")
     args = build_parser().parse_args(argv)
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(sig) in (signal.SIG_DFL, None):
+                signal.signal(sig, _terminate)
     try:
         rc = args.handler(args)
-    except UserError as err:
-        sys.stderr.write(f"kfp-nvrx {args.command}: error: {err.one_line()}\n")
-        return UserError.exit_code
-    except KeyboardInterrupt:
-        sys.stderr.write(f"kfp-nvrx {args.command}: interrupted\n")
-        return 130
+    except KeyboardInterrupt as err:
+        name = str(err) or "SIGINT"
+        sys.stderr.write(f"kfp-nvrx {args.command}: interrupted ({name})\n")
+        return 128 + int(getattr(signal.Signals, name, signal.SIGINT))
+    except Exception as err:  # noqa: BLE001 - never a traceback (DEBUG_ENV shows it)
+        if os.environ.get(DEBUG_ENV) and not isinstance(err, UserError):
+            raise
+        return _report(args, err)
     return int(rc or 0)
 
 

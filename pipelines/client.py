@@ -13,6 +13,7 @@ import contextlib
 import io
 import json
 import re
+import threading
 import urllib.error
 import urllib.request
 import warnings
@@ -21,102 +22,21 @@ from typing import Any
 
 import yaml
 
-from kfp_nvrx.components.errors import UserError
+from kfp_nvrx.components.errors import UserError, redact
+from kfp_nvrx.pipelines.cron import validate_cron
+
+__all__ = ["validate_cron"]  # re-exported: submit/schedule check the cron through this module
 
 #: Upper bound the KFP API server enforces on a recurring run's max_concurrency.
 MAX_CONCURRENCY = 10
+#: ``http(s)://user[:password]@``: credentials typed into the URL.
+_USERINFO_IN_URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://[^/?#]*@")
+#: What a bearer token may consist of (visible ASCII: an HTTP header value without spaces).
+_TOKEN = re.compile(r"[\x21-\x7e]+")
+#: Seconds one API call may take after the health probe (a stalled API must not hang us).
+API_TIMEOUT = 60.0
 _AUTH_HINT = ("pass a bearer token with --token-file (e.g. a service-account token), or open the "
               "API through `kubectl port-forward` which needs no login")
-
-# -- cron ------------------------------------------------------------------------------------
-
-_CRON_FIELDS = (  # name, low, high, names
-    ("seconds", 0, 59, None),
-    ("minutes", 0, 59, None),
-    ("hours", 0, 23, None),
-    ("day-of-month", 1, 31, None),
-    ("month", 1, 12, ("JAN", "FEB", "MAR", "APR", "MAY", "JUN", "JUL", "AUG", "SEP", "OCT",
-                      "NOV", "DEC")),
-    ("day-of-week", 0, 6, ("SUN", "MON", "TUE", "WED", "THU", "FRI", "SAT")),
-)
-_CRON_DESCRIPTORS = ("@yearly", "@annually", "@monthly", "@weekly", "@daily", "@midnight",
-                     "@hourly")
-_GO_DURATION = re.compile(r"^(\d+(\.\d+)?(ns|us|µs|ms|s|m|h))+$")
-_CRON_EXAMPLE = "e.g. '0 0 3 * * *' for 03:00:00 every day"
-
-
-def _cron_value(text: str, low: int, names: tuple[str, ...] | None, field: str) -> int:
-    if names and text.upper() in names:
-        return names.index(text.upper()) + (low if field == "month" else 0)
-    if not text.isdigit():
-        raise ValueError(f"{field} value {text!r} is not a number")
-    return int(text)
-
-
-def _check_cron_field(text: str, field: str, low: int, high: int,
-                      names: tuple[str, ...] | None) -> None:
-    for part in text.split(","):
-        base, _, step = part.partition("/")
-        if step and (not step.isdigit() or int(step) < 1):
-            raise ValueError(f"{field} step {step!r} must be a whole number >= 1")
-        if base in ("*", "?"):
-            if base == "?" and field not in ("day-of-month", "day-of-week"):
-                raise ValueError(f"'?' is allowed only in day-of-month and day-of-week, "
-                                 f"not in {field}")
-            continue
-        first, _, last = base.partition("-")
-        lo = _cron_value(first, low, names, field)
-        hi = _cron_value(last, low, names, field) if last else lo
-        for v in (lo, hi):
-            if not low <= v <= high:
-                raise ValueError(f"{field} value {v} is outside {low}-{high}")
-        if lo > hi:
-            raise ValueError(f"{field} range {base!r} runs backwards")
-
-
-def validate_cron(expr: str) -> str:
-    """Check a KFP cron expression: 6 fields, seconds first (robfig/cron syntax).
-
-    Also accepts the descriptors ``@daily`` etc. and ``@every <duration>``.
-
-    Args:
-        expr: The expression as typed.
-
-    Returns:
-        The expression with surrounding/duplicate whitespace removed.
-
-    Raises:
-        UserError: Naming ``--cron``, what is wrong and an example.
-
-    """
-    parts = (expr or "").split()
-    text = " ".join(parts)
-    if text.startswith("@"):
-        if text in _CRON_DESCRIPTORS:
-            return text
-        if len(parts) == 2 and parts[0] == "@every" and _GO_DURATION.match(parts[1]):
-            return text
-        raise UserError("--cron", f"unknown descriptor {text!r}; use one of "
-                        f"{', '.join(_CRON_DESCRIPTORS)} or '@every 6h', or 6 fields, "
-                        f"{_CRON_EXAMPLE}")
-    if len(parts) != 6:
-        hint = (" (that looks like 5-field Unix cron; KFP puts seconds first)"
-                if len(parts) == 5 else "")
-        raise UserError("--cron", f"expected 6 fields (seconds minutes hours day-of-month month "
-                        f"day-of-week), got {len(parts)} in {text!r}{hint}; {_CRON_EXAMPLE}")
-    for part, (field, low, high, names) in zip(parts, _CRON_FIELDS, strict=True):
-        bare = part.upper()
-        for name in names or ():
-            bare = bare.replace(name, "")
-        if re.search(r"[LW#]", bare):
-            raise UserError("--cron", f"{field} {part!r}: L, W and # are Quartz extensions that "
-                            f"KFP does not support; {_CRON_EXAMPLE}")
-        try:
-            _check_cron_field(part, field, low, high, names)
-        except ValueError as err:
-            raise UserError("--cron", f"{err} in {text!r}; {_CRON_EXAMPLE}") from None
-    return text
-
 
 # -- pipeline parameters ---------------------------------------------------------------------
 
@@ -238,19 +158,22 @@ def _probe(host: str, token: str | None, timeout: float) -> None:
                             "pipelines API/UI base URL, e.g. http://localhost:8080") from None
         raise UserError("--host", f"{host} answered HTTP {err.code} {err.reason}") from None
     except (urllib.error.URLError, OSError, ValueError) as err:
-        reason = getattr(err, "reason", err)
+        reason = redact(" ".join(str(getattr(err, "reason", err)).split()), [token or ""])
         raise UserError("--host", f"cannot reach {host} ({reason}); check the URL, or forward "
                         "the API: kubectl -n kubeflow port-forward svc/ml-pipeline-ui "
                         "8080:80") from None
     try:
         json.loads(body or b"{}")
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, UnicodeDecodeError):
         raise UserError("--host", f"{host} did not answer like a KFP API (healthz is not JSON); "
                         "give the pipelines API/UI base URL") from None
 
 
-def api_error(host: str, err: Exception) -> UserError:
-    """Fold an exception from a ``kfp.Client`` call into one line naming ``--host``."""
+def api_error(host: str, err: Exception, secrets: tuple[str, ...] = ()) -> UserError:
+    """Fold an exception from a ``kfp.Client`` call into one line naming ``--host``.
+
+    ``secrets`` (the bearer token) are cut out of whatever the server or the client library said.
+    """
     status = getattr(err, "status", None)
     if status in (401, 403):
         return UserError("--host", f"the KFP API at {host} refused the request (HTTP {status}); "
@@ -264,15 +187,24 @@ def api_error(host: str, err: Exception) -> UserError:
                 detail = parsed.get("message") or parsed.get("error") or ""
             except (ValueError, AttributeError):
                 detail = body.decode(errors="replace") if isinstance(body, bytes) else str(body)
-        detail = " ".join(str(detail).split())[:300]
+        detail = redact(" ".join(str(detail).split()), secrets)[:300]
         return UserError("--host", f"the KFP API at {host} answered HTTP {status}"
                          f"{': ' + detail if detail else ''}")
-    return UserError("--host", f"request to {host} failed: {' '.join(str(err).split())[:300]}")
+    detail = redact(" ".join(str(err).split()), secrets)[:300]
+    return UserError("--host", f"request to {host} failed: {detail}")
 
 
 def normalize_host(host: str) -> str:
-    """Validate ``--host`` (an http(s) URL) and drop a trailing slash."""
+    """Validate ``--host`` (an http(s) URL without credentials) and drop a trailing slash."""
     host = (host or "").strip().rstrip("/")
+    if _USERINFO_IN_URL.match(host):
+        # Never echo the value: it holds a password.
+        raise UserError("--host", "user:password in the URL is not accepted (it would end up in "
+                        "logs and error messages); give the bare URL and a bearer token with "
+                        "--token-file")
+    if any(ch.isspace() or not ch.isprintable() for ch in host):
+        raise UserError("--host", f"contains whitespace or a control character: {host!r}; give "
+                        "one URL such as http://localhost:8080")
     if not re.match(r"^https?://[^/\s]+", host):
         raise UserError("--host", f"expected an http(s) URL such as http://localhost:8080, "
                         f"got {host!r}")
@@ -280,66 +212,104 @@ def normalize_host(host: str) -> str:
 
 
 def read_token(token_file: str | None) -> str | None:
-    """Read a bearer token from a file (None when no file was given)."""
+    """Read a bearer token from a file (None when no file was given).
+
+    The token must be one line of printable ASCII (what an HTTP header can carry). Errors name
+    the file and what is wrong, never any of its content.
+    """
     if not token_file:
         return None
     try:
-        token = Path(token_file).read_text(encoding="utf-8").strip()
+        raw = Path(token_file).read_bytes()
     except OSError as err:
         raise UserError("--token-file", f"cannot read {token_file}: {err.strerror}") from None
-    if not token:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UserError("--token-file", f"{token_file} is not a text file; it must hold the "
+                        "token on one line") from None
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if not lines:
         raise UserError("--token-file", f"{token_file} is empty")
-    return token
+    if len(lines) > 1:
+        raise UserError("--token-file", f"{token_file} holds {len(lines)} non-empty lines; it "
+                        "must hold only the token, on one line")
+    if not _TOKEN.fullmatch(lines[0]):
+        raise UserError("--token-file", f"{token_file}: the token holds a space, a control or a "
+                        "non-ASCII character; it must be one word of printable ASCII")
+    return lines[0]
 
 
-def connect(host: str, *, token: str | None = None, namespace: str | None = None,
-            timeout: float = 10.0) -> Any:
-    """Probe the host, then return a ``kfp.Client`` for it.
+class KfpApi:
+    """A ``kfp.Client`` whose every call is bounded in time and folded into one safe line.
 
     Args:
-        host: Base URL of the KFP API (e.g. a port-forward, http://localhost:8080).
-        token: Bearer token, if the endpoint needs one.
+        host: Base URL of the KFP API (checked by :func:`normalize_host`).
+        token: Bearer token, if the endpoint needs one; never printed.
         namespace: Kubeflow profile namespace (multi-user installs).
-        timeout: Seconds the probe may take.
-
-    Returns:
-        A connected ``kfp.Client``.
+        timeout: Seconds the probe and each later API call may take.
 
     Raises:
         UserError: When the host is unreachable, not a KFP API, or authentication fails.
 
     """
-    import kfp
 
-    host = normalize_host(host)
-    _probe(host, token, timeout)
-    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-        warnings.simplefilter("ignore")
-        try:
-            return kfp.Client(host=host, existing_token=token, namespace=namespace or "kubeflow")
-        except Exception as err:  # the client wraps urllib3/ApiException errors unevenly
-            raise api_error(host, err) from None
+    def __init__(self, host: str, *, token: str | None = None, namespace: str | None = None,
+                 timeout: float = API_TIMEOUT) -> None:
+        import kfp
 
+        self.host = normalize_host(host)
+        self.timeout = float(timeout)
+        self._secrets = (token,) if token else ()
+        _probe(self.host, token, self.timeout)
+        self.client = self.call(kfp.Client, host=self.host, existing_token=token,
+                                namespace=namespace or "kubeflow")
 
-def _call(host: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """Run one client call with its prints captured and its errors folded into one line."""
-    try:
+    def call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run one client call with its prints captured, a deadline, and errors as one line.
+
+        The call runs in a daemon thread: ``kfp.Client`` sets no socket timeout, so a stalled
+        API would otherwise hang the command forever.
+        """
+        box: dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                box["value"] = fn(*args, **kwargs)
+            except BaseException as err:  # noqa: BLE001 - handed to the caller's thread
+                box["error"] = err
+
         with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
             warnings.simplefilter("ignore")
-            return fn(*args, **kwargs)
-    except UserError:
-        raise
-    except Exception as err:
-        raise api_error(host, err) from None
+            worker = threading.Thread(target=target, daemon=True)
+            worker.start()
+            worker.join(self.timeout)
+        if worker.is_alive():
+            raise UserError("--host", f"the KFP API at {self.host} did not answer within "
+                            f"{self.timeout:g}s (--timeout); it may have created the object "
+                            "anyway: check the KFP UI before retrying")
+        err = box.get("error")
+        if isinstance(err, UserError):
+            raise err
+        if err is not None:
+            raise api_error(self.host, err, self._secrets) from None
+        return box["value"]
 
 
-def submit(client: Any, host: str, package: str | Path, *, arguments: dict[str, Any],
-           experiment: str, run_name: str, namespace: str | None = None) -> dict[str, str]:
+def _require_id(host: str, obj: Any, attr: str, what: str) -> str:
+    value = getattr(obj, attr, None)
+    if not isinstance(value, str) or not value:
+        raise UserError("--host", f"the KFP API at {host} answered without a {what} id; the "
+                        f"{what} may or may not exist: check the KFP UI")
+    return value
+
+
+def submit(api: KfpApi, package: str | Path, *, arguments: dict[str, Any], experiment: str,
+           run_name: str, namespace: str | None = None) -> dict[str, str]:
     """Create (or reuse) the experiment and start one run of a compiled pipeline.
 
     Args:
-        client: From :func:`connect`.
-        host: The base URL (for messages and the run link).
+        api: The connected API.
         package: Compiled pipeline YAML.
         arguments: Typed pipeline arguments (:func:`parse_params`).
         experiment: Experiment name; created when missing.
@@ -349,22 +319,26 @@ def submit(client: Any, host: str, package: str | Path, *, arguments: dict[str, 
     Returns:
         ``run_id``, ``experiment_id`` and ``url`` of the run.
 
+    Raises:
+        UserError: On refusals, a timeout, or a reply without an id.
+
     """
-    exp = _call(host, client.create_experiment, name=experiment, namespace=namespace)
-    run = _call(host, client.run_pipeline, experiment_id=exp.experiment_id, job_name=run_name,
-                pipeline_package_path=str(package), params=arguments)
-    return {"run_id": run.run_id, "experiment_id": exp.experiment_id,
-            "url": f"{host}/#/runs/details/{run.run_id}"}
+    exp = api.call(api.client.create_experiment, name=experiment, namespace=namespace)
+    exp_id = _require_id(api.host, exp, "experiment_id", "experiment")
+    run = api.call(api.client.run_pipeline, experiment_id=exp_id, job_name=run_name,
+                   pipeline_package_path=str(package), params=arguments)
+    run_id = _require_id(api.host, run, "run_id", "run")
+    return {"run_id": run_id, "experiment_id": exp_id,
+            "url": f"{api.host}/#/runs/details/{run_id}"}
 
 
-def schedule(client: Any, host: str, package: str | Path, *, cron: str, max_concurrency: int,
+def schedule(api: KfpApi, package: str | Path, *, cron: str, max_concurrency: int,
              no_catchup: bool, arguments: dict[str, Any], experiment: str, name: str,
              namespace: str | None = None) -> dict[str, str]:
     """Create a recurring run of a compiled pipeline on a cron schedule.
 
     Args:
-        client: From :func:`connect`.
-        host: The base URL (for messages and the link).
+        api: The connected API.
         package: Compiled pipeline YAML.
         cron: 6-field cron, seconds first (checked with :func:`validate_cron`).
         max_concurrency: Runs of this schedule allowed at once (1-10).
@@ -382,10 +356,12 @@ def schedule(client: Any, host: str, package: str | Path, *, cron: str, max_conc
     if not 1 <= int(max_concurrency) <= MAX_CONCURRENCY:
         raise UserError("--max-concurrency", f"must be within 1-{MAX_CONCURRENCY}, "
                         f"got {max_concurrency}")
-    exp = _call(host, client.create_experiment, name=experiment, namespace=namespace)
-    rec = _call(host, client.create_recurring_run, experiment_id=exp.experiment_id,
-                job_name=name, cron_expression=cron, max_concurrency=int(max_concurrency),
-                no_catchup=bool(no_catchup), params=arguments,
-                pipeline_package_path=str(package))
-    return {"recurring_run_id": rec.recurring_run_id, "experiment_id": exp.experiment_id,
-            "url": f"{host}/#/recurringrun/details/{rec.recurring_run_id}"}
+    exp = api.call(api.client.create_experiment, name=experiment, namespace=namespace)
+    exp_id = _require_id(api.host, exp, "experiment_id", "experiment")
+    rec = api.call(api.client.create_recurring_run, experiment_id=exp_id, job_name=name,
+                   cron_expression=cron, max_concurrency=int(max_concurrency),
+                   no_catchup=bool(no_catchup), params=arguments,
+                   pipeline_package_path=str(package))
+    rec_id = _require_id(api.host, rec, "recurring_run_id", "recurring run")
+    return {"recurring_run_id": rec_id, "experiment_id": exp_id,
+            "url": f"{api.host}/#/recurringrun/details/{rec_id}"}

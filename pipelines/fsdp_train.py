@@ -76,6 +76,7 @@ def fsdp_train(
     instance_type: str = "cpu",
     trainer_image: str = images.trainer_image(),
     backend: str = "kubernetes",
+    job_api: str = "auto",
     deadline_s: int = 0,
     export_step: int = -1,
     eval_batches: int = 8,
@@ -102,6 +103,7 @@ def fsdp_train(
         trainer_image: Trainer image of the worker pods (default: this version's image).
         backend: ``kubernetes`` (a PyTorchJob) or ``local`` (in the task's pod: needs an image
             with torch and NVRx; ``kfp-nvrx run-local`` uses it).
+        job_api: ``pytorchjob``, ``trainjob`` or ``auto`` (the cluster's; TrainJob when both).
         deadline_s: Training wall-clock limit in seconds (0 = none).
         export_step: Checkpoint step to export (-1 = newest).
         eval_batches: Val batches for the eval loss.
@@ -119,7 +121,8 @@ def fsdp_train(
     train = train_fsdp(dataset=prep.outputs["dataset"], workspace=workspace, pvc_name=pvc_name,
                        mount_path=MOUNT_PATH, config=config, overrides=overrides, faults=faults,
                        nodes=nodes, nproc_per_node=nproc_per_node, instance_type=instance_type,
-                       trainer_image=trainer_image, backend=backend, deadline_s=deadline_s)
+                       trainer_image=trainer_image, backend=backend, job_api=job_api,
+                       deadline_s=deadline_s)
     train.set_display_name("train-fsdp")
     on_shared_volume(train, pvc_name)
     launcher_task(train, launcher_node_selector, launcher_tolerations)

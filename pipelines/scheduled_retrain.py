@@ -55,6 +55,7 @@ def scheduled_retrain(
     instance_type: str = "cpu",
     trainer_image: str = images.trainer_image(),
     backend: str = "kubernetes",
+    job_api: str = "auto",
     deadline_s: int = 0,
     eval_batches: int = 8,
     min_improvement: float = 0.0,
@@ -81,6 +82,7 @@ def scheduled_retrain(
         trainer_image: Trainer image of the worker pods (default: this version's image).
         backend: ``kubernetes`` (a PyTorchJob) or ``local`` (in the task's pod: needs an image
             with torch and NVRx; ``kfp-nvrx run-local`` uses it).
+        job_api: ``pytorchjob``, ``trainjob`` or ``auto`` (the cluster's; TrainJob when both).
         deadline_s: Training wall-clock limit in seconds (0 = none).
         eval_batches: Val batches per model in the export and the comparison.
         min_improvement: Eval-loss margin a candidate must win by to be promoted.
@@ -99,7 +101,8 @@ def scheduled_retrain(
     train = train_fsdp(dataset=prep.outputs["dataset"], workspace=workspace, pvc_name=pvc_name,
                        mount_path=MOUNT_PATH, config=config, overrides=overrides, nodes=nodes,
                        nproc_per_node=nproc_per_node, instance_type=instance_type,
-                       trainer_image=trainer_image, backend=backend, deadline_s=deadline_s,
+                       trainer_image=trainer_image, backend=backend, job_api=job_api,
+                       deadline_s=deadline_s,
                        init_from=promoted, init_from_required=False)
     train.set_display_name("train-fsdp")
     on_shared_volume(train, pvc_name)

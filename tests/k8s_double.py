@@ -4,14 +4,16 @@ There is no Kubernetes cluster on the test machines, so the launcher's calls go 
 server instead (``http.server`` in a thread; point a ``kubernetes.client.Configuration`` at
 :attr:`K8sDouble.url`). It speaks the real wire format of:
 
-* ``POST/GET/DELETE /apis/kubeflow.org/v1/namespaces/{ns}/pytorchjobs[/{name}]``
+* ``POST/GET/DELETE /apis/kubeflow.org/v1/namespaces/{ns}/pytorchjobs[/{name}]`` and the same
+  for ``/apis/trainer.kubeflow.org/v1alpha1/.../trainjobs`` (Kubeflow Trainer v2)
+* ``GET /apis/{group}/{version}`` (API discovery) for the job APIs in :attr:`served`
 * ``GET /api/v1/namespaces/{ns}/pods/{name}`` and ``GET .../pods?labelSelector=...`` (list, and
   ``watch=true``: chunked JSON event lines from a resourceVersion until ``timeoutSeconds``)
 * ``GET /api/v1/namespaces/{ns}/pods/{name}/log`` (``follow``, ``tailLines``, ``previous``;
   a follow stream is chunked and ends when the container instance terminates)
 
 It does *not* run an operator or a kubelet: a test plays their part through the scenario methods
-(:meth:`set_condition`, :meth:`add_pod`, :meth:`start`, :meth:`log`, :meth:`terminate`,
+(:meth:`set_condition`, :meth:`add_pod` / :meth:`add_node_pod`, :meth:`start`, :meth:`log`, :meth:`terminate`,
 :meth:`restart`, :meth:`recreate`). Every request is recorded in :attr:`requests`.
 """
 
@@ -28,8 +30,10 @@ from urllib.parse import parse_qs, urlparse
 
 from kubernetes import client as k8s
 
-JOBS = "/apis/kubeflow.org/v1/namespaces/"
 PODS = "/api/v1/namespaces/"
+#: plural -> (group, version) of the job APIs the double serves.
+JOB_APIS = {"pytorchjobs": ("kubeflow.org", "v1"), "trainjobs": ("trainer.kubeflow.org", "v1alpha1")}
+JOB_LABELS = ("training.kubeflow.org/job-name", "jobset.sigs.k8s.io/jobset-name")
 
 
 def _now() -> str:
@@ -53,6 +57,8 @@ class K8sDouble:
         self.requests: list[dict[str, Any]] = []
         #: ``{"POST": (403, "Forbidden")}``: answer the next request of that verb with an error.
         self.fail_next: dict[str, tuple[int, str]] = {}
+        #: Job plurals the API server serves (discovery; creating another kind answers 404).
+        self.served = set(JOB_APIS)
         self.rv = 1
         self.cond = threading.Condition()
         self.closed = False
@@ -122,23 +128,34 @@ class K8sDouble:
                 status["completionTime"] = _now()
             self.cond.notify_all()
 
-    def add_pod(self, job: str, index: int, ns: str = "default") -> str:
-        """Create worker pod ``<job>-worker-<index>`` in phase Pending."""
-        name = f"{job}-worker-{index}"
-        labels = {"training.kubeflow.org/job-name": job,
-                  "training.kubeflow.org/replica-type": "worker",
-                  "training.kubeflow.org/replica-index": str(index),
-                  "training.kubeflow.org/operator-name": "pytorchjob-controller"}
+    def add_pod(self, job: str, index: int, ns: str = "default", *, name: str = "",
+                labels: dict[str, str] | None = None, container: str = "pytorch") -> str:
+        """Create worker pod ``<job>-worker-<index>`` (or ``name``) in phase Pending."""
+        name = name or f"{job}-worker-{index}"
+        labels = labels or {"training.kubeflow.org/job-name": job,
+                            "training.kubeflow.org/replica-type": "worker",
+                            "training.kubeflow.org/replica-index": str(index),
+                            "training.kubeflow.org/operator-name": "pytorchjob-controller"}
         pod = {"apiVersion": "v1", "kind": "Pod",
                "metadata": {"name": name, "namespace": ns, "uid": str(uuid.uuid4()),
                             "labels": labels, "creationTimestamp": _now()},
-               "spec": {"containers": [{"name": "pytorch", "image": "img"}]},
+               "spec": {"containers": [{"name": container, "image": "img"}]},
                "status": {"phase": "Pending", "containerStatuses": [{
-                   "name": "pytorch", "image": "img", "imageID": "", "ready": False,
+                   "name": container, "image": "img", "imageID": "", "ready": False,
                    "restartCount": 0, "state": {"waiting": {"reason": "ContainerCreating"}}}]}}
         with self.cond:
             self.pods[(ns, name)] = pod
             self._event(ns, "ADDED", pod)
+        return name
+
+    def add_node_pod(self, job: str, index: int, attempt: int = 0, ns: str = "default") -> str:
+        """Create a TrainJob node pod as the Job controller names it (random suffix), Pending."""
+        name = f"{job}-node-0-{index}-{uuid.uuid4().hex[:5]}"
+        labels = {"jobset.sigs.k8s.io/jobset-name": job,
+                  "jobset.sigs.k8s.io/replicatedjob-name": "node",
+                  "jobset.sigs.k8s.io/restart-attempt": str(attempt),
+                  "batch.kubernetes.io/job-completion-index": str(index)}
+        self.add_pod(job, index, ns, name=name, labels=labels, container="node")
         return name
 
     def unschedulable(self, pod: str, message: str, ns: str = "default") -> None:
@@ -281,13 +298,13 @@ def _handler_for(double: K8sDouble) -> type[BaseHTTPRequestHandler]:
             if "POST" in double.fail_next:
                 code, reason = double.fail_next.pop("POST")
                 return self._json(code, _status(code, reason, f"injected {reason}"))
-            if len(parts) != 6 or parts[5] != "pytorchjobs":
+            if len(parts) != 6 or parts[5] not in double.served:
                 return self._json(404, _status(404, "NotFound", "no such endpoint"))
             ns = parts[4]
             with double.cond:
                 if (ns, body["metadata"]["name"]) in double.jobs:
                     return self._json(409, _status(409, "AlreadyExists",
-                                                   "pytorchjobs.kubeflow.org already exists"))
+                                                   f"{parts[5]} already exists"))
                 stored = double._store_job(ns, body)
             self._json(201, stored)
 
@@ -299,8 +316,8 @@ def _handler_for(double: K8sDouble) -> type[BaseHTTPRequestHandler]:
                 job = double.jobs.pop((ns, name), None)
                 if job is None:
                     return self._json(404, _status(404, "NotFound", f"{name} not found"))
-                for key in [k for k, p in double.pods.items() if k[0] == ns and p["metadata"][
-                        "labels"]["training.kubeflow.org/job-name"] == name]:
+                for key in [k for k, p in double.pods.items() if k[0] == ns and name in (
+                        p["metadata"]["labels"].get(label) for label in JOB_LABELS)]:
                     pod = double.pods.pop(key)
                     for lk, buf in double.logs.items():
                         if lk[:2] == key:
@@ -310,7 +327,9 @@ def _handler_for(double: K8sDouble) -> type[BaseHTTPRequestHandler]:
 
         def do_GET(self) -> None:  # noqa: N802
             parts, query = self._record()
-            if self.path.startswith(JOBS) and len(parts) == 7:
+            if parts[0] == "apis" and len(parts) == 3:
+                return self._discovery(parts[1], parts[2])
+            if parts[0] == "apis" and len(parts) == 7 and parts[5] in double.served:
                 with double.cond:
                     job = double.jobs.get((parts[4], parts[6]))
                 if job is None:
@@ -327,6 +346,18 @@ def _handler_for(double: K8sDouble) -> type[BaseHTTPRequestHandler]:
             if self.path.startswith(PODS) and len(parts) == 7 and parts[6] == "log":
                 return self._log(parts[3], parts[5], query)
             self._json(404, _status(404, "NotFound", "no such endpoint"))
+
+        def _discovery(self, group: str, version: str) -> None:
+            plurals = [p for p, gv in JOB_APIS.items() if gv == (group, version)
+                       and p in double.served]
+            if not plurals:
+                return self._json(404, _status(404, "NotFound", "the server could not find "
+                                               "the requested resource"))
+            return self._json(200, {"kind": "APIResourceList", "apiVersion": "v1",
+                                    "groupVersion": f"{group}/{version}", "resources": [
+                                        {"name": p, "namespaced": True, "kind": p[:-1],
+                                         "verbs": ["create", "get", "delete"]}
+                                        for p in plurals]})
 
         def _pods(self, ns: str, query: dict[str, str]) -> None:
             selector = query.get("labelSelector", "")

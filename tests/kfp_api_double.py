@@ -48,6 +48,10 @@ class KfpApiDouble:
     experiments: list[dict[str, Any]] = field(default_factory=list)
     #: ``(method, path) -> (status, message)``: answer that route with an API error instead.
     fail: dict[tuple[str, str], tuple[int, str]] = field(default_factory=dict)
+    #: ``(method, path) -> seconds``: hold the answer back this long (a stalled API).
+    stall: dict[tuple[str, str], float] = field(default_factory=dict)
+    #: ``(method, path) -> JSON``: answer 200 with exactly this body (e.g. without an id).
+    reply: dict[tuple[str, str], Any] = field(default_factory=dict)
 
     def __enter__(self) -> KfpApiDouble:
         double = self
@@ -62,12 +66,14 @@ class KfpApiDouble:
             def do_POST(self) -> None:
                 double._handle(self, "POST")
 
+        self._released = threading.Event()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self._released.set()  # stalled handlers answer now, so shutdown does not wait on them
         self._server.shutdown()
         self._server.server_close()
 
@@ -96,6 +102,10 @@ class KfpApiDouble:
             return self._send(h, 401, {"error": "Unauthorized", "code": 16,
                                        "message": "Unauthorized"})
         route = (method, url.path)
+        if route in self.stall:
+            self._released.wait(self.stall[route])
+        if route in self.reply:
+            return self._send(h, 200, self.reply[route])
         if route in self.fail:
             status, message = self.fail[route]
             return self._send(h, status, {"error": message, "code": 3, "message": message})

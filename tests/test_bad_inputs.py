@@ -25,10 +25,12 @@ from pathlib import Path
 import pytest
 
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.train_fsdp.trainer.setup import LAUNCHER_ENV
+from kfp_nvrx.components.train_fsdp.trainer.bootstrap import LAUNCHER_ENV
 
 SWEEP_ENV = "KFP_NVRX_SWEEP"
 HOST = "http://127.0.0.1:9"  # discard port: nothing answers
+#: Planted in token files and URLs; must never appear in any output.
+SECRET = "sweep-secret-5b1f0c9e"
 
 
 @dataclass(frozen=True)
@@ -130,6 +132,51 @@ CASES = [
     _c("schedule-concurrency", "--max-concurrency", "schedule", "--host", HOST, "--cron",
        "0 0 3 * * *", "--max-concurrency", "0"),
     _c("drill-scenario", "--scenario", "drill", "--out", "{ws}/drill", "--scenario", "nope"),
+    # nothing that is not ours is deleted or overwritten
+    _c("prep-out-is-source", "--out", "prepare-data", "--source", "{src}", "--out", "{src}",
+       "--overwrite"),
+    _c("prep-out-holds-source", "--out", "prepare-data", "--source", "{src}", "--out", "{fx}",
+       "--overwrite"),
+    _c("prep-out-cwd", "--out", "prepare-data", "--source", "sample:", "--out", ".",
+       "--overwrite"),
+    _c("prep-out-foreign", "--out", "prepare-data", "--source", "sample:", "--out", "{foreign}",
+       "--overwrite"),
+    _c("prep-out-name-too-long", "--out", "prepare-data", "--source", "sample:", "--out",
+       "{ws}/" + "n" * 300),
+    _c("export-out-foreign", "--out", "export", "--run-dir", "{othermodel}", "--out", "{foreign}",
+       "--eval-batches", "0"),
+    _c("export-out-holds-run", "--out", "export", "--run-dir", "{othermodel}", "--out", "{fx}",
+       "--eval-batches", "0"),
+    _c("local-run-dir-foreign", "--run-dir", "launch-local", "--run-dir", "{foreign}", "--set",
+       "data.path={data}"),
+    _c("local-fewer-steps-than-checkpoint", "train.steps", "launch-local", "--run-dir",
+       "{othermodel}", "--set", "data.path={data}", "--set", "model.dim=32", "--set",
+       "train.steps=2"),
+    _c("demo-out-foreign", "--out", "demo", "--out", "{foreign}"),
+    _c("drill-out-foreign", "--out", "drill", "--out", "{foreign}"),
+    _c("goodput-not-a-dir", "--run-dir", "goodput", "--run-dir", "{fx}/nope"),
+    # no secret in any output
+    _c("submit-token-two-lines", "--token-file", "submit", "--host", HOST, "--token-file",
+       "{token2}"),
+    _c("submit-token-binary", "--token-file", "submit", "--host", HOST, "--token-file",
+       "{tokenbin}"),
+    _c("submit-host-password", "--host", "submit", "--host",
+       f"http://admin:{SECRET}@127.0.0.1:9"),
+    _c("submit-host-newline", "--host", "submit", "--host", "http://127.0.0.1:9\nX: 1"),
+    _c("schedule-every-second", "--cron", "schedule", "--host", HOST, "--cron", "@every 1s"),
+    _c("schedule-every-second-cron", "--cron", "schedule", "--host", HOST, "--cron",
+       "* * * * * *"),
+    # render-job: what the API server or the kubelet would refuse
+    _c("job-out-directory", "--out", "render-job", "--image", "img:1", "--pvc", "shared",
+       "--out", "{ws}"),
+    _c("job-namespace", "--namespace", *RENDER, "--namespace", "Team_A"),
+    _c("job-node-selector", "--node-selector", *RENDER, "--node-selector", "gpu=yes please"),
+    _c("job-service-account", "--service-account", *RENDER, "--service-account", "Admin"),
+    _c("job-priority-class", "--priority-class", *RENDER, "--priority-class", "high_prio"),
+    _c("job-scheduler-name", "--scheduler-name", *RENDER, "--scheduler-name", "my sched"),
+    _c("job-fs-group", "--fs-group", *RENDER, "--fs-group", "-1"),
+    _c("job-mount-root", "--mount", *RENDER, "--mount", "/"),
+    _c("job-mount-usr", "--extra-pvc", *RENDER, "--extra-pvc", "data:/usr/lib"),
 ]
 
 
@@ -159,8 +206,8 @@ def _other_model_run(run_dir: Path) -> None:
     """A run dir whose committed step 4 holds a model of other sizes (dim 32, not tiny's 64)."""
     import torch.distributed.checkpoint as dcp
 
-    from kfp_nvrx.components.train_fsdp.trainer.checkpoint.files import COMMIT_MARKER, step_dir
-    from kfp_nvrx.components.train_fsdp.trainer.config import load_config
+    from kfp_nvrx.components.core.config import load_config
+    from kfp_nvrx.components.core.rundir import COMMIT_MARKER, step_dir
     from kfp_nvrx.components.train_fsdp.trainer.model import build_model
 
     cfg = load_config("tiny", ["model.dim=32"])
@@ -191,7 +238,16 @@ def fixtures(tmp_path_factory) -> dict[str, str]:
     (fx / "section.yaml").write_text("trainer: {steps: 3}\n")
     (fx / "kubeconfig").write_text("apiVersion: v1\nkind: Config\nclusters: []\n")
     _other_model_run(fx / "othermodel")
-    return {"fx": str(fx), "data": str(data), "truncated": str(truncated),
+    (fx / "src").mkdir()
+    (fx / "src" / "a.txt").write_text("\n\n".join(f"document {i} " * 30 for i in range(20)))
+    (fx / "foreign" / "run").mkdir(parents=True)
+    (fx / "foreign" / "config.yaml").write_text("database: {host: db}\n")
+    (fx / "foreign" / "run" / "thesis.tex").write_text("years of work")
+    (fx / "token2").write_text(f"{SECRET}\n{SECRET}\n")
+    (fx / "tokenbin").write_bytes(b"\xff\xfe" + SECRET.encode())
+    return {"src": str(fx / "src"), "foreign": str(fx / "foreign"),
+            "token2": str(fx / "token2"), "tokenbin": str(fx / "tokenbin"),
+            "fx": str(fx), "data": str(data), "truncated": str(truncated),
             "empty": str(fx / "empty"), "badjsonl": str(fx / "bad.jsonl"),
             "latin1": str(fx / "latin1.txt"), "badyaml": str(fx / "bad.yaml"),
             "badsection": str(fx / "section.yaml"), "othermodel": str(fx / "othermodel")}
@@ -238,6 +294,7 @@ def test_bad_input_is_one_line_exit_2_and_leaves_nothing(case: Case, results) ->
     assert r["rc"] == 2, (r["rc"], r["stderr"][-2000:])
     assert len(lines) == 1, r["stderr"]
     assert "Traceback" not in r["stderr"] + r["stdout"]
+    assert SECRET not in r["stderr"] + r["stdout"]
     assert "error: " in lines[0] and case.field in lines[0].split("error: ", 1)[1], lines[0]
     assert r["ws_after"] == {}, f"left behind: {sorted(r['ws_after'])}"
     assert r["alive"] == []

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from bench.projection import best_interval, goodput, job_mtbf_s, young_daly
-from bench.report import build_report
+from bench.summary import build_report
 
 RECORDED = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
 ISSUE_KEYS = ("stall_over_d2h_floor", "torch_save_over_stall", "stager_over_stall",

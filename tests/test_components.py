@@ -16,7 +16,7 @@ from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.evaluate_promote.component import compare_models, promote_model
 from kfp_nvrx.components.export_checkpoint.component import export_checkpoint
 from kfp_nvrx.components.prepare_dataset.component import prepare_dataset
-from kfp_nvrx.components.train_fsdp import report
+from kfp_nvrx.components.train_fsdp import ui_outputs
 from kfp_nvrx.components.train_fsdp.component import train_fsdp
 
 TINY = ["train.steps=6", "checkpoint.interval=3", "train.log_every=3"]
@@ -190,24 +190,24 @@ def _events():
 
 
 def test_metrics_from_summary():
-    from kfp_nvrx.components.train_fsdp.trainer.goodput import summarize_events
+    from kfp_nvrx.components.core.goodput import summarize_events
 
-    m = report.metrics_from_summary(summarize_events(_events()).to_dict())
+    m = ui_outputs.metrics_from_summary(summarize_events(_events()).to_dict())
     assert m["steps_final"] == 8 and m["steps_run"] == 11 and m["steps_redone"] == 3
     assert m["restarts_in_job"] == 1 == m["restarts_total"] and m["restarts_in_process"] == 0
     assert m["recovery_max_s"] == pytest.approx(6.0) and m["faults"] == 1
     assert m["final_loss"] == 4.0 and m["checkpoint_stall_s"] == pytest.approx(0.1)
     assert all(isinstance(v, (int, float)) for v in m.values())
-    no_loss = report.metrics_from_summary({"restarts": {"in-process": 2, "other kind": 1}})
+    no_loss = ui_outputs.metrics_from_summary({"restarts": {"in-process": 2, "other kind": 1}})
     assert "final_loss" not in no_loss and no_loss["restarts_in_process"] == 2
     assert no_loss["restarts_other_kind"] == 1 and no_loss["restarts_total"] == 3
 
 
 def test_timeline_shows_every_kind_of_event():
-    from kfp_nvrx.components.train_fsdp.trainer.goodput import summarize_events
+    from kfp_nvrx.components.core.goodput import summarize_events
 
     events = _events()
-    page = report.render_timeline(events, summarize_events(events).to_dict(), "run-x")
+    page = ui_outputs.render_timeline(events, summarize_events(events).to_dict(), "run-x")
     assert "<script" not in page and "http" not in page.replace("http://www.w3.org/2000/svg", "")
     # kept steps merge into one segment per incarnation; steps 4-6 of incarnation 0 were redone
     assert "steps 1-3 kept (incarnation 0" in page and "steps 4-8 kept (incarnation 1" in page
@@ -221,5 +221,5 @@ def test_timeline_shows_every_kind_of_event():
 
 
 def test_timeline_without_events():
-    page = report.render_timeline([], {}, "empty")
+    page = ui_outputs.render_timeline([], {}, "empty")
     assert "No events were recorded" in page and "<svg" in page

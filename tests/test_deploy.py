@@ -20,6 +20,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from kfp_nvrx.components.train_fsdp.jobspec.validate_trainjob import RUNTIME_CRD, validate_schema
+
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "images/deploy"
 K8S_VERSION = "1.30"
@@ -27,6 +29,7 @@ BUILDS = ["base", "overlays/p5"]
 CLUSTER_SCOPED = {"PersistentVolume", "StorageClass", "ClusterRole", "ClusterRoleBinding",
                   "Namespace", "PriorityClass"}
 KUSTOMIZE_KINDS = {"Kustomization", "Component"}
+TRAINER_GROUP = "trainer.kubeflow.org/"
 
 
 def load(path: Path) -> list[dict]:
@@ -128,12 +131,16 @@ def test_every_object_file_validates_strict() -> None:
         for doc in load(path):
             if doc["kind"] in KUSTOMIZE_KINDS or doc["apiVersion"] == "builtin":
                 continue
+            if doc["apiVersion"].startswith(TRAINER_GROUP):
+                validate_schema(doc, RUNTIME_CRD)  # the vendored v2.3.0 CRD, strict
+                kinds.add(doc["kind"])
+                continue
             if "spec" in doc and "overlays" in path.parts:
                 continue  # partial patches: validated below, merged into what they patch
             kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
             kinds.add(doc["kind"])
     assert kinds >= {"ServiceAccount", "Role", "RoleBinding", "PersistentVolume",
-                     "PersistentVolumeClaim", "StorageClass"}
+                     "PersistentVolumeClaim", "StorageClass", "TrainingRuntime"}
 
 
 def test_strict_validation_rejects_unknown_fields() -> None:
@@ -147,7 +154,10 @@ def test_built_objects_validate_strict_in_one_namespace(built) -> None:
     name, objs = built
     namespaces = set()
     for obj in objs.values():
-        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+        if obj["apiVersion"].startswith(TRAINER_GROUP):
+            validate_schema(obj, RUNTIME_CRD)
+        else:
+            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
         assert obj["metadata"]["labels"]["app.kubernetes.io/part-of"] == "kfp-nvrx"
         if obj["kind"] in CLUSTER_SCOPED:
             assert "namespace" not in obj["metadata"], _key(obj)
@@ -185,6 +195,9 @@ def test_rbac_is_exactly_what_the_launcher_needs(built) -> None:
                     granted.add((group, res, verb))
     want = {("kubeflow.org", "pytorchjobs", v) for v in ("create", "get", "list", "watch",
                                                           "delete")}
+    want |= {("trainer.kubeflow.org", "trainjobs", v) for v in ("create", "get", "list",
+                                                                "watch", "delete")}
+    want |= {("trainer.kubeflow.org", "trainingruntimes", v) for v in ("get", "list")}
     want |= {("", "pods", v) for v in ("get", "list", "watch")}
     want |= {("", "pods/log", "get"), ("", "events", "list")}
     assert granted == want

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
+from kfp_nvrx.components.core.rundir import COMMIT_MARKER, verify
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.train_fsdp.drills import measure
-from kfp_nvrx.components.train_fsdp.drills.report import Row, markdown, table
+from kfp_nvrx.components.train_fsdp.drills.results import Row, markdown, table
 from kfp_nvrx.components.train_fsdp.drills.scenarios import SCENARIOS, select
-from kfp_nvrx.components.train_fsdp.trainer.checkpoint.files import COMMIT_MARKER, verify
 
 QUICK = {"corrupt-newest", "launcher-sigterm", "max-restarts"}
 

@@ -17,6 +17,7 @@ import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from kfp_nvrx.components.core.config import load_config
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.export_checkpoint.consolidate import (
     export_checkpoint,
@@ -31,7 +32,6 @@ from kfp_nvrx.components.export_checkpoint.evaluate import (
 )
 from kfp_nvrx.components.prepare_dataset.prepare import prepare_dataset
 from kfp_nvrx.components.train_fsdp.launcher.local import free_port
-from kfp_nvrx.components.train_fsdp.trainer.config import load_config
 from kfp_nvrx.components.train_fsdp.trainer.model import build_model
 from kfp_nvrx.pipelines import cli
 
@@ -267,13 +267,13 @@ def test_cli_export(only_export_cli: None, run: tuple[Path, dict], tmp_path: Pat
 
 
 _FSDP_SCRIPT = textwrap.dedent("""
-    import json, os, sys, time
+    import os, sys
     import torch, torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict, get_optimizer_state_dict)
     from torch.distributed.fsdp import fully_shard
-    from kfp_nvrx.components.train_fsdp.trainer.config import load_config
+    from kfp_nvrx.components.core.config import load_config
     from kfp_nvrx.components.train_fsdp.trainer.model import build_model
 
     def main(rank, world, ckpt, port):
@@ -296,8 +296,11 @@ _FSDP_SCRIPT = textwrap.dedent("""
         dcp.save(state, checkpoint_id=ckpt)
         dist.barrier()
         if rank == 0:
-            with open(os.path.join(ckpt, "COMMITTED"), "w") as fh:
-                json.dump({"step": 6, "world_size": world, "time": time.time(), "bytes": 0}, fh)
+            from pathlib import Path
+
+            from kfp_nvrx.components.core.rundir import write_commit_marker
+
+            write_commit_marker(Path(ckpt), 6, world)
         dist.destroy_process_group()
 
     if __name__ == "__main__":

@@ -362,8 +362,8 @@ def test_venv_is_consistent_and_uses_the_cpu_torch(venv: Path) -> None:
 
 @pytest.mark.slow
 def test_ft_launcher_on_path_knows_every_flag_we_pass(venv: Path) -> None:
-    from kfp_nvrx.components.train_fsdp.launcher.command import TrainerArgs, ft_launcher_argv
-    from kfp_nvrx.components.train_fsdp.trainer.config import ResilienceConfig
+    from kfp_nvrx.components.core.config import ResilienceConfig
+    from kfp_nvrx.components.core.launch_command import TrainerArgs, ft_launcher_argv
 
     assert shutil.which("ft_launcher", path=str(venv / "bin"))
     helped = _run(venv, "ft_launcher", "--help")

@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kfp_nvrx.components.core.config import load_config
+from kfp_nvrx.components.core.launch_command import TrainerArgs, ft_launcher_argv
+from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.train_fsdp.jobspec import naming
 from kfp_nvrx.components.train_fsdp.jobspec.profiles import PROFILES
 from kfp_nvrx.components.train_fsdp.jobspec.pytorchjob import render
 from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
-from kfp_nvrx.components.train_fsdp.launcher.command import TrainerArgs, ft_launcher_argv
-from kfp_nvrx.components.train_fsdp.trainer.config import load_config
 
 GOLDEN = Path(__file__).parent / "golden"
 IMAGE = "123456789012.dkr.ecr.us-west-2.amazonaws.com/kfp-nvrx-trainer:0.1.0"
@@ -89,6 +90,7 @@ def test_p5_manifest_has_what_p5_needs() -> None:
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
     assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     assert env["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    # aws-ofi-nccl >= 1.7 picks these per platform: we do not set them (users may).
     assert not set(OBSOLETE) & set(env) and not any(k.startswith("RDMAV_") for k in env)
     assert "NCCL_NVLS_ENABLE" not in env  # only with in-process restart
     meta = m["metadata"]
@@ -104,14 +106,17 @@ def test_container_command_is_the_launch_local_builder() -> None:
         res = load_config(spec.config, spec.overrides).resilience
         expected = ft_launcher_argv(
             res, TrainerArgs(spec.config, rendered.run_dir, list(spec.overrides), spec.faults),
-            local_addr="$(POD_IP)", nic_monitor=spec.profile.is_gpu)
+            local_addr="$(POD_IP)", nic_monitor=spec.profile.nic_monitor)
         command = _container(rendered.to_dict())["command"]
         assert command == expected
         assert "--local-addr=$(POD_IP)" in command
         assert f"--max-restarts={res.max_restarts}" in command
-        nic = "True" if spec.profile.is_gpu else "False"
-        assert f"--ft-enable-nic-monitor={nic}" in command
-        assert any(a.startswith("--ft-restart-policy=") for a in command)
+        # No profile watches link_downed: EFA has no such counter (profiles.py).
+        assert "--ft-enable-nic-monitor=False" in command
+        assert not any(a.startswith("--ft-restart-policy=") for a in command)
+        pod = _worker(rendered.to_dict())["template"]["spec"]
+        assert f"--term-timeout={res.workers_stop_timeout:g}" in command
+        assert pod["terminationGracePeriodSeconds"] > res.workers_stop_timeout
         assert any(a.startswith("--ft-rank-heartbeat-timeout=") for a in command)
 
 
@@ -126,7 +131,7 @@ def test_in_process_restart_env() -> None:
     assert cpu["TORCH_CPP_LOG_LEVEL"] == "error"
     assert not any(k.startswith(("NCCL_", "TORCH_NCCL")) for k in cpu)
     cmd = _container(render(JobSpec(instance_type="cpu", **base)).to_dict())["command"]
-    assert "--ft-restart-policy=any-failed" in cmd
+    assert not any("restart-policy" in a for a in cmd)  # any-failed: NVRx's default
 
 
 def test_user_env_overrides_defaults_and_secrets() -> None:
@@ -136,6 +141,20 @@ def test_user_env_overrides_defaults_and_secrets() -> None:
     assert names.count("NCCL_DEBUG") == 1 and _env(m)["NCCL_DEBUG"] == "INFO"
     assert _env(m)["HF_TOKEN"] == {"secretKeyRef": {"key": "token", "name": "hf-secret"}}
     assert names[:2] == ["POD_IP", "POD_NAME"]
+
+
+
+def test_users_may_set_efa_and_nccl_variables_but_not_ours() -> None:
+    efa = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "RDMAV_FORK_SAFE": "1",
+           "NCCL_PROTO": "simple", "NCCL_SOCKET_IFNAME": "eth0"}
+    env = _env(render(JobSpec(image=IMAGE, pvc="fsx", name="efa", instance_type="p5.48xlarge",
+                              env=efa)).to_dict())
+    assert {k: env[k] for k in efa} == efa
+    for name, reason in (("MASTER_ADDR", "ft_launcher sets it"), ("POD_IP", "--local-addr"),
+                         ("PET_NNODES", "elasticPolicy")):
+        with pytest.raises(UserError, match=reason) as err:
+            render(JobSpec(image=IMAGE, pvc="fsx", name="own", env={name: "x"}))
+        assert err.value.field == "--env" and f"{name} is ours" in str(err.value)
 
 
 OPTIONS = {

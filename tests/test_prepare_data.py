@@ -233,8 +233,9 @@ def test_foreign_out_dir_is_refused(corpus: Path, tmp_path: Path) -> None:
         prepare_dataset(str(corpus), out, seq_len=16)
     assert err.value.field == "out_dir"
     assert (out / "notes.md").read_text() == "mine"
-    prepare_dataset(str(corpus), out, seq_len=16, overwrite=True)
-    assert not (out / "notes.md").exists() and (out / "index.json").is_file()
+    with pytest.raises(UserError) as err:  # --overwrite replaces only a dataset of ours
+        prepare_dataset(str(corpus), out, seq_len=16, overwrite=True)
+    assert err.value.field == "out_dir" and sorted(p.name for p in out.iterdir()) == ["notes.md"]
     # An existing empty directory (e.g. a pre-created artifact dir) is simply filled.
     (tmp_path / "empty").mkdir()
     assert prepare_dataset(str(corpus), tmp_path / "empty", seq_len=16)["status"] == "written"
@@ -348,10 +349,18 @@ def test_out_dir_that_cannot_be_renamed_is_filled_in_place(
         real_replace(src, dst)
 
     monkeypatch.setattr(os, "replace", replace)
-    first = prepare_dataset(str(corpus), out, seq_len=16)
+    first = prepare_dataset(str(corpus), out, seq_len=16, shard_bytes=64)
     assert first["status"] == "written" and verify_checksums(out) == []
-    (out / "stale.bin").write_bytes(b"x")
+    assert len(first["splits"]["train"]["shards"]) > 1
     second = prepare_dataset(str(corpus), out, seq_len=16, seed=1, overwrite=True)
     assert read_index(out)["fingerprint"] == second["fingerprint"] != first["fingerprint"]
-    assert not (out / "stale.bin").exists() and verify_checksums(out) == []
+    # The first dataset's extra shards (ours) went; exactly the second one's files are left.
+    assert {p.name for p in out.iterdir()} == {"index.json"} | {
+        s["file"] for split in second["splits"].values() for s in split["shards"]}
+    assert verify_checksums(out) == []
+    (out / "notes.md").write_text("mine")  # a foreign file stops even --overwrite
+    with pytest.raises(UserError):
+        prepare_dataset(str(corpus), out, seq_len=16, seed=2, overwrite=True)
+    assert (out / "notes.md").read_text() == "mine"
+    (out / "notes.md").unlink()
     assert _listing(tmp_path) == {"src", "mnt"}

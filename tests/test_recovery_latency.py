@@ -1,4 +1,4 @@
-"""Recovery-latency settings (issue 6): config fields, the ft_launcher flags they become, and the
+"""Recovery-latency settings: config fields, the ft_launcher flags they become, and the
 in-process wrapper's configuration (``last_call_wait``, frozen heap, restart timing line).
 
 The end-to-end restarts themselves (kill/hang/raise resume bit-exactly) are in
@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.train_fsdp.launcher.command import (
+from kfp_nvrx.components.core.config import ResilienceConfig, load_config
+from kfp_nvrx.components.core.launch_command import (
     TrainerArgs,
     ft_flags,
     ft_launcher_argv,
     launcher_nvrx_version,
 )
-from kfp_nvrx.components.train_fsdp.trainer.config import ResilienceConfig, load_config
+from kfp_nvrx.components.errors import UserError
 
 GPU_POLL = "--ft-gpu-memory-poll-interval"
 

@@ -14,11 +14,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from kfp_nvrx.components.core.config import load_config
+from kfp_nvrx.components.core.rundir import step_dir
+from kfp_nvrx.components.train_fsdp.trainer.build import TrainState, build, full_state
 from kfp_nvrx.components.train_fsdp.trainer.checkpoint import Checkpointer
 from kfp_nvrx.components.train_fsdp.trainer.checkpoint import staging as staging_mod
-from kfp_nvrx.components.train_fsdp.trainer.checkpoint.files import step_dir
-from kfp_nvrx.components.train_fsdp.trainer.config import load_config
-from kfp_nvrx.components.train_fsdp.trainer.state import TrainState, build, full_state
 
 
 @pytest.fixture()

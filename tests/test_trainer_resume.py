@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from kfp_nvrx.components.core.events import read_events
+from kfp_nvrx.components.core.rundir import COMMIT_MARKER, committed_steps, step_dir
 from kfp_nvrx.components.export_checkpoint.consolidate import load_model_state
+from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
 from kfp_nvrx.components.train_fsdp.launcher.local import run_local
-from kfp_nvrx.components.train_fsdp.trainer.checkpoint.files import COMMIT_MARKER, committed_steps, step_dir
-from kfp_nvrx.components.train_fsdp.trainer.events import read_events
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -35,8 +36,9 @@ def dataset(tmp_path_factory) -> str:
 
 
 def _train(run_dir: Path, dataset: str, *, nodes="2", faults=(), extra=()) -> object:
-    res = run_local(nodes, 1, str(run_dir), "tiny", [f"data.path={dataset}", *BASE, *extra],
-                    list(faults), log=lambda _line: None, deadline_s=360)
+    spec = JobSpec(nodes=nodes, run_dir=str(run_dir), config="tiny", faults=list(faults),
+                   overrides=[f"data.path={dataset}", *BASE, *extra])
+    res = run_local(spec, log=lambda _line: None, deadline_s=360)
     assert res.state == "Succeeded", (res.reason, res.last_log_lines)
     return res
 
@@ -124,8 +126,8 @@ def test_resume_on_a_different_world_size(tmp_path, dataset):
     run_dir = tmp_path / "run"
     _train(run_dir, dataset, extra=["train.steps=12"])
     assert committed_steps(run_dir / "checkpoints")[0] == 12
-    res = run_local("1", 1, str(run_dir), "tiny", [f"data.path={dataset}", *BASE], [],
-                    log=lambda _line: None, deadline_s=300)
+    spec = JobSpec(run_dir=str(run_dir), config="tiny", overrides=[f"data.path={dataset}", *BASE])
+    res = run_local(spec, log=lambda _line: None, deadline_s=300)
     assert res.succeeded, res.reason
     starts = [e for e in read_events(run_dir) if e["type"] == "start"]
     assert (starts[-1]["world_size"], starts[-1]["resumed_from"]) == (1, 12)

@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
+from kfp_nvrx.components.core.config import load_config
+from kfp_nvrx.components.core.faults import Fault, parse_fault
+from kfp_nvrx.components.core.goodput import summarize_events
+from kfp_nvrx.components.core.launch_command import (
+    POD_STOP_MARGIN_S,
+    TrainerArgs,
+    ft_flags,
+    ft_launcher_argv,
+    pod_grace_period_s,
+)
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.train_fsdp.launcher.command import TrainerArgs, ft_flags, ft_launcher_argv
-from kfp_nvrx.components.train_fsdp.trainer.config import load_config
-from kfp_nvrx.components.train_fsdp.trainer.faults import Fault, FaultInjector, parse_fault
-from kfp_nvrx.components.train_fsdp.trainer.goodput import summarize_events
+from kfp_nvrx.components.train_fsdp.trainer.fault_injector import FaultInjector
 from kfp_nvrx.components.train_fsdp.trainer.model import build_model, num_params
 
 
@@ -109,9 +118,17 @@ def test_one_builder_for_pod_and_local_commands():
         [a for i, a in enumerate(local) if i not in strip and "nic-monitor" not in a]
     flags = ft_flags(res)
     assert any(f.startswith("--ft-rank-section-timeouts=setup:") for f in flags)
-    assert "--ft-restart-policy=any-failed" in flags
+    # any-failed is every NVRx's default, and NVRx 0.7 deprecates the flag: never written out.
+    assert not any("restart-policy" in f for f in flags)
     res.in_process = True
-    assert "--ft-restart-policy=any-failed" in ft_flags(res)  # NVRx >= 0.6 has no other
+    assert not any("restart-policy" in f for f in ft_flags(res, nvrx_version="0.7.0"))
+    res.restart_policy = "min-healthy"
+    assert "--ft-restart-policy=min-healthy" in ft_flags(res, nvrx_version="0.4.1")
+    for version in ("0.7.0", None):  # None: a pod, whose image ships 0.7
+        with pytest.raises(UserError, match="NVRx <= 0.5") as err:
+            ft_flags(res, nvrx_version=version)
+        assert err.value.field == "resilience.restart_policy"
+    res.restart_policy = "auto"
     res.monitor = "heartbeats"
     assert not any("section" in f for f in ft_flags(res))
 
@@ -119,7 +136,7 @@ def test_one_builder_for_pod_and_local_commands():
 def test_fsdp2_build_with_activation_checkpointing_single_rank(one_rank_env):
     import torch.distributed as dist
 
-    from kfp_nvrx.components.train_fsdp.trainer.state import build
+    from kfp_nvrx.components.train_fsdp.trainer.build import build
 
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
@@ -135,6 +152,28 @@ def test_fsdp2_build_with_activation_checkpointing_single_rank(one_rank_env):
         assert sched.get_last_lr()[0] < cfg.train.lr  # warmup
     finally:
         dist.destroy_process_group()
+
+
+def test_one_stop_timeout_for_restarts_sigterm_and_the_pod():
+    res = load_config("tiny", ["resilience.workers_stop_timeout=12.5"]).resilience
+    argv = ft_launcher_argv(res, TrainerArgs("tiny", "/r"), local_addr="x")
+    assert "--workers-stop-timeout=12.5" in argv and "--term-timeout=12.5" in argv
+    assert pod_grace_period_s(res) == 13 + POD_STOP_MARGIN_S > 12.5
+
+
+def test_trainer_creates_the_flight_recorder_folder_the_pod_env_names(tmp_path, monkeypatch):
+    from kfp_nvrx.components.train_fsdp.jobspec.env import gpu_env
+    from kfp_nvrx.components.train_fsdp.trainer.__main__ import make_nccl_trace_dir
+
+    run_dir = tmp_path / "run"
+    prefix = gpu_env(str(run_dir))["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]
+    monkeypatch.setenv("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", prefix)
+    assert not (run_dir / "nccl_trace").exists()
+    assert make_nccl_trace_dir() == run_dir / "nccl_trace"
+    assert (run_dir / "nccl_trace").is_dir()
+    Path(prefix + "0").write_text("dump")  # where torch writes rank 0's dump
+    monkeypatch.delenv("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+    assert make_nccl_trace_dir() is None
 
 
 def test_checkpoint_policy_saves_every_interval_and_the_final_step(one_rank_env, tmp_path):

@@ -12,9 +12,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import hashlib
-import json
 import os
-import re
 import shutil
 import tempfile
 import warnings
@@ -24,14 +22,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kfp_nvrx.components.core.rundir import (
+    CHECKPOINTS_DIR,
+    CONFIG_FILE,
+    checkpoints_dir,
+    parse_step,
+    read_commit_marker,
+    verify,
+)
 from kfp_nvrx.components.errors import UserError
+from kfp_nvrx.components.ownership import check_output_dir, refuse_foreign
 from kfp_nvrx.components.prepare_dataset.shards import publish_dir, write_json_atomic
 
 EXPORT_FORMAT = "kfp-nvrx-export/1"
 ARCHITECTURE = "kfp-nvrx-llama"
-COMMIT_MARKER = "COMMITTED"
 MODEL_PREFIX = "model."
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -54,32 +59,25 @@ class Checkpoint:
 
 
 def _inspect(step: int, path: Path) -> Checkpoint:
-    from kfp_nvrx.components.train_fsdp.trainer.checkpoint.files import verify
-
-    if not (path / COMMIT_MARKER).is_file():
-        return Checkpoint(step, path, None)
     try:
-        commit = json.loads((path / COMMIT_MARKER).read_text())
-    except (OSError, ValueError) as err:
-        return Checkpoint(step, path, {}, f"unreadable commit marker ({err})")
-    if not isinstance(commit, dict):
-        return Checkpoint(step, path, {}, "commit marker is not a JSON object")
-    problem = verify(path)  # the trainer's own check: files and sizes recorded in the marker
-    if problem is None and not (path / ".metadata").is_file():
-        problem = "no DCP .metadata file"
-    return Checkpoint(step, path, commit, problem)
+        commit = read_commit_marker(path)
+    except ValueError as err:
+        return Checkpoint(step, path, {}, str(err))
+    if commit is None:
+        return Checkpoint(step, path, None)
+    return Checkpoint(step, path, commit, verify(path))  # the one check trainer and drills use
 
 
 def list_checkpoints(run_dir: str | os.PathLike[str]) -> list[Checkpoint]:
     """Return every ``step_*`` directory under ``<run_dir>/checkpoints``, oldest first."""
-    root = Path(run_dir) / "checkpoints"
+    root = checkpoints_dir(run_dir)
     if not root.is_dir():
         return []
     found = []
     for child in root.iterdir():
-        match = _STEP_DIR.match(child.name)
-        if match and child.is_dir():
-            found.append(_inspect(int(match.group(1)), child))
+        step = parse_step(child.name)
+        if step is not None and child.is_dir():
+            found.append(_inspect(step, child))
     return sorted(found, key=lambda c: c.step)
 
 
@@ -108,7 +106,7 @@ def select_checkpoint(run_dir: str | os.PathLike[str], step: int | None = None,
         if c.commit is not None and c.problem and (not committed or c.step > committed[-1].step):
             (log or (lambda _m: None))(f"skipping damaged checkpoint {c.path.name}: {c.problem}")
     if not committed:
-        raise UserError("run_dir", f"no committed checkpoint under {Path(run_dir) / 'checkpoints'}")
+        raise UserError("run_dir", f"no committed checkpoint under {checkpoints_dir(run_dir)}")
     return committed[-1]
 
 
@@ -153,11 +151,11 @@ def read_run_config(run_dir: str | os.PathLike[str]) -> Any:
     """Rebuild the trainer Config from ``<run_dir>/config.yaml``."""
     import yaml
 
-    from kfp_nvrx.components.train_fsdp.trainer.config import config_from_dict
+    from kfp_nvrx.components.core.config import config_from_dict
 
-    path = Path(run_dir) / "config.yaml"
+    path = Path(run_dir) / CONFIG_FILE
     if not path.is_file():
-        raise UserError("run_dir", f"{run_dir} has no config.yaml; is it a kfp-nvrx run dir?")
+        raise UserError("run_dir", f"{run_dir} has no {CONFIG_FILE}; is it a kfp-nvrx run dir?")
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except (OSError, yaml.YAMLError) as err:
@@ -175,15 +173,21 @@ def _file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+#: Everything an export folder holds; only a folder of exactly these may be replaced.
+EXPORT_FILES = ("model.safetensors", "config.json", "export.json")
+
+
 def _check_out(out: Path, run_dir: Path) -> None:
-    if out == run_dir or out.is_relative_to(run_dir / "checkpoints"):
+    if out == run_dir or out.is_relative_to(run_dir / CHECKPOINTS_DIR):
         raise UserError("out_dir", f"{out} is inside the run's checkpoints; export elsewhere")
+    check_output_dir(out, "out_dir", [run_dir])
     if out.exists():
         if not out.is_dir():
             raise UserError("out_dir", f"{out} exists and is not a directory")
         if any(out.iterdir()) and not (out / "export.json").is_file():
             raise UserError("out_dir", f"{out} is not empty and holds no earlier export; "
                             "choose an empty or new directory")
+        refuse_foreign(out, EXPORT_FILES, "out_dir", "earlier export")
 
 
 def model_config_json(model_cfg: Any, dtype: str) -> dict[str, Any]:
@@ -276,7 +280,9 @@ def export_checkpoint(run_dir: str | os.PathLike[str], out_dir: str | os.PathLik
             info.update(eval_loss=result["loss"], eval_tokens=result["tokens"],
                         eval_data=str(Path(data_dir).resolve()))
         write_json_atomic(work / "export.json", info)
-        publish_dir(work, out, last="export.json")
+        for name in EXPORT_FILES:  # readable by the serving side of a shared volume
+            os.chmod(work / name, 0o644)
+        publish_dir(work, out, EXPORT_FILES, last="export.json")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return {**info, "path": str(out)}

@@ -14,7 +14,12 @@ from typing import Any
 import numpy as np
 
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.prepare_dataset.shards import SplitTokens, read_index
+from kfp_nvrx.components.prepare_dataset.shards import (
+    SplitTokens,
+    check_checksums,
+    check_files,
+    read_index,
+)
 
 
 def check_dataset(data_dir: str | os.PathLike[str], vocab_size: int, seq_len: int,
@@ -36,6 +41,10 @@ def check_dataset(data_dir: str | os.PathLike[str], vocab_size: int, seq_len: in
         raise UserError("data", f"the {split} split of {data_dir} has "
                         f"{index['splits'][split]['tokens']} tokens, fewer than seq_len + 1 = "
                         f"{seq_len + 1}")
+    problem = check_files(Path(data_dir), index)
+    if problem:
+        raise UserError("data", f"{data_dir}: {problem}; re-run prepare-data")
+    check_checksums(data_dir, index, [split], "data")
     return index
 
 
@@ -101,7 +110,7 @@ def read_export_config(export_dir: str | os.PathLike[str]) -> Any:
     """Rebuild the ModelConfig from an export's ``config.json``."""
     import dataclasses
 
-    from kfp_nvrx.components.train_fsdp.trainer.config import ModelConfig, config_from_dict
+    from kfp_nvrx.components.core.config import ModelConfig, config_from_dict
 
     path = Path(export_dir) / "config.json"
     try:

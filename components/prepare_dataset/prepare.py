@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from kfp_nvrx.components.errors import UserError
+from kfp_nvrx.components.ownership import check_output_dir, refuse_foreign
 from kfp_nvrx.components.prepare_dataset.sample import write_sample_corpus
 from kfp_nvrx.components.prepare_dataset.shards import (
     FORMAT,
@@ -29,8 +30,10 @@ from kfp_nvrx.components.prepare_dataset.shards import (
     SHARD_BYTES,
     ShardWriter,
     check_files,
+    dataset_files,
     publish_dir,
     read_index,
+    verify_checksums,
     write_json_atomic,
 )
 from kfp_nvrx.components.prepare_dataset.sources import file_sha256, iter_documents, resolve_sources
@@ -110,30 +113,42 @@ def _check_sizes(index: dict[str, Any], seq_len: int) -> None:
                         f"tokens, fewer than seq_len + 1 = {need}; add data or lower val_fraction")
 
 
-def _existing(out: Path, fp: str, overwrite: bool) -> dict[str, Any] | None:
-    """Return the reusable index in ``out`` (None: build it); refuse foreign directories."""
+def _existing(out: Path, fp: str, overwrite: bool) -> tuple[dict[str, Any] | None, set[str]]:
+    """Return (the reusable index in ``out`` or None, the names in ``out`` that are ours).
+
+    Only our own dataset is ever replaced (a damaged one, or another one with ``overwrite``), and
+    only when the folder holds nothing else; any other non-empty folder is refused.
+    """
     if not out.exists():
-        return None
+        return None, set()
     if not out.is_dir():
         raise UserError("out_dir", f"{out} exists and is not a directory")
+    if not any(out.iterdir()):
+        return None, set()
+    index = None
     if (out / INDEX_NAME).is_file():
         try:
             index = read_index(out, "out_dir")
         except UserError:
             index = None
-        if index is not None and index.get("fingerprint") == fp:
-            if check_files(out, index) is None:
-                return index
-            return None  # our dataset, damaged: rebuild it
-        if not overwrite:
-            have = (index or {}).get("fingerprint", "unknown")[:12]
-            raise UserError("out_dir", f"{out} holds a different dataset (fingerprint {have}, "
-                            f"wanted {fp[:12]}); pass --overwrite or choose another directory")
-        return None
-    if any(out.iterdir()) and not overwrite:
-        raise UserError("out_dir", f"{out} exists, is not empty and is not a dataset (no "
-                        f"{INDEX_NAME}); pass --overwrite or choose another directory")
-    return None
+    if index is None:
+        raise UserError("out_dir", f"{out} is not empty and is not a dataset made by "
+                        "prepare-data (no readable index.json); only our own datasets are "
+                        "replaced: choose a new or empty directory")
+    ours = dataset_files(index)
+    if index.get("fingerprint") == fp:
+        # Reuse is checked byte for byte: the sources were just read in full to fingerprint
+        # them, so reading the shards once more is of the same cost.
+        if check_files(out, index) is None and not verify_checksums(out, index=index):
+            return index, ours
+        refuse_foreign(out, ours, "out_dir", "damaged dataset being rebuilt")
+        return None, ours  # our dataset, damaged: rebuild it
+    if not overwrite:
+        have = str(index.get("fingerprint", "unknown"))[:12]
+        raise UserError("out_dir", f"{out} holds a different dataset (fingerprint {have}, "
+                        f"wanted {fp[:12]}); pass --overwrite or choose another directory")
+    refuse_foreign(out, ours, "out_dir", "dataset being replaced")
+    return None, ours
 
 
 def _batched(items: Iterable[str], size: int) -> Iterator[list[str]]:
@@ -189,7 +204,8 @@ def prepare_dataset(source: str, out_dir: str | os.PathLike[str], *, tokenizer: 
         text_field: The JSON field holding the text in ``.jsonl`` sources.
         seed: Chooses which documents go to val.
         eos_token: End-of-document token of a tokenizer.json (default: a known one it has).
-        overwrite: Replace ``out_dir`` when it holds something else.
+        overwrite: Replace ``out_dir`` when it holds another dataset made by this function
+            (a folder holding anything else is never replaced).
         shard_bytes: Maximum shard file size.
         log: Progress callback (one line per source file).
 
@@ -212,7 +228,8 @@ def prepare_dataset(source: str, out_dir: str | os.PathLike[str], *, tokenizer: 
         dtype = dtype_for_vocab(tok.vocab_size)
         fp = fingerprint([file_sha256(f) for f in files], tok.id, tok.eos_id, text_field,
                          val_fraction, seed)
-        index = _existing(out, fp, overwrite)
+        check_output_dir(out, "out_dir", files)
+        index, ours = _existing(out, fp, overwrite)
         if index is not None:
             _check_sizes(index, seq_len)
             return {**index, "status": "skipped", "path": str(out)}
@@ -232,7 +249,7 @@ def prepare_dataset(source: str, out_dir: str | os.PathLike[str], *, tokenizer: 
                      "splits": splits}
             _check_sizes(index, seq_len)
             write_json_atomic(work / INDEX_NAME, index)
-            publish_dir(work, out)
+            publish_dir(work, out, ours)
         finally:
             shutil.rmtree(work, ignore_errors=True)
     return {**index, "status": "written", "path": str(out)}

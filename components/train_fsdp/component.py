@@ -29,6 +29,7 @@ def train_fsdp(
     instance_type: str = "cpu",
     trainer_image: str = "",
     backend: str = "kubernetes",
+    job_api: str = "auto",
     init_from: str = "",
     init_from_required: bool = True,
     deadline_s: int = 0,
@@ -54,6 +55,8 @@ def train_fsdp(
         trainer_image: Trainer image of the worker pods ('' = the image of this package version).
         backend: ``kubernetes`` (a PyTorchJob) or ``local`` (in this task's container, which
             then needs torch and NVRx: ``kfp-nvrx run-local``, or a custom image).
+        job_api: ``kubernetes``: ``pytorchjob`` (Training Operator v1), ``trainjob`` (Kubeflow
+            Trainer v2) or ``auto`` (ask the cluster; TrainJob when it serves both).
         init_from: Warm start from this export directory or model.safetensors.
         init_from_required: Fail when ``init_from`` is missing (False: train from scratch).
         deadline_s: Wall-clock limit of the job in seconds (0 = none).
@@ -66,7 +69,7 @@ def train_fsdp(
 
     from kfp_nvrx.components import images
     from kfp_nvrx.components.errors import UserError
-    from kfp_nvrx.components.train_fsdp import report
+    from kfp_nvrx.components.train_fsdp import ui_outputs
     from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
     from kfp_nvrx.components.train_fsdp.launcher.backends import launch
 
@@ -86,8 +89,8 @@ def train_fsdp(
                    overrides=sets, faults=list(faults))
     name = spec.job_name()
     spec.run_dir = os.path.join(workspace, "runs", name)
-    result = launch(spec, backend, deadline_s=deadline_s or None)
-    summary = report.publish(spec.run_dir, result, run=run, metrics=metrics, timeline=timeline,
+    result = launch(spec, backend, deadline_s=deadline_s or None, job_api=job_api)
+    summary = ui_outputs.publish(spec.run_dir, result, run=run, metrics=metrics, timeline=timeline,
                              title=name)
     print(f"{result.state}: goodput {summary['goodput']:.3f}, steps {summary['steps_final']}, "
           f"restarts {summary['restarts']}, run dir {spec.run_dir}")

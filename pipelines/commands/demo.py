@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
-from pathlib import Path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -19,18 +17,18 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from kfp_nvrx.components.export_checkpoint.consolidate import export_checkpoint
+    from kfp_nvrx.components.ownership import reset_out_dir
     from kfp_nvrx.components.prepare_dataset.prepare import prepare_dataset, summary
+    from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
     from kfp_nvrx.components.train_fsdp.launcher.local import run_local
 
-    out = Path(args.out)
+    out = reset_out_dir(args.out, ("run", "model"), "--out")  # only a folder we made
     run_dir, data_dir, model_dir = out / "run", out / "data", out / "model"
-    shutil.rmtree(run_dir, ignore_errors=True)
-    shutil.rmtree(model_dir, ignore_errors=True)
     print("== 1/3 prepare-data (bundled sample corpus, byte tokenizer)")
     print(summary(prepare_dataset("sample:", data_dir, seq_len=64)))
     print(f"== 2/3 launch-local: 2 nodes x 1 process, tiny model, fault {args.fault}")
-    res = run_local("2", 1, str(run_dir), "tiny",
-                    [f"data.path={data_dir}", f"train.steps={args.steps}"], [args.fault])
+    res = run_local(JobSpec(nodes="2", run_dir=str(run_dir), config="tiny", faults=[args.fault],
+                            overrides=[f"data.path={data_dir}", f"train.steps={args.steps}"]))
     if not res.succeeded:
         sys.stderr.write(f"demo: training {res.state}: {res.reason}\n")
         return 1

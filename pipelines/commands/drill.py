@@ -53,7 +53,7 @@ def _run(args: argparse.Namespace) -> int:
         if world > len(gpus):
             raise UserError("--gpus", f"asks for {world} GPUs, this host has {len(gpus)}")
         place = Placement("cuda", world)
-    from kfp_nvrx.components.train_fsdp.drills.report import JSON_FILE, MD_FILE, table
+    from kfp_nvrx.components.train_fsdp.drills.results import JSON_FILE, MD_FILE, table
     from kfp_nvrx.components.train_fsdp.drills.runner import DrillError, run_drill
 
     try:

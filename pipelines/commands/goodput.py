@@ -18,10 +18,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from kfp_nvrx.components.train_fsdp.trainer.goodput import summarize
+    from kfp_nvrx.components.core.goodput import summarize
+    from kfp_nvrx.components.core.rundir import EVENTS_FILE
 
-    if not (Path(args.run_dir) / "events.jsonl").is_file():
-        raise UserError("--run-dir", f"{args.run_dir} has no events.jsonl (not a training run)")
+    if not (Path(args.run_dir) / EVENTS_FILE).is_file():
+        raise UserError("--run-dir", f"{args.run_dir} has no {EVENTS_FILE} (not a training run)")
     rep = summarize(args.run_dir).to_dict()
     if args.json:
         print(json.dumps(rep, indent=2))

@@ -1,8 +1,9 @@
 """``kfp-nvrx launch``: run a training job on a backend (``local`` or ``kubernetes``) and wait.
 
-Kubernetes: creates the PyTorchJob (or re-attaches to this run's existing one), streams the worker
-logs with a replica prefix, prints progress, and on SIGTERM/SIGINT deletes the job. Exit code 0 on
-Succeeded, 1 on Failed/DeadlineExceeded or a cluster error, 130/143 when cancelled by a signal.
+Kubernetes: creates the PyTorchJob or TrainJob (``--job-api``), or re-attaches to this run's
+existing one, streams the worker logs with a replica prefix, prints progress, and on
+SIGTERM/SIGINT deletes the job. Exit code 0 on Succeeded, 1 on Failed/DeadlineExceeded or a
+cluster error, 130/143 when cancelled by a signal.
 """
 
 from __future__ import annotations
@@ -22,12 +23,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", choices=("local", "kubernetes"), default="local",
                    help="local (default: ft_launcher agents on this machine) or kubernetes")
     add_job_arguments(p)
+    p.add_argument("--job-api", choices=("pytorchjob", "trainjob", "auto"), default="pytorchjob",
+                   help="kubernetes: pytorchjob (Training Operator v1, default), trainjob "
+                   "(Kubeflow Trainer v2) or auto (ask the cluster; TrainJob when it serves both)")
     f = p.add_argument_group("follow")
     f.add_argument("--deadline", type=float, default=None,
                    help="give up after SECONDS (kubernetes: from job creation; default: "
                    "active deadline + 10 min)")
     f.add_argument("--delete-after", choices=("always", "on_success", "never"),
-                   default="on_success", help="delete the PyTorchJob when it ends")
+                   default="on_success", help="delete the PyTorchJob/TrainJob when it ends")
     f.add_argument("--poll-interval", type=float, default=5.0, help="seconds between reads")
     f.add_argument("--kubeconfig", default="", help="kubeconfig file (default: $KUBECONFIG, "
                    "~/.kube/config, or in-cluster)")
@@ -81,13 +85,15 @@ def _run(args: argparse.Namespace) -> int:
     cfg, namespace = None, ""
     try:
         if args.backend == "kubernetes":
-            from kfp_nvrx.components.train_fsdp.jobspec.pytorchjob import render
+            from kfp_nvrx.pipelines.commands.render_job import render_for
 
-            render(spec)  # bad input is reported before credentials are looked at
+            if args.job_api != "auto":  # bad input is reported before credentials are looked at
+                render_for(spec, args.job_api, args.runtime)
             cfg, namespace = _cluster(args)
         result = launch(spec, args.backend, log=log, deadline_s=args.deadline,
                         namespace=args.namespace or namespace, delete_after=args.delete_after,
-                        poll_s=args.poll_interval, client_configuration=cfg)
+                        poll_s=args.poll_interval, client_configuration=cfg,
+                        job_api=args.job_api, runtime=args.runtime)
     except ClusterError as err:
         sys.stderr.write(f"kfp-nvrx launch: cluster error: {err}\n")
         return 1

@@ -26,10 +26,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
     from kfp_nvrx.components.train_fsdp.launcher.local import run_local
 
-    res = run_local(args.nodes, args.nproc_per_node, args.run_dir, args.config, args.set,
-                    args.fault, deadline_s=args.deadline, verbose=args.verbose)
+    spec = JobSpec(nodes=args.nodes, nproc_per_node=args.nproc_per_node, run_dir=args.run_dir,
+                   config=args.config, overrides=args.set, faults=args.fault)
+    res = run_local(spec, deadline_s=args.deadline, verbose=args.verbose)
     g = res.extra["goodput"]
     if args.json:
         print(json.dumps(res.to_dict(), indent=2))

@@ -29,7 +29,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="JSON field holding the text (default text)")
     p.add_argument("--seed", type=int, default=0, help="chooses the val documents (default 0)")
     p.add_argument("--overwrite", action="store_true",
-                   help="replace --out when it holds something else")
+                   help="replace --out when it holds another prepare-data dataset (a folder "
+                   "holding anything else is never replaced)")
     p.add_argument("--quiet", action="store_true", help="print only the summary line")
     p.set_defaults(handler=run)
 

@@ -1,4 +1,4 @@
-"""``kfp-nvrx render-job``: print the validated PyTorchJob YAML (``kubectl apply -f`` ready).
+"""``kfp-nvrx render-job``: print the validated PyTorchJob or TrainJob YAML (``kubectl apply -f``).
 
 The job flags are shared with ``kfp-nvrx launch`` (:func:`add_job_arguments`,
 :func:`spec_from_args`); trainer flags (``--config``, ``--set``, ``--fault``, ``--run-dir``) pass
@@ -17,6 +17,8 @@ from typing import Any
 def add_job_arguments(p: argparse.ArgumentParser) -> None:
     """Add the JobSpec flags to a subcommand parser."""
     g = p.add_argument_group("job")
+    g.add_argument("--runtime", default="kfp-nvrx-ft",
+                   help="trainjob: the TrainingRuntime the TrainJob refers to (default kfp-nvrx-ft)")
     g.add_argument("--name", default="", help="job name (default: derived from --run-id/--task)")
     g.add_argument("--run-id", default="", help="KFP run id (labels, stable name, re-attach)")
     g.add_argument("--task", default="train", help="KFP task name (default train)")
@@ -129,19 +131,46 @@ def write_atomic(path: str, text: str) -> None:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``render-job`` subcommand."""
-    p = sub.add_parser("render-job", help="print the PyTorchJob YAML for a training job",
-                       description="Builds and validates (CRD schema, operator webhook rules, "
-                       "Pod schema) the PyTorchJob that `kfp-nvrx launch --backend kubernetes` "
-                       "would create, and prints it as YAML for `kubectl apply -f -`.")
+    p = sub.add_parser("render-job", help="print the PyTorchJob or TrainJob YAML for a job",
+                       description="Builds and validates (CRD schema, webhook rules, Pod "
+                       "schema) the PyTorchJob or TrainJob that `kfp-nvrx launch --backend "
+                       "kubernetes` would create, and prints it as YAML for `kubectl apply -f -`.")
     add_job_arguments(p)
+    p.add_argument("--job-api", choices=("pytorchjob", "trainjob"), default="pytorchjob",
+                   help="pytorchjob (Training Operator v1, default) or trainjob (Kubeflow "
+                   "Trainer v2)")
+    p.add_argument("--with-runtime", action="store_true",
+                   help="trainjob: also print the TrainingRuntime it refers to (first)")
     p.add_argument("--out", default="", help="write the YAML to FILE instead of stdout")
     p.set_defaults(handler=_run)
 
 
-def _run(args: argparse.Namespace) -> int:
-    from kfp_nvrx.components.train_fsdp.jobspec.pytorchjob import render
+def render_for(spec: Any, job_api: str, runtime: str = "kfp-nvrx-ft") -> Any:
+    """Render and validate ``spec`` for one job API (``pytorchjob`` or ``trainjob``)."""
+    from kfp_nvrx.components.errors import UserError
 
-    text = render(spec_from_args(args)).to_yaml()
+    if job_api == "trainjob":
+        from kfp_nvrx.components.train_fsdp.jobspec import trainjob
+
+        return trainjob.render(spec, runtime)
+    if job_api != "pytorchjob":
+        raise UserError("--job-api", f"must be pytorchjob or trainjob, got {job_api!r}")
+    from kfp_nvrx.components.train_fsdp.jobspec import pytorchjob
+
+    return pytorchjob.render(spec)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from kfp_nvrx.components.errors import UserError
+
+    if args.out and os.path.isdir(args.out):
+        raise UserError("--out", f"{args.out} is a directory; give a file name such as "
+                        f"{os.path.join(args.out, 'job.yaml')}")
+    if args.with_runtime and args.job_api != "trainjob":
+        raise UserError("--with-runtime", "only a TrainJob refers to a runtime; add "
+                        "--job-api trainjob")
+    rendered = render_for(spec_from_args(args), args.job_api, args.runtime)
+    text = rendered.to_yaml(with_runtime=True) if args.with_runtime else rendered.to_yaml()
     if args.out:
         write_atomic(args.out, text)
         sys.stderr.write(f"wrote {args.out}\n")

@@ -68,12 +68,12 @@ def local_arguments(name: str, params: list[str], out: Path) -> dict[str, Any]:
             or a bad trainer config, ``overrides``, ``faults`` or ``nodes``.
 
     """
+    from kfp_nvrx.components.core.config import load_config
+    from kfp_nvrx.components.core.faults import parse_fault
     from kfp_nvrx.components.errors import UserError
     from kfp_nvrx.components.prepare_dataset.prepare import SAMPLE_SCHEME
     from kfp_nvrx.components.prepare_dataset.sources import resolve_sources
-    from kfp_nvrx.components.train_fsdp.launcher.local import parse_nodes
-    from kfp_nvrx.components.train_fsdp.trainer.config import load_config
-    from kfp_nvrx.components.train_fsdp.trainer.faults import parse_fault
+    from kfp_nvrx.components.train_fsdp.jobspec.spec import parse_nodes
     from kfp_nvrx.pipelines.client import parse_params, pipeline_parameters
     from kfp_nvrx.pipelines.compile import load_pipeline
 

@@ -37,8 +37,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--max-concurrency", f"must be within 1-{kc.MAX_CONCURRENCY}, got "
                         f"{args.max_concurrency}")
     with package_for(args) as package:
-        arguments, client, host = prepare(args, package)
-        info = kc.schedule(client, host, package, cron=cron,
+        arguments, api = prepare(args, package)
+        info = kc.schedule(api, package, cron=cron,
                            max_concurrency=args.max_concurrency, no_catchup=args.no_catchup,
                            arguments=arguments, experiment=args.experiment,
                            name=args.name or args.pipeline, namespace=args.namespace)

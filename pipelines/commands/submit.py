@@ -30,6 +30,8 @@ def add_connection_args(p: argparse.ArgumentParser, pipeline: str = "fsdp-train"
     p.add_argument("--namespace", default=None, help="Kubeflow profile namespace (multi-user)")
     p.add_argument("--token-file", default=None,
                    help="file holding a bearer token for the API (e.g. a service-account token)")
+    p.add_argument("--timeout", type=float, default=60.0,
+                   help="seconds each API request may take (default 60)")
 
 
 @contextlib.contextmanager
@@ -53,14 +55,20 @@ def package_for(args: argparse.Namespace) -> Iterator[str]:
         yield str(compiled_path(args.pipeline))
 
 
-def prepare(args: argparse.Namespace, package: str) -> tuple[dict, object, str]:
-    """Check the parameters against ``package``, then connect: (arguments, client, host)."""
+def prepare(args: argparse.Namespace, package: str) -> tuple[dict, object]:
+    """Check the parameters against ``package``, then connect: (arguments, api)."""
+    import math
+
+    from kfp_nvrx.components.errors import UserError
     from kfp_nvrx.pipelines import client as kc
 
     arguments = kc.parse_params(args.param, kc.pipeline_parameters(kc.load_package(package)))
-    host = kc.normalize_host(args.host)
+    kc.normalize_host(args.host)
     token = kc.read_token(args.token_file)
-    return arguments, kc.connect(host, token=token, namespace=args.namespace), host
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise UserError("--timeout", f"must be a number of seconds > 0, got {args.timeout}")
+    return arguments, kc.KfpApi(args.host, token=token, namespace=args.namespace,
+                                timeout=args.timeout)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -81,9 +89,9 @@ def run(args: argparse.Namespace) -> int:
     from kfp_nvrx.pipelines import client as kc
 
     with package_for(args) as package:
-        arguments, client, host = prepare(args, package)
+        arguments, api = prepare(args, package)
         name = args.run_name or f"{args.pipeline} {dt.datetime.now():%Y-%m-%d %H:%M:%S}"
-        info = kc.submit(client, host, package, arguments=arguments,
+        info = kc.submit(api, package, arguments=arguments,
                          experiment=args.experiment, run_name=name, namespace=args.namespace)
     print(f"submitted {args.pipeline} run {info['run_id']} in experiment {args.experiment}: "
           f"{info['url']}")

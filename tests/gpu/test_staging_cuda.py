@@ -28,8 +28,8 @@ def pg(one_rank_env):
 
 
 def _trainer(extra=()):
-    from kfp_nvrx.components.train_fsdp.trainer.config import load_config
-    from kfp_nvrx.components.train_fsdp.trainer.state import TrainState, build
+    from kfp_nvrx.components.core.config import load_config
+    from kfp_nvrx.components.train_fsdp.trainer.build import TrainState, build
 
     cfg = load_config("tiny", [*SETS, *extra])
     device = torch.device("cuda", 0)
@@ -59,9 +59,9 @@ def _snapshot(state):
 
 
 def test_overlapped_staging_saves_the_state_at_save_time(tmp_path, pg):
+    from kfp_nvrx.components.core.rundir import step_dir
+    from kfp_nvrx.components.train_fsdp.trainer.build import full_state
     from kfp_nvrx.components.train_fsdp.trainer.checkpoint import Checkpointer
-    from kfp_nvrx.components.train_fsdp.trainer.checkpoint.files import step_dir
-    from kfp_nvrx.components.train_fsdp.trainer.state import full_state
 
     cfg, model, opt, sched, train, step, device = _trainer(["checkpoint.staging=overlap"])
     ckpt = Checkpointer(tmp_path, cfg.checkpoint, device)
@@ -92,9 +92,9 @@ def test_overlapped_staging_saves_the_state_at_save_time(tmp_path, pg):
 
 
 def test_in_memory_restore_equals_the_files(tmp_path, pg):
+    from kfp_nvrx.components.core.rundir import step_dir
+    from kfp_nvrx.components.train_fsdp.trainer.build import full_state
     from kfp_nvrx.components.train_fsdp.trainer.checkpoint import Checkpointer
-    from kfp_nvrx.components.train_fsdp.trainer.checkpoint.files import step_dir
-    from kfp_nvrx.components.train_fsdp.trainer.state import full_state
 
     cfg, model, opt, sched, train, step, device = _trainer(["checkpoint.staging=overlap"])
     ckpt = Checkpointer(tmp_path, cfg.checkpoint, device)

@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kfp_nvrx.components.train_fsdp.trainer.checkpoint.files import committed_steps, step_dir
-from kfp_nvrx.components.train_fsdp.trainer.events import EventLog, read_events
+from kfp_nvrx.components.core.events import EventLog, read_events
+from kfp_nvrx.components.core.rundir import checkpoints_dir, committed_steps, step_dir
 
 
 class DrillSkipped(Exception):
@@ -93,7 +93,7 @@ class DamageNewest(Action):
     def poll(self, events: list[dict[str, Any]]) -> bool:  # noqa: D102
         if not any(e["type"] == "fault" for e in events):
             return False
-        root = self.run_dir / "checkpoints"
+        root = checkpoints_dir(self.run_dir)
         steps = committed_steps(root)
         if not steps:
             self.notes.append("no committed checkpoint to damage")
@@ -127,7 +127,7 @@ class DiskFull(Action):
     def __init__(self, run_dir: Path, ckpt_bytes: int) -> None:
         super().__init__(run_dir)
         self.ckpt_bytes = ckpt_bytes
-        self.mount = run_dir / "checkpoints"
+        self.mount = checkpoints_dir(run_dir)
         self.ballast = self.mount / "ballast"
         self.mounted = False
         self.enospc_seen = False

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from kfp_nvrx.components.train_fsdp.trainer.checkpoint.files import committed_steps, step_dir, verify
+from kfp_nvrx.components.core.rundir import checkpoints_dir, committed_steps, step_dir, verify
 
 
 def starts(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -40,7 +40,7 @@ def completed(events: list[dict[str, Any]]) -> bool:
 def run_dir_problems(run_dir: Path) -> list[str]:
     """What is inconsistent: committed checkpoints that fail verification, leftover temp files."""
     problems = []
-    root = run_dir / "checkpoints"
+    root = checkpoints_dir(run_dir)
     for step in committed_steps(root):
         problem = verify(step_dir(root, step))
         if problem:
@@ -54,7 +54,7 @@ def final_weights(run_dir: Path, step: int) -> dict[str, Any] | None:
     """Model tensors of the committed checkpoint ``step``, or None when it is not committed."""
     from kfp_nvrx.components.export_checkpoint.consolidate import load_model_state
 
-    root = run_dir / "checkpoints"
+    root = checkpoints_dir(run_dir)
     if step not in committed_steps(root):
         return None
     return load_model_state(step_dir(root, step))

@@ -18,7 +18,7 @@ STEPS = 16
 INTERVAL = 4
 #: Overrides every drill run shares (the reference too): same steps, schedule and data.
 BASE_OVERRIDES = (f"train.steps={STEPS}", f"checkpoint.interval={INTERVAL}", "checkpoint.keep=4")
-#: In-process restart on gloo (see ``trainer.setup.check_in_process_timeouts``).
+#: In-process restart on gloo (see ``trainer.bootstrap.check_in_process_timeouts``).
 IN_PROCESS = ("resilience.in_process=true", "resilience.monitor=off",
               "resilience.learn_timeouts=false", "resilience.soft_timeout=6",
               "resilience.hard_timeout=10", "resilience.pg_timeout=4")

@@ -12,14 +12,15 @@ import posixpath
 
 from kubernetes import client as k8s
 
+from kfp_nvrx.components.core.config import ResilienceConfig
+from kfp_nvrx.components.core.launch_command import in_process_env
+from kfp_nvrx.components.core.rundir import NCCL_TRACE_DIR
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.train_fsdp.jobspec.spec import (
     JobSpec,
     check_env_name,
     parse_secret_env,
 )
-from kfp_nvrx.components.train_fsdp.launcher.command import in_process_env
-from kfp_nvrx.components.train_fsdp.trainer.config import ResilienceConfig
 
 
 def _field_ref(path: str) -> k8s.V1EnvVarSource:
@@ -40,7 +41,7 @@ def gpu_env(run_dir: str) -> dict[str, str]:
         # Flight recorder: on a timeout each rank dumps its last collectives to the shared volume.
         "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": posixpath.join(run_dir, "nccl_trace", "rank_"),
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": posixpath.join(run_dir, NCCL_TRACE_DIR, "rank_"),
     }
 
 

@@ -20,6 +20,13 @@ GPU_RESOURCE = "nvidia.com/gpu"
 EFA_RESOURCE = "vpc.amazonaws.com/efa"
 HUGEPAGES_RESOURCE = "hugepages-2Mi"
 
+# The EFA profiles turn NVRx's NIC monitor off: it reads the InfiniBand PMA counter
+# ``ports/1/counters/link_downed``, and the kernel creates ``counters/`` only for devices that
+# answer management datagrams (``process_mad``). The EFA driver does not, so an EFA device has only
+# ``ports/1/hw_counters/`` (tx/rx bytes and packets, drops, RDMA read/write, retransmits,
+# unresponsive-remote events: no link_downed). The monitor would find no file, log a warning at
+# every check and never detect anything. A dead EFA link still surfaces as an NCCL error or a
+# missed heartbeat, which ft_launcher handles.
 #: Taint that EKS GPU node groups commonly carry; GPU pods tolerate it.
 _GPU_TOLERATION = {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
 
@@ -39,6 +46,8 @@ class InstanceProfile:
         instance_type: Value of the instance-type node selector ('' for none).
         tolerations: Tolerations added to every worker pod.
         default_procs: Processes per node when the user does not say (GPU profiles: all GPUs).
+        nic_monitor: Whether ft_launcher watches ``/sys/class/infiniband/*/ports/1/counters/
+            link_downed`` (``--ft-enable-nic-monitor``).
 
     """
 
@@ -52,6 +61,7 @@ class InstanceProfile:
     instance_type: str
     tolerations: tuple[dict[str, str], ...] = field(default_factory=tuple)
     default_procs: int = 1
+    nic_monitor: bool = False
 
     @property
     def is_gpu(self) -> bool:
@@ -78,6 +88,7 @@ PROFILES: dict[str, InstanceProfile] = {
         instance_type="p5.48xlarge",
         tolerations=(_GPU_TOLERATION,),
         default_procs=8,
+        nic_monitor=False,  # EFA has no link_downed counter (see above)
     ),
     # 8x A100 40GB, 4 EFA (400 Gbps), 96 vCPU, 1152 GiB.
     "p4d.24xlarge": InstanceProfile(
@@ -92,6 +103,7 @@ PROFILES: dict[str, InstanceProfile] = {
         instance_type="p4d.24xlarge",
         tolerations=(_GPU_TOLERATION,),
         default_procs=8,
+        nic_monitor=False,  # EFA has no link_downed counter (see above)
     ),
     # Any node: small clusters (kind, CPU node groups) and tests. gloo, no GPUs, no EFA.
     "cpu": InstanceProfile(

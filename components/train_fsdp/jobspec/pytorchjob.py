@@ -29,8 +29,18 @@ from kubeflow.training.constants import constants
 from kubernetes import client as k8s
 
 from kfp_nvrx.components import __version__
+from kfp_nvrx.components.core.config import PRESETS_DIR, Config, load_config
+from kfp_nvrx.components.core.launch_command import (
+    TrainerArgs,
+    ft_launcher_argv,
+    pod_grace_period_s,
+)
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.train_fsdp.jobspec import naming
+from kfp_nvrx.components.train_fsdp.jobspec.cluster_fields import (
+    check_cluster_fields,
+    escape_expansion,
+)
 from kfp_nvrx.components.train_fsdp.jobspec.env import container_env
 from kfp_nvrx.components.train_fsdp.jobspec.profiles import (
     EFA_RESOURCE,
@@ -46,8 +56,6 @@ from kfp_nvrx.components.train_fsdp.jobspec.spec import (
     check_resource_name,
     parse_extra_pvc,
 )
-from kfp_nvrx.components.train_fsdp.launcher.command import TrainerArgs, ft_launcher_argv
-from kfp_nvrx.components.train_fsdp.trainer.config import PRESETS_DIR, Config, load_config
 
 CONTAINER_NAME = "pytorch"  # the operator (and its webhook) require this name
 REPLICA_TYPE = "Worker"
@@ -195,10 +203,12 @@ def _annotations(spec: JobSpec, run_dir: str) -> dict[str, str]:
 def _pod_spec(spec: JobSpec, cfg: Config, run_dir: str, procs: int) -> k8s.V1PodSpec:
     prof = spec.profile
     res = cfg.resilience
-    trainer = TrainerArgs(config=spec.config, run_dir=run_dir, overrides=list(spec.overrides),
-                          faults=spec.checked_faults())
+    # The kubelet expands $(VAR) in a command (secret env values included): user text is escaped.
+    trainer = TrainerArgs(config=escape_expansion(spec.config), run_dir=escape_expansion(run_dir),
+                          overrides=[escape_expansion(o) for o in spec.overrides],
+                          faults=[escape_expansion(f) for f in spec.checked_faults()])
     # One builder for pods and launch-local; $(POD_IP) is expanded by the kubelet from the env.
-    command = ft_launcher_argv(res, trainer, local_addr="$(POD_IP)", nic_monitor=prof.is_gpu)
+    command = ft_launcher_argv(res, trainer, local_addr="$(POD_IP)", nic_monitor=prof.nic_monitor)
     volumes, mounts = _volumes(spec)
     security = None
     if (prof.efa if spec.efa is None else spec.efa):
@@ -238,8 +248,8 @@ def _pod_spec(spec: JobSpec, cfg: Config, run_dir: str, procs: int) -> k8s.V1Pod
         scheduler_name=spec.scheduler_name or None,
         service_account_name=spec.service_account or None,
         security_context=pod_security,
-        # ft_launcher needs workers_stop_timeout to stop its workers on SIGTERM, plus margin.
-        termination_grace_period_seconds=int(res.workers_stop_timeout) + 30,
+        # ft_launcher's --term-timeout plus its own shutdown: one decision, in command.py.
+        termination_grace_period_seconds=pod_grace_period_s(res),
     )
 
 
@@ -250,6 +260,7 @@ def build_pytorchjob(spec: JobSpec) -> RenderedJob:
         UserError: On any bad value, naming the flag.
 
     """
+    check_cluster_fields(spec)
     lo, hi = spec.node_range()
     procs = spec.procs_per_node()
     name = spec.job_name()

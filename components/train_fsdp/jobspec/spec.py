@@ -23,10 +23,19 @@ _IMAGE = re.compile(r"^[^\s]+$")
 #: Kubernetes resource names (PVCs, Secrets, PriorityClasses): DNS-1123 subdomain.
 _DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 #: Env the operator or the pod spec owns; a user value would break rendezvous or the launcher.
-RESERVED_ENV = ("POD_IP", "POD_NAME", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK",
-                "LOCAL_RANK", "PYTHONUNBUFFERED")
-#: Obsolete EFA/NCCL knobs: aws-ofi-nccl >= 1.7 sets the right per-platform values itself.
-OBSOLETE_ENV = ("FI_PROVIDER", "NCCL_PROTO", "FI_EFA_FORK_SAFE", "NCCL_BUFFSIZE")
+#: Variables the pod spec, ft_launcher or the Training Operator set, and why a user value would
+#: break the job. Everything else (EFA/libfabric ``FI_*``, ``NCCL_*``, ``RDMAV_*``, ...) a user may
+#: set; a user value replaces our default of the same name.
+RESERVED_ENV = {
+    "POD_IP": "the downward API sets it for ft_launcher --local-addr",
+    "POD_NAME": "the downward API sets it",
+    "MASTER_ADDR": "ft_launcher sets it per worker from the rendezvous",
+    "MASTER_PORT": "ft_launcher sets it per worker from the rendezvous",
+    "WORLD_SIZE": "ft_launcher sets it per worker from the rendezvous",
+    "RANK": "ft_launcher sets it per worker from the rendezvous",
+    "LOCAL_RANK": "ft_launcher sets it per worker",
+    "PYTHONUNBUFFERED": "the Training Operator sets it",
+}
 DELETE_AFTER = ("always", "on_success", "never")
 
 
@@ -117,9 +126,7 @@ class JobSpec:
     def procs_per_node(self) -> int:
         """Return processes per pod (GPU profiles: GPUs per pod)."""
         prof = self.profile
-        n = prof.default_procs if self.nproc_per_node is None else self.nproc_per_node
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise UserError("--nproc-per-node", f"must be an integer >= 1, got {n!r}")
+        n = check_procs(prof.default_procs if self.nproc_per_node is None else self.nproc_per_node)
         if prof.is_gpu and n > prof.gpus:
             raise UserError(
                 "--nproc-per-node",
@@ -149,7 +156,7 @@ class JobSpec:
 
     def checked_faults(self) -> list[str]:
         """Return ``faults`` after the trainer's own syntax check (typos fail before a job)."""
-        from kfp_nvrx.components.train_fsdp.trainer.faults import parse_fault
+        from kfp_nvrx.components.core.faults import parse_fault
 
         for item in self.faults:
             parse_fault(item)
@@ -171,6 +178,13 @@ def parse_nodes(text: str | int) -> tuple[int, int]:
     if lo > hi:
         raise UserError("--nodes", f"MIN must not exceed MAX, got {raw!r}")
     return lo, hi
+
+
+def check_procs(n: object) -> int:
+    """Processes per node: an integer >= 1 (raises UserError naming ``--nproc-per-node``)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise UserError("--nproc-per-node", f"must be an integer >= 1, got {n!r}")
+    return n
 
 
 def check_abs_path(flag: str, path: str) -> str:
@@ -220,14 +234,12 @@ def check_env_name(flag: str, name: str) -> str:
     """Check for a valid env var name that the pod spec does not own."""
     if not _ENV_NAME.match(name):
         raise UserError(flag, f"{name!r} is not a valid environment variable name")
-    if name in RESERVED_ENV or name.startswith("PET_"):
-        raise UserError(flag,
-                        f"{name} is set by the pod spec or the Training Operator; don't set it")
-    if name in OBSOLETE_ENV or name.startswith("RDMAV_"):
-        raise UserError(
-            flag,
-            f"{name} is obsolete on EFA: aws-ofi-nccl >= 1.7 sets the right value per platform",
-        )
+    if name in RESERVED_ENV:
+        raise UserError(flag, f"{name} is ours: {RESERVED_ENV[name]}; don't set it")
+    if name.startswith("PET_"):
+        raise UserError(flag, f"{name} is ours: the Training Operator sets PET_* from "
+                              "elasticPolicy (use --nodes, --nproc-per-node, "
+                              "--set resilience.max_restarts=N)")
     return name
 
 

@@ -2,15 +2,15 @@
 
 * ``local`` (the embedded default): runs the job's trainer part through ``launch-local`` on this
   machine: N ft_launcher agents on localhost with the same ``PET_*`` environment and the same
-  ft_launcher command line a PyTorchJob pod gets. Image, PVC and resources are not used, and
-  processes per agent default to 1 (``nproc_per_node`` when set).
-* ``kubernetes``: renders, validates and creates the PyTorchJob, then follows it
-  (:mod:`.kubernetes`).
+  ft_launcher command line a PyTorchJob pod gets (:func:`.local.run_local` reads the same
+  JobSpec; image, PVC and resources are not used).
+* ``kubernetes``: renders, validates and creates the PyTorchJob (:mod:`.kubernetes`) or the
+  Kubeflow Trainer v2 TrainJob (:mod:`.trainjob`), then follows it; ``job_api="auto"`` asks the
+  cluster which of the two it serves and takes the TrainJob when it serves both.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -21,15 +21,30 @@ from kfp_nvrx.components.train_fsdp.launcher.result import LaunchResult
 BACKENDS = ("local", "kubernetes")
 
 
-def local_run_dir(spec: JobSpec) -> str:
-    """Return the run directory of a local run: ``spec.run_dir`` or ``runs/<job name>``."""
-    return spec.run_dir or os.path.join("runs", spec.job_name())
+def _api_client(configuration: Any) -> Any:
+    """A Kubernetes ApiClient: ``configuration``, else in-cluster or kubeconfig credentials."""
+    from kubernetes import client, config
+
+    from kfp_nvrx.components.train_fsdp.launcher.kubernetes import ClusterError
+
+    if configuration is None:
+        configuration = client.Configuration()
+        try:
+            config.load_incluster_config(client_configuration=configuration)
+        except config.ConfigException:
+            try:
+                config.load_kube_config(client_configuration=configuration)
+            except Exception as err:  # noqa: BLE001 - no kubeconfig: one line
+                raise ClusterError(f"no Kubernetes credentials: {' '.join(str(err).split())}") \
+                    from None
+    return client.ApiClient(configuration)
 
 
 def launch(spec: JobSpec, backend: str = "local", *, log: Callable[[str], None] = print,
            deadline_s: float | None = None, namespace: str = "",
            delete_after: str = "on_success", poll_s: float = 5.0,
-           client_configuration: Any = None) -> LaunchResult:
+           client_configuration: Any = None, job_api: str = "pytorchjob",
+           runtime: str = "kfp-nvrx-ft") -> LaunchResult:
     """Run one training job on a backend and wait for its end.
 
     Args:
@@ -41,6 +56,8 @@ def launch(spec: JobSpec, backend: str = "local", *, log: Callable[[str], None] 
         delete_after: Kubernetes: ``always`` | ``on_success`` | ``never``.
         poll_s: Kubernetes: seconds between job status reads.
         client_configuration: Kubernetes client configuration (None: kubeconfig / in-cluster).
+        job_api: Kubernetes: ``pytorchjob``, ``trainjob`` or ``auto``.
+        runtime: Kubernetes, TrainJob: the TrainingRuntime it refers to.
 
     Returns:
         The same :class:`LaunchResult` from either backend.
@@ -54,24 +71,25 @@ def launch(spec: JobSpec, backend: str = "local", *, log: Callable[[str], None] 
 
         opts = K8sOptions(namespace=namespace, deadline_s=deadline_s, delete_after=delete_after,
                           poll_s=poll_s)
-        return launch_kubernetes(spec, opts, log=log, client_configuration=client_configuration)
+        if job_api == "pytorchjob":
+            return launch_kubernetes(spec, opts, log=log,
+                                     client_configuration=client_configuration)
+        from kfp_nvrx.components.train_fsdp.launcher import trainjob
+
+        api = None
+        if job_api == "auto":
+            api = _api_client(client_configuration)
+            job_api = trainjob.resolve_job_api(job_api, api)
+            log(f"--job-api auto: the cluster serves {job_api}")
+            if job_api == "pytorchjob":
+                return launch_kubernetes(spec, opts, log=log,
+                                         client_configuration=client_configuration)
+        elif job_api != "trainjob":
+            raise UserError("--job-api", f"must be pytorchjob, trainjob or auto, got {job_api!r}")
+        return trainjob.launch_trainjob(spec, opts, log=log, runtime=runtime,
+                                        api_client=api or _api_client(client_configuration))
     if backend == "local":
         from kfp_nvrx.components.train_fsdp.launcher.local import run_local
 
-        spec.node_range()  # validates --nodes before anything starts
-        # The profile's GPU count does not describe this machine: one process per agent unless
-        # the user asks for more.
-        nproc = spec.procs_per_node() if spec.nproc_per_node is not None else 1
-        return run_local(
-            spec.nodes,
-            nproc,
-            local_run_dir(spec),
-            spec.config,
-            list(spec.overrides),
-            spec.checked_faults(),
-            name=spec.job_name(),
-            env=dict(spec.env) or None,
-            log=log,
-            deadline_s=deadline_s,
-        )
+        return run_local(spec, log=log, deadline_s=deadline_s)
     raise UserError("--backend", f"must be one of {', '.join(BACKENDS)}, got {backend!r}")

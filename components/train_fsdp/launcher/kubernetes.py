@@ -340,7 +340,7 @@ def _fill_failure(result: LaunchResult, follower: PodLogFollower, core: k8s.Core
     tail = follower.tail(pod.name, lines)
     if not tail:
         try:
-            text = core.read_namespaced_pod_log(pod.name, namespace, container="pytorch",
+            text = core.read_namespaced_pod_log(pod.name, namespace, container=follower.container,
                                                 tail_lines=lines)
             tail = [t for t in (text or "").splitlines() if t]
         except ApiException:

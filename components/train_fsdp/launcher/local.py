@@ -8,6 +8,7 @@ deadline stop every agent and every worker they started (nothing is left running
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -22,14 +23,21 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
-from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.train_fsdp.launcher.command import (
+from kfp_nvrx.components.core.config import load_config
+from kfp_nvrx.components.core.events import read_events
+from kfp_nvrx.components.core.goodput import summarize_events
+from kfp_nvrx.components.core.launch_command import (
+    TRAINER_MODULE,
     TrainerArgs,
     ft_launcher_argv,
     in_process_env,
     pet_env,
 )
+from kfp_nvrx.components.errors import UserError
+from kfp_nvrx.components.ownership import claim_run_dir
+from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec, check_procs
 from kfp_nvrx.components.train_fsdp.launcher.gpus import slice_gpus
+from kfp_nvrx.components.train_fsdp.launcher.lifetime import RunDirLock, Watchdog
 from kfp_nvrx.components.train_fsdp.launcher.result import LaunchResult
 
 _MARKER = "KFP_NVRX_LOCAL_RUN"
@@ -37,24 +45,37 @@ _QUIET = re.compile(r"\[trainer\]|error|Error|failed|Traceback|injecting|FT time
                     re.IGNORECASE)
 
 
-def parse_nodes(nodes: str | int) -> tuple[int, int]:
-    """``N`` or ``MIN:MAX`` -> (min, max); raises UserError naming ``--nodes``."""
-    m = re.fullmatch(r"(\d+)(?::(\d+))?", str(nodes).strip())
-    if not m:
-        raise UserError("--nodes", f"expected N or MIN:MAX, got {nodes!r}")
-    lo, hi = int(m[1]), int(m[2] or m[1])
-    if lo < 1:
-        raise UserError("--nodes", f"needs at least 1 node, got {nodes!r}")
-    if lo > hi:
-        raise UserError("--nodes", f"MIN must not exceed MAX, got {nodes!r}")
-    return lo, hi
-
-
 def free_port() -> int:
     """A TCP port on localhost that is free now (rendezvous and test process groups)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def preflight(trainer: TrainerArgs, env: dict[str, str] | None = None) -> None:
+    """Runs every check a worker makes before training, once, before any agent starts.
+
+    The checks need the trainer's imports (torch for the dataset, the device and the checkpoint's
+    model shapes), so they run in a child interpreter (``--check``) rather than in this one; bad
+    input there would otherwise fail every worker once per restart.
+
+    Raises:
+        UserError: The first failed check, as the trainer reports it.
+    """
+    proc = subprocess.run([sys.executable, "-m", TRAINER_MODULE, *trainer.argv(), "--check"],
+                          env={**os.environ, **(env or {})}, capture_output=True, text=True)
+    if proc.returncode == 0:
+        return
+    for line in reversed(proc.stdout.splitlines()):
+        try:
+            err = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(err, dict) and {"field", "message"} <= err.keys():
+            raise UserError(str(err["field"]), str(err["message"]))
+    last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    raise UserError("trainer", f"its input check exited {proc.returncode} ({last[:300]}); "
+                    "install the trainer with pip install 'kfp-nvrx[trainer]'")
 
 
 def _ft_launcher() -> str:
@@ -112,23 +133,24 @@ class _Agent:
                 self.proc.wait()
 
 
-def run_local(nodes: str, nproc_per_node: int, run_dir: str, config: str,
-              overrides: list[str] | None = None, faults: list[str] | None = None, *,
-              name: str | None = None, env: dict[str, str] | None = None,
-              log: Callable[[str], None] = print, deadline_s: float | None = None,
-              verbose: bool = False,
+def local_run_dir(spec: JobSpec) -> Path:
+    """The run directory of a local run: ``spec.run_dir`` or ``runs/<job name>``."""
+    return Path(spec.run_dir or os.path.join("runs", spec.job_name()))
+
+
+def run_local(spec: JobSpec, *, log: Callable[[str], None] = print,
+              deadline_s: float | None = None, verbose: bool = False,
               on_start: Callable[[list[int]], None] | None = None) -> LaunchResult:
     """Runs one training job on localhost and waits for it.
 
+    Uses the trainer part of ``spec``: ``nodes`` (``N`` or ``MIN:MAX`` ft_launcher agents; MAX
+    are started), ``nproc_per_node`` (workers per agent; default 1, since the instance profile
+    does not describe this machine), ``run_dir`` (default ``runs/<job name>``), ``config``,
+    ``overrides``, ``faults`` and ``env``. The run is named ``spec.name`` (or the name derived
+    from ``run_id``), else after its run directory; the name is also the rendezvous id.
+
     Args:
-        nodes: ``N`` or ``MIN:MAX`` local "nodes" (ft_launcher agents; MAX are started).
-        nproc_per_node: Worker processes per agent.
-        run_dir: Run directory shared by all workers.
-        config: Trainer preset or YAML path.
-        overrides: ``--set`` items.
-        faults: ``--fault`` items.
-        name: Run name (also the rendezvous id); derived from run_dir when omitted.
-        env: Extra environment for the agents.
+        spec: The job.
         log: Where streamed output goes.
         deadline_s: Wall-clock limit; exceeded -> agents stopped, state ``DeadlineExceeded``.
         verbose: Stream every launcher line (default: trainer lines and errors only).
@@ -142,32 +164,26 @@ def run_local(nodes: str, nproc_per_node: int, run_dir: str, config: str,
     Raises:
         UserError: Bad input, before anything is started.
     """
-    from kfp_nvrx.components.train_fsdp.trainer.events import read_events
-    from kfp_nvrx.components.train_fsdp.trainer.goodput import summarize_events
-    from kfp_nvrx.components.train_fsdp.trainer.setup import (
-        check_checkpoint_model,
-        check_run_dir,
-        validate_inputs,
-    )
-
-    overrides, faults = list(overrides or []), list(faults or [])
-    lo, hi = parse_nodes(nodes)
-    if not isinstance(nproc_per_node, int) or nproc_per_node < 1:
-        raise UserError("--nproc-per-node", f"must be an integer >= 1, got {nproc_per_node!r}")
+    lo, hi = spec.node_range()
+    nproc_per_node = check_procs(1 if spec.nproc_per_node is None else spec.nproc_per_node)
     if deadline_s is not None and deadline_s <= 0:
         raise UserError("--deadline", f"must be > 0 seconds, got {deadline_s}")
-    cfg, _ = validate_inputs(config, overrides, faults)
-    run_path = check_run_dir(Path(run_dir)).resolve()
-    check_checkpoint_model(cfg, run_path)
+    overrides, env = list(spec.overrides), dict(spec.env)
+    cfg = load_config(spec.config, overrides)
+    run_path = local_run_dir(spec)
+    trainer = TrainerArgs(spec.config, str(run_path), overrides, spec.checked_faults())
+    preflight(trainer, env)
+    run_path = run_path.resolve()
+    trainer.run_dir = str(run_path)
     slices = slice_gpus(hi, nproc_per_node, cfg.train.device)
     exe = _ft_launcher()
-    name = name or re.sub(r"[^a-z0-9-]", "-", run_path.name.lower()) or "run"
+    name = (spec.job_name() if spec.name or spec.run_id
+            else re.sub(r"[^a-z0-9-]", "-", run_path.name.lower()) or "run")
     marker = uuid.uuid4().hex
     port = free_port()
-    argv = ft_launcher_argv(cfg.resilience, TrainerArgs(config, str(run_path), overrides, faults),
-                            local_addr="127.0.0.1", executable=exe)
+    argv = ft_launcher_argv(cfg.resilience, trainer, local_addr="127.0.0.1", executable=exe)
     threads = max(1, (os.cpu_count() or 1) // (hi * nproc_per_node))
-    base = {**os.environ, **(env or {}), _MARKER: marker, "PYTHONUNBUFFERED": "1",
+    base = {**os.environ, **env, _MARKER: marker, "PYTHONUNBUFFERED": "1",
             # NVRx >= 0.6 closes the rendezvous when two agents share a host unless told this
             # is deliberate (local "nodes" are agents on one machine).
             "NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE": "1",
@@ -175,7 +191,12 @@ def run_local(nodes: str, nproc_per_node: int, run_dir: str, config: str,
             **pet_env(nnodes=f"{lo}:{hi}" if lo != hi else str(hi), nproc_per_node=nproc_per_node,
                       rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id=f"{name}-{marker[:8]}",
                       max_restarts=cfg.resilience.max_restarts)}
-    run_path.mkdir(parents=True, exist_ok=True)
+    claim_run_dir(run_path)
+    lock = RunDirLock(run_path).acquire()  # one run owns a run dir at a time
+    grace = float(cfg.resilience.workers_stop_timeout) + 10
+    # Stops everything of this run if the launcher itself dies (SIGKILL included); it holds the
+    # lock until then.
+    watchdog = Watchdog(f"{_MARKER}={marker}", grace, keep_fds=(lock.fd,))
     log(f"[launch-local] {name}: {hi} node(s) x {nproc_per_node} proc, run dir {run_path}")
     started = time.time()
     agents: list[_Agent] = []
@@ -192,7 +213,9 @@ def run_local(nodes: str, nproc_per_node: int, run_dir: str, config: str,
 
     old = {}
     if threading.current_thread() is threading.main_thread():
-        old = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        # SIGHUP: the terminal closed; the run must not go on training unattended.
+        old = {s: signal.signal(s, _on_signal)
+               for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         for i in range(hi):
             agent_env = {**base, "PET_RDZV_CONF": f"is_host={1 if i == 0 else 0}"}
@@ -212,15 +235,17 @@ def run_local(nodes: str, nproc_per_node: int, run_dir: str, config: str,
                 break
             stop.wait(0.2)
     finally:
-        # Every node is told at once (one by one, each waited for, took up to N x grace).
+        # Tell every node first, then wait: stopping them one at a time would take N x grace.
         for a in agents:
             a.terminate()
-        stop_by = time.time() + float(cfg.resilience.workers_stop_timeout) + 10
+        stop_by = time.time() + grace
         for a in agents:
             a.stop(grace=stop_by - time.time())
         for a in agents:
             a.thread.join(timeout=5)
         leftovers = _reap(marker)
+        watchdog.finish()
+        lock.release()
         for s, h in old.items():
             signal.signal(s, h)
     events = read_events(run_path)  # read once: the report and the completion check share it

@@ -128,18 +128,23 @@ class PodLogFollower:
         emit: Called with each prefixed line (and pod status notes); must be thread-safe.
         container: The container to follow.
         watch_timeout_s: Length of one pod watch request (it is renewed until :meth:`stop`).
+        selector: Label selector of the job's pods ('' = the PyTorchJob's job-name label).
+        replica_name: Names a pod's replica for the line prefix (default: PyTorchJob labels).
 
     """
 
     def __init__(self, core: k8s.CoreV1Api, namespace: str, job_name: str, *,
                  emit: Callable[[str], None], container: str = "pytorch",
-                 watch_timeout_s: int = 30) -> None:
+                 watch_timeout_s: int = 30, selector: str = "",
+                 replica_name: Callable[[k8s.V1Pod], str] | None = None) -> None:
         self.core = core
         self.namespace = namespace
         self.job_name = job_name
         self.emit = emit
         self.container = container
         self.watch_timeout_s = watch_timeout_s
+        self.selector = selector or f"{JOB_NAME_LABEL}={job_name}"
+        self.replica_name = replica_name or _replica_name
         self.progress = Progress()
         self.pods: dict[str, PodState] = {}
         self._lock = threading.Lock()
@@ -191,7 +196,7 @@ class PodLogFollower:
     # -- pods -----------------------------------------------------------------------------------
 
     def _watch_loop(self) -> None:
-        selector = f"{JOB_NAME_LABEL}={self.job_name}"
+        selector = self.selector
         while not self._stop.is_set():
             try:
                 pods = self.core.list_namespaced_pod(self.namespace, label_selector=selector)
@@ -213,7 +218,8 @@ class PodLogFollower:
         name, uid = pod.metadata.name, pod.metadata.uid
         status = _container_status(pod, self.container)
         with self._lock:
-            state = self.pods.setdefault(name, PodState(name=name, replica=_replica_name(pod)))
+            state = self.pods.setdefault(name, PodState(name=name,
+                                                            replica=self.replica_name(pod)))
             if uid not in state.uids:
                 state.uids.append(uid)
                 if len(state.uids) > 1:

@@ -29,6 +29,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="override a config value (repeatable)")
     p.add_argument("--fault", action="append", default=[], metavar="KIND@STEP[/RANK]",
                    help="inject a fault once per run: kill, raise, hang, kill-in-ckpt")
+    # The launcher's preflight: every check a worker makes before training, without a launcher
+    # environment and without writing the run dir; a UserError comes back as one JSON line.
+    p.add_argument("--check", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -56,13 +59,35 @@ def boot_line(t_prepared: float) -> str:
     return f"[trainer] boot: {interp}imports+checks+device {t_prepared - _T_MAIN:.2f}s"
 
 
+def make_nccl_trace_dir() -> Path | None:
+    """Create the folder of ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE`` (the pod env points it into the run dir).
+
+    torch's flight recorder writes ``<prefix><rank>`` on a collective timeout and does not create
+    the folder, so without this the dumps that explain a hang are lost.
+    """
+    prefix = os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "")
+    if not prefix:
+        return None
+    folder = Path(prefix).parent
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
 def main(argv: list[str] | None = None) -> int:
     """Validates inputs before any process group exists, then trains."""
     args = parse_args(argv)
+    if args.check:
+        from kfp_nvrx.components.train_fsdp.trainer.bootstrap import check_job
+
+        return check_job(args.config, args.set, args.fault, Path(args.run_dir))
     try:
-        from kfp_nvrx.components.train_fsdp.trainer.setup import prepare_job
+        from kfp_nvrx.components.train_fsdp.trainer.bootstrap import prepare_job
 
         job = prepare_job(args.config, args.set, args.fault, Path(args.run_dir))
+        make_nccl_trace_dir()
+    except OSError as err:
+        sys.stderr.write(f"trainer: error: TORCH_NCCL_DEBUG_INFO_TEMP_FILE: {err}\n")
+        return UserError.exit_code
     except UserError as err:
         sys.stderr.write(f"trainer: error: {err.one_line()}\n")
         return UserError.exit_code

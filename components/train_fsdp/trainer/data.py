@@ -6,7 +6,6 @@ restarted run needs only the step number to continue exactly where it left off.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +14,6 @@ import torch
 from kfp_nvrx.components.errors import UserError
 
 INDEX_FILE = "index.json"
-FORMAT = "kfp-nvrx-tokens/1"
 
 
 class TokenDataset:
@@ -28,19 +26,14 @@ class TokenDataset:
     """
 
     def __init__(self, path: str, split: str = "train", field: str = "data.path") -> None:
+        from kfp_nvrx.components.prepare_dataset.shards import read_index
+
         root = Path(path)
-        index_path = root / INDEX_FILE
-        if not path or not index_path.is_file():
+        if not path or not (root / INDEX_FILE).is_file():
             raise UserError(field, f"{path!r} is not a dataset (no {INDEX_FILE}); "
                             "create one with `kfp-nvrx prepare-data`")
-        try:
-            self.index = json.loads(index_path.read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            raise UserError(field, f"cannot read {index_path}: {err}") from None
-        if self.index.get("format") != FORMAT:
-            raise UserError(field, f"{index_path} has format {self.index.get('format')!r}, "
-                            f"expected {FORMAT!r}")
-        if split not in self.index.get("splits", {}):
+        self.index = read_index(root, field)
+        if split not in self.index["splits"]:
             raise UserError(field, f"dataset has no {split!r} split")
         self.vocab_size = int(self.index["vocab_size"])
         dtype = np.dtype(self.index["dtype"])

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kfp_nvrx.components.core.config import ModelConfig
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.train_fsdp.trainer.config import ModelConfig
 
 
 def ffn_hidden_dim(cfg: ModelConfig) -> int:

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from kfp_nvrx.components.train_fsdp.trainer.config import ResilienceConfig
+from kfp_nvrx.components.core.config import ResilienceConfig
 
 log = logging.getLogger(__name__)
 

@@ -12,13 +12,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kfp_nvrx.components.train_fsdp.trainer.checkpoint import Checkpointer, HostStaging, NvrxWriter
-from kfp_nvrx.components.train_fsdp.trainer.config import Config
-from kfp_nvrx.components.train_fsdp.trainer.data import TokenDataset
-from kfp_nvrx.components.train_fsdp.trainer.events import EventLog, read_events
-from kfp_nvrx.components.train_fsdp.trainer.faults import Fault, FaultInjector
-from kfp_nvrx.components.train_fsdp.trainer.resilience import Monitor, in_process_wrapper
-from kfp_nvrx.components.train_fsdp.trainer.state import (
+from kfp_nvrx.components.core.config import Config
+from kfp_nvrx.components.core.events import EventLog, read_events
+from kfp_nvrx.components.core.faults import Fault
+from kfp_nvrx.components.train_fsdp.trainer.build import (
     TrainState,
     apply_state,
     build,
@@ -27,6 +24,10 @@ from kfp_nvrx.components.train_fsdp.trainer.state import (
     full_state,
     warm_start,
 )
+from kfp_nvrx.components.train_fsdp.trainer.checkpoint import Checkpointer, HostStaging, NvrxWriter
+from kfp_nvrx.components.train_fsdp.trainer.data import TokenDataset
+from kfp_nvrx.components.train_fsdp.trainer.fault_injector import FaultInjector
+from kfp_nvrx.components.train_fsdp.trainer.resilience import Monitor, in_process_wrapper
 
 
 @dataclass

@@ -33,15 +33,16 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from kfp_nvrx.components.train_fsdp.trainer.checkpoint.async_save import AsyncSaver, all_ranks
-from kfp_nvrx.components.train_fsdp.trainer.checkpoint.files import (
+from kfp_nvrx.components.core.config import CheckpointConfig
+from kfp_nvrx.components.core.rundir import (
+    checkpoints_dir,
     committed_steps,
-    prune,
     step_dir,
     verify,
-    write_checksums,
     write_commit_marker,
 )
+from kfp_nvrx.components.train_fsdp.trainer.checkpoint.async_save import AsyncSaver, all_ranks
+from kfp_nvrx.components.train_fsdp.trainer.checkpoint.files import prune, write_checksums
 from kfp_nvrx.components.train_fsdp.trainer.checkpoint.reader import load as fast_load
 from kfp_nvrx.components.train_fsdp.trainer.checkpoint.staging import (
     HostStaging,
@@ -49,7 +50,6 @@ from kfp_nvrx.components.train_fsdp.trainer.checkpoint.staging import (
     flat_state,
 )
 from kfp_nvrx.components.train_fsdp.trainer.checkpoint.writer import CheckpointError, NvrxWriter
-from kfp_nvrx.components.train_fsdp.trainer.config import CheckpointConfig
 
 
 def staging_mode(cfg: CheckpointConfig, device: torch.device) -> str:
@@ -95,7 +95,7 @@ class Checkpointer:
                  on_commit: Callable[[int, float, float, int], None] | None = None,
                  staging: HostStaging | None = None, writer: NvrxWriter | None = None,
                  log: Callable[[str], None] = print, final_step: int | None = None) -> None:
-        self.root = Path(run_dir) / "checkpoints"
+        self.root = checkpoints_dir(run_dir)
         self.cfg = cfg
         self.device = device
         self.rank = dist.get_rank()

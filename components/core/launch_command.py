@@ -9,12 +9,14 @@ are added only where the launcher's version is known (see :func:`launcher_nvrx_v
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kfp_nvrx.components.train_fsdp.trainer.config import ResilienceConfig
+from kfp_nvrx.components.core.config import ResilienceConfig
+from kfp_nvrx.components.errors import UserError
 
 #: The module ft_launcher runs in every worker process.
 TRAINER_MODULE = "kfp_nvrx.components.train_fsdp.trainer"
@@ -43,6 +45,14 @@ class TrainerArgs:
         return out
 
 
+#: First NVRx release whose ft_launcher accepts only ``any-failed`` (``--ft-restart-policy`` is
+#: deprecated there).
+ANY_FAILED_ONLY_SINCE = (0, 6)
+#: Seconds a pod keeps running after SIGTERM beyond ft_launcher's own stop timeout: the launcher
+#: and its rendezvous shut down after the workers are gone.
+POD_STOP_MARGIN_S = 30
+
+
 def restart_policy(res: ResilienceConfig) -> str:
     """ft_launcher restart policy; ``auto`` is ``any-failed``.
 
@@ -51,6 +61,42 @@ def restart_policy(res: ResilienceConfig) -> str:
     (NVRx <= 0.5 only) is passed through when set explicitly.
     """
     return "any-failed" if res.restart_policy == "auto" else res.restart_policy
+
+
+def restart_policy_flags(res: ResilienceConfig, nvrx_version: str | None) -> list[str]:
+    """``--ft-restart-policy`` only when it is not ``any-failed``, the default of every NVRx.
+
+    NVRx 0.7 deprecates the flag, so the default is never written out. ``min-healthy`` exists only
+    up to NVRx 0.5; a pod's version is unknown here and the trainer image ships 0.7, so it is
+    refused unless the launcher is known to be older.
+
+    Raises:
+        UserError: ``min-healthy`` for an NVRx that has no such policy.
+    """
+    policy = restart_policy(res)
+    if policy == "any-failed":
+        return []
+    version = _version_tuple(nvrx_version)
+    if not version or version >= ANY_FAILED_ONLY_SINCE:
+        raise UserError("resilience.restart_policy",
+                        f"{policy} needs NVRx <= 0.5, but ft_launcher here is "
+                        f"{nvrx_version or 'the trainer image (NVRx 0.7)'}; use auto")
+    return [f"--ft-restart-policy={policy}"]
+
+
+def stop_timeout_s(res: ResilienceConfig) -> float:
+    """How long ft_launcher waits for its workers to exit before SIGKILL, whatever stops them.
+
+    The same value goes to ``--workers-stop-timeout`` (stopping workers to restart them) and
+    ``--term-timeout`` (the pod got SIGTERM; NVRx's default is 1800 s, far past any pod's grace
+    period, so the kubelet would SIGKILL everything before ft_launcher's own deadline).
+    """
+    return float(res.workers_stop_timeout)
+
+
+def pod_grace_period_s(res: ResilienceConfig) -> int:
+    """``terminationGracePeriodSeconds``: ft_launcher's stop timeout plus its own shutdown."""
+    return math.ceil(stop_timeout_s(res)) + POD_STOP_MARGIN_S
 
 
 def _version_tuple(version: str | None) -> tuple[int, ...]:
@@ -93,7 +139,7 @@ def ft_flags(res: ResilienceConfig, *, nic_monitor: bool = False,
         f"--ft-rank-heartbeat-timeout={res.heartbeat_timeout:g}",
         f"--ft-workload-check-interval={res.workload_check_interval:g}",
         f"--ft-safety-factor={res.safety_factor:g}",
-        f"--ft-restart-policy={restart_policy(res)}",
+        *restart_policy_flags(res, nvrx_version),
         f"--ft-enable-nic-monitor={'True' if nic_monitor else 'False'}",
     ]
     if res.monitor == "sections":
@@ -117,6 +163,8 @@ def ft_launcher_argv(
     nic_monitor: bool = False,
     executable: str = "ft_launcher",
     nvrx_version: str | None = None,
+    rdzv_endpoint: str = "",
+    rdzv_id: str = "",
 ) -> list[str]:
     """The full ``ft_launcher`` command line.
 
@@ -125,23 +173,32 @@ def ft_launcher_argv(
         trainer: Flags passed through to the trainer.
         local_addr: This agent's address; becomes MASTER_ADDR when the agent is group rank 0.
             In a pod this is ``$(POD_IP)`` (expanded by Kubernetes from the downward API).
-        nic_monitor: Whether NVRx watches InfiniBand/EFA link state (off on CPU).
+        nic_monitor: Whether NVRx watches the NICs' ``link_downed`` counters (the instance
+            profile decides: EFA has no such counter).
         executable: The launcher binary (an absolute path for local runs).
         nvrx_version: NVRx version of that launcher, enabling flags only newer versions accept;
             by default the installed one when ``executable`` is this environment's ft_launcher
             (``launch-local``), else none (pods: the image's version is not known here).
+        rdzv_endpoint: c10d endpoint given on the command line ('' = from ``PET_RDZV_ENDPOINT``,
+            which a PyTorchJob and ``launch-local`` set; a TrainJob sets none).
+        rdzv_id: Rendezvous id on the command line ('' = from ``PET_RDZV_ID``).
 
     Returns:
         argv, ready for ``subprocess`` or a container ``command``.
     """
     if nvrx_version is None:
         nvrx_version = launcher_nvrx_version(executable)
+    rdzv = [f"--rdzv-endpoint={rdzv_endpoint}"] if rdzv_endpoint else []
+    rdzv += [f"--rdzv-id={rdzv_id}"] if rdzv_id else []
     return [
         executable,
         f"--rdzv-backend={RDZV_BACKEND}",
+        *rdzv,
         f"--local-addr={local_addr}",
         f"--max-restarts={res.max_restarts}",
-        f"--workers-stop-timeout={res.workers_stop_timeout:g}",
+        # FT: one stop timeout for restarts and for the pod's SIGTERM (see pod_grace_period_s).
+        f"--workers-stop-timeout={stop_timeout_s(res):g}",
+        f"--term-timeout={stop_timeout_s(res):g}",
         # FT: how often the agent checks its workers (and, in NVRx 0.7, whether a peer opened a
         # restart round): the failure-detection latency of an in-job restart (torchrun: 0.1 s).
         f"--monitor-interval={res.launcher_poll_interval:g}",

@@ -2,20 +2,29 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
-import yaml
-
+from kfp_nvrx.components.core.config import Config, load_config
+from kfp_nvrx.components.core.faults import Fault, parse_fault
+from kfp_nvrx.components.core.rundir import (
+    check_run_dir,
+    checkpoints_dir,
+    committed_steps,
+    step_dir,
+    write_config,
+)
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.train_fsdp.trainer.config import Config, load_config
-from kfp_nvrx.components.train_fsdp.trainer.faults import Fault, parse_fault
-
-CONFIG_FILE = "config.yaml"
 
 
-def validate_inputs(config: str, overrides: list[str], faults: list[str]) -> tuple[Config, list[Fault]]:
-    """Loads the config, parses faults and opens the dataset; raises UserError on bad input."""
+def validate_inputs(config: str, overrides: list[str], faults: list[str], *,
+                    verify_data: bool = False) -> tuple[Config, list[Fault]]:
+    """Loads the config, parses faults and opens the dataset; raises UserError on bad input.
+
+    ``verify_data`` also checks the shards' sha256 when the split is small enough to read
+    (the launcher does it once; every worker repeating it would multiply the reads).
+    """
     cfg = load_config(config, overrides)
     parsed = [parse_fault(f) for f in faults]
     interval = cfg.checkpoint.interval
@@ -30,7 +39,12 @@ def validate_inputs(config: str, overrides: list[str], faults: list[str]) -> tup
         raise UserError("data.path", "not set; pass --set data.path=DIR (from prepare-data)")
     from kfp_nvrx.components.train_fsdp.trainer.data import TokenDataset
 
-    TokenDataset(cfg.data.path, cfg.data.split).check_fits(cfg.data.seq_len, cfg.model.vocab_size)
+    dataset = TokenDataset(cfg.data.path, cfg.data.split)
+    dataset.check_fits(cfg.data.seq_len, cfg.model.vocab_size)
+    if verify_data:
+        from kfp_nvrx.components.prepare_dataset.shards import check_checksums
+
+        check_checksums(cfg.data.path, dataset.index, [cfg.data.split], "data.path")
     return cfg, parsed
 
 
@@ -68,28 +82,21 @@ def check_launcher_env() -> None:
                         "launcher (kfp-nvrx launch-local, ft_launcher or torchrun), not on its own")
 
 
-def check_run_dir(run_dir: Path) -> Path:
-    """A usable run directory: no ``..`` components, not a file."""
-    if ".." in Path(run_dir).parts:
-        raise UserError("--run-dir", f"{run_dir} must not contain '..'")
-    if run_dir.exists() and not run_dir.is_dir():
-        raise UserError("--run-dir", f"{run_dir} exists and is not a directory")
-    return run_dir
-
-
 def check_checkpoint_model(cfg: Config, run_dir: Path) -> None:
     """The run dir's newest committed checkpoint must hold this config's model (names and shapes).
 
     Otherwise reusing a run dir with another model fails inside every worker, once per restart
     (and a same-named model of other sizes only at ``dcp.load``, with a traceback).
     """
-    from kfp_nvrx.components.train_fsdp.trainer.checkpoint.files import committed_steps, step_dir
-
-    root = run_dir / "checkpoints"
+    root = checkpoints_dir(run_dir)
     steps = [s for s in committed_steps(root)
              if cfg.checkpoint.load_step < 0 or s == cfg.checkpoint.load_step]
     if not steps:
         return
+    if steps[0] > cfg.train.steps:
+        raise UserError("train.steps", f"{cfg.train.steps} is below the newest committed "
+                        f"checkpoint (step {steps[0]}) in {root}: the run would end at once "
+                        "without training; raise train.steps or use a fresh --run-dir")
     import torch
     import torch.distributed.checkpoint as dcp
 
@@ -112,12 +119,21 @@ def check_checkpoint_model(cfg: Config, run_dir: Path) -> None:
                             "settings it was trained with")
 
 
-def write_config(cfg: Config, run_dir: Path) -> None:
-    """Writes the resolved config (atomically; every rank writes the same bytes)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run_dir / f".{CONFIG_FILE}.{os.getpid()}.tmp"
-    tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    os.replace(tmp, run_dir / CONFIG_FILE)
+def check_job(config: str, overrides: list[str], faults: list[str], run_dir: Path) -> int:
+    """The launcher's preflight (``--check``): what :func:`prepare_job` checks, nothing written.
+
+    Returns:
+        0 when every check passes; else 2 after printing the UserError as one JSON line
+        (``field``, ``message``) for the launcher to raise again.
+    """
+    try:
+        cfg, _ = validate_inputs(config, overrides, faults, verify_data=True)
+        check_run_dir(run_dir)
+        check_checkpoint_model(cfg, run_dir)
+    except UserError as err:
+        print(json.dumps({"field": err.field, "message": err.message}), flush=True)
+        return UserError.exit_code
+    return 0
 
 
 def prepare_job(config: str, overrides: list[str], faults: list[str], run_dir: Path):

@@ -7,12 +7,14 @@ a YAML path or by a bundled preset (``tiny``, ``125m``, ``1b``, ``8b``) in ``con
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 
@@ -21,120 +23,161 @@ from kfp_nvrx.components.errors import UserError
 PRESETS_DIR = Path(__file__).parent / "configs"
 
 
+def setting(default: Any, *, gt: float | None = None, ge: float | None = None,
+            le: float | None = None, choices: tuple[str, ...] = ()) -> Any:
+    """A config field with its constraint, checked on every assignment (YAML, ``--set``, Python).
+
+    The constraint is ``gt < value``, ``ge <= value``, ``value <= le`` or one of ``choices``.
+    """
+    return field(default=default, metadata={"gt": gt, "ge": ge, "le": le, "choices": choices})
+
+
+def positive(default: float) -> Any:
+    """A field that must be > 0."""
+    return setting(default, gt=0)
+
+
+def non_negative(default: float) -> Any:
+    """A field that must be >= 0."""
+    return setting(default, ge=0)
+
+
+def one_of(default: str, *choices: str) -> Any:
+    """A field whose value is one of ``choices``."""
+    return setting(default, choices=(default, *[c for c in choices if c != default]))
+
+
+class Section:
+    """A config section; it never holds a value its declaration forbids.
+
+    Every assignment is type-checked and checked against its field's constraint (:func:`setting`).
+    """
+
+    section: ClassVar[str] = ""
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        declared = self.__dataclass_fields__.get(key)  # type: ignore[attr-defined]
+        if declared is not None:
+            dotted = f"{self.section}.{key}"
+            value = _coerce(dotted, value, _hints(type(self))[key], declared.metadata)
+            _check(dotted, value, declared.metadata)
+        super().__setattr__(key, value)
+
+
 @dataclass
-class ModelConfig:
+class ModelConfig(Section):
     """Built-in Llama-style decoder (RMSNorm, RoPE, SwiGLU, SDPA) or a user factory."""
 
-    vocab_size: int = 256
-    dim: int = 64
-    n_layers: int = 2
-    n_heads: int = 4
-    n_kv_heads: int = 0  # 0 = same as n_heads
+    section: ClassVar[str] = "model"
+    vocab_size: int = positive(256)
+    dim: int = positive(64)
+    n_layers: int = positive(2)
+    n_heads: int = positive(4)
+    n_kv_heads: int = non_negative(0)  # 0 = same as n_heads
     ffn_multiple_of: int = 32
     ffn_dim_multiplier: float = 1.0
-    max_seq_len: int = 128
+    max_seq_len: int = positive(128)
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     factory: str = ""  # "pkg.module:fn" -> fn(model_cfg) returns an nn.Module (tokens -> logits)
 
 
 @dataclass
-class DataConfig:
+class DataConfig(Section):
     """Token shards written by ``kfp-nvrx prepare-data``."""
 
+    section: ClassVar[str] = "data"
     path: str = ""
-    split: str = "train"
-    seq_len: int = 64
-    batch_size: int = 4  # sequences per rank per step
+    split: str = one_of("train", "val")
+    seq_len: int = positive(64)
+    batch_size: int = positive(4)  # sequences per rank per step
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(Section):
     """Optimisation loop."""
 
-    steps: int = 40
-    seed: int = 1234
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 4
-    weight_decay: float = 0.1
+    section: ClassVar[str] = "train"
+    steps: int = positive(40)
+    seed: int = non_negative(1234)
+    lr: float = non_negative(3e-3)
+    min_lr_ratio: float = setting(0.1, ge=0, le=1)
+    warmup_steps: int = non_negative(4)
+    weight_decay: float = non_negative(0.1)
     beta1: float = 0.9
     beta2: float = 0.95
-    grad_clip: float = 1.0
+    grad_clip: float = non_negative(1.0)
     activation_checkpointing: bool = False
     compile: bool = False
-    log_every: int = 10
-    device: str = "auto"  # auto | cpu | cuda
-    step_sleep: float = 0.0  # seconds slept per step (drills: makes tiny runs long enough to fault)
+    log_every: int = positive(10)
+    device: str = one_of("auto", "cpu", "cuda")
+    # Seconds slept per step: makes tiny drill runs long enough to fault mid-run.
+    step_sleep: float = non_negative(0.0)
     # Bitwise-reproducible steps: deterministic kernels, math SDPA, fixed cuBLAS workspace. A run
     # with faults then ends with exactly the weights of a fault-free run (costs step time on GPU).
     deterministic: bool = False
 
 
 @dataclass
-class CheckpointConfig:
+class CheckpointConfig(Section):
     """DCP checkpoints under ``<run_dir>/checkpoints/step_XXXXXXXX``."""
 
-    interval: int = 10  # steps between saves; 0 disables periodic saves
-    keep: int = 3
+    section: ClassVar[str] = "checkpoint"
+    interval: int = non_negative(10)  # steps between saves; 0 disables periodic saves
+    keep: int = positive(3)
     async_save: bool = True
-    finalize_timeout: float = 300.0  # seconds a save may take before the run fails loudly
+    finalize_timeout: float = positive(300.0)  # seconds a save may take before the run fails
     save_final: bool = True
     load_step: int = -1  # -1 = newest committed checkpoint
     init_from: str = ""  # warm start: model.safetensors (or an export dir) used when no checkpoint exists
-    # auto | overlap | blocking | nvrx. overlap/blocking: the state is staged into persistent pinned,
-    # shared host buffers; overlap copies on a side stream during the next forward/backward and the
-    # optimizer step waits for it (GPU-side); blocking waits in save(). nvrx: NVRx's own staging.
-    # auto = overlap on CUDA, blocking on CPU.
-    staging: str = "auto"
-    write_threads: int = 4  # files per rank written in parallel by the NVRx writer (staged saves)
+    # overlap/blocking: the state is staged into persistent pinned, shared host buffers; overlap
+    # copies on a side stream during the next forward/backward and the optimizer step waits for
+    # it (GPU-side); blocking waits in save(). nvrx: NVRx's own staging. auto = overlap on CUDA,
+    # blocking on CPU.
+    staging: str = one_of("auto", "overlap", "blocking", "nvrx")
+    write_threads: int = positive(4)  # files per rank written in parallel by the NVRx writer
 
 
 @dataclass
-class ResilienceConfig:
+class ResilienceConfig(Section):
     """NVRx settings: ft_launcher flags, rank monitor and opt-in in-process restart."""
 
-    monitor: str = "sections"  # sections | heartbeats | off
-    initial_heartbeat_timeout: float = 600.0
-    heartbeat_timeout: float = 300.0
-    setup_timeout: float = 600.0
-    step_timeout: float = 300.0
-    checkpoint_timeout: float = 600.0
-    out_of_section_timeout: float = 300.0
+    section: ClassVar[str] = "resilience"
+    monitor: str = one_of("sections", "heartbeats", "off")
+    initial_heartbeat_timeout: float = positive(600.0)
+    heartbeat_timeout: float = positive(300.0)
+    setup_timeout: float = positive(600.0)
+    step_timeout: float = positive(300.0)
+    checkpoint_timeout: float = positive(600.0)
+    out_of_section_timeout: float = positive(300.0)
     learn_timeouts: bool = True  # calculate_and_set_*_timeouts after `learn_after` steps
-    learn_after: int = 5
-    safety_factor: float = 5.0
+    learn_after: int = non_negative(5)
+    safety_factor: float = positive(5.0)
     # Seconds no learned timeout goes below: NVRx learns safety_factor x the longest gap seen,
-    # under a second for fast steps, and a GC pause or a slow shared-storage read must not kill
-    # a healthy rank. Hang detection after learning takes max(this, learned) + check interval.
-    min_learned_timeout: float = 10.0
-    workload_check_interval: float = 1.0
-    max_restarts: int = 3
-    restart_policy: str = "auto"  # auto (= any-failed) | any-failed | min-healthy (NVRx <= 0.5)
-    workers_stop_timeout: float = 15.0
+    # under a second for fast steps, and a GC pause or a stall on shared storage must not kill a
+    # healthy rank (long phases such as saves and the final writer wait heartbeat on their own).
+    # Hang detection after learning takes max(this, learned) + the check interval.
+    min_learned_timeout: float = positive(5.0)
+    workload_check_interval: float = positive(1.0)
+    max_restarts: int = non_negative(3)
+    # auto (= any-failed) | any-failed | min-healthy (NVRx <= 0.5)
+    restart_policy: str = one_of("auto", "any-failed", "min-healthy")
+    workers_stop_timeout: float = positive(15.0)
     in_process: bool = False
-    in_process_max_iterations: int = 3
-    soft_timeout: float = 60.0
-    hard_timeout: float = 90.0
-    barrier_timeout: float = 120.0
-    pg_timeout: float = 600.0  # collective timeout (gloo/NCCL); must exceed hard_timeout
-    # Recovery latency (issue 6). last_call_wait: seconds the in-process wrapper waits after the
-    # first fault report for other ranks' concurrent reports before it restarts; they only enrich
-    # the logged attribution (NVRx default 1 s, half of its restart time on the H200). >= 0.
-    last_call_wait: float = 0.1
+    in_process_max_iterations: int = positive(3)
+    soft_timeout: float = positive(60.0)
+    hard_timeout: float = positive(90.0)
+    barrier_timeout: float = positive(120.0)
+    pg_timeout: float = positive(600.0)  # collective timeout (gloo/NCCL); must exceed hard_timeout
+    # Seconds the in-process wrapper waits after the first fault report for other ranks' reports
+    # before it restarts. Those only enrich the logged attribution, and every second here is a
+    # second of recovery (NVRx's default of 1 s was half of its restart time on an H200).
+    last_call_wait: float = non_negative(0.1)
     # ft_launcher polling period, seconds: --monitor-interval (how soon a failed worker is seen;
     # every agent also polls the rendezvous store at this rate) and, with NVRx >= 0.7,
     # --ft-gpu-memory-poll-interval (restarted workers wait for the failed ones' GPU memory to be
-    # released, polled every 2 s by default). > 0.
-    launcher_poll_interval: float = 0.1
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        # Range checks of the recovery-latency fields, on every assignment (YAML, --set, Python).
-        if name == "last_call_wait" and not value >= 0:
-            raise UserError(f"resilience.{name}", f"must be >= 0, got {value}")
-        if name == "launcher_poll_interval" and not 0 < value <= 60:
-            raise UserError(f"resilience.{name}", f"must be > 0 and <= 60 seconds, got {value}")
-        super().__setattr__(name, value)
+    # released, polled every 2 s by default).
+    launcher_poll_interval: float = setting(0.1, gt=0, le=60)
 
 
 @dataclass
@@ -152,33 +195,27 @@ class Config:
         return dataclasses.asdict(self)
 
 
-_CHOICES = {
-    "resilience.monitor": ("sections", "heartbeats", "off"),
-    "resilience.restart_policy": ("auto", "any-failed", "min-healthy"),
-    "checkpoint.staging": ("auto", "overlap", "blocking", "nvrx"),
-    "train.device": ("auto", "cpu", "cuda"),
-    "data.split": ("train", "val"),
-}
-_POSITIVE = {
-    "model.vocab_size", "model.dim", "model.n_layers", "model.n_heads", "model.max_seq_len",
-    "data.seq_len", "data.batch_size", "train.steps", "checkpoint.keep",
-    "checkpoint.finalize_timeout", "checkpoint.write_threads", "resilience.initial_heartbeat_timeout",
-    "resilience.heartbeat_timeout", "resilience.setup_timeout", "resilience.step_timeout",
-    "resilience.checkpoint_timeout", "resilience.out_of_section_timeout",
-    "resilience.safety_factor", "resilience.workload_check_interval",
-    "resilience.min_learned_timeout",
-    "resilience.workers_stop_timeout", "resilience.soft_timeout", "resilience.hard_timeout",
-    "resilience.barrier_timeout", "resilience.pg_timeout", "resilience.in_process_max_iterations",
-    "train.log_every",
-}
-_NON_NEGATIVE = {
-    "model.n_kv_heads", "train.lr", "train.warmup_steps", "train.weight_decay", "train.grad_clip",
-    "checkpoint.interval", "resilience.max_restarts", "resilience.learn_after", "train.seed",
-    "train.step_sleep", "train.min_lr_ratio",
-}
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
 
 
-def _coerce(key: str, value: Any, typ: Any) -> Any:
+def _check(key: str, value: Any, rule: Mapping[str, Any]) -> None:
+    """Raises UserError naming ``key`` when ``value`` breaks its field's constraint."""
+    gt, ge, le, choices = rule.get("gt"), rule.get("ge"), rule.get("le"), rule.get("choices")
+    if choices and value not in choices:
+        raise UserError(key, f"must be one of {', '.join(choices)}, got {value!r}")
+    if ge is not None and le is not None and not ge <= value <= le:  # NaN fails every comparison
+        raise UserError(key, f"must be within [{ge:g}, {le:g}], got {value}")
+    if gt is not None and le is not None and not gt < value <= le:
+        raise UserError(key, f"must be > {gt:g} and <= {le:g}, got {value}")
+    if gt is not None and not value > gt:
+        raise UserError(key, f"must be > {gt:g}, got {value}")
+    if ge is not None and not value >= ge:
+        raise UserError(key, f"must be >= {ge:g}, got {value}")
+
+
+def _coerce(key: str, value: Any, typ: Any, rule: Mapping[str, Any]) -> Any:
     """Checks ``value`` against the annotated type (ints may stand for floats, not bools)."""
     if typ is bool:
         if isinstance(value, bool):
@@ -197,23 +234,23 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
     elif typ is str:
         if isinstance(value, str):
             return value
+        choices = rule.get("choices") or ()
         word = {False: "off", True: "on"}.get(value) if isinstance(value, bool) else None
-        if word is not None and word in _CHOICES.get(key, ()):
+        if word is not None and word in choices:
             return word  # YAML 1.1 reads a bare `off` as false
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in _CHOICES:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not choices:
             return str(value)
     name = getattr(typ, "__name__", str(typ))
     raise UserError(key, f"expected {name}, got {value!r} ({type(value).__name__})")
 
 
 def _apply(section_obj: Any, section: str, values: dict[str, Any]) -> None:
-    hints = typing.get_type_hints(type(section_obj))
+    known = [f.name for f in dataclasses.fields(section_obj)]
     for key, value in values.items():
-        dotted = f"{section}.{key}"
-        if key not in hints:
-            known = ", ".join(sorted(hints))
-            raise UserError(dotted, f"unknown key; known keys of '{section}': {known}")
-        setattr(section_obj, key, _coerce(dotted, value, hints[key]))
+        if key not in known:
+            raise UserError(f"{section}.{key}", f"unknown key; known keys of '{section}': "
+                            f"{', '.join(sorted(known))}")
+        setattr(section_obj, key, value)  # Section.__setattr__ checks type and constraint
 
 
 def _parse_scalar(text: str) -> Any:
@@ -292,18 +329,7 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
 
 
 def validate(cfg: Config) -> None:
-    """Range and consistency checks; raises UserError naming the first bad field."""
-    for section in dataclasses.fields(Config):
-        obj = getattr(cfg, section.name)
-        for f in dataclasses.fields(obj):
-            dotted = f"{section.name}.{f.name}"
-            value = getattr(obj, f.name)
-            if dotted in _POSITIVE and not value > 0:
-                raise UserError(dotted, f"must be > 0, got {value}")
-            if dotted in _NON_NEGATIVE and value < 0:
-                raise UserError(dotted, f"must be >= 0, got {value}")
-            if dotted in _CHOICES and value not in _CHOICES[dotted]:
-                raise UserError(dotted, f"must be one of {', '.join(_CHOICES[dotted])}, got {value!r}")
+    """Checks between fields (each field's own constraint is checked when it is set)."""
     m = cfg.model
     if not m.factory:
         if m.dim % m.n_heads:

@@ -1,57 +1,25 @@
-"""Fault injection for drills and tests: ``--fault KIND@STEP[/RANK]`` (repeatable).
+"""Fires the ``--fault`` items of this rank, each once per run.
 
-Kinds: ``kill`` (SIGKILL self), ``raise`` (exception), ``hang`` (stop heartbeating and block),
-``kill-in-ckpt`` (SIGKILL while an async checkpoint is being written), ``stall`` (a healthy step
-that takes ``STALL_S`` seconds longer, as a slow read from shared storage would: the run must not
-be killed for it once timeouts are learned). Each fault fires once per
-run: a marker file in ``<run_dir>/faults/`` is created (O_EXCL) before it fires, so a restarted
+A marker file in ``<run_dir>/faults/`` is created (O_EXCL) before a fault fires, so a restarted
 worker does not fire it again.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import signal
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-from kfp_nvrx.components.errors import UserError
+from kfp_nvrx.components.core.faults import Fault
+from kfp_nvrx.components.core.rundir import FAULTS_DIR
 
-KINDS = ("kill", "raise", "hang", "kill-in-ckpt", "stall")
+#: How much longer a ``stall`` fault makes its step (a slow shared-storage read).
 STALL_S = 3.0
-_PATTERN = re.compile(r"^(?P<kind>[a-z-]+)@(?P<step>\d+)(?:/(?P<rank>\d+))?$")
 
 
 class InjectedFault(RuntimeError):
     """The exception a ``raise`` fault throws."""
-
-
-@dataclass(frozen=True)
-class Fault:
-    """One fault: fires on ``rank`` (default 0) at ``step``."""
-
-    kind: str
-    step: int
-    rank: int = 0
-
-    @property
-    def key(self) -> str:
-        """Marker name, unique per fault."""
-        return f"{self.kind}@{self.step}.{self.rank}"
-
-
-def parse_fault(text: str) -> Fault:
-    """Parses ``KIND@STEP[/RANK]``; raises UserError naming ``--fault`` when malformed."""
-    m = _PATTERN.match(text.strip())
-    if not m or m["kind"] not in KINDS:
-        raise UserError("--fault", f"expected KIND@STEP[/RANK] with KIND in {', '.join(KINDS)}, "
-                        f"got {text!r}")
-    step = int(m["step"])
-    if step < 1:
-        raise UserError("--fault", f"step must be >= 1, got {text!r}")
-    return Fault(m["kind"], step, int(m["rank"] or 0))
 
 
 class FaultInjector:
@@ -59,7 +27,7 @@ class FaultInjector:
 
     def __init__(self, faults: list[Fault], run_dir: str | os.PathLike, rank: int) -> None:
         self.faults = [f for f in faults if f.rank == rank]
-        self.marker_dir = Path(run_dir) / "faults"
+        self.marker_dir = Path(run_dir) / FAULTS_DIR
         self.rank = rank
 
     def _claim(self, fault: Fault) -> bool:

@@ -157,7 +157,7 @@ def build_report(out: Path) -> dict[str, Any]:
 def _markdown(s, ck, t, overheads, sc, load, proj) -> str:
     m = s.get("machine", {})
     lines = [
-        "# Benchmarks (issue 6)", "",
+        "# Benchmarks", "",
         f"Measured by `make bench` (`python -m bench.run`) on {m.get('gpu', '?')} "
         f"(driver {m.get('driver', '?')}, CUDA {m.get('cuda', '?')}, NCCL {m.get('nccl', '?')}), "
         f"torch {m.get('torch', '?')}, nvidia-resiliency-ext {m.get('nvidia_resiliency_ext', '?')}, "

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-EVENTS_FILE = "events.jsonl"
+from kfp_nvrx.components.core.rundir import EVENTS_FILE
 
 
 class EventLog:
@@ -38,15 +38,36 @@ class EventLog:
         return event
 
 
+#: Fields each event type must carry as numbers for the readers (goodput, timeline) to use it.
+_NUMERIC = {"step": ("step", "start", "end"), "checkpoint": ("step",)}
+
+
+def _usable(event: Any) -> bool:
+    """A well-formed event: an object with a string type, a numeric time and its type's fields."""
+    if not isinstance(event, dict) or not isinstance(event.get("type"), str):
+        return False
+    need = ("time", *_NUMERIC.get(event["type"], ()))
+    if any(isinstance(event.get(k), bool) or not isinstance(event.get(k), (int, float))
+           for k in need):
+        return False
+    return event["type"] != "restart" or isinstance(event.get("kind"), str)
+
+
 def read_events(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
-    """All events of a run in file order; a torn last line (killed writer) is skipped."""
+    """All well-formed events of a run in file order.
+
+    A torn last line (killed writer) and any line that is not a usable event (edited, damaged,
+    not UTF-8) are skipped, so the readers never trip over the file.
+    """
     path = Path(run_dir) / EVENTS_FILE
-    if not path.exists():
+    if not path.is_file():
         return []
     events = []
-    for line in path.read_text().splitlines():
+    for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
         try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:
+            event = json.loads(line)
+        except ValueError:
             continue
+        if _usable(event):
+            events.append(event)
     return events

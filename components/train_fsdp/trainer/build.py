@@ -1,4 +1,4 @@
-"""Building the model/optimizer/scheduler and turning them into a checkpointable state dict."""
+"""Builds the model, optimizer and schedule, and their checkpointable state dict (TrainState)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from kfp_nvrx.components.core.config import Config
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.train_fsdp.trainer.config import Config
 from kfp_nvrx.components.train_fsdp.trainer.model import build_model
 from kfp_nvrx.components.train_fsdp.trainer.parallelize import parallelize
 

@@ -15,7 +15,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kfp_nvrx.components.train_fsdp.trainer.events import read_events
+from kfp_nvrx.components.core.events import read_events
 
 
 @dataclass

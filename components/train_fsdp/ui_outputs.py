@@ -274,7 +274,7 @@ def render_timeline(events: list[dict[str, Any]], summary: dict[str, Any], title
     """Render the goodput timeline page.
 
     Args:
-        events: Events of one run in file order (see ``trainer/events.py``).
+        events: Events of one run in file order (see ``core/events.py``).
         summary: ``GoodputReport.to_dict()`` for the same run (the headline numbers).
         title: Shown after the heading (e.g. the run name).
 
@@ -301,7 +301,7 @@ def render_timeline(events: list[dict[str, Any]], summary: dict[str, Any], title
 def write_timeline(run_dir: str | os.PathLike, out_path: str | os.PathLike,
                    summary: dict[str, Any], title: str = "") -> Path:
     """Read ``<run_dir>/events.jsonl`` and writes the timeline page to ``out_path``."""
-    from kfp_nvrx.components.train_fsdp.trainer.events import read_events
+    from kfp_nvrx.components.core.events import read_events
 
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -331,8 +331,8 @@ def publish(run_dir: str | os.PathLike, result: Any, *, run: Any, metrics: Any, 
     import json
     import shutil
 
-    from kfp_nvrx.components.train_fsdp.trainer.events import EVENTS_FILE
-    from kfp_nvrx.components.train_fsdp.trainer.goodput import summarize
+    from kfp_nvrx.components.core.goodput import summarize
+    from kfp_nvrx.components.core.rundir import EVENTS_FILE
 
     summary = summarize(run_dir).to_dict()
     for key, value in metrics_from_summary(summary).items():

@@ -1,0 +1,229 @@
+"""The run directory: every name in it, and what makes a checkpoint committed.
+
+One run directory is shared by every worker of a run, the launcher and the tools that read a run
+afterwards (export, drills, goodput)::
+
+    <run_dir>/
+      config.yaml              the resolved trainer config (written before training starts)
+      events.jsonl             run events (:mod:`.events`)
+      faults/                  one marker per injected fault that fired (fires once per run)
+      nccl_trace/rank_*        NCCL flight-recorder dumps
+      checkpoints/
+        step_00000040/         one DCP checkpoint; counts only with an intact COMMITTED marker
+          COMMITTED            JSON: step, world_size, bytes, files {name: size}, crc32 {name: crc}
+
+A checkpoint is committed when :func:`verify` finds nothing wrong with it; the trainer (resume),
+export and the fault drills all decide with that one function. This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+from kfp_nvrx.components.errors import UserError
+from kfp_nvrx.components.ownership import check_run_dir_owned, claim_run_dir
+
+if TYPE_CHECKING:
+    from kfp_nvrx.components.core.config import Config
+
+CONFIG_FILE = "config.yaml"
+EVENTS_FILE = "events.jsonl"
+FAULTS_DIR = "faults"
+NCCL_TRACE_DIR = "nccl_trace"
+CHECKPOINTS_DIR = "checkpoints"
+COMMIT_MARKER = "COMMITTED"
+#: DCP's global metadata file; a checkpoint without it cannot be loaded.
+DCP_METADATA = ".metadata"
+STEP_PREFIX = "step_"
+#: Per-rank CRC32 sidecars the writer leaves next to its files; rank 0 folds them into the marker.
+CRC_SIDECAR_PREFIX = ".crc32_rank"
+
+
+def check_run_dir(run_dir: Path) -> Path:
+    """A usable run directory: no ``..``, not a file, new, empty or a run dir of ours.
+
+    We write config.yaml and checkpoints into it, and never into a stranger's folder.
+    """
+    if ".." in Path(run_dir).parts:
+        raise UserError("--run-dir", f"{run_dir} must not contain '..'")
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError("--run-dir", f"{run_dir} exists and is not a directory")
+    from kfp_nvrx.components.core.config import Config  # config imports this module
+
+    check_run_dir_owned(run_dir, [f.name for f in dataclasses.fields(Config)])
+    return run_dir
+
+
+def write_config(cfg: Config, run_dir: Path) -> None:
+    """Writes the resolved config (atomically; every rank writes the same bytes)."""
+    claim_run_dir(run_dir)
+    tmp = run_dir / f".{CONFIG_FILE}.{os.getpid()}.tmp"
+    tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    os.replace(tmp, run_dir / CONFIG_FILE)
+
+
+def checkpoints_dir(run_dir: str | os.PathLike[str]) -> Path:
+    """``<run_dir>/checkpoints``."""
+    return Path(run_dir) / CHECKPOINTS_DIR
+
+
+def step_dir(root: Path, step: int) -> Path:
+    """``<root>/step_XXXXXXXX`` (``root`` is a :func:`checkpoints_dir`)."""
+    return root / f"{STEP_PREFIX}{step:08d}"
+
+
+def parse_step(name: str) -> int | None:
+    """The step of a ``step_XXXXXXXX`` directory name, or None for any other name."""
+    if not name.startswith(STEP_PREFIX):
+        return None
+    digits = name[len(STEP_PREFIX):]
+    return int(digits) if digits.isdigit() else None
+
+
+def committed_steps(root: Path) -> list[int]:
+    """Steps whose directory holds a commit marker, newest first (not yet :func:`verify`-ed)."""
+    if not root.is_dir():
+        return []
+    steps = [parse_step(p.name) for p in root.iterdir() if (p / COMMIT_MARKER).is_file()]
+    return sorted((s for s in steps if s is not None), reverse=True)
+
+
+def crc32_file(path: Path) -> int:
+    """CRC32 of a file's bytes, read in 16 MiB chunks."""
+    crc = 0
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Writes ``path`` so a reader sees the old bytes or the new ones (tmp + fsync + rename)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _dir_files(path: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in sorted(path.iterdir())
+            if p.is_file() and p.name != COMMIT_MARKER}
+
+
+def write_commit_marker(path: Path, step: int, world_size: int) -> int:
+    """Commits the checkpoint in ``path`` (rank 0, after every rank's write and the metadata).
+
+    Records every file's size and the CRC32s from the writers' sidecars plus the metadata's, so
+    :func:`verify` can tell a complete checkpoint from a torn or altered one.
+
+    Returns:
+        The checkpoint's size in bytes.
+    """
+    files = _dir_files(path)
+    sums: dict[str, int] = {}
+    for sidecar in path.glob(f"{CRC_SIDECAR_PREFIX}*.json"):
+        sums.update(json.loads(sidecar.read_text()))
+    if (path / DCP_METADATA).is_file():
+        sums[DCP_METADATA] = crc32_file(path / DCP_METADATA)
+    nbytes = sum(files.values())
+    marker = {"step": step, "world_size": world_size, "time": time.time(), "bytes": nbytes,
+              "files": files, "crc32": sums}
+    write_atomic(path / COMMIT_MARKER, json.dumps(marker).encode())
+    return nbytes
+
+
+def read_commit_marker(path: Path) -> dict[str, Any] | None:
+    """The commit marker of the checkpoint in ``path``; None when there is none (torn).
+
+    Raises:
+        ValueError: The marker exists but is not a readable JSON object.
+    """
+    marker_path = path / COMMIT_MARKER
+    if not marker_path.is_file():
+        return None
+    try:
+        marker = json.loads(marker_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"unreadable commit marker ({err})") from None
+    if not isinstance(marker, dict):
+        raise ValueError("commit marker is not a JSON object")
+    return marker
+
+
+def _marker_problem(marker: dict[str, Any]) -> str | None:
+    """What makes a marker one the trainer cannot have written (forged, truncated, hand-made)."""
+    files, sums = marker.get("files"), marker.get("crc32", {})
+    if not isinstance(files, dict) or not files:
+        return "commit marker lists no files"
+    if DCP_METADATA not in files:
+        return f"commit marker does not list the DCP {DCP_METADATA} file"
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in files.values()):
+        return "commit marker has a non-integer file size"
+    if not isinstance(sums, dict) or not all(isinstance(v, int) for v in sums.values()):
+        return "commit marker has malformed CRC32s"
+    return None
+
+
+def verify(path: Path, share: tuple[int, int] = (0, 1)) -> str | None:
+    """Decides whether the checkpoint in ``path`` is committed; returns the problem or None.
+
+    Committed means: a marker the trainer could have written (a JSON object listing a non-empty
+    set of files that includes the DCP metadata), every listed file present with its recorded
+    size, and the recorded CRC32s matching. Sizes are always checked; CRC32s only for this
+    ``(index, count)`` share of the files, so ranks can split that work.
+    """
+    try:
+        marker = read_commit_marker(path)
+    except ValueError as err:
+        return str(err)
+    if marker is None:
+        return "no commit marker (torn or still being written)"
+    problem = _marker_problem(marker)
+    if problem:
+        return problem
+    try:
+        actual = _dir_files(path)
+    except OSError as err:
+        return f"cannot list files ({err})"
+    for name, size in marker["files"].items():
+        if name not in actual:
+            return f"missing file {name}"
+        if actual[name] != size:
+            return f"{name} is {actual[name]} bytes, expected {size} (truncated or corrupt)"
+    for i, (name, crc) in enumerate(sorted(marker.get("crc32", {}).items())):
+        if i % share[1] != share[0]:
+            continue
+        try:
+            if crc32_file(path / name) != crc:
+                return f"{name} fails its CRC32 check (corrupt)"
+        except OSError as err:
+            return f"cannot read {name} ({err})"
+    return None
+
+
+def select_checkpoint(root: Path, wanted: int = -1, log: Callable[[str], None] = print) -> int | None:
+    """The newest committed step (or ``wanted``) that passes :func:`verify`, logging the others."""
+    for step in committed_steps(root):
+        if wanted >= 0 and step != wanted:
+            continue
+        problem = verify(step_dir(root, step))
+        if problem is None:
+            return step
+        log(f"checkpoint step {step} is damaged ({problem}); falling back to an older one")
+    return None

@@ -1,0 +1,128 @@
+"""What ties a local run to its launcher: the run-dir lock and the watchdog.
+
+- :class:`RunDirLock`: one launcher owns a run dir at a time. ``flock`` on
+  ``<run_dir>/.kfp-nvrx-run.lock`` (the holder's pid, host and start time written into it); the
+  kernel drops the lock when its holder dies, so a lock file left by a dead run is simply taken.
+- :class:`Watchdog`: a small process that outlives the launcher by design. It reads a pipe whose
+  only writer is the launcher; end-of-file means the launcher is gone (exit, crash, SIGKILL), and
+  the watchdog then stops every process carrying the run's marker in its environment (agents,
+  workers, checkpoint writer processes): SIGTERM, a grace period, SIGKILL. It holds the run-dir
+  lock until then, so no second run can start on a run dir that is still being written.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import fcntl
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from kfp_nvrx.components.errors import UserError
+
+LOCK_FILE = ".kfp-nvrx-run.lock"
+
+
+class RunDirLock:
+    """An exclusive lock on a run dir, held from :meth:`acquire` until :meth:`release`.
+
+    Args:
+        run_dir: The (existing) run directory.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike[str]) -> None:
+        self.path = Path(run_dir) / LOCK_FILE
+        self.fd: int | None = None
+
+    def acquire(self) -> RunDirLock:
+        """Take the lock or raise UserError naming ``--run-dir`` and the holder."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = self._holder(fd)
+            os.close(fd)
+            raise UserError("--run-dir", f"{self.path.parent} is in use by another run ({holder});"
+                            " wait for it to finish or choose another --run-dir") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                 "since": dt.datetime.now().isoformat(timespec="seconds")}
+                                ).encode())
+        self.fd = fd
+        return self
+
+    @staticmethod
+    def _holder(fd: int) -> str:
+        try:
+            info = json.loads(os.pread(fd, 4096, 0) or b"{}")
+            return f"pid {info['pid']} on {info['host']} since {info['since']}"
+        except (OSError, ValueError, KeyError, TypeError):
+            return "holder unknown"
+
+    def release(self) -> None:
+        """Drop the lock (the file stays: it is ours, and an unlocked file means free)."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+_WATCHDOG = r"""
+import os, signal, sys, time
+marker, grace = sys.argv[1].encode(), float(sys.argv[2])
+sys.stdin.buffer.read()  # returns at EOF: the launcher is gone
+me = os.getpid()
+def alive():
+    pids = []
+    for d in os.listdir("/proc"):
+        if d.isdigit() and int(d) != me:
+            try:
+                with open(f"/proc/{d}/environ", "rb") as fh:
+                    if marker in fh.read().split(b"\0"):
+                        pids.append(int(d))
+            except OSError:
+                pass
+    return pids
+for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+    pids = alive()
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass
+    end = time.monotonic() + wait
+    while pids and time.monotonic() < end:
+        time.sleep(0.1)
+        pids = alive()
+"""
+
+
+class Watchdog:
+    """Stops every process of a run once the launcher is gone, however it went.
+
+    Args:
+        env_marker: ``NAME=value`` that every process of the run carries in its environment.
+        grace: Seconds between SIGTERM and SIGKILL.
+        keep_fds: File descriptors the watchdog keeps open until it is done (the run-dir lock).
+    """
+
+    def __init__(self, env_marker: str, grace: float, keep_fds: tuple[int, ...] = ()) -> None:
+        read, self._write = os.pipe()  # both ends close-on-exec: only we hold the write end
+        env = {k: v for k, v in os.environ.items() if f"{k}={v}" != env_marker}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _WATCHDOG, env_marker, str(grace)], stdin=read,
+            env=env, pass_fds=keep_fds, start_new_session=True,  # Ctrl-C reaches it not
+            stdout=subprocess.DEVNULL)
+        os.close(read)
+
+    def finish(self, timeout: float = 30.0) -> None:
+        """The launcher is done: let the watchdog sweep up leftovers, and wait for it."""
+        if self._write is not None:
+            os.close(self._write)
+            self._write = None
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass  # it is still killing stragglers; it holds the lock until it is done

@@ -1,0 +1,225 @@
+"""JobSpec -> TrainJob (Kubeflow Trainer v2): goldens, shapes, same meaning as the PyTorchJob,
+refusals, strict validation and the ft_launcher command under NVRx's own parser.
+
+Regenerate the golden files after an intended change with ``KFP_NVRX_UPDATE_GOLDEN=1 pytest
+tests/test_jobspec_trainjob.py`` and review the diff.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kfp_nvrx.components.core.config import load_config
+from kfp_nvrx.components.core.launch_command import TrainerArgs, ft_launcher_argv
+from kfp_nvrx.components.errors import UserError
+from kfp_nvrx.components.train_fsdp.jobspec import pytorchjob, trainjob
+from kfp_nvrx.components.train_fsdp.jobspec.runtime import build_runtime
+from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
+from kfp_nvrx.components.train_fsdp.jobspec.validate_trainjob import (
+    RUNTIME_CRD,
+    TRAINJOB_CRD,
+    node_pod,
+    validate_schema,
+    validate_trainjob,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+GOLDEN = Path(__file__).parent / "golden"
+IMAGE = "123456789012.dkr.ecr.us-west-2.amazonaws.com/kfp-nvrx-trainer:0.1.0"
+RUN_ID = "9b1c2d3e-4f50-4a6b-8c7d-0e1f2a3b4c5d"
+
+GOLDEN_SPECS = {
+    "trainjob_p5.yaml": JobSpec(
+        image=IMAGE, pvc="fsx-claim", run_id=RUN_ID, task="train-fsdp", nodes="4",
+        instance_type="p5.48xlarge", config="8b",
+        overrides=["data.path=/fsx/data/corpus", "train.steps=2000"],
+    ),
+    "trainjob_cpu.yaml": JobSpec(
+        image="kfp-nvrx-trainer:0.1.0", pvc="shared", name="tiny-demo", nodes="2",
+        instance_type="cpu", config="tiny", overrides=["train.steps=6", "checkpoint.interval=3"],
+        faults=["kill@4/1"], mount="/data", run_dir="/data/runs/tiny-demo",
+    ),
+}
+
+
+@pytest.mark.parametrize("filename", sorted(GOLDEN_SPECS))
+def test_golden_trainjob(filename: str) -> None:
+    text = trainjob.render(GOLDEN_SPECS[filename]).to_yaml()
+    path = GOLDEN / filename
+    if os.environ.get("KFP_NVRX_UPDATE_GOLDEN"):
+        path.write_text(text)
+    assert path.exists(), f"missing {path}; run with KFP_NVRX_UPDATE_GOLDEN=1"
+    assert text == path.read_text(), f"{filename} changed; review and regenerate the golden file"
+
+
+def test_shipped_runtime_is_the_one_the_code_validates_against() -> None:
+    shipped = yaml.safe_load((ROOT / "images/deploy/base/trainer-runtime.yaml").read_text())
+    assert shipped == build_runtime()
+    validate_schema(shipped, RUNTIME_CRD)
+
+
+SHAPES = list(itertools.product([1, 2, 8, 16], ["p5.48xlarge", "p4d.24xlarge", "cpu"],
+                                ["plain", "secrets", "placement"]))
+
+
+@pytest.mark.parametrize("nodes,profile,option", SHAPES)
+def test_every_shape_validates_strictly(nodes: int, profile: str, option: str) -> None:
+    extra: dict = {}
+    if option == "secrets":
+        extra = dict(secret_env=["HF_TOKEN=hf-token:token"], env={"MY_FLAG": "1"})
+    if option == "placement":
+        extra = dict(node_selector={"karpenter.sh/capacity-type": "on-demand"},
+                     tolerations=[{"key": "team", "operator": "Equal", "value": "ml",
+                                   "effect": "NoSchedule"}], fs_group=1000,
+                     service_account="trainer", extra_pvcs=["models:/models:ro"])
+    spec = JobSpec(image=IMAGE, pvc="fsx", run_id=f"run-{nodes}", nodes=str(nodes),
+                   instance_type=profile, **extra)
+    rendered = trainjob.render(spec)  # validates: CRD schemas, rules, node pod
+    job = rendered.to_dict()
+    assert job["spec"]["trainer"]["numNodes"] == nodes
+    validate_trainjob(job, rendered.runtime)
+
+
+def _pod(spec: JobSpec) -> dict:
+    return node_pod(trainjob.render(spec).to_dict(), build_runtime())
+
+
+@pytest.mark.parametrize("filename", sorted(GOLDEN_SPECS))
+def test_same_meaning_as_the_pytorchjob(filename: str) -> None:
+    spec = copy.deepcopy(GOLDEN_SPECS[filename])
+    v1 = pytorchjob.render(spec).to_dict()["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
+    v2 = _pod(spec)
+    c1, c2 = v1["spec"]["containers"][0], v2["spec"]["containers"][0]
+    for key in ("image", "resources", "volumeMounts", "securityContext"):
+        assert c1.get(key) == c2.get(key), key
+    pet = {e["name"] for e in c2["env"] if e["name"].startswith("PET_")}
+    assert [e for e in c2["env"] if e["name"] not in pet] == c1["env"]
+    for key in ("volumes", "nodeSelector", "tolerations", "affinity", "securityContext",
+                "terminationGracePeriodSeconds", "serviceAccountName"):
+        assert v1["spec"].get(key) == v2["spec"].get(key), key
+    assert v1["metadata"]["labels"].items() <= v2["metadata"]["labels"].items()
+    assert v2["metadata"]["annotations"]["sidecar.istio.io/inject"] == "false"
+    # the trainer part of the command is the same builder's, with v2's rendezvous flags added
+    tail = c1["command"][c1["command"].index("-m"):]
+    assert c2["command"][c2["command"].index("-m"):] == tail
+
+
+def test_command_is_the_one_builder_with_v2_rendezvous() -> None:
+    spec = GOLDEN_SPECS["trainjob_p5.yaml"]
+    rendered = trainjob.render(spec)
+    res = load_config(spec.config, spec.overrides).resilience
+    expected = ft_launcher_argv(
+        res, TrainerArgs(spec.config, rendered.run_dir, list(spec.overrides), spec.faults),
+        local_addr="$(POD_IP)", nic_monitor=True,
+        rdzv_endpoint="$(PET_MASTER_ADDR):$(PET_MASTER_PORT)", rdzv_id=rendered.name)
+    assert rendered.job["spec"]["trainer"]["command"] == expected
+
+
+def _expand(arg: str, env: dict[str, str]) -> str:
+    """Expand ``$(VAR)`` the way the kubelet does for a container command."""
+    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m[1], m[0]), arg)
+
+
+@pytest.mark.parametrize("filename", sorted(GOLDEN_SPECS))
+def test_nvrx_parser_accepts_the_command_under_v2_env(filename: str) -> None:
+    """NVRx's own ft_launcher parser, in a clean process with exactly v2's environment."""
+    spec = GOLDEN_SPECS[filename]
+    pod = _pod(spec)
+    c = pod["spec"]["containers"][0]
+    name = trainjob.render(spec).name
+    env = {e["name"]: e["value"] for e in c["env"] if "value" in e}
+    env.update(PET_NODE_RANK="1", POD_IP="10.0.0.7")
+    assert env["PET_MASTER_ADDR"] == f"{name}-node-0-0.{name}"
+    argv = [_expand(a, env) for a in c["command"][1:]]
+    probe = (
+        "import json, sys\n"
+        "from nvidia_resiliency_ext.fault_tolerance import launcher\n"
+        "args = launcher.get_args_parser().parse_args(sys.argv[1:])\n"
+        "print(json.dumps({'endpoint': launcher.get_rdzv_endpoint(args), 'id': args.rdzv_id,"
+        " 'nnodes': args.nnodes, 'nproc': args.nproc_per_node, 'rank': args.node_rank,"
+        " 'backend': args.rdzv_backend, 'local_addr': args.local_addr,"
+        " 'max_restarts': args.max_restarts, 'module': args.module,"
+        " 'script': args.training_script, 'script_args': args.training_script_args}))\n"
+    )
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("PET_")}
+    out = subprocess.run([sys.executable, "-c", probe, *argv], env={**clean, **env},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    import json
+
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["endpoint"] == f"{name}-node-0-0.{name}:29500"
+    assert got["id"] == name and got["backend"] == "c10d"
+    assert got["nnodes"] == spec.nodes and str(got["nproc"]) == str(spec.procs_per_node())
+    assert str(got["rank"]) == "1" and got["local_addr"] == "10.0.0.7"
+    assert got["module"] and got["script"] == "kfp_nvrx.components.train_fsdp.trainer"
+    assert got["script_args"][:2] == ["--config", spec.config]
+
+
+@pytest.mark.parametrize("change,field", [
+    (dict(nodes="2:4"), "--nodes"),
+    (dict(priority_class="high"), "--priority-class"),
+    (dict(scheduler_name="volcano"), "--scheduler-name"),
+    (dict(image_pull_policy="Always"), "--image-pull-policy"),
+    (dict(ttl_after_finished_s=60), "--ttl-after-finished"),
+    (dict(backoff_limit=9), "--backoff-limit"),
+    (dict(env={"PET_MASTER_PORT": "1"}), "--env"),
+    (dict(name="a" * 55, nodes="16"), "--name"),
+])
+def test_what_v2_cannot_express_is_refused(change: dict, field: str) -> None:
+    spec = JobSpec(image=IMAGE, pvc="fsx", **{"name": "job", "nodes": "2", **change})
+    with pytest.raises(UserError) as err:
+        trainjob.render(spec)
+    assert err.value.field == field and "\n" not in str(err.value)
+
+
+def test_name_limit_counts_the_jobset_pod_hostname() -> None:
+    trainjob.render(JobSpec(image=IMAGE, pvc="fsx", name="a" * 54, nodes="10"))  # a..-node-0-9
+    with pytest.raises(UserError, match="node-0-10"):
+        trainjob.render(JobSpec(image=IMAGE, pvc="fsx", name="a" * 54, nodes="11"))
+
+
+@pytest.mark.parametrize("mutate,field", [
+    (lambda j: j["spec"]["trainer"].update(numNodess=2), "spec.trainer"),
+    (lambda j: j["spec"].update(elasticPolicy={}), "spec"),
+    (lambda j: j["spec"]["trainer"]["env"].append({"name": "PET_NNODES", "value": "3"}),
+     "spec.trainer.env"),
+    (lambda j: j["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"][
+        "replicatedJobs"][0].update(name="worker"), "spec.runtimePatches"),
+    (lambda j: j["metadata"].update(name="Bad_Name"), "metadata.name"),
+    (lambda j: j["spec"]["trainer"]["resourcesPerNode"]["limits"].update(
+        {"nvidia.com/gpu": "4"}), "node pod"),
+])
+def test_validation_is_strict(mutate, field: str) -> None:
+    rendered = trainjob.render(GOLDEN_SPECS["trainjob_p5.yaml"])
+    job = rendered.to_dict()
+    mutate(job)
+    with pytest.raises(UserError) as err:
+        validate_trainjob(job, rendered.runtime)
+    assert err.value.field.startswith(field), err.value.field
+    validate_schema(rendered.to_dict(), TRAINJOB_CRD)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kfp_nvrx.pipelines.cli", "render-job", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_render_job_cli_trainjob_with_runtime_and_refusal() -> None:
+    out = _cli("--job-api", "trainjob", "--with-runtime", "--image", IMAGE, "--pvc", "fsx",
+               "--name", "demo", "--nodes", "2", "--instance-type", "cpu")
+    assert out.returncode == 0, out.stderr
+    runtime, job = list(yaml.safe_load_all(out.stdout))
+    assert runtime == build_runtime() and job["kind"] == "TrainJob"
+    bad = _cli("--job-api", "trainjob", "--image", IMAGE, "--pvc", "fsx", "--nodes", "2:4")
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+    assert "--nodes" in bad.stderr and "elastic" in bad.stderr

@@ -1,0 +1,214 @@
+"""The TrainJob (Kubeflow Trainer v2) launcher against the HTTP test double (tests/k8s_double.py).
+
+Each test plays the Trainer/JobSet controllers and the kubelet in a thread: node pods named as the
+Job controller names them, a pod the Job controller recreates under a new name, a whole-JobSet
+restart, ``Complete``/``Failed`` conditions.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+from k8s_double import K8sDouble
+
+from kfp_nvrx.components.errors import UserError
+from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
+from kfp_nvrx.components.train_fsdp.jobspec.trainjob import render
+from kfp_nvrx.components.train_fsdp.launcher import backends
+from kfp_nvrx.components.train_fsdp.launcher.kubernetes import ClusterError, K8sOptions
+from kfp_nvrx.components.train_fsdp.launcher.trainjob import launch_trainjob, resolve_job_api
+
+RUN_ID = "run-0001"
+SPEC = dict(image="img:1", pvc="fsx", instance_type="cpu", nodes="2", run_id=RUN_ID,
+            task="train", overrides=["train.steps=6"])
+TRAINJOBS = "/apis/trainer.kubeflow.org/v1alpha1/namespaces/default/trainjobs"
+
+
+@pytest.fixture()
+def double():
+    d = K8sDouble().serve()
+    yield d
+    d.close()
+
+
+def _opts(**kw) -> K8sOptions:
+    base = dict(poll_s=0.05, progress_s=0, watch_timeout_s=2, handle_signals=False, drain_s=0.5)
+    return K8sOptions(**{**base, **kw})
+
+
+def _run(double: K8sDouble, spec: JobSpec, script, **opts):
+    lines: list[str] = []
+    name = spec.job_name()
+
+    def play() -> None:
+        double.wait_for_job(name)
+        script(double, name)
+
+    t = threading.Thread(target=play, daemon=True)
+    t.start()
+    api = backends._api_client(double.configuration())
+    result = launch_trainjob(spec, _opts(**opts), log=lines.append, api_client=api)
+    t.join(5)
+    return result, lines
+
+
+def _happy(d: K8sDouble, name: str) -> None:
+    d.set_condition(name, "Created", reason="Created", message="TrainJob is created")
+    n0 = d.add_node_pod(name, 0)
+    d.start(n0)
+    d.log(n0, "[trainer] start: world_size=2 incarnation=0.0", "[trainer] step 2/6 loss 5.0")
+    time.sleep(0.3)
+    n1 = d.add_node_pod(name, 1)
+    d.start(n1)
+    d.log(n1, "agent 1 up")
+    d.terminate(n1, 137, "OOMKilled")  # podFailurePolicy Ignore: the Job controller replaces it
+    n1b = d.add_node_pod(name, 1)
+    d.start(n1b)
+    d.log(n1b, "agent 1 back")
+    d.log(n0, "[trainer] start: world_size=2 incarnation=1.0", "[trainer] step 6/6 loss 3.0")
+    time.sleep(0.3)
+    d.terminate(n0, 0)
+    d.terminate(n1b, 0)
+    d.set_condition(name, "Complete", reason="JobSetCompleted", message="jobset completed")
+
+
+def test_create_follow_every_node_pod_then_delete(double: K8sDouble) -> None:
+    spec = JobSpec(**SPEC)
+    result, lines = _run(double, spec, _happy)
+    assert result.state == "Succeeded" and result.extra["job_api"] == "trainjob"
+    posts = double.calls("POST")
+    assert len(posts) == 1 and posts[0]["path"] == TRAINJOBS
+    expected = render(spec).to_dict()
+    expected["metadata"]["namespace"] = "default"
+    assert posts[0]["body"] == expected
+    text = "\n".join(lines)
+    assert "[node-0] [trainer] step 2/6 loss 5.0" in text
+    assert "[node-1] agent 1 up" in text
+    assert "[node-1] agent 1 back" in text  # the replacement pod (new name) is streamed too
+    assert result.restarts == 1
+    deletes = double.calls("DELETE")
+    assert len(deletes) == 1 and deletes[0]["path"] == f"{TRAINJOBS}/{spec.job_name()}"
+    assert deletes[0]["body"]["propagationPolicy"] == "Foreground"
+
+
+def test_reattach_by_name_never_creates_a_second(double: K8sDouble) -> None:
+    spec = JobSpec(**SPEC)
+    name = spec.job_name()
+    double.put_job(render(spec).to_dict())
+    n0 = double.add_node_pod(name, 0)
+    double.start(n0)
+    double.log(n0, "[trainer] step 3/6 loss 4.2")
+
+    def finish(d: K8sDouble, n: str) -> None:
+        time.sleep(0.4)
+        d.log(n0, "[trainer] done: step 6/6")
+        d.terminate(n0, 0)
+        d.set_condition(n, "Complete")
+
+    result, lines = _run(double, spec, finish, delete_after="never")
+    assert result.succeeded and result.extra["attached"] is True
+    assert not double.calls("POST") and not double.calls("DELETE")
+    assert any("re-attaching to TrainJob default/" in ln for ln in lines)
+
+
+def test_another_runs_trainjob_is_refused_untouched(double: K8sDouble) -> None:
+    other = render(JobSpec(**{**SPEC, "run_id": "someone-else", "name": "clash"})).to_dict()
+    double.put_job(other)
+    with pytest.raises(UserError) as err:
+        launch_trainjob(JobSpec(**{**SPEC, "name": "clash"}), _opts(),
+                        api_client=backends._api_client(double.configuration()))
+    assert err.value.field == "--name" and "someone-else" in err.value.message
+    assert not double.calls("POST") and not double.calls("DELETE")
+
+
+def test_failed_trainjob_reason_and_failing_node_tail(double: K8sDouble) -> None:
+    def fail(d: K8sDouble, name: str) -> None:
+        n0, n1 = d.add_node_pod(name, 0), d.add_node_pod(name, 1, attempt=2)
+        d.start(n0)
+        d.start(n1)
+        d.log(n1, "ft_launcher: no attempts left", "RuntimeError: CUDA error: unspecified")
+        time.sleep(0.3)
+        d.terminate(n1, 1)
+        d.set_condition(name, "Failed", reason="JobSetFailed",
+                        message="jobset failed: failurePolicy maxRestarts 2 reached")
+
+    result, _ = _run(double, JobSpec(**SPEC), fail)
+    assert result.state == "Failed"
+    assert result.reason.startswith("JobSetFailed: jobset failed: failurePolicy maxRestarts")
+    assert "node-1/a2 exited with code 1" in result.reason
+    assert result.last_log_lines[-1] == "RuntimeError: CUDA error: unspecified"
+    assert not double.calls("DELETE")  # kept for inspection (on_success)
+
+
+def test_deadline_is_active_deadline_plus_margin_or_given(double: K8sDouble) -> None:
+    def run_forever(d: K8sDouble, name: str) -> None:
+        d.start(d.add_node_pod(name, 0))
+
+    result, _ = _run(double, JobSpec(**SPEC), run_forever, deadline_s=1.5)
+    assert result.state == "DeadlineExceeded" and "1.5s" in result.reason
+    assert len(double.calls("DELETE")) == 1
+
+
+def test_sigterm_deletes_the_trainjob(double: K8sDouble) -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    spec = JobSpec(**SPEC)
+
+    def running_then_sigterm(d: K8sDouble, name: str) -> None:
+        d.start(d.add_node_pod(name, 0))
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    name = spec.job_name()
+    t = threading.Thread(target=lambda: (double.wait_for_job(name),
+                                         running_then_sigterm(double, name)), daemon=True)
+    t.start()
+    result = launch_trainjob(spec, _opts(handle_signals=True), log=lambda _: None,
+                             api_client=backends._api_client(double.configuration()))
+    t.join(5)
+    assert result.state == "Cancelled" and result.extra["signal"] == signal.SIGTERM
+    deletes = double.calls("DELETE")
+    assert len(deletes) == 1 and deletes[0]["body"]["propagationPolicy"] == "Foreground"
+    assert ("default", name) not in double.jobs
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+@pytest.mark.parametrize("served,expected", [({"pytorchjobs", "trainjobs"}, "trainjob"),
+                                             ({"trainjobs"}, "trainjob"),
+                                             ({"pytorchjobs"}, "pytorchjob")])
+def test_auto_asks_the_cluster_and_prefers_trainjob(double: K8sDouble, served: set,
+                                                    expected: str) -> None:
+    double.served = served
+    assert resolve_job_api("auto", backends._api_client(double.configuration())) == expected
+    assert double.calls("GET", "/apis/trainer.kubeflow.org/v1alpha1")
+
+
+def test_auto_with_neither_is_a_cluster_error(double: K8sDouble) -> None:
+    double.served = set()
+    with pytest.raises(ClusterError, match="neither trainjobs"):
+        resolve_job_api("auto", backends._api_client(double.configuration()))
+
+
+def test_dispatcher_auto_runs_a_trainjob(double: K8sDouble) -> None:
+    spec = JobSpec(**SPEC)
+    name = spec.job_name()
+    t = threading.Thread(target=lambda: (double.wait_for_job(name), _happy(double, name)),
+                         daemon=True)
+    t.start()
+    result = backends.launch(spec, "kubernetes", log=lambda _: None, namespace="default",
+                             poll_s=0.05, client_configuration=double.configuration(),
+                             job_api="auto")
+    t.join(5)
+    assert result.succeeded
+    assert [c["path"] for c in double.calls("POST")] == [TRAINJOBS]
+
+
+def test_bad_v2_input_sends_nothing(double: K8sDouble) -> None:
+    with pytest.raises(UserError) as err:
+        backends.launch(JobSpec(**{**SPEC, "nodes": "2:4"}), "kubernetes",
+                        client_configuration=double.configuration(), job_api="trainjob")
+    assert err.value.field == "--nodes"
+    assert not double.calls("POST")
