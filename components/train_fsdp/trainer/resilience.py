@@ -41,6 +41,7 @@ class Monitor:
         self.learned = False
         self._open: set[str] = set()
         self._pending_state: dict[str, Any] | None = None
+        self.floor = cfg.min_learned_timeout
         # The client's socket carries one message at a time: keepalive heartbeats come from a
         # second thread while the main thread is inside a long phase.
         self._lock = threading.Lock()
@@ -59,6 +60,16 @@ class Monitor:
         with self._lock:
             self.client.init_workload_monitoring()
         self._open.clear()
+
+    def bound_collectives(self, backend: str) -> None:
+        """Raise the floor above the collective timeout where a fault cannot abort collectives.
+
+        Under in-process restart NCCL collectives blocked on a failed peer are aborted by the
+        wrapper at once; gloo's cannot be, so a surviving rank waits up to ``pg_timeout`` inside
+        its step, which a learned step timeout below that would take for a hang.
+        """
+        if backend == "gloo" and self.cfg.in_process:
+            self.floor = max(self.cfg.min_learned_timeout, self.cfg.pg_timeout + 2.0)
 
     def disconnect(self) -> None:
         """Closes every section and leaves the rank monitor (before an in-process restart).
@@ -174,7 +185,7 @@ class Monitor:
         would then kill a healthy rank. The floored values go back to the monitor through the
         client's public state API and are what checkpoints persist.
         """
-        floor = self.cfg.min_learned_timeout
+        floor = self.floor
         state = dict(self.client.state_dict())
         timeouts = state.get(self.client.CURRENT_TIMEOUTS_STATE_KEY) or {}
         changed = False

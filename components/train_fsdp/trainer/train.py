@@ -118,6 +118,7 @@ def incarnation(job: Job, base_store: Any = None, call_wrapper: Any = None) -> N
         dist.init_process_group(backend, timeout=timeout)
     events = EventLog(job.run_dir, enabled=rank == 0)
     injector = FaultInjector(job.faults, job.run_dir, rank)
+    monitor.bound_collectives(backend)
     monitor.connect()
     res = cfg.resilience
     ckpt = None
