@@ -41,10 +41,14 @@ class Case:
     argv: tuple[str, ...]
     field: str
     program: str = "cli"  # cli | trainer
+    env: tuple[tuple[str, str], ...] = ()  # extra environment
 
 
-def _c(id_: str, field: str, *argv: str, program: str = "cli") -> Case:
-    return Case(id_, argv, field, program)
+def _c(id_: str, field: str, *argv: str, program: str = "cli", **env: str) -> Case:
+    return Case(id_, argv, field, program, tuple(env.items()))
+
+
+NO_GPU = {"CUDA_VISIBLE_DEVICES": "-1"}  # CUDA's "no device", on any host
 
 
 LAUNCH = ("launch-local", "--run-dir", "{ws}/run", "--set", "data.path={data}")
@@ -166,6 +170,43 @@ CASES = [
     _c("schedule-every-second", "--cron", "schedule", "--host", HOST, "--cron", "@every 1s"),
     _c("schedule-every-second-cron", "--cron", "schedule", "--host", HOST, "--cron",
        "* * * * * *"),
+    # every config value is checked before anything starts (each once crashed every worker)
+    _c("local-lr-nan", "train.lr", *LAUNCH, "--set", "train.lr=nan"),
+    _c("local-lr-inf", "train.lr", *LAUNCH, "--set", "train.lr=inf"),
+    _c("local-beta1", "train.beta1", *LAUNCH, "--set", "train.beta1=1.5"),
+    _c("local-beta2-one", "train.beta2", *LAUNCH, "--set", "train.beta2=1"),
+    _c("local-ffn-multiple-zero", "model.ffn_multiple_of", *LAUNCH, "--set",
+       "model.ffn_multiple_of=0"),
+    _c("local-norm-eps-zero", "model.norm_eps", *LAUNCH, "--set", "model.norm_eps=0"),
+    _c("local-seed-huge", "train.seed", *LAUNCH, "--set", "train.seed=99999999999999999999"),
+    _c("local-step-sleep-inf", "train.step_sleep", *LAUNCH, "--set", "train.step_sleep=inf"),
+    _c("local-load-step", "checkpoint.load_step", *LAUNCH, "--set", "checkpoint.load_step=-2"),
+    _c("local-device-cuda-no-gpu", "train.device", *LAUNCH, "--set", "train.device=cuda",
+       **NO_GPU),
+    _c("trainer-device-cuda-no-gpu", "train.device", *TRAINER, "--set", "train.device=cuda",
+       program="trainer", **NO_GPU),
+    _c("local-init-from-missing", "checkpoint.init_from", *LAUNCH, "--set",
+       "checkpoint.init_from={fx}/nope.safetensors"),
+    _c("local-init-from-not-safetensors", "checkpoint.init_from", *LAUNCH, "--set",
+       "checkpoint.init_from={badyaml}"),
+    _c("local-init-from-truncated", "checkpoint.init_from", *LAUNCH, "--set",
+       "checkpoint.init_from={truncst}"),
+    _c("local-init-from-other-model", "checkpoint.init_from", *LAUNCH, "--set",
+       "checkpoint.init_from={otherst}"),
+    _c("local-fault-rank", "--fault", *LAUNCH, "--fault", "kill@3/1"),
+    _c("local-fault-rank-elastic", "--fault", *LAUNCH, "--nodes", "1:2", "--fault", "kill@3/2"),
+    _c("job-fault-rank", "--fault", *RENDER, "--fault", "kill@3/8"),
+    _c("job-fault-after-end", "--fault", *RENDER, "--fault", "kill@999"),
+    _c("job-device-cuda-cpu-nodes", "train.device", *RENDER, "--instance-type", "cpu", "--set",
+       "train.device=cuda"),
+    _c("job-init-from-off-volume", "checkpoint.init_from", *RENDER, "--set",
+       "checkpoint.init_from=/tmp/model.safetensors"),
+    # config text: no YAML 1.1 surprises, no binary files, no silently dropped keys
+    _c("local-set-sexagesimal", "train.steps", *LAUNCH, "--set", "train.steps=1:30"),
+    _c("local-set-bool", "train.compile", *LAUNCH, "--set", "train.compile=maybe"),
+    _c("local-config-duplicate-key", "train.steps", *LAUNCH, "--config", "{dupkey}"),
+    _c("local-config-binary", "--config", *LAUNCH, "--config", "{binconfig}"),
+    _c("job-config-binary", "--config", *RENDER, "--config", "{binconfig}"),
     # render-job: what the API server or the kubelet would refuse
     _c("job-out-directory", "--out", "render-job", "--image", "img:1", "--pvc", "shared",
        "--out", "{ws}"),
@@ -220,6 +261,13 @@ def _other_model_run(run_dir: Path) -> None:
     (run_dir / "config.yaml").write_text(json.dumps({"model": cfg.to_dict()["model"]}))
 
 
+def _safetensors(path: Path, tensors: dict[str, tuple], body: int) -> None:
+    """A safetensors file by hand: header length, JSON header, ``body`` bytes of data."""
+    header = json.dumps({k: {"dtype": d, "shape": s, "data_offsets": o}
+                         for k, (d, s, o) in tensors.items()}).encode()
+    path.write_bytes(len(header).to_bytes(8, "little") + header + bytes(body))
+
+
 @pytest.fixture(scope="module")
 def fixtures(tmp_path_factory) -> dict[str, str]:
     from kfp_nvrx.components.prepare_dataset.prepare import prepare_dataset
@@ -245,8 +293,14 @@ def fixtures(tmp_path_factory) -> dict[str, str]:
     (fx / "foreign" / "run" / "thesis.tex").write_text("years of work")
     (fx / "token2").write_text(f"{SECRET}\n{SECRET}\n")
     (fx / "tokenbin").write_bytes(b"\xff\xfe" + SECRET.encode())
+    (fx / "dup.yaml").write_text("train:\n  steps: 3\n  lr: 0.01\n  steps: 5\n")
+    (fx / "binary.yaml").write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff\xfe train: {}")
+    _safetensors(fx / "trunc.safetensors", {"w": ("F32", [4], [0, 16])}, body=8)
+    _safetensors(fx / "other.safetensors", {"w": ("F32", [2], [0, 8])}, body=8)
     return {"src": str(fx / "src"), "foreign": str(fx / "foreign"),
             "token2": str(fx / "token2"), "tokenbin": str(fx / "tokenbin"),
+            "dupkey": str(fx / "dup.yaml"), "binconfig": str(fx / "binary.yaml"),
+            "truncst": str(fx / "trunc.safetensors"), "otherst": str(fx / "other.safetensors"),
             "fx": str(fx), "data": str(data), "truncated": str(truncated),
             "empty": str(fx / "empty"), "badjsonl": str(fx / "bad.jsonl"),
             "latin1": str(fx / "latin1.txt"), "badyaml": str(fx / "bad.yaml"),
@@ -260,7 +314,8 @@ def _run_case(case: Case, fixtures: dict[str, str], root: Path) -> dict:
     module = ("kfp_nvrx.pipelines.cli" if case.program == "cli"
               else "kfp_nvrx.components.train_fsdp.trainer")
     token = uuid.uuid4().hex
-    env = {**os.environ, SWEEP_ENV: token, "KUBECONFIG": str(Path(fixtures["fx"], "kubeconfig"))}
+    env = {**os.environ, SWEEP_ENV: token, "KUBECONFIG": str(Path(fixtures["fx"], "kubeconfig")),
+           **dict(case.env)}
     for key in ("KFP_NVRX_REGISTRY", *LAUNCHER_ENV):
         env.pop(key, None)
     proc = subprocess.run([sys.executable, "-m", module, *argv], cwd=ws, env=env,

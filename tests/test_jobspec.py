@@ -174,7 +174,8 @@ OPTIONS = {
                 "secret_env": ["WANDB_API_KEY=wandb:key"], "env": {"A": "b"}},
     "resources": {"cpu": "90", "memory": "900Gi", "shm_size": "32Gi", "hugepages": "0"},
     "no_deadlines": {"active_deadline_s": None, "ttl_after_finished_s": None},
-    "faults": {"faults": ["kill@3", "hang@5/1", "raise@7/0", "kill-in-ckpt@9/1"]},
+    # Faults that can fire: ranks below 2 nodes x procs, kill-in-ckpt on a checkpoint step.
+    "faults": {"nodes": "2", "faults": ["kill@3", "hang@5/1", "raise@7/0", "kill-in-ckpt@10/1"]},
 }
 
 

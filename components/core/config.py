@@ -8,28 +8,30 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
-import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-import yaml
-
+from kfp_nvrx.components.core.config_text import parse_set_value, read_config_file
 from kfp_nvrx.components.errors import UserError
 
 PRESETS_DIR = Path(__file__).parent / "configs"
 
 
 def setting(default: Any, *, gt: float | None = None, ge: float | None = None,
-            le: float | None = None, choices: tuple[str, ...] = ()) -> Any:
+            le: float | None = None, lt: float | None = None,
+            choices: tuple[str, ...] = ()) -> Any:
     """A config field with its constraint, checked on every assignment (YAML, ``--set``, Python).
 
-    The constraint is ``gt < value``, ``ge <= value``, ``value <= le`` or one of ``choices``.
+    The constraint is ``gt < value`` or ``ge <= value``, and ``value <= le`` or ``value < lt``,
+    or one of ``choices``. Every float field must also be finite (no nan, no inf).
     """
-    return field(default=default, metadata={"gt": gt, "ge": ge, "le": le, "choices": choices})
+    return field(default=default, metadata={"gt": gt, "ge": ge, "le": le, "lt": lt,
+                                            "choices": choices})
 
 
 def positive(default: float) -> Any:
@@ -74,11 +76,11 @@ class ModelConfig(Section):
     n_layers: int = positive(2)
     n_heads: int = positive(4)
     n_kv_heads: int = non_negative(0)  # 0 = same as n_heads
-    ffn_multiple_of: int = 32
-    ffn_dim_multiplier: float = 1.0
+    ffn_multiple_of: int = positive(32)
+    ffn_dim_multiplier: float = positive(1.0)
     max_seq_len: int = positive(128)
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
+    norm_eps: float = positive(1e-5)
+    rope_theta: float = positive(10000.0)
     factory: str = ""  # "pkg.module:fn" -> fn(model_cfg) returns an nn.Module (tokens -> logits)
 
 
@@ -99,13 +101,14 @@ class TrainConfig(Section):
 
     section: ClassVar[str] = "train"
     steps: int = positive(40)
-    seed: int = non_negative(1234)
+    # torch.manual_seed takes up to 2**64 - 1; a signed 64-bit bound also fits numpy and JSON.
+    seed: int = setting(1234, ge=0, le=2**63 - 1)
     lr: float = non_negative(3e-3)
     min_lr_ratio: float = setting(0.1, ge=0, le=1)
     warmup_steps: int = non_negative(4)
     weight_decay: float = non_negative(0.1)
-    beta1: float = 0.9
-    beta2: float = 0.95
+    beta1: float = setting(0.9, ge=0, lt=1)  # AdamW refuses betas outside [0, 1)
+    beta2: float = setting(0.95, ge=0, lt=1)
     grad_clip: float = non_negative(1.0)
     activation_checkpointing: bool = False
     compile: bool = False
@@ -128,7 +131,7 @@ class CheckpointConfig(Section):
     async_save: bool = True
     finalize_timeout: float = positive(300.0)  # seconds a save may take before the run fails
     save_final: bool = True
-    load_step: int = -1  # -1 = newest committed checkpoint
+    load_step: int = setting(-1, ge=-1)  # -1 = newest committed checkpoint
     init_from: str = ""  # warm start: model.safetensors (or an export dir) used when no checkpoint exists
     # overlap/blocking: the state is staged into persistent pinned, shared host buffers; overlap
     # copies on a side stream during the next forward/backward and the optimizer step waits for
@@ -200,19 +203,33 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+def _bounds(rule: Mapping[str, Any]) -> str:
+    """``rule``'s numeric bounds in words: ``> 0``, ``within [0, 1)``."""
+    def num(x: float) -> str:
+        return f"{x:g}" if isinstance(x, float) else str(x)
+
+    lo = (f"[{num(rule['ge'])}" if rule.get("ge") is not None
+          else f"({num(rule['gt'])}" if rule.get("gt") is not None else "")
+    hi = (f"{num(rule['le'])}]" if rule.get("le") is not None
+          else f"{num(rule['lt'])})" if rule.get("lt") is not None else "")
+    if lo and hi:
+        return f"within {lo}, {hi}"
+    if lo:
+        return f"{'>=' if lo[0] == '[' else '>'} {lo[1:]}"
+    return f"{'<=' if hi[-1] == ']' else '<'} {hi[:-1]}"
+
+
 def _check(key: str, value: Any, rule: Mapping[str, Any]) -> None:
     """Raises UserError naming ``key`` when ``value`` breaks its field's constraint."""
-    gt, ge, le, choices = rule.get("gt"), rule.get("ge"), rule.get("le"), rule.get("choices")
+    choices = rule.get("choices")
     if choices and value not in choices:
         raise UserError(key, f"must be one of {', '.join(choices)}, got {value!r}")
-    if ge is not None and le is not None and not ge <= value <= le:  # NaN fails every comparison
-        raise UserError(key, f"must be within [{ge:g}, {le:g}], got {value}")
-    if gt is not None and le is not None and not gt < value <= le:
-        raise UserError(key, f"must be > {gt:g} and <= {le:g}, got {value}")
-    if gt is not None and not value > gt:
-        raise UserError(key, f"must be > {gt:g}, got {value}")
-    if ge is not None and not value >= ge:
-        raise UserError(key, f"must be >= {ge:g}, got {value}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise UserError(key, f"must be a finite number, got {value}")
+    gt, ge, le, lt = (rule.get(k) for k in ("gt", "ge", "le", "lt"))
+    if ((gt is not None and not value > gt) or (ge is not None and not value >= ge)
+            or (le is not None and not value <= le) or (lt is not None and not value < lt)):
+        raise UserError(key, f"must be {_bounds(rule)}, got {value}")
 
 
 def _coerce(key: str, value: Any, typ: Any, rule: Mapping[str, Any]) -> Any:
@@ -224,11 +241,11 @@ def _coerce(key: str, value: Any, typ: Any, rule: Mapping[str, Any]) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif typ is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads `1e-3` (no dot) as a string
-            try:
+        if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+            try:  # YAML 1.1 reads `1e-3` (no dot) as a string
                 return float(value)
+            except OverflowError:  # an int of hundreds of digits
+                raise UserError(key, f"must be a finite number, got {value}") from None
             except ValueError:
                 pass
     elif typ is str:
@@ -253,22 +270,13 @@ def _apply(section_obj: Any, section: str, values: dict[str, Any]) -> None:
         setattr(section_obj, key, value)  # Section.__setattr__ checks type and constraint
 
 
-def _parse_scalar(text: str) -> Any:
-    """Parses the right-hand side of ``--set`` as a YAML scalar (``3``, ``1e-3``, ``true``, ``x``)."""
-    try:
-        value = yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
-    return text if isinstance(value, (dict, list, types.NoneType)) else value
-
-
-def parse_override(item: str) -> tuple[str, str, Any]:
-    """Splits ``section.key=value`` into its parts; raises UserError when malformed."""
+def parse_override(item: str) -> tuple[str, str, str]:
+    """Splits ``section.key=value`` into its parts (the value as text); raises UserError when malformed."""
     if "=" not in item or "." not in item.split("=", 1)[0]:
         raise UserError("--set", f"expected section.key=value, got {item!r}")
     lhs, rhs = item.split("=", 1)
     section, key = lhs.strip().split(".", 1)
-    return section, key, _parse_scalar(rhs.strip())
+    return section, key, rhs.strip()
 
 
 def resolve_config_path(name_or_path: str) -> Path:
@@ -297,10 +305,7 @@ def load_config(name_or_path: str, overrides: list[str] | tuple[str, ...] = ()) 
         UserError: On unknown sections/keys, wrong types or out-of-range values.
     """
     path = resolve_config_path(name_or_path)
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise UserError("--config", f"{path} is not valid YAML ({' '.join(str(err).split())})") from None
+    raw = read_config_file(path) or {}
     if not isinstance(raw, dict):
         raise UserError("--config", f"{path} must hold a mapping of sections")
     cfg = Config()
@@ -311,11 +316,14 @@ def load_config(name_or_path: str, overrides: list[str] | tuple[str, ...] = ()) 
         if not isinstance(values, dict):
             raise UserError(section, "must be a mapping of key: value")
         _apply(getattr(cfg, section), section, values)
-    for item in overrides:
-        section, key, value = parse_override(item)
+    for item in overrides:  # applied in order: a key set twice keeps the last (CLI convention)
+        section, key, text = parse_override(item)
         if section not in sections:
             raise UserError(f"--set {section}", f"unknown section; known: {', '.join(sorted(sections))}")
-        _apply(getattr(cfg, section), section, {key: value})
+        obj = getattr(cfg, section)
+        if key in obj.__dataclass_fields__:  # unknown keys: _apply names them
+            text = parse_set_value(f"{section}.{key}", text, _hints(type(obj))[key])
+        _apply(obj, section, {key: text})
     validate(cfg)
     return cfg
 

@@ -42,3 +42,29 @@ def parse_fault(text: str) -> Fault:
     if step < 1:
         raise UserError("--fault", f"step must be >= 1, got {text!r}")
     return Fault(m["kind"], step, int(m["rank"] or 0))
+
+
+def check_faults(texts: list[str], steps: int, interval: int,
+                 world_size: int | None = None) -> list[Fault]:
+    """Parses every fault and checks that it can fire in this run; raises UserError naming ``--fault``.
+
+    Args:
+        texts: ``KIND@STEP[/RANK]`` strings.
+        steps: ``train.steps`` (a fault after the last step never fires).
+        interval: ``checkpoint.interval`` (``kill-in-ckpt`` needs a checkpoint step).
+        world_size: Workers of the job at most (nodes MAX x processes per node), when known: a
+            fault aimed at a rank beyond it never fires.
+    """
+    parsed = []
+    for text in texts:
+        f = parse_fault(text)
+        if f.step > steps:
+            raise UserError("--fault", f"{f.kind}@{f.step} is after the last step ({steps})")
+        if f.kind == "kill-in-ckpt" and (not interval or f.step % interval):
+            raise UserError("--fault", f"kill-in-ckpt@{f.step} needs a checkpoint step "
+                            f"(a multiple of checkpoint.interval={interval})")
+        if world_size is not None and f.rank >= world_size:
+            raise UserError("--fault", f"{text.strip()!r} aims at rank {f.rank} but the job has "
+                            f"{world_size} worker(s) (ranks 0-{world_size - 1})")
+        parsed.append(f)
+    return parsed

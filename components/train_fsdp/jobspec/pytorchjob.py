@@ -162,7 +162,13 @@ def _volumes(spec: JobSpec) -> tuple[list[k8s.V1Volume], list[k8s.V1VolumeMount]
 
 
 def _check_pod_paths(spec: JobSpec, cfg: Config) -> None:
-    """Paths the trainer reads must exist inside the pods: on the shared volume or an extra PVC."""
+    """What the trainer reads and uses must exist inside the pods.
+
+    Paths on the shared volume or an extra PVC; a GPU when ``train.device`` is cuda.
+    """
+    if cfg.train.device == "cuda" and not spec.profile.is_gpu:
+        raise UserError("train.device", f"is cuda but instance type {spec.profile.name} has no "
+                        "GPU; use --set train.device=cpu (or auto) or a GPU --instance-type")
     roots = [check_abs_path("--mount", spec.mount)]
     roots += [parse_extra_pvc(item)[1] for item in spec.extra_pvcs]
 
@@ -172,9 +178,11 @@ def _check_pod_paths(spec: JobSpec, cfg: Config) -> None:
     if not is_preset(spec.config) and not mounted(spec.config):
         raise UserError("--config", f"{spec.config!r} is read by the pods at the same path: use a "
                         f"preset or a file on the shared volume ({', '.join(roots)})")
-    if cfg.data.path.startswith("/") and not mounted(cfg.data.path):
-        raise UserError("data.path", f"{cfg.data.path!r} is not on a volume the pods mount "
-                        f"({', '.join(roots)})")
+    for key, value in (("data.path", cfg.data.path),
+                       ("checkpoint.init_from", cfg.checkpoint.init_from)):
+        if value.startswith("/") and not mounted(value):
+            raise UserError(key, f"{value!r} is not on a volume the pods mount "
+                            f"({', '.join(roots)})")
 
 
 def _labels(spec: JobSpec) -> dict[str, str]:
@@ -206,7 +214,8 @@ def _pod_spec(spec: JobSpec, cfg: Config, run_dir: str, procs: int) -> k8s.V1Pod
     # The kubelet expands $(VAR) in a command (secret env values included): user text is escaped.
     trainer = TrainerArgs(config=escape_expansion(spec.config), run_dir=escape_expansion(run_dir),
                           overrides=[escape_expansion(o) for o in spec.overrides],
-                          faults=[escape_expansion(f) for f in spec.checked_faults()])
+                          faults=[escape_expansion(f) for f in spec.checked_faults(
+                              cfg, spec.node_range()[1] * procs)])
     # One builder for pods and launch-local; $(POD_IP) is expanded by the kubelet from the env.
     command = ft_launcher_argv(res, trainer, local_addr="$(POD_IP)", nic_monitor=prof.nic_monitor)
     volumes, mounts = _volumes(spec)

@@ -11,11 +11,14 @@ from __future__ import annotations
 import posixpath
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.train_fsdp.jobspec import naming
 from kfp_nvrx.components.train_fsdp.jobspec.profiles import InstanceProfile, get_profile
+
+if TYPE_CHECKING:
+    from kfp_nvrx.components.core.config import Config
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _QUANTITY = re.compile(r"^([0-9]+(\.[0-9]+)?|\.[0-9]+)(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
@@ -154,12 +157,22 @@ class JobSpec:
             )
         return run_dir
 
-    def checked_faults(self) -> list[str]:
-        """Return ``faults`` after the trainer's own syntax check (typos fail before a job)."""
-        from kfp_nvrx.components.core.faults import parse_fault
+    def checked_faults(self, cfg: Config | None = None, world_size: int | None = None) -> list[str]:
+        """Return ``faults`` after the trainer's own checks (typos fail before a job).
 
-        for item in self.faults:
-            parse_fault(item)
+        Args:
+            cfg: The job's config: each fault must fall within ``train.steps`` (and
+                ``kill-in-ckpt`` on a checkpoint step).
+            world_size: Workers of the job at most (nodes MAX x processes per node): a fault
+                aimed at a rank beyond it would never fire.
+        """
+        from kfp_nvrx.components.core.faults import check_faults, parse_fault
+
+        if cfg is None:
+            for item in self.faults:
+                parse_fault(item)
+        else:
+            check_faults(list(self.faults), cfg.train.steps, cfg.checkpoint.interval, world_size)
         return [f.strip() for f in self.faults]
 
 

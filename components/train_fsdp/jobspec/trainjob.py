@@ -180,7 +180,7 @@ def build_trainjob(spec: JobSpec, runtime_name: str = rt.RUNTIME_NAME) -> Render
         raise UserError("--active-deadline", f"must be a whole number of seconds >= 1, got "
                         f"{spec.active_deadline_s!r}")
     trainer_args = TrainerArgs(config=spec.config, run_dir=run_dir, overrides=list(spec.overrides),
-                               faults=spec.checked_faults())
+                               faults=spec.checked_faults(cfg, nodes * procs))
     # FT: the one builder; v2 injects no PET_RDZV_*: endpoint from node 0's DNS name, id = name.
     command = ft_launcher_argv(cfg.resilience, trainer_args, local_addr="$(POD_IP)",
                                nic_monitor=spec.profile.is_gpu, rdzv_endpoint=rdzv_endpoint(),

@@ -78,6 +78,11 @@ def launch(spec: JobSpec, backend: str = "local", *, log: Callable[[str], None] 
 
         api = None
         if job_api == "auto":
+            # Bad input is refused before the cluster is asked anything: both job kinds share
+            # the checks that rendering the PyTorchJob makes (nothing is sent).
+            from kfp_nvrx.components.train_fsdp.jobspec.pytorchjob import build_pytorchjob
+
+            build_pytorchjob(spec)
             api = _api_client(client_configuration)
             job_api = trainjob.resolve_job_api(job_api, api)
             log(f"--job-api auto: the cluster serves {job_api}")

@@ -170,12 +170,14 @@ def run_local(spec: JobSpec, *, log: Callable[[str], None] = print,
         raise UserError("--deadline", f"must be > 0 seconds, got {deadline_s}")
     overrides, env = list(spec.overrides), dict(spec.env)
     cfg = load_config(spec.config, overrides)
+    # train.device=cuda on a host without GPUs fails here, naming train.device, before anything.
+    slices = slice_gpus(hi, nproc_per_node, cfg.train.device)
     run_path = local_run_dir(spec)
-    trainer = TrainerArgs(spec.config, str(run_path), overrides, spec.checked_faults())
+    trainer = TrainerArgs(spec.config, str(run_path), overrides,
+                          spec.checked_faults(cfg, hi * nproc_per_node))
     preflight(trainer, env)
     run_path = run_path.resolve()
     trainer.run_dir = str(run_path)
-    slices = slice_gpus(hi, nproc_per_node, cfg.train.device)
     exe = _ft_launcher()
     name = (spec.job_name() if spec.name or spec.run_id
             else re.sub(r"[^a-z0-9-]", "-", run_path.name.lower()) or "run")

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from kfp_nvrx.components.core.config import Config, load_config
-from kfp_nvrx.components.core.faults import Fault, parse_fault
+from kfp_nvrx.components.core.faults import Fault, check_faults
 from kfp_nvrx.components.core.rundir import (
     check_run_dir,
     checkpoints_dir,
@@ -15,6 +15,7 @@ from kfp_nvrx.components.core.rundir import (
     step_dir,
     write_config,
 )
+from kfp_nvrx.components.core.safetensors_header import read_header
 from kfp_nvrx.components.errors import UserError
 
 
@@ -26,14 +27,9 @@ def validate_inputs(config: str, overrides: list[str], faults: list[str], *,
     (the launcher does it once; every worker repeating it would multiply the reads).
     """
     cfg = load_config(config, overrides)
-    parsed = [parse_fault(f) for f in faults]
-    interval = cfg.checkpoint.interval
-    for f in parsed:
-        if f.step > cfg.train.steps:
-            raise UserError("--fault", f"{f.kind}@{f.step} is after the last step ({cfg.train.steps})")
-        if f.kind == "kill-in-ckpt" and (not interval or f.step % interval):
-            raise UserError("--fault", f"kill-in-ckpt@{f.step} needs a checkpoint step "
-                            f"(a multiple of checkpoint.interval={interval})")
+    # The world size is not checked here: an elastic job may run with fewer workers than its
+    # launcher allowed for (the launcher checks against the most it starts).
+    parsed = check_faults(faults, cfg.train.steps, cfg.checkpoint.interval)
     check_in_process_timeouts(cfg)
     if not cfg.data.path:
         raise UserError("data.path", "not set; pass --set data.path=DIR (from prepare-data)")
@@ -119,6 +115,43 @@ def check_checkpoint_model(cfg: Config, run_dir: Path) -> None:
                             "settings it was trained with")
 
 
+def check_init_from(cfg: Config) -> None:
+    """``checkpoint.init_from`` is a safetensors file whose tensors fit this config's model.
+
+    Read from the header alone (a few bytes); otherwise every worker would fail at the warm start,
+    once per restart.
+    """
+    if not cfg.checkpoint.init_from:
+        return
+    shapes = read_header("checkpoint.init_from", cfg.checkpoint.init_from)
+    import torch
+
+    from kfp_nvrx.components.train_fsdp.trainer.model import build_model
+
+    try:
+        with torch.device("meta"):
+            ours = {k: tuple(t.shape) for k, t in build_model(cfg.model).state_dict().items()}
+    except Exception:  # noqa: BLE001 - a meta-unfriendly factory: warm_start reports a misfit
+        return
+    for key in sorted(set(ours) | set(shapes)):
+        if ours.get(key) != shapes.get(key):
+            raise UserError("checkpoint.init_from", f"{cfg.checkpoint.init_from} does not fit "
+                            f"this config's model ({key}: file {shapes.get(key, 'none')}, model "
+                            f"{ours.get(key, 'none')}); use the model.* settings it was "
+                            "trained with")
+
+
+def check_device(cfg: Config) -> None:
+    """``train.device=cuda`` needs a GPU this process can see (else every worker fails in CUDA)."""
+    if cfg.train.device != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UserError("train.device", "is cuda but this process sees no CUDA GPU; use --set "
+                        "train.device=cpu (or auto) or run on a GPU node")
+
+
 def check_job(config: str, overrides: list[str], faults: list[str], run_dir: Path) -> int:
     """The launcher's preflight (``--check``): what :func:`prepare_job` checks, nothing written.
 
@@ -128,6 +161,8 @@ def check_job(config: str, overrides: list[str], faults: list[str], run_dir: Pat
     """
     try:
         cfg, _ = validate_inputs(config, overrides, faults, verify_data=True)
+        check_device(cfg)
+        check_init_from(cfg)
         check_run_dir(run_dir)
         check_checkpoint_model(cfg, run_dir)
     except UserError as err:
@@ -139,6 +174,8 @@ def check_job(config: str, overrides: list[str], faults: list[str], run_dir: Pat
 def prepare_job(config: str, overrides: list[str], faults: list[str], run_dir: Path):
     """Validates everything, then creates the run dir and the per-worker Job."""
     cfg, parsed = validate_inputs(config, overrides, faults)
+    check_device(cfg)
+    check_init_from(cfg)
     check_run_dir(run_dir)
     check_checkpoint_model(cfg, run_dir)
     check_launcher_env()
