@@ -108,9 +108,18 @@ def test_same_meaning_as_the_pytorchjob(filename: str) -> None:
         assert v1["spec"].get(key) == v2["spec"].get(key), key
     assert v1["metadata"]["labels"].items() <= v2["metadata"]["labels"].items()
     assert v2["metadata"]["annotations"]["sidecar.istio.io/inject"] == "false"
-    # the trainer part of the command is the same builder's, with v2's rendezvous flags added
-    tail = c1["command"][c1["command"].index("-m"):]
-    assert c2["command"][c2["command"].index("-m"):] == tail
+    # the same builder's command (NVRx flags, trainer flags), with v2's rendezvous flags added
+    rdzv = [a for a in c2["command"] if a.startswith(("--rdzv-endpoint=", "--rdzv-id="))]
+    assert len(rdzv) == 2
+    assert [a for a in c2["command"] if a not in rdzv] == c1["command"]
+
+
+def test_user_text_in_the_command_is_escaped_like_the_pytorchjob() -> None:
+    # The kubelet expands $(VAR) in a container command (secret env values included).
+    spec = JobSpec(image=IMAGE, pvc="fsx", name="esc", nodes="2", instance_type="cpu",
+                   secret_env=["HF_TOKEN=hf-token:token"], run_dir="/fsx/runs/a$(HF_TOKEN)")
+    command = trainjob.render(spec).job["spec"]["trainer"]["command"]
+    assert command[command.index("--run-dir") + 1] == "/fsx/runs/a$$(HF_TOKEN)"
 
 
 def test_command_is_the_one_builder_with_v2_rendezvous() -> None:
@@ -119,7 +128,7 @@ def test_command_is_the_one_builder_with_v2_rendezvous() -> None:
     res = load_config(spec.config, spec.overrides).resilience
     expected = ft_launcher_argv(
         res, TrainerArgs(spec.config, rendered.run_dir, list(spec.overrides), spec.faults),
-        local_addr="$(POD_IP)", nic_monitor=True,
+        local_addr="$(POD_IP)", nic_monitor=spec.profile.nic_monitor,
         rdzv_endpoint="$(PET_MASTER_ADDR):$(PET_MASTER_PORT)", rdzv_id=rendered.name)
     assert rendered.job["spec"]["trainer"]["command"] == expected
 
