@@ -25,6 +25,7 @@ from kfp_nvrx.components.train_fsdp.jobspec import pytorchjob, trainjob
 from kfp_nvrx.components.train_fsdp.jobspec.runtime import build_runtime
 from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
 from kfp_nvrx.components.train_fsdp.jobspec.validate_trainjob import (
+    CLUSTER_RUNTIME_CRD,
     RUNTIME_CRD,
     TRAINJOB_CRD,
     node_pod,
@@ -232,3 +233,42 @@ def test_render_job_cli_trainjob_with_runtime_and_refusal() -> None:
     bad = _cli("--job-api", "trainjob", "--image", IMAGE, "--pvc", "fsx", "--nodes", "2:4")
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
     assert "--nodes" in bad.stderr and "elastic" in bad.stderr
+
+
+def test_cluster_training_runtime_option_validates_against_its_own_crd() -> None:
+    spec = JobSpec(image=IMAGE, pvc="fsx", name="demo", nodes="2", namespace="team-a")
+    rendered = trainjob.render(spec, "kfp-nvrx-ft", "ClusterTrainingRuntime")
+    ref = rendered.job["spec"]["runtimeRef"]
+    assert ref == {"name": "kfp-nvrx-ft", "kind": "ClusterTrainingRuntime",
+                   "apiGroup": "trainer.kubeflow.org"}
+    # cluster-scoped: no namespace; otherwise the very runtime we ship
+    assert rendered.runtime["kind"] == "ClusterTrainingRuntime"
+    assert "namespace" not in rendered.runtime["metadata"]
+    shipped = build_runtime()
+    assert rendered.runtime["spec"] == shipped["spec"]
+    validate_schema(rendered.runtime, CLUSTER_RUNTIME_CRD)
+    # the cluster CRD is the one applied: an unknown field in it is rejected
+    bad = copy.deepcopy(rendered.runtime)
+    bad["spec"]["mlPolicy"]["elastic"] = {}
+    with pytest.raises(UserError) as err:
+        validate_trainjob(rendered.job, bad)
+    assert err.value.field == "spec.mlPolicy"
+    # a reference to one kind is not satisfied by a runtime of the other
+    with pytest.raises(UserError) as err:
+        validate_trainjob(rendered.job, shipped)
+    assert err.value.field == "spec.runtimeRef"
+    with pytest.raises(UserError) as err:
+        trainjob.render(spec, "kfp-nvrx-ft", "Runtime")
+    assert err.value.field == "--runtime-kind"
+
+
+def test_render_job_cli_prints_a_cluster_training_runtime() -> None:
+    out = _cli("--job-api", "trainjob", "--with-runtime", "--runtime-kind",
+               "ClusterTrainingRuntime", "--runtime", "ft-shared", "--image", IMAGE, "--pvc",
+               "fsx", "--name", "demo", "--namespace", "team-a", "--instance-type", "cpu")
+    assert out.returncode == 0, out.stderr
+    runtime, job = list(yaml.safe_load_all(out.stdout))
+    assert runtime["kind"] == "ClusterTrainingRuntime" and runtime["metadata"]["name"] == \
+        "ft-shared" and "namespace" not in runtime["metadata"]
+    assert job["spec"]["runtimeRef"]["kind"] == "ClusterTrainingRuntime"
+    assert job["metadata"]["namespace"] == "team-a"

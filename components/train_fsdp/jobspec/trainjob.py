@@ -158,8 +158,16 @@ def _split_pod(pod: dict[str, Any]) -> tuple[dict, dict]:
     return trainer, patch
 
 
-def build_trainjob(spec: JobSpec, runtime_name: str = rt.RUNTIME_NAME) -> RenderedTrainJob:
-    """Build (do not validate) the TrainJob for ``spec``.
+def check_runtime_kind(kind: str) -> str:
+    """Return ``kind`` if a TrainJob can refer to it; else raise UserError naming the flag."""
+    if kind not in rt.RUNTIME_KINDS:
+        raise UserError("--runtime-kind", f"must be {' or '.join(rt.RUNTIME_KINDS)}, got {kind!r}")
+    return kind
+
+
+def build_trainjob(spec: JobSpec, runtime_name: str = rt.RUNTIME_NAME,
+                   runtime_kind: str = rt.RUNTIME_KIND) -> RenderedTrainJob:
+    """Build (do not validate) the TrainJob for ``spec``, referring to that runtime.
 
     Raises:
         UserError: On any bad value or a setting v2 cannot express, naming the flag.
@@ -167,6 +175,7 @@ def build_trainjob(spec: JobSpec, runtime_name: str = rt.RUNTIME_NAME) -> Render
     """
     refuse_v1_only(spec)
     check_resource_name("--runtime", runtime_name)
+    check_runtime_kind(runtime_kind)
     nodes, _ = spec.node_range()
     check_name(spec.name or naming.derive_name(spec.run_id, spec.task), nodes)
     procs = spec.procs_per_node()
@@ -189,7 +198,7 @@ def build_trainjob(spec: JobSpec, runtime_name: str = rt.RUNTIME_NAME) -> Render
     template = {"metadata": {"labels": dict(pod_labels), "annotations": dict(rt.POD_ANNOTATIONS)},
                 "spec": pod_patch}
     job_spec: dict[str, Any] = {
-        "runtimeRef": {"name": runtime_name, "kind": rt.RUNTIME_KIND, "apiGroup": rt.GROUP},
+        "runtimeRef": {"name": runtime_name, "kind": runtime_kind, "apiGroup": rt.GROUP},
         "trainer": trainer,
         "runtimePatches": [{"manager": PATCH_MANAGER, "trainingRuntimeSpec": {"template": {
             "spec": {"replicatedJobs": [{"name": rt.REPLICATED_JOB, "template": {
@@ -202,12 +211,13 @@ def build_trainjob(spec: JobSpec, runtime_name: str = rt.RUNTIME_NAME) -> Render
         meta["namespace"] = spec.namespace
     meta.update(labels=pod_labels, annotations=annotations(spec, run_dir))
     job = {"apiVersion": rt.API_VERSION, "kind": KIND, "metadata": meta, "spec": job_spec}
-    runtime = rt.build_runtime(runtime_name, namespace=spec.namespace)
+    runtime = rt.build_runtime(runtime_name, namespace=spec.namespace, kind=runtime_kind)
     return RenderedTrainJob(job=job, runtime=runtime, name=name, run_dir=run_dir, config=cfg,
                             nodes=nodes, procs_per_node=procs)
 
 
-def render(spec: JobSpec, runtime_name: str = rt.RUNTIME_NAME) -> RenderedTrainJob:
+def render(spec: JobSpec, runtime_name: str = rt.RUNTIME_NAME,
+           runtime_kind: str = rt.RUNTIME_KIND) -> RenderedTrainJob:
     """Build the TrainJob and validate it (CRD schemas, webhook rules, the node pod).
 
     Raises:
@@ -216,6 +226,6 @@ def render(spec: JobSpec, runtime_name: str = rt.RUNTIME_NAME) -> RenderedTrainJ
     """
     from kfp_nvrx.components.train_fsdp.jobspec.validate_trainjob import validate_trainjob
 
-    rendered = build_trainjob(spec, runtime_name)
+    rendered = build_trainjob(spec, runtime_name, runtime_kind)
     validate_trainjob(rendered.job, rendered.runtime)
     return rendered

@@ -44,7 +44,7 @@ def launch(spec: JobSpec, backend: str = "local", *, log: Callable[[str], None] 
            deadline_s: float | None = None, namespace: str = "",
            delete_after: str = "on_success", poll_s: float = 5.0,
            client_configuration: Any = None, job_api: str = "pytorchjob",
-           runtime: str = "kfp-nvrx-ft") -> LaunchResult:
+           runtime: str = "kfp-nvrx-ft", runtime_kind: str = "TrainingRuntime") -> LaunchResult:
     """Run one training job on a backend and wait for its end.
 
     Args:
@@ -57,7 +57,9 @@ def launch(spec: JobSpec, backend: str = "local", *, log: Callable[[str], None] 
         poll_s: Kubernetes: seconds between job status reads.
         client_configuration: Kubernetes client configuration (None: kubeconfig / in-cluster).
         job_api: Kubernetes: ``pytorchjob``, ``trainjob`` or ``auto``.
-        runtime: Kubernetes, TrainJob: the TrainingRuntime it refers to.
+        runtime: Kubernetes, TrainJob: the runtime it refers to.
+        runtime_kind: Kubernetes, TrainJob: ``TrainingRuntime`` (namespaced, the one we ship) or
+            ``ClusterTrainingRuntime``.
 
     Returns:
         The same :class:`LaunchResult` from either backend.
@@ -87,6 +89,7 @@ def launch(spec: JobSpec, backend: str = "local", *, log: Callable[[str], None] 
         elif job_api != "trainjob":
             raise UserError("--job-api", f"must be pytorchjob, trainjob or auto, got {job_api!r}")
         return trainjob.launch_trainjob(spec, opts, log=log, runtime=runtime,
+                                        runtime_kind=runtime_kind,
                                         api_client=api or _api_client(client_configuration))
     if backend == "local":
         from kfp_nvrx.components.train_fsdp.launcher.local import run_local

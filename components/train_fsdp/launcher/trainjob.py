@@ -199,6 +199,7 @@ def _attach_or_create(jobs: _TrainJobs, rendered: RenderedTrainJob, spec: JobSpe
         if jobs.create(rendered.job):
             say(f"created {jobs.where}: {rendered.nodes} x {spec.instance_type} "
                 f"({rendered.procs_per_node} procs each), runtime "
+                f"{rendered.job['spec']['runtimeRef']['kind']}/"
                 f"{rendered.job['spec']['runtimeRef']['name']}, run dir {rendered.run_dir}")
             created = jobs.get()
             if created is not None:
@@ -210,7 +211,8 @@ def launch_trainjob(spec: JobSpec, opts: K8sOptions | None = None, *,
                     log: Callable[[str], None] = print,
                     client_configuration: k8s.Configuration | None = None,
                     api_client: k8s.ApiClient | None = None,
-                    runtime: str = rt.RUNTIME_NAME) -> LaunchResult:
+                    runtime: str = rt.RUNTIME_NAME,
+                    runtime_kind: str = rt.RUNTIME_KIND) -> LaunchResult:
     """Run ``spec`` as a TrainJob and follow it to its end (see the module docstring).
 
     Returns:
@@ -225,7 +227,7 @@ def launch_trainjob(spec: JobSpec, opts: K8sOptions | None = None, *,
     if opts.delete_after not in DELETE_AFTER:
         raise UserError("--delete-after", f"must be one of {', '.join(DELETE_AFTER)}, "
                         f"got {opts.delete_after!r}")
-    rendered = render(spec, runtime)
+    rendered = render(spec, runtime, runtime_kind)
     lock = threading.Lock()
 
     def say(line: str) -> None:
