@@ -225,6 +225,24 @@ def test_cluster_runtime_reference_reaches_the_api(double: K8sDouble) -> None:
     assert any("runtime ClusterTrainingRuntime/ft-shared" in ln for ln in lines)
 
 
+def test_auto_reports_input_bad_for_every_api_before_asking_the_cluster(
+        double: K8sDouble) -> None:
+    with pytest.raises(UserError) as err:
+        backends.launch(JobSpec(**{**SPEC, "instance_type": "p9.huge"}), "kubernetes",
+                        client_configuration=double.configuration(), job_api="auto")
+    assert err.value.field == "--instance-type"
+    assert double.requests == []  # not even API discovery
+
+
+def test_auto_refuses_what_the_served_api_cannot_express(double: K8sDouble) -> None:
+    double.served = {"trainjobs"}
+    with pytest.raises(UserError) as err:
+        backends.launch(JobSpec(**{**SPEC, "nodes": "1:2"}), "kubernetes",
+                        client_configuration=double.configuration(), job_api="auto")
+    assert err.value.field == "--nodes"
+    assert double.calls("GET", "/apis/") and not double.calls("POST")
+
+
 def test_bad_v2_input_sends_nothing(double: K8sDouble) -> None:
     with pytest.raises(UserError) as err:
         backends.launch(JobSpec(**{**SPEC, "nodes": "2:4"}), "kubernetes",

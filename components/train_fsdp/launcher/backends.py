@@ -40,6 +40,19 @@ def _api_client(configuration: Any) -> Any:
     return client.ApiClient(configuration)
 
 
+def _check_for_some_api(spec: JobSpec, runtime: str, runtime_kind: str) -> None:
+    """Raise the PyTorchJob's UserError when neither job API could run ``spec``."""
+    from kfp_nvrx.components.train_fsdp.jobspec import pytorchjob, trainjob
+
+    try:
+        pytorchjob.render(spec)
+    except UserError as err:
+        try:
+            trainjob.render(spec, runtime, runtime_kind)
+        except UserError:
+            raise err from None
+
+
 def launch(spec: JobSpec, backend: str = "local", *, log: Callable[[str], None] = print,
            deadline_s: float | None = None, namespace: str = "",
            delete_after: str = "on_success", poll_s: float = 5.0,
@@ -80,6 +93,8 @@ def launch(spec: JobSpec, backend: str = "local", *, log: Callable[[str], None] 
 
         api = None
         if job_api == "auto":
+            # Bad input is reported before credentials are looked at.
+            _check_for_some_api(spec, runtime, runtime_kind)
             api = _api_client(client_configuration)
             job_api = trainjob.resolve_job_api(job_api, api)
             log(f"--job-api auto: the cluster serves {job_api}")

@@ -35,9 +35,9 @@ from kfp_nvrx.components.train_fsdp.launcher.kubernetes import (
     DEADLINE_MARGIN_S,
     ClusterError,
     K8sOptions,
-    _fill_failure,
-    _should_delete,
-    _Signals,
+    StopSignals,
+    fill_failure,
+    should_delete,
 )
 from kfp_nvrx.components.train_fsdp.launcher.logs import PodLogFollower
 from kfp_nvrx.components.train_fsdp.launcher.result import LaunchResult
@@ -239,7 +239,7 @@ def launch_trainjob(spec: JobSpec, opts: K8sOptions | None = None, *,
     rendered.job["metadata"]["namespace"] = namespace
     jobs = _TrainJobs(k8s.CustomObjectsApi(api), rendered.name, namespace)
     core = k8s.CoreV1Api(api)
-    with _Signals(opts.handle_signals) as signals:
+    with StopSignals(opts.handle_signals) as signals:
         job, attached = _attach_or_create(jobs, rendered, spec, say)
         follower = PodLogFollower(core, namespace, rendered.name, emit=say,
                                   container=rt.CONTAINER_NAME,
@@ -251,21 +251,21 @@ def launch_trainjob(spec: JobSpec, opts: K8sOptions | None = None, *,
             result = _follow(jobs, job, rendered, opts, follower, signals, say)
         finally:
             follower.stop(drain_s=0.0 if signals.event.is_set() else opts.drain_s)
-    _fill_failure(result, follower, core, namespace, opts.tail_lines)
+    fill_failure(result, follower, core, namespace, opts.tail_lines)
     result.pod_restarts = follower.pod_restarts()
     result.restarts = follower.progress.restarts
     result.extra.update(attached=attached, namespace=namespace, pvc=spec.pvc, job_api="trainjob",
                         run_dir_uri=f"pvc://{spec.pvc}/"
                         f"{posixpath.relpath(rendered.run_dir, spec.mount)}",
                         progress=follower.progress.summary())
-    if _should_delete(result.state, opts.delete_after):
+    if should_delete(result.state, opts.delete_after):
         jobs.delete()
         say(f"deleted {jobs.where} (propagationPolicy=Foreground)")
     return result
 
 
 def _follow(jobs: _TrainJobs, job: dict[str, Any], rendered: RenderedTrainJob,
-            opts: K8sOptions, follower: PodLogFollower, signals: _Signals,
+            opts: K8sOptions, follower: PodLogFollower, signals: StopSignals,
             say: Callable[[str], None]) -> LaunchResult:
     """Poll the TrainJob until it ends, the deadline passes or a signal arrives."""
     created = _ts(job["metadata"].get("creationTimestamp")) or time.time()
