@@ -13,36 +13,27 @@ server instead (``http.server`` in a thread; point a ``kubernetes.client.Configu
   a follow stream is chunked and ends when the container instance terminates)
 
 It does *not* run an operator or a kubelet: a test plays their part through the scenario methods
-(:meth:`set_condition`, :meth:`add_pod` / :meth:`add_node_pod`, :meth:`start`, :meth:`log`, :meth:`terminate`,
-:meth:`restart`, :meth:`recreate`). Every request is recorded in :attr:`requests`.
+(:meth:`set_condition`, :meth:`add_pod` / :meth:`add_node_pod`, :meth:`start`, :meth:`log`,
+:meth:`terminate`, :meth:`restart`, :meth:`recreate`). Every request is recorded in
+:attr:`requests`. This module holds the fake cluster's state and those scenario methods;
+:mod:`k8s_double_http` holds the HTTP handler that serves the state in the API's wire format.
 """
 
 from __future__ import annotations
 
 import copy
 import datetime as dt
-import json
 import threading
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any
-from urllib.parse import parse_qs, urlparse
 
+from k8s_double_http import JOB_APIS, handler_for
 from kubernetes import client as k8s
-
-PODS = "/api/v1/namespaces/"
-#: plural -> (group, version) of the job APIs the double serves.
-JOB_APIS = {"pytorchjobs": ("kubeflow.org", "v1"), "trainjobs": ("trainer.kubeflow.org", "v1alpha1")}
-JOB_LABELS = ("training.kubeflow.org/job-name", "jobset.sigs.k8s.io/jobset-name")
 
 
 def _now() -> str:
     return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _status(code: int, reason: str, message: str) -> dict[str, Any]:
-    return {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": code,
-            "reason": reason, "message": message}
 
 
 class K8sDouble:
@@ -62,7 +53,7 @@ class K8sDouble:
         self.rv = 1
         self.cond = threading.Condition()
         self.closed = False
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), handler_for(self))
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
@@ -109,7 +100,7 @@ class K8sDouble:
     def put_job(self, manifest: dict[str, Any], ns: str = "default") -> dict[str, Any]:
         """Store a job as if it had been created earlier (for re-attach tests)."""
         with self.cond:
-            return self._store_job(ns, copy.deepcopy(manifest))
+            return self.store_job(ns, copy.deepcopy(manifest))
 
     def set_condition(self, name: str, ctype: str, reason: str = "", message: str = "",
                       ns: str = "default") -> None:
@@ -145,7 +136,7 @@ class K8sDouble:
                    "restartCount": 0, "state": {"waiting": {"reason": "ContainerCreating"}}}]}}
         with self.cond:
             self.pods[(ns, name)] = pod
-            self._event(ns, "ADDED", pod)
+            self.event(ns, "ADDED", pod)
         return name
 
     def add_node_pod(self, job: str, index: int, attempt: int = 0, ns: str = "default") -> str:
@@ -164,7 +155,7 @@ class K8sDouble:
             p = self.pods[(ns, pod)]
             p["status"]["conditions"] = [{"type": "PodScheduled", "status": "False",
                                           "reason": "Unschedulable", "message": message}]
-            self._event(ns, "MODIFIED", p)
+            self.event(ns, "MODIFIED", p)
 
     def start(self, pod: str, ns: str = "default") -> None:
         """Container running (current restart count)."""
@@ -175,13 +166,13 @@ class K8sDouble:
             st["ready"] = True
             p["status"]["phase"] = "Running"
             p["status"].pop("conditions", None)
-            self.logs.setdefault(self._log_key(ns, p), {"lines": [], "done": False})
-            self._event(ns, "MODIFIED", p)
+            self.logs.setdefault(self.log_key(ns, p), {"lines": [], "done": False})
+            self.event(ns, "MODIFIED", p)
 
     def log(self, pod: str, *lines: str, ns: str = "default") -> None:
         """Append lines to the running container instance's log."""
         with self.cond:
-            self.logs[self._log_key(ns, self.pods[(ns, pod)])]["lines"].extend(lines)
+            self.logs[self.log_key(ns, self.pods[(ns, pod)])]["lines"].extend(lines)
             self.cond.notify_all()
 
     def terminate(self, pod: str, exit_code: int, reason: str = "", ns: str = "default") -> None:
@@ -195,8 +186,8 @@ class K8sDouble:
                                           "startedAt": _now(), "finishedAt": _now()}}
             st["ready"] = False
             p["status"]["phase"] = "Succeeded" if exit_code == 0 else "Failed"
-            self.logs[self._log_key(ns, p)]["done"] = True
-            self._event(ns, "MODIFIED", p)
+            self.logs[self.log_key(ns, p)]["done"] = True
+            self.event(ns, "MODIFIED", p)
 
     def restart(self, pod: str, ns: str = "default") -> None:
         """Kubelet restarts the terminated container in place (restartCount + 1, running)."""
@@ -213,23 +204,23 @@ class K8sDouble:
         index = int(pod.rsplit("-", 1)[1])
         with self.cond:
             old = self.pods.pop((ns, pod))
-            self._event(ns, "DELETED", old)
+            self.event(ns, "DELETED", old)
         self.add_pod(pod.rsplit("-worker-", 1)[0], index, ns)
 
-    # -- internals ------------------------------------------------------------------------------
+    # -- state changes shared with the HTTP handler ---------------------------------------------
 
     @staticmethod
-    def _log_key(ns: str, pod: dict[str, Any]) -> tuple[str, str, str, int]:
+    def log_key(ns: str, pod: dict[str, Any]) -> tuple[str, str, str, int]:
         st = pod["status"]["containerStatuses"][0]
         return ns, pod["metadata"]["name"], pod["metadata"]["uid"], st["restartCount"]
 
-    def _event(self, ns: str, etype: str, pod: dict[str, Any]) -> None:
+    def event(self, ns: str, etype: str, pod: dict[str, Any]) -> None:
         self.rv += 1
         pod["metadata"]["resourceVersion"] = str(self.rv)
         self.events.append((self.rv, ns, etype, copy.deepcopy(pod)))
         self.cond.notify_all()
 
-    def _store_job(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
+    def store_job(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
         self.rv += 1
         meta = body.setdefault("metadata", {})
         meta.update(namespace=ns, uid=str(uuid.uuid4()), resourceVersion=str(self.rv),
@@ -240,204 +231,3 @@ class K8sDouble:
         return body
 
 
-def _select(labels: dict[str, str], selector: str) -> bool:
-    for term in filter(None, (selector or "").split(",")):
-        key, _, value = term.partition("=")
-        if labels.get(key) != value:
-            return False
-    return True
-
-
-def _handler_for(double: K8sDouble) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, *args: Any) -> None:  # keep test output clean
-            pass
-
-        # -- plumbing ---------------------------------------------------------------------------
-
-        def _record(self, body: Any = None) -> tuple[list[str], dict[str, str]]:
-            url = urlparse(self.path)
-            query = {k: v[-1] for k, v in parse_qs(url.query).items()}
-            double.requests.append({"method": self.command, "path": url.path, "query": query,
-                                    "body": copy.deepcopy(body)})
-            return url.path.strip("/").split("/"), query
-
-        def _body(self) -> Any:
-            length = int(self.headers.get("Content-Length") or 0)
-            return json.loads(self.rfile.read(length) or b"null") if length else None
-
-        def _json(self, code: int, obj: Any) -> None:
-            data = json.dumps(obj).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def _chunk(self, data: bytes) -> None:
-            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
-            self.wfile.flush()
-
-        def _start_stream(self, ctype: str) -> None:
-            self.send_response(200)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Transfer-Encoding", "chunked")
-            self.end_headers()
-
-        def _end_stream(self) -> None:
-            self.wfile.write(b"0\r\n\r\n")
-            self.wfile.flush()
-
-        # -- verbs ------------------------------------------------------------------------------
-
-        def do_POST(self) -> None:  # noqa: N802
-            body = self._body()
-            parts, _ = self._record(body)
-            if "POST" in double.fail_next:
-                code, reason = double.fail_next.pop("POST")
-                return self._json(code, _status(code, reason, f"injected {reason}"))
-            if len(parts) != 6 or parts[5] not in double.served:
-                return self._json(404, _status(404, "NotFound", "no such endpoint"))
-            ns = parts[4]
-            with double.cond:
-                if (ns, body["metadata"]["name"]) in double.jobs:
-                    return self._json(409, _status(409, "AlreadyExists",
-                                                   f"{parts[5]} already exists"))
-                stored = double._store_job(ns, body)
-            self._json(201, stored)
-
-        def do_DELETE(self) -> None:  # noqa: N802
-            body = self._body()
-            parts, _ = self._record(body)
-            ns, name = parts[4], parts[6]
-            with double.cond:
-                job = double.jobs.pop((ns, name), None)
-                if job is None:
-                    return self._json(404, _status(404, "NotFound", f"{name} not found"))
-                for key in [k for k, p in double.pods.items() if k[0] == ns and name in (
-                        p["metadata"]["labels"].get(label) for label in JOB_LABELS)]:
-                    pod = double.pods.pop(key)
-                    for lk, buf in double.logs.items():
-                        if lk[:2] == key:
-                            buf["done"] = True
-                    double._event(ns, "DELETED", pod)
-            self._json(200, {"kind": "Status", "apiVersion": "v1", "status": "Success"})
-
-        def do_GET(self) -> None:  # noqa: N802
-            parts, query = self._record()
-            if parts[0] == "apis" and len(parts) == 3:
-                return self._discovery(parts[1], parts[2])
-            if parts[0] == "apis" and len(parts) == 7 and parts[5] in double.served:
-                with double.cond:
-                    job = double.jobs.get((parts[4], parts[6]))
-                if job is None:
-                    return self._json(404, _status(404, "NotFound", f"{parts[6]} not found"))
-                return self._json(200, job)
-            if self.path.startswith(PODS) and len(parts) == 6:
-                with double.cond:
-                    pod = copy.deepcopy(double.pods.get((parts[3], parts[5])))
-                if pod is None:
-                    return self._json(404, _status(404, "NotFound", f"pods {parts[5]} not found"))
-                return self._json(200, pod)
-            if self.path.startswith(PODS) and len(parts) == 5:
-                return self._pods(parts[3], query)
-            if self.path.startswith(PODS) and len(parts) == 7 and parts[6] == "log":
-                return self._log(parts[3], parts[5], query)
-            self._json(404, _status(404, "NotFound", "no such endpoint"))
-
-        def _discovery(self, group: str, version: str) -> None:
-            plurals = [p for p, gv in JOB_APIS.items() if gv == (group, version)
-                       and p in double.served]
-            if not plurals:
-                return self._json(404, _status(404, "NotFound", "the server could not find "
-                                               "the requested resource"))
-            return self._json(200, {"kind": "APIResourceList", "apiVersion": "v1",
-                                    "groupVersion": f"{group}/{version}", "resources": [
-                                        {"name": p, "namespaced": True, "kind": p[:-1],
-                                         "verbs": ["create", "get", "delete"]}
-                                        for p in plurals]})
-
-        def _pods(self, ns: str, query: dict[str, str]) -> None:
-            selector = query.get("labelSelector", "")
-            if query.get("watch") not in ("true", "1", "True"):
-                with double.cond:
-                    items = [copy.deepcopy(p) for (n, _), p in double.pods.items()
-                             if n == ns and _select(p["metadata"]["labels"], selector)]
-                    rv = str(double.rv)
-                return self._json(200, {"kind": "PodList", "apiVersion": "v1",
-                                        "metadata": {"resourceVersion": rv}, "items": items})
-            since = int(query.get("resourceVersion") or 0)
-            timeout = float(query.get("timeoutSeconds") or 30)
-            self._start_stream("application/json")
-            end = threading.Event()
-            threading.Timer(timeout, lambda: (end.set(), _wake(double))).start()
-            try:
-                while True:
-                    with double.cond:
-                        double.cond.wait_for(lambda s=since: end.is_set() or double.closed or any(
-                            rv > s for rv, *_ in double.events), 1.0)
-                        batch = [(rv, t, p) for rv, n, t, p in double.events
-                                 if rv > since and n == ns
-                                 and _select(p["metadata"]["labels"], selector)]
-                        since = max([since] + [rv for rv, *_ in double.events])
-                        stop = end.is_set() or double.closed
-                    for _, etype, pod in batch:
-                        self._chunk(json.dumps({"type": etype, "object": pod}).encode() + b"\n")
-                    if stop:
-                        break
-                self._end_stream()
-            except OSError:
-                pass
-
-        def _log(self, ns: str, pod: str, query: dict[str, str]) -> None:
-            with double.cond:
-                p = double.pods.get((ns, pod))
-                if p is None:
-                    return self._json(404, _status(404, "NotFound", f"pods {pod} not found"))
-                key = K8sDouble._log_key(ns, p)
-                if query.get("previous") in ("true", "1", "True"):
-                    key = (*key[:3], key[3] - 1)
-                buf = double.logs.get(key)
-            if buf is None:
-                return self._json(400, _status(400, "BadRequest", f'container "pytorch" in pod '
-                                               f'"{pod}" is waiting to start: ContainerCreating'))
-            follow = query.get("follow") in ("true", "1", "True")
-            tail = int(query["tailLines"]) if "tailLines" in query else None
-            if not follow:
-                with double.cond:
-                    lines = list(buf["lines"])
-                lines = lines[-tail:] if tail is not None else lines
-                data = "".join(f"{ln}\n" for ln in lines).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-                return None
-            self._start_stream("text/plain")
-            sent = 0
-            try:
-                while True:
-                    with double.cond:
-                        double.cond.wait_for(lambda n=sent: len(buf["lines"]) > n or buf["done"]
-                                             or double.closed, 1.0)
-                        new = buf["lines"][sent:]
-                        sent += len(new)
-                        stop = (buf["done"] and sent == len(buf["lines"])) or double.closed
-                    if new:
-                        self._chunk("".join(f"{ln}\n" for ln in new).encode())
-                    if stop:
-                        break
-                self._end_stream()
-            except OSError:
-                pass
-            return None
-
-    return Handler
-
-
-def _wake(double: K8sDouble) -> None:
-    with double.cond:
-        double.cond.notify_all()

@@ -25,6 +25,7 @@ from kfp_nvrx.components.train_fsdp.jobspec import pytorchjob, trainjob
 from kfp_nvrx.components.train_fsdp.jobspec.runtime import build_runtime
 from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
 from kfp_nvrx.components.train_fsdp.jobspec.validate_trainjob import (
+    CLUSTER_RUNTIME_CRD,
     RUNTIME_CRD,
     TRAINJOB_CRD,
     node_pod,
@@ -108,9 +109,18 @@ def test_same_meaning_as_the_pytorchjob(filename: str) -> None:
         assert v1["spec"].get(key) == v2["spec"].get(key), key
     assert v1["metadata"]["labels"].items() <= v2["metadata"]["labels"].items()
     assert v2["metadata"]["annotations"]["sidecar.istio.io/inject"] == "false"
-    # the trainer part of the command is the same builder's, with v2's rendezvous flags added
-    tail = c1["command"][c1["command"].index("-m"):]
-    assert c2["command"][c2["command"].index("-m"):] == tail
+    # the same builder's command (NVRx flags, trainer flags), with v2's rendezvous flags added
+    rdzv = [a for a in c2["command"] if a.startswith(("--rdzv-endpoint=", "--rdzv-id="))]
+    assert len(rdzv) == 2
+    assert [a for a in c2["command"] if a not in rdzv] == c1["command"]
+
+
+def test_user_text_in_the_command_is_escaped_like_the_pytorchjob() -> None:
+    # The kubelet expands $(VAR) in a container command (secret env values included).
+    spec = JobSpec(image=IMAGE, pvc="fsx", name="esc", nodes="2", instance_type="cpu",
+                   secret_env=["HF_TOKEN=hf-token:token"], run_dir="/fsx/runs/a$(HF_TOKEN)")
+    command = trainjob.render(spec).job["spec"]["trainer"]["command"]
+    assert command[command.index("--run-dir") + 1] == "/fsx/runs/a$$(HF_TOKEN)"
 
 
 def test_command_is_the_one_builder_with_v2_rendezvous() -> None:
@@ -119,7 +129,7 @@ def test_command_is_the_one_builder_with_v2_rendezvous() -> None:
     res = load_config(spec.config, spec.overrides).resilience
     expected = ft_launcher_argv(
         res, TrainerArgs(spec.config, rendered.run_dir, list(spec.overrides), spec.faults),
-        local_addr="$(POD_IP)", nic_monitor=True,
+        local_addr="$(POD_IP)", nic_monitor=spec.profile.nic_monitor,
         rdzv_endpoint="$(PET_MASTER_ADDR):$(PET_MASTER_PORT)", rdzv_id=rendered.name)
     assert rendered.job["spec"]["trainer"]["command"] == expected
 
@@ -223,3 +233,42 @@ def test_render_job_cli_trainjob_with_runtime_and_refusal() -> None:
     bad = _cli("--job-api", "trainjob", "--image", IMAGE, "--pvc", "fsx", "--nodes", "2:4")
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
     assert "--nodes" in bad.stderr and "elastic" in bad.stderr
+
+
+def test_cluster_training_runtime_option_validates_against_its_own_crd() -> None:
+    spec = JobSpec(image=IMAGE, pvc="fsx", name="demo", nodes="2", namespace="team-a")
+    rendered = trainjob.render(spec, "kfp-nvrx-ft", "ClusterTrainingRuntime")
+    ref = rendered.job["spec"]["runtimeRef"]
+    assert ref == {"name": "kfp-nvrx-ft", "kind": "ClusterTrainingRuntime",
+                   "apiGroup": "trainer.kubeflow.org"}
+    # cluster-scoped: no namespace; otherwise the very runtime we ship
+    assert rendered.runtime["kind"] == "ClusterTrainingRuntime"
+    assert "namespace" not in rendered.runtime["metadata"]
+    shipped = build_runtime()
+    assert rendered.runtime["spec"] == shipped["spec"]
+    validate_schema(rendered.runtime, CLUSTER_RUNTIME_CRD)
+    # the cluster CRD is the one applied: an unknown field in it is rejected
+    bad = copy.deepcopy(rendered.runtime)
+    bad["spec"]["mlPolicy"]["elastic"] = {}
+    with pytest.raises(UserError) as err:
+        validate_trainjob(rendered.job, bad)
+    assert err.value.field == "spec.mlPolicy"
+    # a reference to one kind is not satisfied by a runtime of the other
+    with pytest.raises(UserError) as err:
+        validate_trainjob(rendered.job, shipped)
+    assert err.value.field == "spec.runtimeRef"
+    with pytest.raises(UserError) as err:
+        trainjob.render(spec, "kfp-nvrx-ft", "Runtime")
+    assert err.value.field == "--runtime-kind"
+
+
+def test_render_job_cli_prints_a_cluster_training_runtime() -> None:
+    out = _cli("--job-api", "trainjob", "--with-runtime", "--runtime-kind",
+               "ClusterTrainingRuntime", "--runtime", "ft-shared", "--image", IMAGE, "--pvc",
+               "fsx", "--name", "demo", "--namespace", "team-a", "--instance-type", "cpu")
+    assert out.returncode == 0, out.stderr
+    runtime, job = list(yaml.safe_load_all(out.stdout))
+    assert runtime["kind"] == "ClusterTrainingRuntime" and runtime["metadata"]["name"] == \
+        "ft-shared" and "namespace" not in runtime["metadata"]
+    assert job["spec"]["runtimeRef"]["kind"] == "ClusterTrainingRuntime"
+    assert job["metadata"]["namespace"] == "team-a"

@@ -206,6 +206,43 @@ def test_dispatcher_auto_runs_a_trainjob(double: K8sDouble) -> None:
     assert [c["path"] for c in double.calls("POST")] == [TRAINJOBS]
 
 
+def test_cluster_runtime_reference_reaches_the_api(double: K8sDouble) -> None:
+    spec = JobSpec(**SPEC)
+    name = spec.job_name()
+    t = threading.Thread(target=lambda: (double.wait_for_job(name), _happy(double, name)),
+                         daemon=True)
+    t.start()
+    lines: list[str] = []
+    result = backends.launch(spec, "kubernetes", log=lines.append, namespace="default",
+                             poll_s=0.05, client_configuration=double.configuration(),
+                             job_api="trainjob", runtime="ft-shared",
+                             runtime_kind="ClusterTrainingRuntime")
+    t.join(5)
+    assert result.succeeded
+    (post,) = double.calls("POST")
+    assert post["body"]["spec"]["runtimeRef"] == {
+        "name": "ft-shared", "kind": "ClusterTrainingRuntime", "apiGroup": "trainer.kubeflow.org"}
+    assert any("runtime ClusterTrainingRuntime/ft-shared" in ln for ln in lines)
+
+
+def test_auto_reports_input_bad_for_every_api_before_asking_the_cluster(
+        double: K8sDouble) -> None:
+    with pytest.raises(UserError) as err:
+        backends.launch(JobSpec(**{**SPEC, "instance_type": "p9.huge"}), "kubernetes",
+                        client_configuration=double.configuration(), job_api="auto")
+    assert err.value.field == "--instance-type"
+    assert double.requests == []  # not even API discovery
+
+
+def test_auto_refuses_what_the_served_api_cannot_express(double: K8sDouble) -> None:
+    double.served = {"trainjobs"}
+    with pytest.raises(UserError) as err:
+        backends.launch(JobSpec(**{**SPEC, "nodes": "1:2"}), "kubernetes",
+                        client_configuration=double.configuration(), job_api="auto")
+    assert err.value.field == "--nodes"
+    assert double.calls("GET", "/apis/") and not double.calls("POST")
+
+
 def test_bad_v2_input_sends_nothing(double: K8sDouble) -> None:
     with pytest.raises(UserError) as err:
         backends.launch(JobSpec(**{**SPEC, "nodes": "2:4"}), "kubernetes",

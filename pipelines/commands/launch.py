@@ -88,12 +88,13 @@ def _run(args: argparse.Namespace) -> int:
             from kfp_nvrx.pipelines.commands.render_job import render_for
 
             if args.job_api != "auto":  # bad input is reported before credentials are looked at
-                render_for(spec, args.job_api, args.runtime)
+                render_for(spec, args.job_api, args.runtime, args.runtime_kind)
             cfg, namespace = _cluster(args)
         result = launch(spec, args.backend, log=log, deadline_s=args.deadline,
                         namespace=args.namespace or namespace, delete_after=args.delete_after,
                         poll_s=args.poll_interval, client_configuration=cfg,
-                        job_api=args.job_api, runtime=args.runtime)
+                        job_api=args.job_api, runtime=args.runtime,
+                        runtime_kind=args.runtime_kind)
     except ClusterError as err:
         sys.stderr.write(f"kfp-nvrx launch: cluster error: {err}\n")
         return 1

@@ -18,7 +18,10 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
     """Add the JobSpec flags to a subcommand parser."""
     g = p.add_argument_group("job")
     g.add_argument("--runtime", default="kfp-nvrx-ft",
-                   help="trainjob: the TrainingRuntime the TrainJob refers to (default kfp-nvrx-ft)")
+                   help="trainjob: the runtime the TrainJob refers to (default kfp-nvrx-ft)")
+    g.add_argument("--runtime-kind", default="TrainingRuntime",
+                   help="trainjob: TrainingRuntime (default; namespaced, shipped in "
+                   "images/deploy) or ClusterTrainingRuntime (cluster-scoped)")
     g.add_argument("--name", default="", help="job name (default: derived from --run-id/--task)")
     g.add_argument("--run-id", default="", help="KFP run id (labels, stable name, re-attach)")
     g.add_argument("--task", default="train", help="KFP task name (default train)")
@@ -140,19 +143,21 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="pytorchjob (Training Operator v1, default) or trainjob (Kubeflow "
                    "Trainer v2)")
     p.add_argument("--with-runtime", action="store_true",
-                   help="trainjob: also print the TrainingRuntime it refers to (first)")
+                   help="trainjob: also print the runtime it refers to (first), e.g. to apply a "
+                   "ClusterTrainingRuntime")
     p.add_argument("--out", default="", help="write the YAML to FILE instead of stdout")
     p.set_defaults(handler=_run)
 
 
-def render_for(spec: Any, job_api: str, runtime: str = "kfp-nvrx-ft") -> Any:
+def render_for(spec: Any, job_api: str, runtime: str = "kfp-nvrx-ft",
+               runtime_kind: str = "TrainingRuntime") -> Any:
     """Render and validate ``spec`` for one job API (``pytorchjob`` or ``trainjob``)."""
     from kfp_nvrx.components.errors import UserError
 
     if job_api == "trainjob":
         from kfp_nvrx.components.train_fsdp.jobspec import trainjob
 
-        return trainjob.render(spec, runtime)
+        return trainjob.render(spec, runtime, runtime_kind)
     if job_api != "pytorchjob":
         raise UserError("--job-api", f"must be pytorchjob or trainjob, got {job_api!r}")
     from kfp_nvrx.components.train_fsdp.jobspec import pytorchjob
@@ -169,7 +174,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.with_runtime and args.job_api != "trainjob":
         raise UserError("--with-runtime", "only a TrainJob refers to a runtime; add "
                         "--job-api trainjob")
-    rendered = render_for(spec_from_args(args), args.job_api, args.runtime)
+    rendered = render_for(spec_from_args(args), args.job_api, args.runtime, args.runtime_kind)
     text = rendered.to_yaml(with_runtime=True) if args.with_runtime else rendered.to_yaml()
     if args.out:
         write_atomic(args.out, text)

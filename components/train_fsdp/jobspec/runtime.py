@@ -25,6 +25,9 @@ from typing import Any
 GROUP = "trainer.kubeflow.org"
 API_VERSION = f"{GROUP}/v1alpha1"
 RUNTIME_KIND = "TrainingRuntime"
+#: The cluster-scoped kind: one runtime for every namespace (applied by a cluster admin).
+CLUSTER_RUNTIME_KIND = "ClusterTrainingRuntime"
+RUNTIME_KINDS = (RUNTIME_KIND, CLUSTER_RUNTIME_KIND)
 RUNTIME_NAME = "kfp-nvrx-ft"
 #: The torch plugin's replicated job and trainer container names.
 REPLICATED_JOB = "node"
@@ -40,10 +43,18 @@ POD_ANNOTATIONS = {"sidecar.istio.io/inject": "false"}
 DEFAULT_IMAGE = "kfp-nvrx-trainer:0.1.0"
 
 
-def build_runtime(name: str = RUNTIME_NAME, namespace: str = "") -> dict[str, Any]:
-    """Return the TrainingRuntime as a plain dict (API field names)."""
+def build_runtime(name: str = RUNTIME_NAME, namespace: str = "",
+                  kind: str = RUNTIME_KIND) -> dict[str, Any]:
+    """Return the runtime as a plain dict (API field names).
+
+    Args:
+        name: Its name.
+        namespace: Its namespace (a ``TrainingRuntime`` only; '' = the current one).
+        kind: ``TrainingRuntime`` or the cluster-scoped ``ClusterTrainingRuntime`` (same spec).
+
+    """
     meta: dict[str, Any] = {"name": name}
-    if namespace:
+    if namespace and kind == RUNTIME_KIND:
         meta["namespace"] = namespace
     meta["labels"] = {"trainer.kubeflow.org/framework": "torch",
                       "app.kubernetes.io/name": "kfp-nvrx"}
@@ -80,7 +91,7 @@ def build_runtime(name: str = RUNTIME_NAME, namespace: str = "") -> dict[str, An
     }
     return {
         "apiVersion": API_VERSION,
-        "kind": RUNTIME_KIND,
+        "kind": kind,
         "metadata": meta,
         "spec": {
             "mlPolicy": {"numNodes": 1, "torch": {}},

@@ -1,7 +1,7 @@
 """``JobSpec`` -> Kubeflow Trainer v2 ``TrainJob`` (trainer.kubeflow.org/v1alpha1), validated.
 
 The same JobSpec means the same job as the PyTorchJob of :mod:`.pytorchjob`: the worker pod is
-built by the same code (:func:`.pytorchjob.pod_spec`) and then split the way v2 wants it:
+built by the same code (:mod:`.pod`) and then split the way v2 wants it:
 
 * ``spec.trainer`` takes image, command, env, node count, processes per node and resources;
 * ``spec.runtimePatches`` takes what v2 lets a TrainJob change in the runtime's pod template:
@@ -26,16 +26,16 @@ from typing import Any
 import yaml
 
 from kfp_nvrx.components.core.config import Config, load_config
-from kfp_nvrx.components.core.launch_command import TrainerArgs, ft_launcher_argv
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.train_fsdp.jobspec import naming
 from kfp_nvrx.components.train_fsdp.jobspec import runtime as rt
-from kfp_nvrx.components.train_fsdp.jobspec.pytorchjob import (
-    _annotations,
-    _check_pod_paths,
-    _labels,
-    _pod_spec,
+from kfp_nvrx.components.train_fsdp.jobspec.pod import (
+    annotations,
+    check_pod_paths,
+    labels,
+    pod_spec,
     to_dict,
+    trainer_command,
 )
 from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec, check_resource_name
 
@@ -136,12 +136,12 @@ class RenderedTrainJob:
         return yaml.safe_dump_all(docs, sort_keys=False, default_flow_style=False)
 
 
-def _split_pod(pod: dict[str, Any], command: list[str]) -> tuple[dict, dict]:
+def _split_pod(pod: dict[str, Any]) -> tuple[dict, dict]:
     """Split a worker pod spec into (trainer, pod patch); refuse fields v2 cannot carry."""
     (container,) = pod.pop("containers")
     if container.get("imagePullPolicy", rt.IMAGE_PULL_POLICY) != rt.IMAGE_PULL_POLICY:
         raise UserError("--image-pull-policy", f"the TrainingRuntime sets {rt.IMAGE_PULL_POLICY}")
-    trainer = {"image": container["image"], "command": command, "env": container["env"],
+    trainer = {"image": container["image"], "command": container["command"], "env": container["env"],
                "resourcesPerNode": container["resources"]}
     patch_c: dict[str, Any] = {"name": rt.CONTAINER_NAME,
                                "volumeMounts": container["volumeMounts"]}
@@ -158,8 +158,16 @@ def _split_pod(pod: dict[str, Any], command: list[str]) -> tuple[dict, dict]:
     return trainer, patch
 
 
-def build_trainjob(spec: JobSpec, runtime_name: str = rt.RUNTIME_NAME) -> RenderedTrainJob:
-    """Build (do not validate) the TrainJob for ``spec``.
+def check_runtime_kind(kind: str) -> str:
+    """Return ``kind`` if a TrainJob can refer to it; else raise UserError naming the flag."""
+    if kind not in rt.RUNTIME_KINDS:
+        raise UserError("--runtime-kind", f"must be {' or '.join(rt.RUNTIME_KINDS)}, got {kind!r}")
+    return kind
+
+
+def build_trainjob(spec: JobSpec, runtime_name: str = rt.RUNTIME_NAME,
+                   runtime_kind: str = rt.RUNTIME_KIND) -> RenderedTrainJob:
+    """Build (do not validate) the TrainJob for ``spec``, referring to that runtime.
 
     Raises:
         UserError: On any bad value or a setting v2 cannot express, naming the flag.
@@ -167,32 +175,30 @@ def build_trainjob(spec: JobSpec, runtime_name: str = rt.RUNTIME_NAME) -> Render
     """
     refuse_v1_only(spec)
     check_resource_name("--runtime", runtime_name)
+    check_runtime_kind(runtime_kind)
     nodes, _ = spec.node_range()
     check_name(spec.name or naming.derive_name(spec.run_id, spec.task), nodes)
     procs = spec.procs_per_node()
     name = spec.job_name()
     run_dir = spec.run_dir_path(name)
     cfg = load_config(spec.config, list(spec.overrides))
-    _check_pod_paths(spec, cfg)
+    check_pod_paths(spec, cfg)
     if spec.active_deadline_s is not None and (isinstance(spec.active_deadline_s, bool) or not
                                                isinstance(spec.active_deadline_s, int)
                                                or spec.active_deadline_s < 1):
         raise UserError("--active-deadline", f"must be a whole number of seconds >= 1, got "
                         f"{spec.active_deadline_s!r}")
-    trainer_args = TrainerArgs(config=spec.config, run_dir=run_dir, overrides=list(spec.overrides),
-                               faults=spec.checked_faults(cfg, nodes * procs))
     # FT: the one builder; v2 injects no PET_RDZV_*: endpoint from node 0's DNS name, id = name.
-    command = ft_launcher_argv(cfg.resilience, trainer_args, local_addr="$(POD_IP)",
-                               nic_monitor=spec.profile.is_gpu, rdzv_endpoint=rdzv_endpoint(),
-                               rdzv_id=name)
-    pod = to_dict(_pod_spec(spec, cfg, run_dir, procs))
-    trainer, pod_patch = _split_pod(pod, command)
+    command = trainer_command(spec, cfg, run_dir, procs, rdzv_endpoint=rdzv_endpoint(), rdzv_id=name)
+    pod = to_dict(pod_spec(spec, cfg, run_dir, procs, container_name=rt.CONTAINER_NAME,
+                           command=command))
+    trainer, pod_patch = _split_pod(pod)
     trainer.update(numNodes=nodes, numProcPerNode=procs)
-    labels = _labels(spec)
-    template = {"metadata": {"labels": dict(labels), "annotations": dict(rt.POD_ANNOTATIONS)},
+    pod_labels = labels(spec)
+    template = {"metadata": {"labels": dict(pod_labels), "annotations": dict(rt.POD_ANNOTATIONS)},
                 "spec": pod_patch}
     job_spec: dict[str, Any] = {
-        "runtimeRef": {"name": runtime_name, "kind": rt.RUNTIME_KIND, "apiGroup": rt.GROUP},
+        "runtimeRef": {"name": runtime_name, "kind": runtime_kind, "apiGroup": rt.GROUP},
         "trainer": trainer,
         "runtimePatches": [{"manager": PATCH_MANAGER, "trainingRuntimeSpec": {"template": {
             "spec": {"replicatedJobs": [{"name": rt.REPLICATED_JOB, "template": {
@@ -203,14 +209,15 @@ def build_trainjob(spec: JobSpec, runtime_name: str = rt.RUNTIME_NAME) -> Render
     meta: dict[str, Any] = {"name": name}
     if spec.namespace:
         meta["namespace"] = spec.namespace
-    meta.update(labels=labels, annotations=_annotations(spec, run_dir))
+    meta.update(labels=pod_labels, annotations=annotations(spec, run_dir))
     job = {"apiVersion": rt.API_VERSION, "kind": KIND, "metadata": meta, "spec": job_spec}
-    runtime = rt.build_runtime(runtime_name, namespace=spec.namespace)
+    runtime = rt.build_runtime(runtime_name, namespace=spec.namespace, kind=runtime_kind)
     return RenderedTrainJob(job=job, runtime=runtime, name=name, run_dir=run_dir, config=cfg,
                             nodes=nodes, procs_per_node=procs)
 
 
-def render(spec: JobSpec, runtime_name: str = rt.RUNTIME_NAME) -> RenderedTrainJob:
+def render(spec: JobSpec, runtime_name: str = rt.RUNTIME_NAME,
+           runtime_kind: str = rt.RUNTIME_KIND) -> RenderedTrainJob:
     """Build the TrainJob and validate it (CRD schemas, webhook rules, the node pod).
 
     Raises:
@@ -219,6 +226,6 @@ def render(spec: JobSpec, runtime_name: str = rt.RUNTIME_NAME) -> RenderedTrainJ
     """
     from kfp_nvrx.components.train_fsdp.jobspec.validate_trainjob import validate_trainjob
 
-    rendered = build_trainjob(spec, runtime_name)
+    rendered = build_trainjob(spec, runtime_name, runtime_kind)
     validate_trainjob(rendered.job, rendered.runtime)
     return rendered

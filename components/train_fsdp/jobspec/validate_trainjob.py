@@ -36,15 +36,18 @@ from kfp_nvrx.components.train_fsdp.jobspec.validate import (
 SCHEMAS = Path(__file__).parent / "schemas"
 TRAINJOB_CRD = SCHEMAS / "trainer.kubeflow.org_trainjobs.yaml"
 RUNTIME_CRD = SCHEMAS / "trainer.kubeflow.org_trainingruntimes.yaml"
+CLUSTER_RUNTIME_CRD = SCHEMAS / "trainer.kubeflow.org_clustertrainingruntimes.yaml"
+#: The CRD each runtime kind is validated against.
+RUNTIME_CRDS = {rt.RUNTIME_KIND: RUNTIME_CRD, rt.CLUSTER_RUNTIME_KIND: CLUSTER_RUNTIME_CRD}
 RESERVED_ENV = ("PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR",
                 "PET_MASTER_PORT")
-RUNTIME_KINDS = ("TrainingRuntime", "ClusterTrainingRuntime")
+RUNTIME_KINDS = rt.RUNTIME_KINDS
 MANAGED_BY = ("trainer.kubeflow.org/trainjob-controller", "kueue.x-k8s.io/multikueue")
 MASTER_PORT = 29500
 _TRAINJOB_PATCH_PATH = "spec.runtimePatches[0].trainingRuntimeSpec.template.spec"
 
 
-@functools.lru_cache(maxsize=2)
+@functools.lru_cache(maxsize=4)
 def crd_schema(path: Path) -> dict[str, Any]:
     """Load a CRD's ``openAPIV3Schema`` in strict form."""
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
@@ -188,7 +191,10 @@ def validate_pod(job: dict[str, Any], runtime: dict[str, Any],
 def validate_trainjob(job: dict[str, Any], runtime: dict[str, Any],
                       k8s_version: str = K8S_VERSION) -> None:
     """All layers for the TrainJob and its runtime; raises UserError on the first problem."""
-    validate_schema(runtime, RUNTIME_CRD)
+    crd = RUNTIME_CRDS.get(runtime.get("kind", ""))
+    if crd is None:
+        raise UserError("kind", f"the runtime must be one of {', '.join(RUNTIME_KINDS)}")
+    validate_schema(runtime, crd)
     validate_schema(job, TRAINJOB_CRD)
     validate_rules(job, runtime)
     validate_pod(job, runtime, k8s_version)

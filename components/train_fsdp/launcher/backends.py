@@ -40,11 +40,24 @@ def _api_client(configuration: Any) -> Any:
     return client.ApiClient(configuration)
 
 
+def _check_for_some_api(spec: JobSpec, runtime: str, runtime_kind: str) -> None:
+    """Raise the PyTorchJob's UserError when neither job API could run ``spec``."""
+    from kfp_nvrx.components.train_fsdp.jobspec import pytorchjob, trainjob
+
+    try:
+        pytorchjob.render(spec)
+    except UserError as err:
+        try:
+            trainjob.render(spec, runtime, runtime_kind)
+        except UserError:
+            raise err from None
+
+
 def launch(spec: JobSpec, backend: str = "local", *, log: Callable[[str], None] = print,
            deadline_s: float | None = None, namespace: str = "",
            delete_after: str = "on_success", poll_s: float = 5.0,
            client_configuration: Any = None, job_api: str = "pytorchjob",
-           runtime: str = "kfp-nvrx-ft") -> LaunchResult:
+           runtime: str = "kfp-nvrx-ft", runtime_kind: str = "TrainingRuntime") -> LaunchResult:
     """Run one training job on a backend and wait for its end.
 
     Args:
@@ -57,7 +70,9 @@ def launch(spec: JobSpec, backend: str = "local", *, log: Callable[[str], None] 
         poll_s: Kubernetes: seconds between job status reads.
         client_configuration: Kubernetes client configuration (None: kubeconfig / in-cluster).
         job_api: Kubernetes: ``pytorchjob``, ``trainjob`` or ``auto``.
-        runtime: Kubernetes, TrainJob: the TrainingRuntime it refers to.
+        runtime: Kubernetes, TrainJob: the runtime it refers to.
+        runtime_kind: Kubernetes, TrainJob: ``TrainingRuntime`` (namespaced, the one we ship) or
+            ``ClusterTrainingRuntime``.
 
     Returns:
         The same :class:`LaunchResult` from either backend.
@@ -78,11 +93,8 @@ def launch(spec: JobSpec, backend: str = "local", *, log: Callable[[str], None] 
 
         api = None
         if job_api == "auto":
-            # Bad input is refused before the cluster is asked anything: both job kinds share
-            # the checks that rendering the PyTorchJob makes (nothing is sent).
-            from kfp_nvrx.components.train_fsdp.jobspec.pytorchjob import build_pytorchjob
-
-            build_pytorchjob(spec)
+            # Bad input is reported before credentials are looked at.
+            _check_for_some_api(spec, runtime, runtime_kind)
             api = _api_client(client_configuration)
             job_api = trainjob.resolve_job_api(job_api, api)
             log(f"--job-api auto: the cluster serves {job_api}")
@@ -92,6 +104,7 @@ def launch(spec: JobSpec, backend: str = "local", *, log: Callable[[str], None] 
         elif job_api != "trainjob":
             raise UserError("--job-api", f"must be pytorchjob, trainjob or auto, got {job_api!r}")
         return trainjob.launch_trainjob(spec, opts, log=log, runtime=runtime,
+                                        runtime_kind=runtime_kind,
                                         api_client=api or _api_client(client_configuration))
     if backend == "local":
         from kfp_nvrx.components.train_fsdp.launcher.local import run_local

@@ -166,7 +166,7 @@ def _attach_or_create(jobs: _Job, rendered: RenderedJob, spec: JobSpec,
     raise ClusterError(f"PyTorchJob {jobs.namespace}/{jobs.name} could not be created or read")
 
 
-class _Signals:
+class StopSignals:
     """SIGTERM/SIGINT -> an Event, while inside the ``with`` block (main thread only)."""
 
     def __init__(self, enabled: bool) -> None:
@@ -179,7 +179,7 @@ class _Signals:
         self.signum = signum
         self.event.set()
 
-    def __enter__(self) -> _Signals:
+    def __enter__(self) -> StopSignals:
         if self._enabled:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._old[sig] = signal.signal(sig, self._handler)
@@ -233,7 +233,7 @@ def launch_kubernetes(spec: JobSpec, opts: K8sOptions | None = None, *,
     namespace = opts.namespace or spec.namespace or training_client.namespace
     rendered.job.metadata.namespace = namespace
     jobs = _Job(training_client, rendered.name, namespace)
-    with _Signals(opts.handle_signals) as signals:
+    with StopSignals(opts.handle_signals) as signals:
         job, attached = _attach_or_create(jobs, rendered, spec, say)
         follower = PodLogFollower(training_client.core_api, namespace, rendered.name, emit=say,
                                   watch_timeout_s=opts.watch_timeout_s)
@@ -242,20 +242,20 @@ def launch_kubernetes(spec: JobSpec, opts: K8sOptions | None = None, *,
             result = _follow(jobs, job, rendered, opts, follower, signals, say)
         finally:
             follower.stop(drain_s=0.0 if signals.event.is_set() else opts.drain_s)
-    _fill_failure(result, follower, training_client.core_api, namespace, opts.tail_lines)
+    fill_failure(result, follower, training_client.core_api, namespace, opts.tail_lines)
     result.pod_restarts = follower.pod_restarts()
     result.restarts = follower.progress.restarts
     result.extra.update(attached=attached, namespace=namespace, pvc=spec.pvc,
                         run_dir_uri=f"pvc://{spec.pvc}/"
                         f"{posixpath.relpath(rendered.run_dir, spec.mount)}",
                         progress=follower.progress.summary())
-    if _should_delete(result.state, opts.delete_after):
+    if should_delete(result.state, opts.delete_after):
         jobs.delete()
         say(f"deleted PyTorchJob {namespace}/{rendered.name} (propagationPolicy=Foreground)")
     return result
 
 
-def _should_delete(state: str, delete_after: str) -> bool:
+def should_delete(state: str, delete_after: str) -> bool:
     """Apply ``delete_after``; a cancelled run always deletes (it must not leave GPUs busy)."""
     if state == "Cancelled":
         return True
@@ -267,7 +267,7 @@ def _should_delete(state: str, delete_after: str) -> bool:
 
 
 def _follow(jobs: _Job, job: models.KubeflowOrgV1PyTorchJob, rendered: RenderedJob,
-            opts: K8sOptions, follower: PodLogFollower, signals: _Signals,
+            opts: K8sOptions, follower: PodLogFollower, signals: StopSignals,
             say: Callable[[str], None]) -> LaunchResult:
     """Poll the job until it ends, the deadline passes or a signal arrives."""
     created = _ts(job.metadata.creation_timestamp) or time.time()
@@ -326,7 +326,7 @@ def _follow(jobs: _Job, job: models.KubeflowOrgV1PyTorchJob, rendered: RenderedJ
     return result
 
 
-def _fill_failure(result: LaunchResult, follower: PodLogFollower, core: k8s.CoreV1Api,
+def fill_failure(result: LaunchResult, follower: PodLogFollower, core: k8s.CoreV1Api,
                   namespace: str, lines: int) -> None:
     """Name the failing replica and attach its last log lines to a non-success result."""
     if result.succeeded or result.state == "Cancelled":

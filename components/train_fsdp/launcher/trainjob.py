@@ -35,9 +35,9 @@ from kfp_nvrx.components.train_fsdp.launcher.kubernetes import (
     DEADLINE_MARGIN_S,
     ClusterError,
     K8sOptions,
-    _fill_failure,
-    _should_delete,
-    _Signals,
+    StopSignals,
+    fill_failure,
+    should_delete,
 )
 from kfp_nvrx.components.train_fsdp.launcher.logs import PodLogFollower
 from kfp_nvrx.components.train_fsdp.launcher.result import LaunchResult
@@ -199,6 +199,7 @@ def _attach_or_create(jobs: _TrainJobs, rendered: RenderedTrainJob, spec: JobSpe
         if jobs.create(rendered.job):
             say(f"created {jobs.where}: {rendered.nodes} x {spec.instance_type} "
                 f"({rendered.procs_per_node} procs each), runtime "
+                f"{rendered.job['spec']['runtimeRef']['kind']}/"
                 f"{rendered.job['spec']['runtimeRef']['name']}, run dir {rendered.run_dir}")
             created = jobs.get()
             if created is not None:
@@ -210,7 +211,8 @@ def launch_trainjob(spec: JobSpec, opts: K8sOptions | None = None, *,
                     log: Callable[[str], None] = print,
                     client_configuration: k8s.Configuration | None = None,
                     api_client: k8s.ApiClient | None = None,
-                    runtime: str = rt.RUNTIME_NAME) -> LaunchResult:
+                    runtime: str = rt.RUNTIME_NAME,
+                    runtime_kind: str = rt.RUNTIME_KIND) -> LaunchResult:
     """Run ``spec`` as a TrainJob and follow it to its end (see the module docstring).
 
     Returns:
@@ -225,7 +227,7 @@ def launch_trainjob(spec: JobSpec, opts: K8sOptions | None = None, *,
     if opts.delete_after not in DELETE_AFTER:
         raise UserError("--delete-after", f"must be one of {', '.join(DELETE_AFTER)}, "
                         f"got {opts.delete_after!r}")
-    rendered = render(spec, runtime)
+    rendered = render(spec, runtime, runtime_kind)
     lock = threading.Lock()
 
     def say(line: str) -> None:
@@ -237,7 +239,7 @@ def launch_trainjob(spec: JobSpec, opts: K8sOptions | None = None, *,
     rendered.job["metadata"]["namespace"] = namespace
     jobs = _TrainJobs(k8s.CustomObjectsApi(api), rendered.name, namespace)
     core = k8s.CoreV1Api(api)
-    with _Signals(opts.handle_signals) as signals:
+    with StopSignals(opts.handle_signals) as signals:
         job, attached = _attach_or_create(jobs, rendered, spec, say)
         follower = PodLogFollower(core, namespace, rendered.name, emit=say,
                                   container=rt.CONTAINER_NAME,
@@ -249,21 +251,21 @@ def launch_trainjob(spec: JobSpec, opts: K8sOptions | None = None, *,
             result = _follow(jobs, job, rendered, opts, follower, signals, say)
         finally:
             follower.stop(drain_s=0.0 if signals.event.is_set() else opts.drain_s)
-    _fill_failure(result, follower, core, namespace, opts.tail_lines)
+    fill_failure(result, follower, core, namespace, opts.tail_lines)
     result.pod_restarts = follower.pod_restarts()
     result.restarts = follower.progress.restarts
     result.extra.update(attached=attached, namespace=namespace, pvc=spec.pvc, job_api="trainjob",
                         run_dir_uri=f"pvc://{spec.pvc}/"
                         f"{posixpath.relpath(rendered.run_dir, spec.mount)}",
                         progress=follower.progress.summary())
-    if _should_delete(result.state, opts.delete_after):
+    if should_delete(result.state, opts.delete_after):
         jobs.delete()
         say(f"deleted {jobs.where} (propagationPolicy=Foreground)")
     return result
 
 
 def _follow(jobs: _TrainJobs, job: dict[str, Any], rendered: RenderedTrainJob,
-            opts: K8sOptions, follower: PodLogFollower, signals: _Signals,
+            opts: K8sOptions, follower: PodLogFollower, signals: StopSignals,
             say: Callable[[str], None]) -> LaunchResult:
     """Poll the TrainJob until it ends, the deadline passes or a signal arrives."""
     created = _ts(job["metadata"].get("creationTimestamp")) or time.time()
