@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +24,27 @@ from kfp_nvrx.components.train_fsdp.trainer.checkpoint_files import (
     _write_then_checksum,
 )
 from kfp_nvrx.components.train_fsdp.trainer.staging import staged_writer, write_staged
+
+
+def _prime_results_queue(queue: Any) -> None:
+    """Round-trips one DCP ``WriteResult`` through NVRx's write-results queue (a Manager proxy).
+
+    The Manager's server process imports the classes of what it unpickles; one probe of the type
+    the writer sends makes it do so now rather than on the first checkpoint. Errors are left to
+    the real save to report.
+    """
+    # FT: NVRx's results queue (filesystem_async), warmed before the first async save.
+    try:
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+        from torch.distributed.checkpoint.storage import WriteResult
+
+        probe = WriteResult(index=MetadataIndex("kfp-nvrx-warm-up"), size_in_bytes=0,
+                            storage_data=_StorageInfo("", 0, 0))
+        queue.put({-1: [probe]})
+        queue.get()
+    except Exception:  # noqa: BLE001 - only a warm-up: the save reports real queue failures
+        pass
 
 
 class NvrxWriterMixin:
@@ -46,9 +68,15 @@ class NvrxWriterMixin:
         try:  # the writer's results queue is a multiprocessing Manager: another process to spawn
             from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async
 
-            filesystem_async._get_write_results_queue()
+            queue = filesystem_async._get_write_results_queue()
         except (ImportError, AttributeError):  # other NVRx versions: created on first save
-            pass
+            return
+        # The Manager process unpickles every item put in the queue: the writer's first results
+        # make it import torch and DCP, which held the first commit back by seconds (until the
+        # next save waited for it). Priming it in the background moves that off the first save.
+        self._priming = threading.Thread(target=_prime_results_queue, args=(queue,),
+                                         name="kfp-nvrx-results-queue", daemon=True)
+        self._priming.start()
 
     def _schedule(self, request: Any) -> None:
         """Hands ``request`` to NVRx's persistent writer process, starting it if there is none.
@@ -71,6 +99,12 @@ class NvrxWriterMixin:
     def _finish_warm_up(self) -> None:
         if self._warming:
             deadline = time.monotonic() + self.cfg.finalize_timeout
+            priming, self._priming = self._priming, None
+            if priming is not None:
+                priming.join(self.cfg.finalize_timeout)
+                if priming.is_alive():  # its probe could still land among a save's results
+                    raise CheckpointError("the NVRx write-results queue did not answer within "
+                                          f"checkpoint.finalize_timeout={self.cfg.finalize_timeout:g}s")
             while not self._caller.is_current_async_call_done(blocking=False, no_dist=True):
                 if not self._caller.process.is_alive() or time.monotonic() > deadline:
                     raise CheckpointError("the NVRx checkpoint writer process did not start")
