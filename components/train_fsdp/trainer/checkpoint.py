@@ -105,7 +105,7 @@ class Checkpointer(NvrxWriterMixin):
         self.inflight: _InFlight | None = None
         self._caller = None  # NVRx PersistentAsyncCaller
         self._warming = False
-        self._priming: threading.Thread | None = None  # warms NVRx's results queue
+        self._priming: threading.Thread | None = None  # warms NVRx's results queue (not joined)
         self.commits = 0  # saves committed by this incarnation
         self.commit_s: list[float] = []  # seconds each commit held the training loop
         self.last_commit_step = -1

@@ -27,13 +27,16 @@ from kfp_nvrx.components.train_fsdp.trainer.staging import staged_writer, write_
 
 
 def _prime_results_queue(queue: Any) -> None:
-    """Round-trips one DCP ``WriteResult`` through NVRx's write-results queue (a Manager proxy).
+    """Makes the Manager behind NVRx's write-results queue import the DCP result classes now.
 
-    The Manager's server process imports the classes of what it unpickles; one probe of the type
-    the writer sends makes it do so now rather than on the first checkpoint. Errors are left to
-    the real save to report.
+    The Manager's server unpickles the arguments of every call: ``get(False, probe)`` sends a
+    ``WriteResult`` as the (ignored) timeout of a non-blocking get, so the server imports torch and
+    DCP without anything entering the queue; the ``Empty`` it answers is expected. Nothing waits
+    for this: the writer's first ``put`` at most waits for the rest of the import.
     """
     # FT: NVRx's results queue (filesystem_async), warmed before the first async save.
+    import queue as queue_module
+
     try:
         from torch.distributed.checkpoint.filesystem import _StorageInfo
         from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -41,8 +44,9 @@ def _prime_results_queue(queue: Any) -> None:
 
         probe = WriteResult(index=MetadataIndex("kfp-nvrx-warm-up"), size_in_bytes=0,
                             storage_data=_StorageInfo("", 0, 0))
-        queue.put({-1: [probe]})
-        queue.get()
+        queue.get(False, probe)
+    except queue_module.Empty:
+        pass
     except Exception:  # noqa: BLE001 - only a warm-up: the save reports real queue failures
         pass
 
@@ -71,9 +75,9 @@ class NvrxWriterMixin:
             queue = filesystem_async._get_write_results_queue()
         except (ImportError, AttributeError):  # other NVRx versions: created on first save
             return
-        # The Manager process unpickles every item put in the queue: the writer's first results
-        # make it import torch and DCP, which held the first commit back by seconds (until the
-        # next save waited for it). Priming it in the background moves that off the first save.
+        # The Manager process unpickles every call's arguments: the writer's first results made
+        # it import torch and DCP, which held the first commit back by seconds (until the next
+        # save waited for it). Priming it in the background moves that off the first save.
         self._priming = threading.Thread(target=_prime_results_queue, args=(queue,),
                                          name="kfp-nvrx-results-queue", daemon=True)
         self._priming.start()
@@ -99,12 +103,6 @@ class NvrxWriterMixin:
     def _finish_warm_up(self) -> None:
         if self._warming:
             deadline = time.monotonic() + self.cfg.finalize_timeout
-            priming, self._priming = self._priming, None
-            if priming is not None:
-                priming.join(self.cfg.finalize_timeout)
-                if priming.is_alive():  # its probe could still land among a save's results
-                    raise CheckpointError("the NVRx write-results queue did not answer within "
-                                          f"checkpoint.finalize_timeout={self.cfg.finalize_timeout:g}s")
             while not self._caller.is_current_async_call_done(blocking=False, no_dist=True):
                 if not self._caller.process.is_alive() or time.monotonic() > deadline:
                     raise CheckpointError("the NVRx checkpoint writer process did not start")
