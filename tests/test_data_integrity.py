@@ -17,8 +17,8 @@ from kfp_nvrx.components.prepare_dataset.shards import (
     read_index,
     verify_checksums,
 )
+from kfp_nvrx.components.train_fsdp.trainer.bootstrap import validate_inputs
 from kfp_nvrx.components.train_fsdp.trainer.data import TokenDataset
-from kfp_nvrx.components.train_fsdp.trainer.setup import validate_inputs
 
 
 @pytest.fixture()

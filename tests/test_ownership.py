@@ -18,11 +18,11 @@ import pytest
 import torch.distributed.checkpoint as dcp
 import yaml
 
+from kfp_nvrx.components.core.config import load_config
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.export_checkpoint.consolidate import export_checkpoint
 from kfp_nvrx.components.ownership import RUN_MARKER, check_run_dir_owned, is_run_dir
 from kfp_nvrx.components.prepare_dataset.prepare import prepare_dataset
-from kfp_nvrx.components.train_fsdp.trainer.config import load_config
 from kfp_nvrx.components.train_fsdp.trainer.model import build_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")

@@ -100,6 +100,25 @@ def test_hang_is_detected_by_learned_timeout(tmp_path, dataset, reference):
     _assert_bitwise(_final_weights(tmp_path / "run"), reference[2])
 
 
+def test_stall_after_learning_is_not_taken_for_a_hang(tmp_path, dataset, reference):
+    """A healthy 3 s step (a slow read) after the timeouts were learned: no restart."""
+    res = _train(tmp_path / "run", dataset, faults=["stall@14/1"])
+    g = _report("stall", res)
+    assert g["restarts"] == {} and g["faults"] == 1
+    _assert_bitwise(_final_weights(tmp_path / "run"), reference[2])
+
+
+def test_the_same_stall_without_the_floor_is_killed(tmp_path, dataset):
+    """Why the floor matters: NVRx's raw learned timeouts (2 x the longest sub-second gap here)
+    take the same healthy stall for a hang and restart the job."""
+    spec = JobSpec(nodes="2", run_dir=str(tmp_path / "run"), config="tiny", faults=["stall@14/1"],
+                   overrides=[f"data.path={dataset}", *BASE, "resilience.min_learned_timeout=0.01",
+                              "resilience.safety_factor=2"])
+    res = run_local(spec, log=lambda _line: None, deadline_s=360)
+    g = _report("stall without floor", res)
+    assert g["restarts"].get("in-job", 0) >= 1
+
+
 def test_raise_recovers_in_process_without_new_pids(tmp_path, dataset, reference):
     extra = ["resilience.in_process=true", "resilience.monitor=off",
              "resilience.learn_timeouts=false", "resilience.soft_timeout=15",
