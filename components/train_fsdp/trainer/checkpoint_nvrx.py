@@ -29,14 +29,13 @@ from kfp_nvrx.components.train_fsdp.trainer.staging import staged_writer, write_
 def _prime_results_queue(queue: Any) -> None:
     """Makes the Manager behind NVRx's write-results queue import the DCP result classes now.
 
-    The Manager's server unpickles the arguments of every call: ``get(False, probe)`` sends a
-    ``WriteResult`` as the (ignored) timeout of a non-blocking get, so the server imports torch and
-    DCP without anything entering the queue; the ``Empty`` it answers is expected. Nothing waits
-    for this: the writer's first ``put`` at most waits for the rest of the import.
+    The Manager's server unpickles a call's arguments before it runs the call: ``qsize(probe)``
+    with a ``WriteResult`` makes it import torch and DCP, then fails with a ``TypeError`` (qsize
+    takes no argument) without touching the queue, so it cannot take or add an item even if the
+    writer's first results arrive meanwhile. Nothing waits for this: the writer's first ``put`` at
+    most waits for the rest of the import.
     """
     # FT: NVRx's results queue (filesystem_async), warmed before the first async save.
-    import queue as queue_module
-
     try:
         from torch.distributed.checkpoint.filesystem import _StorageInfo
         from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -44,10 +43,8 @@ def _prime_results_queue(queue: Any) -> None:
 
         probe = WriteResult(index=MetadataIndex("kfp-nvrx-warm-up"), size_in_bytes=0,
                             storage_data=_StorageInfo("", 0, 0))
-        queue.get(False, probe)
-    except queue_module.Empty:
-        pass
-    except Exception:  # noqa: BLE001 - only a warm-up: the save reports real queue failures
+        queue.qsize(probe)
+    except Exception:  # noqa: BLE001 - the expected TypeError, or a failure the save will report
         pass
 
 
