@@ -185,7 +185,8 @@ def summary_rows(name: str, outputs: dict[str, Any], wall_s: float) -> list[tupl
         ]
         story = _metrics(outputs, "timeline").get("what_happened")
         if story:
-            rows += [("what happened", line) for line in story.split("; ")]
+            rows += [("" if i else "what happened", line)
+                     for i, line in enumerate(story.split("; "))]
         if "final_loss" in train:
             rows.append(("final train loss", f"{float(train['final_loss']):.4f}"))
     evals = _metrics(outputs, "eval_metrics")
