@@ -49,6 +49,9 @@ def launcher_task(task: dsl.PipelineTask, node_selector: dict, tolerations: list
 
 def sized_task(task: dsl.PipelineTask, memory: Any, cpu: Any, node_selector: Any) -> None:
     """Give a model-loading task (export, compare) its memory (request = limit), CPU and nodes."""
+    # kfp.local orders tasks by their inputs only: a resource channel alone does not make its
+    # producer run first.
+    task.after(memory.task)
     task.set_memory_request(memory).set_memory_limit(memory).set_cpu_request(cpu)
     kubernetes.add_node_selector_json(task, node_selector)
 
