@@ -16,9 +16,9 @@ import torch.distributed.checkpoint as dcp
 
 from kfp_nvrx.components.core.config import load_config
 from kfp_nvrx.components.core.rundir import step_dir
-from kfp_nvrx.components.train_fsdp.trainer import staging as staging_mod
 from kfp_nvrx.components.train_fsdp.trainer.build import TrainState, build, full_state
 from kfp_nvrx.components.train_fsdp.trainer.checkpoint import Checkpointer
+from kfp_nvrx.components.train_fsdp.trainer.checkpoint import staging as staging_mod
 
 
 @pytest.fixture()
@@ -125,9 +125,12 @@ def test_reused_buffer_second_save_and_in_memory_restore(tmp_path, pg, monkeypat
     ckpt3 = Checkpointer(tmp_path, cfg.checkpoint, torch.device("cpu"), staging=staging)
     assert ckpt3.select() == 3 and ckpt3.memory_step() == 4
     assert ckpt3.metadata_keys(4) >= set(want4)  # from the snapshot: step 4 has no .metadata
-    target4 = _state(*_trainer()[1:5])
-    ckpt3.load(4, target4)
-    assert ckpt3.restored_from_memory
+    notes, checked = [], []
+    ckpt3.log = notes.append
+    resumed, target4 = ckpt3.resume(lambda: _state(*_trainer()[1:5]),
+                                    check=lambda keys, step: checked.append(step))
+    assert resumed == 4 and checked == [4] and ckpt3.restored_from_memory
+    assert notes == ["restoring step 4 from host memory (newest committed on disk: 3)"]
     for key, value in _tensors(target4).items():
         assert torch.equal(value, want4[key]), key
 
@@ -148,8 +151,8 @@ def test_reused_buffer_second_save_and_in_memory_restore(tmp_path, pg, monkeypat
     monkeypatch.undo()
     ckpt4 = Checkpointer(tmp_path, cfg.checkpoint, torch.device("cpu"), staging=staging)
     assert ckpt4.memory_step() is None
-    ckpt4.load(3, _state(model2, opt2, sched2, train2))
-    assert not ckpt4.restored_from_memory
+    resumed, _ = ckpt4.resume(lambda: _state(model2, opt2, sched2, train2))
+    assert resumed == 3 and not ckpt4.restored_from_memory
     ckpt4.close()
 
 

@@ -185,3 +185,24 @@ def test_trainer_creates_the_flight_recorder_folder_the_pod_env_names(tmp_path, 
     Path(prefix + "0").write_text("dump")  # where torch writes rank 0's dump
     monkeypatch.delenv("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
     assert make_nccl_trace_dir() is None
+
+
+def test_checkpoint_policy_saves_every_interval_and_the_final_step(one_rank_env, tmp_path):
+    import torch.distributed as dist
+
+    from kfp_nvrx.components.train_fsdp.trainer.checkpoint import Checkpointer
+
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        def saved(*sets: str) -> tuple[bool, list[int]]:
+            cfg = load_config("tiny", ["train.device=cpu", *sets])
+            ckpt = Checkpointer(tmp_path, cfg.checkpoint, torch.device("cpu"), final_step=10)
+            return ckpt.periodic, [s for s in range(1, 11) if ckpt.should_save(s)]
+
+        assert saved("checkpoint.interval=3", "checkpoint.save_final=true") == (True, [3, 6, 9, 10])
+        assert saved("checkpoint.interval=5", "checkpoint.save_final=false") == (True, [5, 10])
+        assert saved("checkpoint.interval=4", "checkpoint.save_final=false") == (True, [4, 8])
+        assert saved("checkpoint.interval=0", "checkpoint.save_final=true") == (False, [10])
+        assert saved("checkpoint.interval=0", "checkpoint.save_final=false") == (False, [])
+    finally:
+        dist.destroy_process_group()

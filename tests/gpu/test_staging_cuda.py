@@ -52,7 +52,7 @@ def _trainer(extra=()):
 
 
 def _snapshot(state):
-    from kfp_nvrx.components.train_fsdp.trainer.staging import flat_state
+    from kfp_nvrx.components.train_fsdp.trainer.checkpoint.staging import flat_state
 
     return {k: (v.to_local() if hasattr(v, "to_local") else v).detach().cpu().clone()
             for k, v in flat_state(state).items() if isinstance(v, torch.Tensor)}

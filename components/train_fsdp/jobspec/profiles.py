@@ -78,9 +78,9 @@ PROFILES: dict[str, InstanceProfile] = {
         cpu="180",
         memory="1800Gi",
         hugepages="5120Mi",
-        # /dev/shm holds the checkpoint staging buffer (trainer/staging.py): the whole per-node
-        # state, ~12 bytes/param (fp32 params + AdamW moments) divided by the node count, e.g.
-        # ~90 GiB for 8B on one node. 512Gi covers the largest state that fits in the node's
+        # /dev/shm holds the checkpoint staging buffer (trainer/checkpoint/staging.py): the whole
+        # per-node state, ~12 bytes/param (fp32 params + AdamW moments) divided by the node count,
+        # e.g. ~90 GiB for 8B on one node. 512Gi covers the largest state that fits in the node's
         # 640 GB of HBM (state is 12 of the ~16 bytes/param held on the GPUs: <= ~450 GiB) plus
         # NCCL and DataLoader segments. The sizeLimit is only an eviction threshold; tmpfs pages
         # count against node memory as they are written, and there is no container memory limit.

@@ -24,7 +24,7 @@ from kfp_nvrx.components.train_fsdp.trainer.build import (
     full_state,
     warm_start,
 )
-from kfp_nvrx.components.train_fsdp.trainer.checkpoint import Checkpointer
+from kfp_nvrx.components.train_fsdp.trainer.checkpoint import Checkpointer, HostStaging, NvrxWriter
 from kfp_nvrx.components.train_fsdp.trainer.data import TokenDataset
 from kfp_nvrx.components.train_fsdp.trainer.fault_injector import FaultInjector
 from kfp_nvrx.components.train_fsdp.trainer.resilience import Monitor, in_process_wrapper
@@ -42,7 +42,10 @@ class Job:
     monitor: Monitor
     run_id: str = field(default_factory=lambda: os.environ.get("TORCHELASTIC_RUN_ID", ""))
     restart_count: int = 0  # in-job incarnation of this job (rank 0 derives it from events)
-    staging: Any = None  # checkpoint staging buffer: outlives in-process restarts (restore source)
+    # What checkpointing keeps across in-process restarts: the staging buffer (restore source)
+    # and NVRx's writer (its processes, killed on abort, are reaped by a later incarnation).
+    staging: HostStaging | None = None
+    writer: NvrxWriter | None = None
 
 
 def make_deterministic() -> None:
@@ -121,34 +124,20 @@ def incarnation(job: Job, base_store: Any = None, call_wrapper: Any = None) -> N
     try:
         with monitor.phase("setup", bound=res.setup_timeout):
             model, opt, sched = build(cfg, job.device)
-            train = TrainState()
 
             def on_commit(step: int, blocking: float, total: float, nbytes: int) -> None:
                 events.emit("checkpoint", step=step, blocking_s=round(blocking, 6),
                             total_s=round(total, 6), bytes=nbytes)
 
             ckpt = Checkpointer(job.run_dir, cfg.checkpoint, job.device, on_commit=on_commit,
-                                staging=job.staging, log=log0)
-            job.staging = ckpt.staging
+                                staging=job.staging, writer=job.writer, log=log0,
+                                final_step=cfg.train.steps)
+            job.staging, job.writer = ckpt.staging, ckpt.writer
+            trainer = Trainer(job, model, opt, sched, TrainState(), ckpt, events, injector, rank,
+                              world, iteration, call_wrapper)
             ckpt.warm_up()
             t_load = time.perf_counter()
-            resumed = ckpt.select(log=log0)
-            in_memory = ckpt.memory_step()  # FT: in-process restart: the last snapshot survives
-            if in_memory is not None and (resumed is None or in_memory > resumed):
-                log0(f"restoring step {in_memory} from host memory (newest committed on disk: "
-                     f"{resumed})")
-                resumed = in_memory
-            if resumed is not None:
-                keys = ckpt.metadata_keys(resumed)
-                check_compatible(model, keys, resumed)
-                state = full_state(model, opt, sched, train, monitor.state_dict(), rank)
-                state = {k: v for k, v in state.items()
-                         if any(s == k or s.startswith(f"{k}.") for s in keys)}
-                ckpt.load(resumed, state)
-                apply_state(model, opt, sched, train, state, rank)
-                monitor.load_state_dict(state.get("ft", {}))
-            elif cfg.checkpoint.init_from:
-                warm_start(model, cfg.checkpoint.init_from)
+            resumed = trainer.resume()
             load_s = time.perf_counter() - t_load
         if iteration == 0 and rank == 0:
             # Agents count restarts per node; the job-wide count is what rank 0 has logged.
@@ -163,14 +152,13 @@ def incarnation(job: Job, base_store: Any = None, call_wrapper: Any = None) -> N
         source = " (from host memory)" if ckpt.restored_from_memory else ""
         log0(f"start: world_size={world} incarnation={job.restart_count}.{iteration} "
              f"resumed_from={resumed}{source} load={load_s:.2f}s device={job.device}")
-        _loop(job, model, opt, sched, train, ckpt, events, injector, rank, world, iteration,
-              call_wrapper)
+        trainer.loop()
         # The final wait for the writer is no step: heartbeats continue while it lasts.
         with monitor.phase(None, bound=res.checkpoint_timeout):
             ckpt.close()
         if rank == 0:
-            events.emit("end", step=train.step, status="completed")
-        log0(f"done: step {train.step}/{cfg.train.steps}")
+            events.emit("end", step=trainer.train.step, status="completed")
+        log0(f"done: step {trainer.train.step}/{cfg.train.steps}")
     except BaseException:
         if ckpt is not None:
             ckpt.abort()
@@ -188,69 +176,108 @@ def incarnation(job: Job, base_store: Any = None, call_wrapper: Any = None) -> N
         dist.destroy_process_group()
 
 
-def _loop(job, model, opt, sched, train, ckpt, events, injector, rank, world, iteration,
-          call_wrapper) -> None:
-    cfg, monitor, t = job.cfg, job.monitor, job.cfg.train
-    seq, bsz = cfg.data.seq_len, cfg.data.batch_size
-    tokens_per_step = seq * bsz * world
-    interval = cfg.checkpoint.interval
-    first, steps_here, t_first = train.step + 1, 0, time.perf_counter()
+@dataclass
+class Trainer:
+    """One incarnation's training: the objects it trains and the loop over its steps."""
 
-    for step in range(first, t.steps + 1):
-        t0 = time.time()
-        # The first step of an incarnation (allocations, autotuning, compilation) is part of the
-        # start-up, not of the step rhythm the timeouts are learned from.
-        timed = (monitor.phase("setup", bound=cfg.resilience.setup_timeout) if steps_here == 0
-                 else monitor.section("step"))
-        with timed:
-            fault = injector.due(step, ("kill", "raise", "hang", "stall"))
-            if fault is not None:
-                _fire(events, fault, step, rank)
-            inputs, targets = job.data.batch(t.seed, step, rank, bsz, seq)
-            inputs = inputs.to(job.device, non_blocking=True)
-            targets = targets.to(job.device, non_blocking=True)
-            logits = model(inputs)
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-            loss.backward()
-            if t.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
-            ckpt.wait_before_update()  # a save's D2H copies overlap forward/backward, not this
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            train.step, train.tokens = step, train.tokens + tokens_per_step
-            loss_value = loss.item()
-            if t.step_sleep:
-                time.sleep(t.step_sleep)
-            ckpt.finalize(blocking=False)
-        monitor.heartbeat()
-        if call_wrapper is not None:
-            call_wrapper.ping()  # FT: in-process progress watchdog
-        if (interval and step % interval == 0) or (cfg.checkpoint.save_final and step == t.steps):
-            with monitor.phase("checkpoint", bound=cfg.resilience.checkpoint_timeout):
-                state = full_state(model, opt, sched, train, monitor.state_dict(), rank)
-                ckpt.save(step, state)
-                fault = injector.due(step, ("kill-in-ckpt",))
-                if fault is not None:
-                    _fire(events, fault, step, rank)
-        events.emit("step", step=step, start=t0, end=time.time(), incarnation=job.restart_count,
-                    iteration=iteration, loss=round(loss_value, 6), tokens=tokens_per_step)
-        steps_here += 1
-        if steps_here == 1 and interval:  # the state's final layout exists (optimizer state)
-            ckpt.prepare(lambda: full_state(model, opt, sched, train, monitor.state_dict(), rank))
-        # Learn only once a whole save (stage, write, commit) lies between observed heartbeats.
-        cycles = ckpt.commits if step > ckpt.last_commit_step else ckpt.commits - 1
-        if monitor.maybe_learn(steps_here, cycles, checkpointing=interval > 0) and rank == 0:
-            log0(f"learned NVRx timeouts: {monitor.timeouts()}")
-        if step % t.log_every == 0 or step == t.steps:
-            elapsed = time.perf_counter() - t_first
-            tps = steps_here * tokens_per_step / max(elapsed, 1e-9)
-            eta = (t.steps - step) * elapsed / steps_here
-            log0(f"step {step}/{t.steps} loss {loss_value:.4f} tok/s {tps:,.0f} eta {eta:.0f}s")
+    job: Job
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    sched: Any
+    train: TrainState
+    ckpt: Checkpointer
+    events: EventLog
+    injector: FaultInjector
+    rank: int
+    world: int
+    iteration: int = 0  # in-process restart iteration
+    call_wrapper: Any = None  # NVRx in-process restart's CallWrapper, when it runs this
 
+    def state(self) -> dict[str, Any]:
+        """The whole training state, as checkpoints hold it."""
+        return full_state(self.model, self.opt, self.sched, self.train,
+                          self.job.monitor.state_dict(), self.rank)
 
-def _fire(events: EventLog, fault: Fault, step: int, rank: int) -> None:
-    # The faulting rank writes its own event (rank 0's log is not the only writer here).
-    EventLog(events.path.parent).emit("fault", kind=fault.kind, step=step, rank=rank)
-    print(f"[trainer] rank {rank}: injecting fault {fault.kind} at step {step}", flush=True)
-    FaultInjector.fire(fault)
+    def resume(self) -> int | None:
+        """Restores the newest saved state (or warm-starts the weights); returns its step."""
+        resumed, state = self.ckpt.resume(
+            self.state, check=lambda keys, step: check_compatible(self.model, keys, step))
+        if state is not None:
+            apply_state(self.model, self.opt, self.sched, self.train, state, self.rank)
+            self.job.monitor.load_state_dict(state.get("ft", {}))
+        elif self.job.cfg.checkpoint.init_from:
+            warm_start(self.model, self.job.cfg.checkpoint.init_from)
+        return resumed
+
+    def loop(self) -> None:
+        """Trains from the step after the restored one to ``train.steps``."""
+        cfg, monitor, ckpt, t = self.job.cfg, self.job.monitor, self.ckpt, self.job.cfg.train
+        tokens_per_step = cfg.data.seq_len * cfg.data.batch_size * self.world
+        first, steps_here, t_first = self.train.step + 1, 0, time.perf_counter()
+
+        for step in range(first, t.steps + 1):
+            t0 = time.time()
+            # The first step of an incarnation (allocations, autotuning, compilation) is part of
+            # the start-up, not of the step rhythm the timeouts are learned from.
+            timed = (monitor.phase("setup", bound=cfg.resilience.setup_timeout) if steps_here == 0
+                     else monitor.section("step"))
+            with timed:
+                self._fault(step, ("kill", "raise", "hang", "stall"))
+                loss_value = self._step(step, tokens_per_step)
+                ckpt.finalize(blocking=False)
+            monitor.heartbeat()
+            if self.call_wrapper is not None:
+                self.call_wrapper.ping()  # FT: in-process progress watchdog
+            if ckpt.should_save(step):
+                with monitor.phase("checkpoint", bound=cfg.resilience.checkpoint_timeout):
+                    ckpt.save(step, self.state())
+                    self._fault(step, ("kill-in-ckpt",))
+            self.events.emit("step", step=step, start=t0, end=time.time(),
+                             incarnation=self.job.restart_count, iteration=self.iteration,
+                             loss=round(loss_value, 6), tokens=tokens_per_step)
+            steps_here += 1
+            if steps_here == 1 and ckpt.periodic:  # the state's final layout exists (optimizer)
+                ckpt.prepare(self.state)
+            # Learn only once a whole save (stage, write, commit) lies between observed heartbeats.
+            cycles = ckpt.commits if step > ckpt.last_commit_step else ckpt.commits - 1
+            if monitor.maybe_learn(steps_here, cycles, checkpointing=ckpt.periodic) \
+                    and self.rank == 0:
+                log0(f"learned NVRx timeouts: {monitor.timeouts()}")
+            if step % t.log_every == 0 or step == t.steps:
+                elapsed = time.perf_counter() - t_first
+                tps = steps_here * tokens_per_step / max(elapsed, 1e-9)
+                eta = (t.steps - step) * elapsed / steps_here
+                log0(f"step {step}/{t.steps} loss {loss_value:.4f} tok/s {tps:,.0f} "
+                     f"eta {eta:.0f}s")
+
+    def _step(self, step: int, tokens_per_step: int) -> float:
+        """One forward/backward/optimizer step; returns the loss."""
+        cfg, device, t = self.job.cfg, self.job.device, self.job.cfg.train
+        inputs, targets = self.job.data.batch(t.seed, step, self.rank, cfg.data.batch_size,
+                                              cfg.data.seq_len)
+        inputs = inputs.to(device, non_blocking=True)
+        targets = targets.to(device, non_blocking=True)
+        logits = self.model(inputs)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        loss.backward()
+        if t.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
+        self.ckpt.wait_before_update()  # a save's D2H copies overlap forward/backward, not this
+        self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.train.step, self.train.tokens = step, self.train.tokens + tokens_per_step
+        loss_value = loss.item()
+        if t.step_sleep:
+            time.sleep(t.step_sleep)
+        return loss_value
+
+    def _fault(self, step: int, kinds: tuple[str, ...]) -> None:
+        """Fires the injected fault of one of ``kinds`` due at ``step``, if any."""
+        fault = self.injector.due(step, kinds)
+        if fault is None:
+            return
+        # The faulting rank writes its own event (rank 0's log is not the only writer here).
+        EventLog(self.events.path.parent).emit("fault", kind=fault.kind, step=step, rank=self.rank)
+        print(f"[trainer] rank {self.rank}: injecting fault {fault.kind} at step {step}", flush=True)
+        FaultInjector.fire(fault)

@@ -34,6 +34,8 @@ import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.tensor import DTensor
 
+from kfp_nvrx.components.train_fsdp.trainer.checkpoint.files import write_checksums
+
 _ALIGN = 64
 
 
@@ -262,7 +264,6 @@ class HostStaging:
         return {k: copy.deepcopy(v) for k, v in self._objects.items() if k in flat}
 
 
-
 def _split(items: list[tuple[Any, Slot]], n: int) -> list[list[tuple[Any, Slot]]]:
     """Greedy split into ``n`` buckets of similar byte size (largest items first)."""
     buckets: list[list[tuple[Any, Slot]]] = [[] for _ in range(max(1, n))]
@@ -340,8 +341,6 @@ def write_staged(rank: int, request: dict[str, Any], results_queue: Any) -> None
     DCP write results on ``results_queue``).
     """
     import warnings
-
-    from kfp_nvrx.components.train_fsdp.trainer.checkpoint_files import write_checksums
 
     if request["buffer"] is not None:
         _WORKER_BUFFERS.clear()  # one buffer per training process: an older one is dead

@@ -1,17 +1,19 @@
-"""Writer-process tracking in checkpoint_files: killing and reaping NVRx's writer process."""
+"""The NVRx writer object's process tracking: killing and reaping NVRx's writer process."""
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
+import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import psutil
+import torch
+import torch.distributed as dist
 
-from kfp_nvrx.components.train_fsdp.trainer import checkpoint_files
-from kfp_nvrx.components.train_fsdp.trainer.checkpoint_files import _track, kill_writers
+from kfp_nvrx.components.train_fsdp.trainer.checkpoint import NvrxWriter
 
 
 def _writer_with_forked_child(pid_file: str) -> None:
@@ -38,7 +40,7 @@ def _gone(pid: int, within: float) -> bool:
         time.sleep(0.01)
 
 
-def test_kill_writers_reaps_a_writer_whose_child_holds_its_sentinel(tmp_path):
+def test_kill_reaps_a_writer_whose_child_holds_its_sentinel(tmp_path):
     pid_file = tmp_path / "child.pid"
     proc = mp.get_context("spawn").Process(target=_writer_with_forked_child, args=(str(pid_file),))
     proc.start()
@@ -49,20 +51,19 @@ def test_kill_writers_reaps_a_writer_whose_child_holds_its_sentinel(tmp_path):
             assert time.monotonic() < deadline, "the writer never forked its child"
             time.sleep(0.05)
         child_pid = int(pid_file.read_text())
-        _track(SimpleNamespace(process=proc))
-        assert proc in checkpoint_files._WRITERS
+        writer = NvrxWriter(torch.device("cpu"))
+        writer.track(proc)
+        assert writer.processes == (proc,)
 
         start = time.monotonic()
-        kill_writers()
+        writer.kill()
         elapsed = time.monotonic() - start
 
         # The forked child keeps the sentinel open: join() would have waited its full 10 s.
-        assert elapsed < 5, f"kill_writers took {elapsed:.1f} s"
-        assert proc.exitcode is not None and proc not in checkpoint_files._WRITERS
+        assert elapsed < 5, f"kill took {elapsed:.1f} s"
+        assert proc.exitcode is not None and writer.processes == ()
         assert _gone(child_pid, within=5), "the writer's forked child is still running"
     finally:
-        if proc in checkpoint_files._WRITERS:
-            checkpoint_files._WRITERS.remove(proc)
         if proc.exitcode is None:
             proc.kill()
         for pid in (child_pid,) if child_pid else ():
@@ -72,11 +73,45 @@ def test_kill_writers_reaps_a_writer_whose_child_holds_its_sentinel(tmp_path):
                 pass
 
 
+def test_abort_kills_the_writer_and_dropping_it_does_not_hang(one_rank_env):
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        _abort_and_restart()
+    finally:
+        dist.destroy_process_group()
+
+
+def _abort_and_restart() -> None:
+    writer = NvrxWriter(torch.device("cpu"))
+    writer.warm_up()
+    writer.wait_started(timeout=120)
+    (proc,) = writer.processes
+    assert proc.is_alive()
+    from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
+
+    writer.schedule(AsyncRequest(time.sleep, (600,), []))  # a write that will not finish
+
+    # NVRx's close() (run by its __del__) would wait for that write: it must not run.
+    dropped = threading.Thread(target=writer.abort, daemon=True)
+    dropped.start()
+    dropped.join(30)
+    assert not dropped.is_alive(), "abort() hung"
+    gc.collect()
+    assert not writer.started and writer.processes == () and proc.exitcode is not None
+
+    # The next save's request starts a new process, which has not mapped any staging buffer.
+    writer.warm_up()
+    writer.wait_started(timeout=120)
+    assert writer.needs_buffer("any") and writer.processes != (proc,)
+    writer.close()
+    assert writer.processes == ()
+
+
 def test_priming_the_results_queue_leaves_its_items_alone():
     """The warm-up probe must never take or add a result, even if the writer's came first."""
     import multiprocessing as mp
 
-    from kfp_nvrx.components.train_fsdp.trainer.checkpoint_nvrx import _prime_results_queue
+    from kfp_nvrx.components.train_fsdp.trainer.checkpoint.writer import _prime_results_queue
 
     manager = mp.get_context("spawn").Manager()
     try:

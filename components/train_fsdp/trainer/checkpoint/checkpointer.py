@@ -8,7 +8,7 @@ loop). Resume takes the newest committed checkpoint whose files match both; torn
 skipped with a log line (DCP itself loads flipped bytes silently). Resume splits the CRC work over
 the ranks.
 
-One save is in flight at a time. Staging (``checkpoint.staging``, see :mod:`staging`) copies the
+One save is in flight at a time. Staging (``checkpoint.staging``, see :mod:`.staging`) copies the
 state into a persistent pinned, shared host buffer: on CUDA on a side stream, overlapped with the
 next forward/backward (``overlap``: the optimizer step waits for it on the GPU) or waited for in
 ``save`` (``blocking``); ``nvrx`` leaves staging to NVRx (GPU: D2H in its worker; CPU: a clone,
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,27 +35,21 @@ import torch.distributed.checkpoint as dcp
 
 from kfp_nvrx.components.core.config import CheckpointConfig
 from kfp_nvrx.components.core.rundir import (
-    COMMIT_MARKER,
-    STEP_PREFIX,
     checkpoints_dir,
     committed_steps,
     step_dir,
     verify,
     write_commit_marker,
 )
-from kfp_nvrx.components.train_fsdp.trainer.checkpoint_files import (
-    CheckpointError,
-    _discard,
-    kill_writers,
-    write_checksums,
-)
-from kfp_nvrx.components.train_fsdp.trainer.checkpoint_nvrx import NvrxWriterMixin
-from kfp_nvrx.components.train_fsdp.trainer.checkpoint_reader import load as fast_load
-from kfp_nvrx.components.train_fsdp.trainer.staging import (
+from kfp_nvrx.components.train_fsdp.trainer.checkpoint.async_save import AsyncSaver, all_ranks
+from kfp_nvrx.components.train_fsdp.trainer.checkpoint.files import prune, write_checksums
+from kfp_nvrx.components.train_fsdp.trainer.checkpoint.reader import load as fast_load
+from kfp_nvrx.components.train_fsdp.trainer.checkpoint.staging import (
     HostStaging,
     StagingUnavailable,
     flat_state,
 )
+from kfp_nvrx.components.train_fsdp.trainer.checkpoint.writer import CheckpointError, NvrxWriter
 
 
 def staging_mode(cfg: CheckpointConfig, device: torch.device) -> str:
@@ -80,8 +73,12 @@ class _InFlight:
     local_done: bool = False
 
 
-class Checkpointer(NvrxWriterMixin):
-    """Saves and loads the training state; every public method is collective.
+class Checkpointer:
+    """Saves and loads one incarnation's training state; every public method is collective.
+
+    It decides when to save (:meth:`should_save`) and where to resume from (:meth:`resume`).
+    Async writes go through an :class:`~.async_save.AsyncSaver` to the worker process's
+    :class:`~.writer.NvrxWriter`.
 
     Args:
         run_dir: The run directory.
@@ -89,23 +86,23 @@ class Checkpointer(NvrxWriterMixin):
         device: Training device (decides GPU staging vs CPU snapshot).
         on_commit: Called on rank 0 with (step, blocking_s, total_s, bytes) after each commit.
         staging: The process's staging buffer, kept across in-process restarts (created if None).
+        writer: The process's NVRx writer, kept across in-process restarts (created if None).
         log: Where one-line notices go (e.g. falling back to NVRx staging).
+        final_step: The run's last step, saved too when ``checkpoint.save_final``.
     """
 
     def __init__(self, run_dir: str | os.PathLike, cfg: CheckpointConfig, device: torch.device,
                  on_commit: Callable[[int, float, float, int], None] | None = None,
-                 staging: HostStaging | None = None,
-                 log: Callable[[str], None] = print) -> None:
+                 staging: HostStaging | None = None, writer: NvrxWriter | None = None,
+                 log: Callable[[str], None] = print, final_step: int | None = None) -> None:
         self.root = checkpoints_dir(run_dir)
         self.cfg = cfg
         self.device = device
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.on_commit = on_commit
+        self.final_step = final_step
         self.inflight: _InFlight | None = None
-        self._caller = None  # NVRx PersistentAsyncCaller
-        self._warming = False
-        self._priming: threading.Thread | None = None  # warms NVRx's results queue (not joined)
         self.commits = 0  # saves committed by this incarnation
         self.commit_s: list[float] = []  # seconds each commit held the training loop
         self.last_commit_step = -1
@@ -113,10 +110,59 @@ class Checkpointer(NvrxWriterMixin):
         self.staging = None
         if self.mode in ("overlap", "blocking"):
             self.staging = staging if staging is not None else HostStaging(device)
+        self.writer = writer if writer is not None else NvrxWriter(device)
+        if self.writer.started:  # the last incarnation's, whose abort was cut short: not ours
+            self.writer.abort()
+        self.saver = AsyncSaver(self.writer, device, self.rank, cfg.write_threads,
+                                start_timeout=cfg.finalize_timeout)
         self.log = log
-        self._pending: Any = None  # staged writer whose request waits for the D2H copies
-        self._plan_cache: tuple | None = None  # (staging key, central plan, metadata, dist wrapper)
         self.restored_from_memory = False
+
+    # ---------------------------------------------------------------- policy
+    @property
+    def periodic(self) -> bool:
+        """Whether this run saves every ``checkpoint.interval`` steps."""
+        return self.cfg.interval > 0
+
+    def should_save(self, step: int) -> bool:
+        """Whether ``step`` is saved: every ``checkpoint.interval`` steps, and the final step."""
+        return bool((self.periodic and step % self.cfg.interval == 0)
+                    or (self.cfg.save_final and step == self.final_step))
+
+    def resume(self, state_fn: Callable[[], dict[str, Any]],
+               check: Callable[[set[str], int], None] | None = None,
+               ) -> tuple[int | None, dict[str, Any] | None]:
+        """Loads the newest state this run can resume from; ``(None, None)`` when there is none.
+
+        The newest intact committed checkpoint on disk, unless every rank holds a newer complete
+        snapshot in its staging buffer (in-process restart). ``state_fn`` builds the state to load
+        into; only the keys the checkpoint holds are loaded (e.g. not another world size's per-rank
+        RNG). ``check(keys, step)`` may reject the checkpoint before anything is loaded.
+
+        Returns:
+            The step resumed from and the state dict loaded in place.
+        """
+        step = self.select(log=self.log)
+        in_memory = self.memory_step()  # FT: in-process restart: the last snapshot survives
+        if in_memory is not None and (step is None or in_memory > step):
+            self.log(f"restoring step {in_memory} from host memory (newest committed on disk: "
+                     f"{step})")
+            step = in_memory
+        if step is None:
+            return None, None
+        keys = self.metadata_keys(step)
+        if check is not None:
+            check(keys, step)
+        state = {k: v for k, v in state_fn().items()
+                 if any(s == k or s.startswith(f"{k}.") for s in keys)}
+        self.load(step, state)
+        return step, state
+
+    # ---------------------------------------------------------------- save
+    def warm_up(self) -> None:
+        """Starts NVRx's writer process now (async saves), not inside the first save."""
+        if self.cfg.async_save:
+            self.writer.warm_up()
 
     def save(self, step: int, state: dict[str, Any]) -> float:
         """Starts saving ``state`` as ``step``; returns the seconds this call blocked."""
@@ -130,9 +176,10 @@ class Checkpointer(NvrxWriterMixin):
         dist.barrier()
         flat = flat_state(state) if self.staging is not None else None
         if self.staging is not None and self._staging_ok(flat):
-            finalize_fns = self._save_staged(path, state, flat, step)
+            finalize_fns = [self.saver.staged(path, state, flat, self.staging, step,
+                                              submit=self.mode == "blocking")]
         elif self.cfg.async_save:
-            finalize_fns = self._save_async(path, state)
+            finalize_fns = [self.saver.nvrx_staged(path, state)]
         else:
             dcp.save(state, checkpoint_id=str(path))
             write_checksums(sorted(str(p) for p in path.glob(f"__{self.rank}_*")), self.rank)
@@ -156,7 +203,7 @@ class Checkpointer(NvrxWriterMixin):
             self.staging.ensure(flat)
         except StagingUnavailable as err:
             problem = str(err)
-        if self._all(not problem):
+        if all_ranks(not problem, self.device):
             return True
         self.log(f"checkpoint.staging={self.cfg.staging}: {problem or 'unavailable on another rank'}; "
                  "using NVRx's staging")
@@ -169,7 +216,7 @@ class Checkpointer(NvrxWriterMixin):
 
         The wait is on the GPU stream (the CPU goes on queueing work).
         """
-        if self._pending is not None:
+        if self.saver.pending is not None:
             self.staging.wait_before_update()
 
     def _poll_local(self, blocking_wait: float) -> bool:
@@ -177,28 +224,12 @@ class Checkpointer(NvrxWriterMixin):
         inf = self.inflight
         if inf.local_done:
             return True
-        if self._pending is not None:
+        if self.saver.pending is not None:
             if not self.staging.ready():
                 return False
-            self._submit()
-        caller = self._caller
-        deadline = time.monotonic() + blocking_wait
-        while True:
-            if caller is None or caller.is_current_async_call_done(blocking=False, no_dist=True):
-                inf.local_done = True
-                return True
-            if caller.process is not None and not caller.process.is_alive():
-                raise CheckpointError(f"checkpoint step {inf.step}: the NVRx writer process died "
-                                      f"(exit code {caller.process.exitcode})")
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.01)
-
-    def _all(self, flag: bool) -> bool:
-        t = torch.tensor([1 if flag else 0], dtype=torch.int32,
-                         device=self.device if self.device.type == "cuda" else "cpu")
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        return bool(t.item())
+            self.saver.submit(self.staging)
+        inf.local_done = self.writer.done(blocking_wait, f"checkpoint step {inf.step}")
+        return inf.local_done
 
     def finalize(self, blocking: bool) -> bool:
         """Commits the in-flight save once all ranks wrote it; True when nothing is pending.
@@ -212,7 +243,7 @@ class Checkpointer(NvrxWriterMixin):
         deadline = time.monotonic() + self.cfg.finalize_timeout
         while True:
             local = self._poll_local(0.05 if blocking else 0.0)
-            if self._all(local):
+            if all_ranks(local, self.device):
                 break
             if not blocking:
                 return False
@@ -225,7 +256,7 @@ class Checkpointer(NvrxWriterMixin):
         dist.barrier()
         if self.rank == 0:
             nbytes = write_commit_marker(inf.path, inf.step, self.world_size)
-            self._prune()
+            prune(self.root, self.cfg.keep)
             if self.on_commit is not None:
                 self.on_commit(inf.step, inf.blocking_s, time.perf_counter() - inf.started, nbytes)
         dist.barrier()
@@ -234,19 +265,6 @@ class Checkpointer(NvrxWriterMixin):
         self.last_commit_step = inf.step
         self.inflight = None
         return True
-
-    def _prune(self) -> None:
-        """Keeps the newest ``checkpoint.keep`` committed checkpoints; drops older torn ones."""
-        committed = committed_steps(self.root)
-        for step in committed[self.cfg.keep:]:
-            _discard(step_dir(self.root, step))
-        if committed:
-            oldest_kept = committed[: self.cfg.keep][-1]
-            for p in self.root.glob(f"{STEP_PREFIX}*"):
-                if not (p / COMMIT_MARKER).exists() and p.name < step_dir(self.root, oldest_kept).name:
-                    _discard(p)
-        for p in self.root.glob(".trash-*"):  # left by an earlier incarnation
-            _discard(p)
 
     # ---------------------------------------------------------------- load
     def select(self, log: Callable[[str], None] = print) -> int | None:
@@ -304,7 +322,7 @@ class Checkpointer(NvrxWriterMixin):
             from torch.distributed.checkpoint._traverse import set_element
 
             flat, mapping = flatten_state_dict(state)
-            if self._all(self.staging.can_restore(flat, step)):
+            if all_ranks(self.staging.can_restore(flat, step), self.device):
                 # FT: in-process restart: the last committed state is still in host memory.
                 for key, value in self.staging.restore(flat).items():
                     set_element(state, mapping[key], value)
@@ -313,29 +331,18 @@ class Checkpointer(NvrxWriterMixin):
         # Large sequential reads pipelined with deserialisation and (pinned) H2D copies.
         fast_load(state, str(step_dir(self.root, step)))
 
+    # ---------------------------------------------------------------- end
     def abort(self) -> None:
-        """Error path: drops the pending save (it will never be committed) and kills the writer.
-
-        NVRx's own shutdown joins its queue and would hang forever after a failed collective.
-        """
+        """Error path: drops the pending save (it will never be committed) and kills the writer."""
         self.inflight = None
-        staging_incomplete, self._pending = self._pending is not None, None
+        staging_incomplete, self.saver.pending = self.saver.pending is not None, None
         if self.staging is not None and staging_incomplete:
             self.staging.invalidate()
-        caller, self._caller = self._caller, None
-        if caller is not None:
-            # Detached first: NVRx's __del__ -> close() would wait forever on a killed writer's
-            # queue (an in-process restart's async exception can land anywhere in here; the rank
-            # then went unresponsive and the wrapper dropped it from the world).
-            caller.process = None
-        kill_writers()
+        self.writer.abort()
 
     def close(self) -> None:
         """Finishes the pending save (blocking) and stops the writer process."""
         try:
             self.finalize(blocking=True)
         finally:
-            if self._caller is not None:
-                self._caller.close()
-                self._caller = None
-            kill_writers()  # reaps the closed writer (and any an interrupted abort left)
+            self.writer.close()

@@ -1,0 +1,77 @@
+"""Checkpoint files the trainer handles itself: CRC32 sidecars and pruning old checkpoints.
+
+The run directory's layout, the commit marker and its verification live in
+:mod:`kfp_nvrx.components.core.rundir` (shared with export and the drills).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+from kfp_nvrx.components.core.rundir import (
+    COMMIT_MARKER,
+    CRC_SIDECAR_PREFIX,
+    STEP_PREFIX,
+    committed_steps,
+    crc32_file,
+    step_dir,
+    write_atomic,
+)
+
+
+def write_checksums(files: list[str], rank: int) -> None:
+    """Records the CRC32 of this rank's checkpoint files in a sidecar next to them.
+
+    Runs in NVRx's writer process after the write (or inline for synchronous saves); rank 0 folds
+    every sidecar into the commit marker.
+    """
+    if not files:
+        return
+    try:
+        sums = {Path(name).name: crc32_file(Path(name)) for name in files}
+        write_atomic(Path(files[0]).parent / f"{CRC_SIDECAR_PREFIX}{rank}.json", json.dumps(sums).encode())
+    except OSError:  # the write itself failed (e.g. disk full): finalisation reports that error
+        return
+
+
+def prune(root: Path, keep: int) -> None:
+    """Keeps the newest ``keep`` committed checkpoints; drops older torn ones and old trash."""
+    committed = committed_steps(root)
+    for step in committed[keep:]:
+        _discard(step_dir(root, step))
+    if committed:
+        oldest_kept = step_dir(root, committed[:keep][-1]).name
+        for p in root.glob(f"{STEP_PREFIX}*"):
+            if not (p / COMMIT_MARKER).exists() and p.name < oldest_kept:
+                _discard(p)
+    for p in root.glob(".trash-*"):  # left by an earlier incarnation
+        _discard(p)
+
+
+_DELETING: set[Path] = set()  # trash directories a thread of this process is removing
+
+
+def _discard(path: Path) -> None:
+    """Deletes a checkpoint directory off the training loop's critical path.
+
+    The directory is renamed first (atomic: resume never sees it half-deleted), then removed by a
+    daemon thread: unlinking a multi-GB file can take seconds, which showed up as a stalled
+    training step at commit time.
+    """
+    if path in _DELETING:
+        return
+    trash = path
+    if not path.name.startswith(".trash-"):
+        trash = path.with_name(f".trash-{path.name}-{os.getpid()}-{time.monotonic_ns()}")
+        try:
+            os.replace(path, trash)
+        except OSError:
+            return
+    _DELETING.add(trash)
+    threading.Thread(target=shutil.rmtree, args=(trash,), kwargs={"ignore_errors": True},
+                     daemon=True, name="ckpt-prune").start()
