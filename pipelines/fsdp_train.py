@@ -6,12 +6,12 @@ instead, where the Kubernetes settings are ignored). The training task gets /dev
 node selector and tolerations, no caching and a long timeout; prepare and export are retried.
 """
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from kfp import dsl, kubernetes
 
 from kfp_nvrx.components import images
-from kfp_nvrx.components.export_checkpoint.component import export_checkpoint
+from kfp_nvrx.components.export_checkpoint.component import export_checkpoint, size_export
 from kfp_nvrx.components.prepare_dataset.component import prepare_dataset
 from kfp_nvrx.components.train_fsdp.component import train_fsdp
 
@@ -45,6 +45,24 @@ def launcher_task(task: dsl.PipelineTask, node_selector: dict, tolerations: list
     kubernetes.add_node_selector_json(task, node_selector)
     kubernetes.add_toleration_json(task, tolerations)
     kubernetes.set_timeout(task, TRAIN_TIMEOUT_S)
+
+
+def sized_task(task: dsl.PipelineTask, memory: Any, cpu: Any, node_selector: Any) -> None:
+    """Give a model-loading task (export, compare) its memory (request = limit), CPU and nodes."""
+    # kfp.local orders tasks by their inputs only: a resource channel alone does not make its
+    # producer run first.
+    task.after(memory.task)
+    task.set_memory_request(memory).set_memory_limit(memory).set_cpu_request(cpu)
+    kubernetes.add_node_selector_json(task, node_selector)
+
+
+def export_size(config: Any, overrides: Any, export_memory: Any,
+                pvc_name: Any) -> dsl.PipelineTask:
+    """The task that sizes the export step from the config (it may be a YAML on the volume)."""
+    size = size_export(config=config, overrides=overrides, export_memory=export_memory)
+    size.set_display_name("size-export")
+    on_shared_volume(size, pvc_name)
+    return retried(size, PREPARE_TIMEOUT_S)
 
 
 class Outputs(NamedTuple):
@@ -82,33 +100,47 @@ def fsdp_train(
     eval_batches: int = 8,
     launcher_node_selector: dict = {"kubernetes.io/os": "linux"},  # noqa: B006
     launcher_tolerations: list = [],  # noqa: B006
+    export_memory: str = "",
+    export_cpu: str = "2",
+    export_node_selector: dict = {"kubernetes.io/os": "linux"},  # noqa: B006
 ) -> Outputs:
     """Prepare -> train -> export.
 
     Args:
-        source: Text/JSONL file, glob or directory on the shared volume, or ``sample:``.
+        source: Text/JSONL file, glob or directory on the shared volume, or 'sample:'.
         workspace: Directory on the shared volume for datasets, runs and models.
         pvc_name: PersistentVolumeClaim of the shared volume (mounted at /fsx).
-        dataset_name: Dataset directory name under ``<workspace>/datasets``.
-        tokenizer: ``byte`` or a ``tokenizer.json`` path.
+        dataset_name: Dataset directory name under '<workspace>/datasets'.
+        tokenizer: 'byte' or a 'tokenizer.json' path.
         seq_len: Sequence length the dataset must support.
         val_fraction: Share of documents held out for validation.
         text_field: JSON field holding the text.
         config: Trainer preset (tiny, 125m, 1b, 8b) or YAML path.
-        overrides: Trainer ``section.key=value`` overrides.
-        faults: Fault drills ``KIND@STEP[/RANK]``.
-        nodes: ``N`` or ``MIN:MAX`` nodes.
+        overrides: Trainer overrides as a JSON list of 'section.key=value' strings, e.g.
+            ["train.steps=200"].
+        faults: Fault drills as a JSON list of 'KIND@STEP[/RANK]' strings, e.g.
+            ["kill@20/1"] (KIND: kill, raise, hang, kill-in-ckpt, stall).
+        nodes: 'N' or 'MIN:MAX' nodes.
         nproc_per_node: Processes per node; 0 = the instance profile's GPUs (1 on cpu).
         instance_type: Worker instance profile (p5.48xlarge, p4d.24xlarge, cpu).
         trainer_image: Trainer image of the worker pods (default: this version's image).
-        backend: ``kubernetes`` (a PyTorchJob) or ``local`` (in the task's pod: needs an image
-            with torch and NVRx; ``kfp-nvrx run-local`` uses it).
-        job_api: ``pytorchjob``, ``trainjob`` or ``auto`` (the cluster's; TrainJob when both).
+        backend: 'kubernetes' (a PyTorchJob) or 'local' (in the task's pod: needs an image
+            with torch and NVRx; 'kfp-nvrx run-local' uses it).
+        job_api: 'pytorchjob', 'trainjob' or 'auto' (the cluster's; TrainJob when both).
         deadline_s: Training wall-clock limit in seconds (0 = none).
         export_step: Checkpoint step to export (-1 = newest).
         eval_batches: Val batches for the eval loss.
-        launcher_node_selector: Node selector of the training (launcher) task's pod.
-        launcher_tolerations: Tolerations of the training (launcher) task's pod.
+        launcher_node_selector: Node selector of the training (launcher) task's pod, a JSON
+            object of label: value.
+        launcher_tolerations: Tolerations of the training (launcher) task's pod, a JSON list
+            of Kubernetes tolerations, e.g. [{"key": "dedicated", "operator": "Exists",
+            "effect": "NoSchedule"}].
+        export_memory: Memory of the export step (request = limit), a Kubernetes quantity
+            such as 96Gi; empty = sized from the config (three fp32 copies of the weights + 2 GiB:
+            92Gi for 8b, 3Gi for tiny).
+        export_cpu: CPU request of the export step.
+        export_node_selector: Node selector of the export step's pod, a JSON object of
+            label: value (it needs a node with export_memory free).
 
     """
     prep = prepare_dataset(source=source, workspace=workspace, dataset_name=dataset_name,
@@ -127,10 +159,12 @@ def fsdp_train(
     on_shared_volume(train, pvc_name)
     launcher_task(train, launcher_node_selector, launcher_tolerations)
 
+    size = export_size(config, overrides, export_memory, pvc_name)
     export = export_checkpoint(run=train.outputs["run"], step=export_step,
                                eval_batches=eval_batches)
     export.set_display_name("export-checkpoint")
     on_shared_volume(export, pvc_name)
     retried(export, EXPORT_TIMEOUT_S)
+    sized_task(export, size.output, export_cpu, export_node_selector)
     return Outputs(model=export.outputs["model"], train_metrics=train.outputs["metrics"],
                    eval_metrics=export.outputs["metrics"], timeline=train.outputs["timeline"])

@@ -20,9 +20,11 @@ from kfp_nvrx.pipelines.fsdp_train import (
     EXPORT_TIMEOUT_S,
     MOUNT_PATH,
     PREPARE_TIMEOUT_S,
+    export_size,
     launcher_task,
     on_shared_volume,
     retried,
+    sized_task,
 )
 
 
@@ -61,33 +63,46 @@ def scheduled_retrain(
     min_improvement: float = 0.0,
     launcher_node_selector: dict = {"kubernetes.io/os": "linux"},  # noqa: B006
     launcher_tolerations: list = [],  # noqa: B006
+    export_memory: str = "",
+    export_cpu: str = "2",
+    export_node_selector: dict = {"kubernetes.io/os": "linux"},  # noqa: B006
 ) -> Outputs:
     """Prepare -> warm-started train -> export -> compare -> promote if better.
 
     Args:
-        source: New data: text/JSONL file, glob or directory on the shared volume, or ``sample:``.
+        source: New data: text/JSONL file, glob or directory on the shared volume, or 'sample:'.
         workspace: Directory on the shared volume for datasets, runs and models.
         pvc_name: PersistentVolumeClaim of the shared volume (mounted at /fsx).
-        model_name: Name of the promoted model line under ``<workspace>/models``.
-        dataset_name: Dataset directory name under ``<workspace>/datasets`` (rebuilt on new data).
-        tokenizer: ``byte`` or a ``tokenizer.json`` path.
+        model_name: Name of the promoted model line under '<workspace>/models'.
+        dataset_name: Dataset directory name under '<workspace>/datasets' (rebuilt on new data).
+        tokenizer: 'byte' or a 'tokenizer.json' path.
         seq_len: Sequence length the dataset must support.
         val_fraction: Share of documents held out for validation.
         text_field: JSON field holding the text.
         config: Trainer preset or YAML path.
-        overrides: Trainer ``section.key=value`` overrides.
-        nodes: ``N`` or ``MIN:MAX`` nodes.
+        overrides: Trainer overrides as a JSON list of 'section.key=value' strings, e.g.
+            ["train.steps=200"].
+        nodes: 'N' or 'MIN:MAX' nodes.
         nproc_per_node: Processes per node; 0 = the instance profile's GPUs (1 on cpu).
         instance_type: Worker instance profile.
         trainer_image: Trainer image of the worker pods (default: this version's image).
-        backend: ``kubernetes`` (a PyTorchJob) or ``local`` (in the task's pod: needs an image
-            with torch and NVRx; ``kfp-nvrx run-local`` uses it).
-        job_api: ``pytorchjob``, ``trainjob`` or ``auto`` (the cluster's; TrainJob when both).
+        backend: 'kubernetes' (a PyTorchJob) or 'local' (in the task's pod: needs an image
+            with torch and NVRx; 'kfp-nvrx run-local' uses it).
+        job_api: 'pytorchjob', 'trainjob' or 'auto' (the cluster's; TrainJob when both).
         deadline_s: Training wall-clock limit in seconds (0 = none).
         eval_batches: Val batches per model in the export and the comparison.
         min_improvement: Eval-loss margin a candidate must win by to be promoted.
-        launcher_node_selector: Node selector of the training (launcher) task's pod.
-        launcher_tolerations: Tolerations of the training (launcher) task's pod.
+        launcher_node_selector: Node selector of the training (launcher) task's pod, a JSON
+            object of label: value.
+        launcher_tolerations: Tolerations of the training (launcher) task's pod, a JSON list
+            of Kubernetes tolerations, e.g. [{"key": "dedicated", "operator": "Exists",
+            "effect": "NoSchedule"}].
+        export_memory: Memory of the export step (request = limit), a Kubernetes quantity
+            such as 96Gi; empty = sized from the config (three fp32 copies of the weights + 2 GiB:
+            92Gi for 8b, 3Gi for tiny).
+        export_cpu: CPU request of the export step.
+        export_node_selector: Node selector of the export step's pod, a JSON object of
+            label: value (it needs a node with export_memory free).
 
     """
     promoted = f"{workspace}/models/{model_name}/promoted"
@@ -108,10 +123,12 @@ def scheduled_retrain(
     on_shared_volume(train, pvc_name)
     launcher_task(train, launcher_node_selector, launcher_tolerations)
 
+    size = export_size(config, overrides, export_memory, pvc_name)
     export = export_checkpoint(run=train.outputs["run"], eval_batches=eval_batches)
     export.set_display_name("export-checkpoint")
     on_shared_volume(export, pvc_name)
     retried(export, EXPORT_TIMEOUT_S)
+    sized_task(export, size.output, export_cpu, export_node_selector)
 
     compare = compare_models(candidate=export.outputs["model"], dataset=prep.outputs["dataset"],
                              promoted_dir=promoted, min_improvement=min_improvement,
@@ -120,6 +137,7 @@ def scheduled_retrain(
     compare.set_caching_options(False)  # the promoted model changes between runs
     on_shared_volume(compare, pvc_name)
     retried(compare, EXPORT_TIMEOUT_S)
+    sized_task(compare, size.output, export_cpu, export_node_selector)  # two models, eval batches
 
     with dsl.If(compare.outputs["Output"] == "promote", name="better-than-promoted"):
         promote = promote_model(candidate=export.outputs["model"], promoted_dir=promoted)

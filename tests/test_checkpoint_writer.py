@@ -105,3 +105,21 @@ def _abort_and_restart() -> None:
     assert writer.needs_buffer("any") and writer.processes != (proc,)
     writer.close()
     assert writer.processes == ()
+
+
+def test_priming_the_results_queue_leaves_its_items_alone():
+    """The warm-up probe must never take or add a result, even if the writer's came first."""
+    import multiprocessing as mp
+
+    from kfp_nvrx.components.train_fsdp.trainer.checkpoint.writer import _prime_results_queue
+
+    manager = mp.get_context("spawn").Manager()
+    try:
+        queue = manager.Queue()
+        queue.put({0: ["a write result"]})
+        _prime_results_queue(queue)
+        assert queue.qsize() == 1 and queue.get() == {0: ["a write result"]}
+        _prime_results_queue(queue)
+        assert queue.qsize() == 0
+    finally:
+        manager.shutdown()

@@ -203,6 +203,28 @@ def test_metrics_from_summary():
     assert no_loss["restarts_other_kind"] == 1 and no_loss["restarts_total"] == 3
 
 
+def test_summary_says_what_happened_in_words():
+    from kfp_nvrx.components.core.goodput import summarize_events
+
+    events = _events()
+    rep = summarize_events(events)
+    assert rep.what_happened == ["rank 1 killed at step 6, resumed from step 3 in 6.0 s, "
+                                 "3 steps redone"]
+    page = ui_outputs.render_timeline(events, rep.to_dict(), "run-x")
+    assert rep.what_happened[0] in page
+    # no fault event (a real failure) and nothing committed: said so, every step redone
+    crash = [dict(e, resumed_from=None) if e["type"] == "start" else e
+             for e in events if e["type"] != "fault"]
+    assert summarize_events(crash).what_happened == [
+        "workers failed after step 6, restarted from scratch in 6.0 s, 6 steps redone"]
+    # a fault-free run tells no story
+    assert summarize_events([e for e in events if _before_fault(e)]).what_happened == []
+
+
+def _before_fault(e):
+    return e["type"] in ("start", "step", "checkpoint") and e.get("incarnation", 0) == 0
+
+
 def test_timeline_shows_every_kind_of_event():
     from kfp_nvrx.components.core.goodput import summarize_events
 

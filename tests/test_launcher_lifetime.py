@@ -167,3 +167,32 @@ def test_nothing_outlives_launch_local(sig: signal.Signals, data: Path, tmp_path
             launcher.kill()
         for pid in _alive(token):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_agent_stream_shows_what_matters_and_logs_everything(tmp_path):
+    """Non-verbose: NVRx chatter and a survivor's peer-reset traceback are hidden, not lost."""
+    from kfp_nvrx.components.train_fsdp.launcher.local import _Agent
+
+    lines = [
+        "  max_restarts     : 3",
+        "[trainer] step 10/40 loss 4.3",
+        "[ALWAYS] [RankMonServer.Restarter] [NestedRestarter] name=[InJob] state=aborted",
+        "[INFO] [RankMonServer1@vm:0] Started periodic restart check.",
+        "[rank0]: Traceback (most recent call last):",
+        "[rank0]:   File \"x.py\", line 1, in <module>",
+        "[rank0]: RuntimeError: [pair.cc:537] Read error: Connection reset by peer. GLHF!",
+        "[ERROR] [ft_launcher1@vm] failed (exitcode: -9) local_rank: 0",
+        "[rank1]: Traceback (most recent call last):",
+        "[rank1]: ValueError: a real error",
+    ]
+    script = "import sys\nfor line in sys.argv[1:]:\n    print(line)\n"
+    shown: list[str] = []
+    agent = _Agent(0, [sys.executable, "-c", script, *lines], dict(os.environ), shown.append,
+                   False, tmp_path / "node0.log")
+    agent.proc.wait()
+    agent.thread.join(10)
+    assert shown == ["[node0] [trainer] step 10/40 loss 4.3",
+                     "[node0] [ERROR] [ft_launcher1@vm] failed (exitcode: -9) local_rank: 0",
+                     "[node0] [rank1]: Traceback (most recent call last):",
+                     "[node0] [rank1]: ValueError: a real error"]
+    assert (tmp_path / "node0.log").read_text().splitlines() == lines

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -113,7 +114,45 @@ def test_fsdp_train_parameters():
     assert set(spec["root"]["outputDefinitions"]["artifacts"]) == {
         "model", "train_metrics", "eval_metrics", "timeline"}
     assert list(spec["root"]["dag"]["tasks"]) == ["export-checkpoint", "prepare-dataset",
-                                                  "train-fsdp"]
+                                                  "size-export", "train-fsdp"]
+
+
+@pytest.mark.parametrize("name", ["fsdp-train", "scheduled-retrain"])
+def test_parameter_descriptions_read_plainly(name):
+    spec, _ = _docs(COMPILED_DIR / f"{name}.yaml")
+    params = spec["root"]["inputDefinitions"]["parameters"]
+    for key, param in params.items():
+        assert "``" not in param.get("description", ""), key
+    assert "JSON list" in params["launcher_tolerations"]["description"]
+    assert "JSON list" in params["overrides"]["description"]
+    if "faults" in params:
+        assert "JSON list" in params["faults"]["description"]
+
+
+@pytest.mark.parametrize("name", ["fsdp-train", "scheduled-retrain"])
+def test_export_step_is_sized_and_placed(name):
+    spec, platform = _docs(COMPILED_DIR / f"{name}.yaml")
+    params = spec["root"]["inputDefinitions"]["parameters"]
+    assert params["export_memory"]["defaultValue"] == ""
+    assert params["export_cpu"]["defaultValue"] == "2"
+    assert params["export_node_selector"]["parameterType"] == "STRUCT"
+    tasks = spec["root"]["dag"]["tasks"]
+    size = tasks["size-export"]["inputs"]["parameters"]
+    assert size["config"] == {"componentInputParameter": "config"}
+    assert size["export_memory"] == {"componentInputParameter": "export_memory"}
+    execs = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    sized = ["exec-export-checkpoint"] + (["exec-compare-models"] if "compare-models" in tasks
+                                          else [])
+    for label in sized:
+        res = spec["deploymentSpec"]["executors"][label]["container"]["resources"]
+        memory = "{{$.inputs.parameters['pipelinechannel--size-export-Output']}}"
+        assert res["resourceMemoryRequest"] == memory == res["resourceMemoryLimit"], label
+        assert res["resourceCpuRequest"] == "{{$.inputs.parameters['pipelinechannel--export_cpu']}}"
+        assert execs[label]["nodeSelector"] == {
+            "nodeSelectorJson": {"componentInputParameter": "export_node_selector"}}
+    task = tasks["export-checkpoint"]["inputs"]["parameters"]
+    assert task["pipelinechannel--size-export-Output"] == {
+        "taskOutputParameter": {"outputParameterKey": "Output", "producerTask": "size-export"}}
 
 
 def test_scheduled_retrain_promotes_under_condition():
@@ -192,6 +231,8 @@ def test_fsdp_train_end_to_end_with_fault(tmp_path, capsys):
     table = out[out.index("fsdp-train finished locally:"):]
     for row in ("goodput", "recovery", "eval loss", "model", "timeline"):
         assert f"  {row} " in table
+    assert re.search(r"what happened +rank 1 killed at step 6, (resumed from step \d+|restarted "
+                     r"from scratch) in [0-9.]+ s, \d+ steps? redone", table), table
     (run_root,) = (tmp_path / "pipeline_root").iterdir()
     model_dir = run_root / "export-checkpoint" / "model"
     assert f"{model_dir}/model.safetensors" in table

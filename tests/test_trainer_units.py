@@ -33,6 +33,17 @@ def test_presets_load_and_size():
         with torch.device("meta"):
             sizes[name] = num_params(build_model(cfg.model))
     assert sizes["tiny"] < 1e6 < sizes["125m"] < 2e8 < sizes["1b"] < 1.5e9 < sizes["8b"] < 8.1e9
+    # the launcher side sizes the export step without torch: the same counts
+    from kfp_nvrx.components.core.sizing import export_memory, param_count
+
+    gqa = load_config("tiny", ["model.n_kv_heads=2", "model.ffn_dim_multiplier=1.3"]).model
+    with torch.device("meta"):
+        sizes["gqa"] = num_params(build_model(gqa))
+    counted = {name: param_count(load_config(name).model) for name in ("tiny", "125m", "1b", "8b")}
+    assert counted | {"gqa": param_count(gqa)} == sizes
+    assert export_memory("8b") == "92Gi" and export_memory("tiny") == "3Gi"
+    assert export_memory("8b", requested="120Gi") == "120Gi"
+    assert param_count(load_config("tiny", ["model.factory=x.y:z"]).model) is None
 
 
 def test_yaml_file_and_overrides(tmp_path):

@@ -6,7 +6,9 @@ Definitions:
 - goodput = time inside kept steps / wall time (first event to last event);
 - lost work = time inside redone steps;
 - recovery = fault (or the last step before a restart) -> first step of the next incarnation;
-- checkpoint stall = sum of the blocking seconds of every save.
+- checkpoint stall = sum of the blocking seconds of every save;
+- what happened = one sentence per restart: the fault (or failure), where training resumed, how
+  long recovery took and how many steps were redone (:func:`narrate`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class GoodputReport:
     checkpoints: int = 0
     final_loss: float | None = None
     faults: int = 0
+    what_happened: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form."""
@@ -83,7 +86,63 @@ def summarize_events(events: list[dict[str, Any]]) -> GoodputReport:
     if rep.recovery_s:
         rep.recovery_mean_s = sum(rep.recovery_s) / len(rep.recovery_s)
         rep.recovery_max_s = max(rep.recovery_s)
+    rep.what_happened = narrate(events)
     return rep
+
+
+#: How a fault kind reads in a sentence ("rank 1 killed at step 20").
+_FAULT_VERBS = {"kill": "killed", "raise": "raised an exception", "hang": "hung",
+                "kill-in-ckpt": "killed while checkpointing", "stall": "stalled"}
+
+
+def narrate(events: list[dict[str, Any]]) -> list[str]:
+    """Return one sentence per restart.
+
+    E.g. "rank 1 killed at step 20, resumed from step 10 in 4.1 s, 9 steps redone": redone counts
+    the stopped incarnation's executions past the resumed step (as ``steps_redone`` does),
+    recovery runs from the fault (or the last step) to the next incarnation's first step.
+    """
+    out: list[str] = []
+    fault: dict[str, Any] | None = None
+    current: tuple[int, int] | None = None
+    done: list[int] = []  # steps the current incarnation executed
+    last_end: float | None = None
+    pending: dict[str, Any] | None = None  # a restart waiting for its first step (recovery)
+    for e in events:
+        if e["type"] == "fault" and fault is None:
+            fault = e
+        elif e["type"] == "start":
+            inc = _incarnation(e)
+            if current is not None and inc != current:
+                if fault is not None:
+                    rank = f"rank {fault['rank']}" if fault.get("rank") is not None else "a rank"
+                    what = (f"{rank} {_FAULT_VERBS.get(fault['kind'], fault['kind'] + ' fault')}"
+                            f" at step {fault['step']}")
+                else:
+                    what = f"workers failed after step {max(done, default=0)}"
+                base = e.get("resumed_from")
+                where = "restarted from scratch" if base is None else f"resumed from step {base}"
+                if e.get("from_memory"):
+                    where += " (host memory)"
+                redone = sum(1 for s in done if s > (base or 0))
+                origin = fault["time"] if fault is not None else last_end
+                pending = {"text": f"{what}, {where}", "origin": origin,
+                           "redone": f"{redone} step{'s' if redone != 1 else ''} redone"}
+                fault, done = None, []
+            current = inc
+        elif e["type"] == "step":
+            if current is None or _incarnation(e) != current:  # a log without start events
+                current, done = _incarnation(e), []
+            if pending is not None:
+                took = ("" if pending["origin"] is None
+                        else f" in {e['end'] - pending['origin']:.1f} s")
+                out.append(f"{pending['text']}{took}, {pending['redone']}")
+                pending = None
+            done.append(int(e["step"]))
+            last_end = e["end"]
+    if pending is not None:
+        out.append(f"{pending['text']}, {pending['redone']}")
+    return out
 
 
 def _recoveries(events: list[dict[str, Any]]) -> list[float]:

@@ -39,6 +39,8 @@ CONFIG_FILE = "config.yaml"
 EVENTS_FILE = "events.jsonl"
 FAULTS_DIR = "faults"
 NCCL_TRACE_DIR = "nccl_trace"
+#: Every line each local agent (ft_launcher and its workers) printed: ``node<i>.log``.
+LOGS_DIR = "logs"
 CHECKPOINTS_DIR = "checkpoints"
 COMMIT_MARKER = "COMMITTED"
 #: DCP's global metadata file; a checkpoint without it cannot be loaded.

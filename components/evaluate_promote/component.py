@@ -36,6 +36,10 @@ def compare_models(
         ``promote`` or ``keep``.
 
     """
+    import warnings
+
+    # torch imports pynvml, which warns on every import; nothing here uses NVML.
+    warnings.filterwarnings("ignore", message="The pynvml package is deprecated")
     from kfp_nvrx.components.evaluate_promote.promote import PROMOTE, compare
 
     result = compare(candidate.path, dataset.metadata["path"], promoted_dir,

@@ -6,7 +6,7 @@ component image has no torch). That image must also contain ``kfp`` for the KFP 
 
 from kfp import dsl
 
-from kfp_nvrx.components.images import trainer_image
+from kfp_nvrx.components.images import components_image, trainer_image
 
 
 @dsl.component(base_image=trainer_image(), install_kfp_package=False)
@@ -27,6 +27,10 @@ def export_checkpoint(
         eval_batches: Val batches for the eval loss; 0 skips it.
 
     """
+    import warnings
+
+    # torch imports pynvml, which warns on every import; nothing here uses NVML.
+    warnings.filterwarnings("ignore", message="The pynvml package is deprecated")
     from kfp_nvrx.components.export_checkpoint.consolidate import export_checkpoint as export
     from kfp_nvrx.components.export_checkpoint.consolidate import summary
 
@@ -40,3 +44,23 @@ def export_checkpoint(
     metrics.log_metric("num_params", int(info["num_params"]))
     if info.get("eval_loss") is not None:
         metrics.log_metric("eval_loss", float(info["eval_loss"]))
+
+
+@dsl.component(base_image=components_image(), install_kfp_package=False)
+def size_export(config: str, overrides: list = [], export_memory: str = "") -> str:  # noqa: B006
+    """Return the export step's memory (request = limit): ``export_memory``, else from the config.
+
+    Sized as about three fp32 copies of the model's weights plus 2 GiB (92Gi for the 8b preset);
+    torch-free, so it runs on the component image while training runs.
+
+    Args:
+        config: Trainer preset or YAML path (the training step's).
+        overrides: Trainer overrides (the training step's).
+        export_memory: A Kubernetes quantity that overrides the estimate ('' = estimate).
+
+    """
+    from kfp_nvrx.components.core.sizing import export_memory as size
+
+    memory = size(config, [str(o) for o in overrides], export_memory)
+    print(f"export step memory: {memory}")
+    return memory

@@ -94,6 +94,8 @@ def train_fsdp(
                              title=name)
     print(f"{result.state}: goodput {summary['goodput']:.3f}, steps {summary['steps_final']}, "
           f"restarts {summary['restarts']}, run dir {spec.run_dir}")
+    for line in summary.get("what_happened") or []:
+        print(f"  {line}")
     if not result.succeeded:
         tail = "\n".join(result.last_log_lines[-20:])
         raise RuntimeError(f"training {result.state}: {result.reason}\n{tail}")

@@ -119,6 +119,7 @@ def _headline(summary: dict[str, Any]) -> list[tuple[str, str]]:
         ("Checkpoint stall", f"{float(summary.get('checkpoint_stall_s', 0)):.3f} s "
                              f"({summary.get('checkpoints', 0)} saves)"),
         ("Final loss", "n/a" if loss is None else f"{float(loss):.4f}"),
+        *(("What happened", line) for line in summary.get("what_happened") or []),
     ]
 
 
@@ -349,4 +350,8 @@ def publish(run_dir: str | os.PathLike, result: Any, *, run: Any, metrics: Any, 
                          "backend": result.backend, "job": result.name,
                          "restarts": int(result.restarts), "goodput": summary["goodput"],
                          "steps_final": summary["steps_final"]})
+    # Words for the run's story (the UI and `kfp-nvrx run-local` show them; Metrics take numbers).
+    story = "; ".join(summary.get("what_happened") or [])
+    run.metadata["what_happened"] = story
+    timeline.metadata["what_happened"] = story
     return summary

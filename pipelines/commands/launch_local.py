@@ -39,6 +39,8 @@ def _run(args: argparse.Namespace) -> int:
         print(f"{res.state}: {g['steps_final']} steps in {res.duration_s:.1f}s, "
               f"goodput {g['goodput']:.1%}, restarts {g['restarts'] or 0}, "
               f"recovery {g['recovery_s']} s, final loss {g['final_loss']}, run dir {res.run_dir}")
+        for line in g.get("what_happened") or []:
+            print(f"  {line}")
     if not res.succeeded:
         sys.stderr.write(f"kfp-nvrx launch-local: {res.state}: {res.reason}\n")
         for line in res.last_log_lines:

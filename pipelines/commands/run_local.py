@@ -183,6 +183,10 @@ def summary_rows(name: str, outputs: dict[str, Any], wall_s: float) -> list[tupl
                          f"max {float(train.get('recovery_max_s', 0)):.2f} s"),
             ("checkpoint stall", f"{float(train.get('checkpoint_stall_s', 0)):.3f} s"),
         ]
+        story = _metrics(outputs, "timeline").get("what_happened")
+        if story:
+            rows += [("" if i else "what happened", line)
+                     for i, line in enumerate(story.split("; "))]
         if "final_loss" in train:
             rows.append(("final train loss", f"{float(train['final_loss']):.4f}"))
     evals = _metrics(outputs, "eval_metrics")

@@ -33,6 +33,7 @@ from kfp_nvrx.components.core.launch_command import (
     in_process_env,
     pet_env,
 )
+from kfp_nvrx.components.core.rundir import LOGS_DIR
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.ownership import claim_run_dir
 from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec, check_procs
@@ -41,8 +42,14 @@ from kfp_nvrx.components.train_fsdp.launcher.lifetime import RunDirLock, Watchdo
 from kfp_nvrx.components.train_fsdp.launcher.result import LaunchResult
 
 _MARKER = "KFP_NVRX_LOCAL_RUN"
+# Without --verbose the stream shows the trainer's lines, faults, failures and restarts ...
 _QUIET = re.compile(r"\[trainer\]|error|Error|failed|Traceback|injecting|FT timeout|restart",
                     re.IGNORECASE)
+# ... but not ft_launcher's config dump, NVRx's restart-state chatter (``state=aborted`` on every
+# clean exit) or a surviving rank reporting that its killed peer went away (gloo's "Connection
+# reset by peer ... GLHF!", the expected echo of a fault). logs/node<i>.log keeps every line.
+_HIDDEN = re.compile(r"\[NestedRestarter\]|[Pp]eriodic restart check|^\s*(max_restarts|"
+                     r"restart_policy)\s*:|Connection (reset|closed) by peer|GLHF")
 
 
 def free_port() -> int:
@@ -103,21 +110,34 @@ def _reap(marker: str) -> int:
 
 class _Agent:
     def __init__(self, idx: int, argv: list[str], env: dict[str, str], log: Callable[[str], None],
-                 verbose: bool) -> None:
+                 verbose: bool, log_path: Path) -> None:
         self.idx, self.tail = idx, deque(maxlen=40)
         self.exited_at: float | None = None  # when the launcher first saw it gone
         self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, bufsize=1,
                                      start_new_session=True)
-        self.thread = threading.Thread(target=self._pump, args=(log, verbose), daemon=True)
+        self.thread = threading.Thread(target=self._pump, args=(log, verbose, log_path),
+                                       daemon=True)
         self.thread.start()
 
-    def _pump(self, log: Callable[[str], None], verbose: bool) -> None:
-        for line in self.proc.stdout:
-            line = line.rstrip()
-            self.tail.append(line)
-            if verbose or _QUIET.search(line):
-                log(f"[node{self.idx}] {line}")
+    def _pump(self, log: Callable[[str], None], verbose: bool, log_path: Path) -> None:
+        held = None  # a "Traceback" header, shown only if what it led to is shown
+        with open(log_path, "a", buffering=1) as full:
+            for line in self.proc.stdout:
+                line = line.rstrip()
+                full.write(line + "\n")
+                self.tail.append(line)
+                if verbose:
+                    log(f"[node{self.idx}] {line}")
+                elif not _QUIET.search(line) or _HIDDEN.search(line):
+                    held = None if _HIDDEN.search(line) else held
+                elif "Traceback" in line:
+                    held = line
+                else:
+                    if held is not None:
+                        log(f"[node{self.idx}] {held}")
+                        held = None
+                    log(f"[node{self.idx}] {line}")
 
     def terminate(self) -> None:
         if self.proc.poll() is None:
@@ -194,6 +214,8 @@ def run_local(spec: JobSpec, *, log: Callable[[str], None] = print,
                       rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id=f"{name}-{marker[:8]}",
                       max_restarts=cfg.resilience.max_restarts)}
     claim_run_dir(run_path)
+    logs = run_path / LOGS_DIR  # every agent's full output; the stream shows what matters
+    logs.mkdir(exist_ok=True)
     lock = RunDirLock(run_path).acquire()  # one run owns a run dir at a time
     grace = float(cfg.resilience.workers_stop_timeout) + 10
     # Stops everything of this run if the launcher itself dies (SIGKILL included); it holds the
@@ -225,7 +247,7 @@ def run_local(spec: JobSpec, *, log: Callable[[str], None] = print,
                 # Each local node sees only its own GPUs, as a pod would; LOCAL_RANK indexes them.
                 agent_env["CUDA_VISIBLE_DEVICES"] = slices[i]
                 agent_env.update(in_process_env(gpu=True) if cfg.resilience.in_process else {})
-            agents.append(_Agent(i, argv, agent_env, log, verbose))
+            agents.append(_Agent(i, argv, agent_env, log, verbose, logs / f"node{i}.log"))
         if on_start is not None:
             on_start([a.proc.pid for a in agents])
         while not stop.is_set() and any(a.proc.poll() is None for a in agents):

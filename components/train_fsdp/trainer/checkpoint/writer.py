@@ -15,6 +15,7 @@ import importlib
 import inspect
 import os
 import signal
+import threading
 import time
 from typing import Any
 
@@ -43,6 +44,28 @@ def _caller_class() -> type:
                 super().__del__()
 
     return Caller
+
+
+def _prime_results_queue(queue: Any) -> None:
+    """Makes the Manager behind NVRx's write-results queue import the DCP result classes now.
+
+    The Manager's server unpickles a call's arguments before it runs the call: ``qsize(probe)``
+    with a ``WriteResult`` makes it import torch and DCP, then fails with a ``TypeError`` (qsize
+    takes no argument) without touching the queue, so it cannot take or add an item even if the
+    writer's first results arrive meanwhile. Nothing waits for this: the writer's first ``put`` at
+    most waits for the rest of the import.
+    """
+    # FT: NVRx's results queue (filesystem_async), warmed before the first async save.
+    try:
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+        from torch.distributed.checkpoint.storage import WriteResult
+
+        probe = WriteResult(index=MetadataIndex("kfp-nvrx-warm-up"), size_in_bytes=0,
+                            storage_data=_StorageInfo("", 0, 0))
+        queue.qsize(probe)
+    except Exception:  # noqa: BLE001 - the expected TypeError, or a failure the save will report
+        pass
 
 
 class NvrxWriter:
@@ -82,9 +105,14 @@ class NvrxWriter:
         try:  # the writer's results queue is a multiprocessing Manager: another process to spawn
             from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async
 
-            filesystem_async._get_write_results_queue()
+            queue = filesystem_async._get_write_results_queue()
         except (ImportError, AttributeError):  # other NVRx versions: created on first save
-            pass
+            return
+        # The Manager process unpickles every call's arguments: the writer's first results made
+        # it import torch and DCP, which held the first commit back by seconds (until the next
+        # save waited for it). Priming it in the background moves that off the first save.
+        threading.Thread(target=_prime_results_queue, args=(queue,),
+                         name="kfp-nvrx-results-queue", daemon=True).start()
 
     def wait_started(self, timeout: float) -> None:
         """Waits for the warm-up request (the process is up and has imported the DCP writer)."""
