@@ -53,17 +53,19 @@ def prune(root: Path, keep: int) -> None:
         _discard(p)
 
 
-_DELETING: set[Path] = set()  # trash directories a thread of this process is removing
+def _remover_name(trash: Path) -> str:
+    return f"ckpt-prune:{trash}"
 
 
 def _discard(path: Path) -> None:
     """Deletes a checkpoint directory off the training loop's critical path.
 
     The directory is renamed first (atomic: resume never sees it half-deleted), then removed by a
-    daemon thread: unlinking a multi-GB file can take seconds, which showed up as a stalled
-    training step at commit time.
+    daemon thread: unlinking a multi-GB file can take seconds, and the commit must not wait for it.
+    The removing threads are named after their directory, so a directory already being removed
+    by this process is recognised without a registry.
     """
-    if path in _DELETING:
+    if any(t.name == _remover_name(path) for t in threading.enumerate()):
         return
     trash = path
     if not path.name.startswith(".trash-"):
@@ -72,6 +74,5 @@ def _discard(path: Path) -> None:
             os.replace(path, trash)
         except OSError:
             return
-    _DELETING.add(trash)
     threading.Thread(target=shutil.rmtree, args=(trash,), kwargs={"ignore_errors": True},
-                     daemon=True, name="ckpt-prune").start()
+                     daemon=True, name=_remover_name(trash)).start()

@@ -323,6 +323,9 @@ def staged_writer(path: str, staging: HostStaging, threads: int = 1) -> Any:
 
 
 # ---------------------------------------------------------------------- writer process side
+# The buffers this writer process has mapped, by staging key. NVRx runs write_staged as a plain
+# function in its persistent child process, which holds no object of ours: the mapping has to
+# outlive one request (the buffer is sent with the first request only) in the process itself.
 _WORKER_BUFFERS: dict[str, torch.Tensor] = {}
 
 
