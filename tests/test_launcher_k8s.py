@@ -20,11 +20,8 @@ from kfp_nvrx.components.train_fsdp.jobspec import naming
 from kfp_nvrx.components.train_fsdp.jobspec.pytorchjob import render
 from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
 from kfp_nvrx.components.train_fsdp.launcher import backends
-from kfp_nvrx.components.train_fsdp.launcher.kubernetes import (
-    ClusterError,
-    K8sOptions,
-    launch_kubernetes,
-)
+from kfp_nvrx.components.train_fsdp.launcher.k8s_job import ClusterError, K8sOptions
+from kfp_nvrx.components.train_fsdp.launcher.kubernetes import launch_kubernetes
 
 RUN_ID = "run-0001"
 SPEC = dict(image="img:1", pvc="fsx", instance_type="cpu", nodes="2", run_id=RUN_ID,

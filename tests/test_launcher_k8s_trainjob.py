@@ -19,7 +19,7 @@ from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
 from kfp_nvrx.components.train_fsdp.jobspec.trainjob import render
 from kfp_nvrx.components.train_fsdp.launcher import backends
-from kfp_nvrx.components.train_fsdp.launcher.kubernetes import ClusterError, K8sOptions
+from kfp_nvrx.components.train_fsdp.launcher.k8s_job import ClusterError, K8sOptions
 from kfp_nvrx.components.train_fsdp.launcher.trainjob import launch_trainjob, resolve_job_api
 
 RUN_ID = "run-0001"
