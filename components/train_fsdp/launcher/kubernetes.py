@@ -23,14 +23,7 @@ from kubernetes.client.rest import ApiException
 from kfp_nvrx.components.train_fsdp.jobspec import naming
 from kfp_nvrx.components.train_fsdp.jobspec.pytorchjob import render
 from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
-from kfp_nvrx.components.train_fsdp.launcher.k8s_job import (
-    ClusterError,
-    JobRun,
-    K8sOptions,
-    Outcome,
-    api_error,
-    failure_reason,
-)
+from kfp_nvrx.components.train_fsdp.launcher import k8s_job
 from kfp_nvrx.components.train_fsdp.launcher.logs import PodLogFollower
 from kfp_nvrx.components.train_fsdp.launcher.result import LaunchResult
 
@@ -42,11 +35,11 @@ def _ts(value: Any) -> float:
     return value.timestamp() if value is not None else 0.0
 
 
-def _api_error(action: str, err: Exception) -> ClusterError:
+def _api_error(action: str, err: Exception) -> k8s_job.ClusterError:
     exc = err.__cause__ if isinstance(err.__cause__, ApiException) else err
     if isinstance(exc, ApiException):
-        return api_error(action, exc, CRD)
-    return ClusterError(f"{action}: {' '.join(str(err).split()) or type(err).__name__}")
+        return k8s_job.api_error(action, exc, CRD)
+    return k8s_job.ClusterError(f"{action}: {' '.join(str(err).split()) or type(err).__name__}")
 
 
 class _Job:
@@ -103,16 +96,17 @@ class _Job:
         conds = [c for c in (job.status and job.status.conditions) or [] if c.status == "True"]
         return conds[-1].type if conds else "Pending"
 
-    def outcome(self, job: models.KubeflowOrgV1PyTorchJob) -> Outcome | None:
+    def outcome(self, job: models.KubeflowOrgV1PyTorchJob) -> k8s_job.Outcome | None:
         for cond in (job.status and job.status.conditions) or []:
             if cond.type in ("Succeeded", "Failed") and cond.status == "True":
-                reason = failure_reason(cond.reason, cond.message) if cond.type == "Failed" else ""
-                return Outcome(cond.type, reason, _ts(job.status.completion_time)
-                               or _ts(cond.last_transition_time))
+                failed = cond.type == "Failed"
+                reason = k8s_job.failure_reason(cond.reason, cond.message) if failed else ""
+                return k8s_job.Outcome(cond.type, reason, _ts(job.status.completion_time)
+                                       or _ts(cond.last_transition_time))
         return None
 
 
-def launch_kubernetes(spec: JobSpec, opts: K8sOptions | None = None, *,
+def launch_kubernetes(spec: JobSpec, opts: k8s_job.K8sOptions | None = None, *,
                       log: Callable[[str], None] = print,
                       client_configuration: k8s.Configuration | None = None,
                       training_client: TrainingClient | None = None) -> LaunchResult:
@@ -133,7 +127,7 @@ def launch_kubernetes(spec: JobSpec, opts: K8sOptions | None = None, *,
         ClusterError: The cluster refused a call (RBAC, missing CRD, unreachable).
 
     """
-    run = JobRun(opts, log)
+    run = k8s_job.JobRun(opts, log)
     rendered = render(spec)
     if training_client is None:
         kwargs: dict[str, Any] = {"client_configuration": client_configuration}
@@ -142,7 +136,8 @@ def launch_kubernetes(spec: JobSpec, opts: K8sOptions | None = None, *,
         try:
             training_client = TrainingClient(**kwargs)
         except Exception as err:  # noqa: BLE001 - no kubeconfig / not in a cluster
-            raise ClusterError(f"no Kubernetes credentials: {' '.join(str(err).split())}") from None
+            raise k8s_job.ClusterError(
+                f"no Kubernetes credentials: {' '.join(str(err).split())}") from None
     namespace = run.opts.namespace or spec.namespace or training_client.namespace
     rendered.job.metadata.namespace = namespace
     follower = PodLogFollower(training_client.core_api, namespace, rendered.name, emit=run.say,

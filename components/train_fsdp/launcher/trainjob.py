@@ -198,12 +198,21 @@ def launch_trainjob(spec: JobSpec, opts: K8sOptions | None = None, *,
                     runtime_kind: str = rt.RUNTIME_KIND) -> LaunchResult:
     """Run ``spec`` as a TrainJob and follow it to its end (see the module docstring).
 
+    Args:
+        spec: The job; rendered and checked against the vendored CRDs before any API call.
+        opts: Namespace, deadline, delete_after, polling.
+        log: Sink for log lines and progress (one line per call).
+        client_configuration: Kubernetes client configuration (None: kubeconfig or in-cluster).
+        api_client: A ready ApiClient (overrides ``client_configuration``).
+        runtime: Name of the runtime the TrainJob's ``runtimeRef`` names.
+        runtime_kind: ``TrainingRuntime`` (namespaced) or ``ClusterTrainingRuntime``.
+
     Returns:
-        The result: ``Succeeded``, ``Failed``, ``DeadlineExceeded`` or ``Cancelled``.
+        What :meth:`.k8s_job.JobRun.run` returns, with ``extra["job_api"] = "trainjob"``.
 
     Raises:
         UserError: Bad input or a name clash with another run's TrainJob (nothing is created).
-        ClusterError: The cluster refused a call (RBAC, missing CRD, unreachable).
+        ClusterError: The cluster refused or could not answer a call.
 
     """
     run = JobRun(opts, log)
