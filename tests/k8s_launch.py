@@ -16,6 +16,7 @@ from k8s_double import K8sDouble
 
 from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
 from kfp_nvrx.components.train_fsdp.launcher.k8s_job import K8sOptions
+from kfp_nvrx.components.train_fsdp.launcher.result import LaunchResult
 
 RUN_ID = "run-0001"
 SPEC = dict(image="img:1", pvc="fsx", instance_type="cpu", nodes="2", run_id=RUN_ID,
@@ -62,6 +63,12 @@ def finish_later(pod: str, condition: str, after_s: float) -> Script:
 def assert_untouched(double: K8sDouble) -> None:
     """The launcher neither created nor deleted a job."""
     assert not double.calls("POST") and not double.calls("DELETE")
+
+
+def assert_reattached(result: LaunchResult, double: K8sDouble) -> None:
+    """The launcher followed the existing job to success, creating and deleting nothing."""
+    assert result.succeeded and result.extra["attached"] is True
+    assert_untouched(double)
 
 
 def assert_deleted_foreground(double: K8sDouble) -> dict[str, Any]:

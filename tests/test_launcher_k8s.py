@@ -16,6 +16,7 @@ from k8s_launch import (
     SPEC,
     Script,
     assert_deleted_foreground,
+    assert_reattached,
     assert_untouched,
     fast_opts,
     finish_later,
@@ -93,8 +94,7 @@ def test_reattach_to_this_runs_job_never_creates_a_second(double: K8sDouble) -> 
     double.log(w0, "[trainer] step 3/6 loss 4.2")
     result, lines = _run(double, spec, finish_later(w0, "Succeeded", after_s=0.5),
                          delete_after="never")
-    assert result.succeeded and result.extra["attached"] is True
-    assert_untouched(double)
+    assert_reattached(result, double)
     assert any("re-attaching" in ln for ln in lines)
     assert "[worker-0] [trainer] step 3/6 loss 4.2" in lines
 

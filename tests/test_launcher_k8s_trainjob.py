@@ -11,17 +11,10 @@ import os
 import signal
 import time
 
+import k8s_launch
 import pytest
 from k8s_double import K8sDouble
-from k8s_launch import (
-    SPEC,
-    Script,
-    assert_deleted_foreground,
-    assert_untouched,
-    fast_opts,
-    finish_later,
-    playing,
-)
+from k8s_launch import SPEC, Script, fast_opts, playing
 
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
@@ -75,7 +68,7 @@ def test_create_follow_every_node_pod_then_delete(double: K8sDouble) -> None:
     assert "[node-1] agent 1 up" in text
     assert "[node-1] agent 1 back" in text  # the replacement pod (new name) is streamed too
     assert result.restarts == 1
-    assert assert_deleted_foreground(double)["path"] == f"{TRAINJOBS}/{spec.job_name()}"
+    assert k8s_launch.assert_deleted_foreground(double)["path"] == f"{TRAINJOBS}/{spec.job_name()}"
 
 
 def test_reattach_by_name_never_creates_a_second(double: K8sDouble) -> None:
@@ -85,10 +78,9 @@ def test_reattach_by_name_never_creates_a_second(double: K8sDouble) -> None:
     n0 = double.add_node_pod(name, 0)
     double.start(n0)
     double.log(n0, "[trainer] step 3/6 loss 4.2")
-    result, lines = _run(double, spec, finish_later(n0, "Complete", after_s=0.4),
+    result, lines = _run(double, spec, k8s_launch.finish_later(n0, "Complete", after_s=0.4),
                          delete_after="never")
-    assert result.succeeded and result.extra["attached"] is True
-    assert_untouched(double)
+    k8s_launch.assert_reattached(result, double)
     assert any("re-attaching to TrainJob default/" in ln for ln in lines)
 
 
@@ -99,7 +91,7 @@ def test_another_runs_trainjob_is_refused_untouched(double: K8sDouble) -> None:
         launch_trainjob(JobSpec(**{**SPEC, "name": "clash"}), fast_opts(),
                         api_client=backends._api_client(double.configuration()))
     assert err.value.field == "--name" and "someone-else" in err.value.message
-    assert_untouched(double)
+    k8s_launch.assert_untouched(double)
 
 
 def test_failed_trainjob_reason_and_failing_node_tail(double: K8sDouble) -> None:
@@ -141,7 +133,7 @@ def test_sigterm_deletes_the_trainjob(double: K8sDouble) -> None:
 
     result, _ = _run(double, spec, running_then_sigterm, handle_signals=True)
     assert result.state == "Cancelled" and result.extra["signal"] == signal.SIGTERM
-    assert_deleted_foreground(double)
+    k8s_launch.assert_deleted_foreground(double)
     assert ("default", spec.job_name()) not in double.jobs
     assert signal.getsignal(signal.SIGTERM) is before
 
