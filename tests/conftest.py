@@ -26,3 +26,13 @@ def one_rank_env(monkeypatch):
     for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
                            WORLD_SIZE="1", LOCAL_RANK="0").items():
         monkeypatch.setenv(key, value)
+
+
+@pytest.fixture()
+def double():
+    """The Kubernetes API test double (tests/k8s_double.py), serving until the test ends."""
+    from k8s_double import K8sDouble
+
+    d = K8sDouble().serve()
+    yield d
+    d.close()

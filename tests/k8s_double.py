@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import copy
 import datetime as dt
+import json
 import threading
 import uuid
 from http.server import ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 from k8s_double_http import JOB_APIS, handler_for
@@ -70,6 +72,17 @@ class K8sDouble:
         cfg = k8s.Configuration()
         cfg.host = self.url
         return cfg
+
+    def write_kubeconfig(self, path: Path, namespace: str = "default") -> Path:
+        """Write a kubeconfig whose current context is the double (a token, no secret)."""
+        path.write_text(json.dumps({
+            "apiVersion": "v1", "kind": "Config", "current-context": "double",
+            "clusters": [{"name": "double", "cluster": {"server": self.url}}],
+            "users": [{"name": "tester", "user": {"token": "not-a-secret"}}],
+            "contexts": [{"name": "double", "context": {"cluster": "double", "user": "tester",
+                                                        "namespace": namespace}}],
+        }))
+        return path
 
     def serve(self) -> K8sDouble:
         """Start serving in a daemon thread."""

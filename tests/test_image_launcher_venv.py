@@ -139,18 +139,6 @@ def test_compile_writes_the_shipped_pipelines(launcher_venv: Path, tmp_path: Pat
         assert (tmp_path / path.name).read_text() == path.read_text(), path.name
 
 
-def _kubeconfig(tmp_path: Path, url: str) -> Path:
-    path = tmp_path / "kubeconfig"
-    path.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "double",
-        "clusters": [{"name": "double", "cluster": {"server": url}}],
-        "users": [{"name": "tester", "user": {"token": "not-a-secret"}}],
-        "contexts": [{"name": "double", "context": {"cluster": "double", "user": "tester",
-                                                    "namespace": "default"}}],
-    }))
-    return path
-
-
 def test_component_image_steps_run_against_the_api_double(launcher_venv: Path,
                                                           tmp_path: Path) -> None:
     fsx = tmp_path / "fsx"
@@ -178,7 +166,7 @@ def test_component_image_steps_run_against_the_api_double(launcher_venv: Path,
     try:
         threading.Thread(target=operator, daemon=True).start()
         out = _run(launcher_venv, "python", "-c", _COMPONENTS, str(fsx),
-                   env={"KUBECONFIG": str(_kubeconfig(tmp_path, double.url))})
+                   env={"KUBECONFIG": str(double.write_kubeconfig(tmp_path / "kubeconfig"))})
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
         created = double.calls("POST", "pytorchjobs")
         assert len(created) == 1

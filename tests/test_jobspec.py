@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from golden_specs import IMAGE, RUN_ID, golden_specs
 
 from kfp_nvrx.components.core.config import load_config
 from kfp_nvrx.components.core.launch_command import TrainerArgs, ft_launcher_argv
@@ -22,8 +23,6 @@ from kfp_nvrx.components.train_fsdp.jobspec.pytorchjob import render
 from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
 
 GOLDEN = Path(__file__).parent / "golden"
-IMAGE = "123456789012.dkr.ecr.us-west-2.amazonaws.com/kfp-nvrx-trainer:0.1.0"
-RUN_ID = "9b1c2d3e-4f50-4a6b-8c7d-0e1f2a3b4c5d"
 OBSOLETE = ("FI_PROVIDER", "NCCL_PROTO", "FI_EFA_FORK_SAFE", "NCCL_BUFFSIZE")
 
 
@@ -39,18 +38,7 @@ def _env(manifest: dict) -> dict[str, object]:
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in _container(manifest)["env"]}
 
 
-GOLDEN_SPECS = {
-    "pytorchjob_p5.yaml": JobSpec(
-        image=IMAGE, pvc="fsx-claim", run_id=RUN_ID, task="train-fsdp", nodes="2:4",
-        instance_type="p5.48xlarge", config="8b",
-        overrides=["data.path=/fsx/data/corpus", "train.steps=2000"],
-    ),
-    "pytorchjob_cpu.yaml": JobSpec(
-        image="kfp-nvrx-trainer:0.1.0", pvc="shared", name="tiny-demo", nodes="2",
-        instance_type="cpu", config="tiny", overrides=["train.steps=6", "checkpoint.interval=3"],
-        faults=["kill@4/1"], mount="/data", run_dir="/data/runs/tiny-demo",
-    ),
-}
+GOLDEN_SPECS = golden_specs("pytorchjob", p5_nodes="2:4")
 
 
 @pytest.mark.parametrize("filename", sorted(GOLDEN_SPECS))

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from golden_specs import IMAGE, golden_specs
 
 from kfp_nvrx.components.core.config import load_config
 from kfp_nvrx.components.core.launch_command import TrainerArgs, ft_launcher_argv
@@ -35,21 +36,8 @@ from kfp_nvrx.components.train_fsdp.jobspec.validate_trainjob import (
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).parent / "golden"
-IMAGE = "123456789012.dkr.ecr.us-west-2.amazonaws.com/kfp-nvrx-trainer:0.1.0"
-RUN_ID = "9b1c2d3e-4f50-4a6b-8c7d-0e1f2a3b4c5d"
 
-GOLDEN_SPECS = {
-    "trainjob_p5.yaml": JobSpec(
-        image=IMAGE, pvc="fsx-claim", run_id=RUN_ID, task="train-fsdp", nodes="4",
-        instance_type="p5.48xlarge", config="8b",
-        overrides=["data.path=/fsx/data/corpus", "train.steps=2000"],
-    ),
-    "trainjob_cpu.yaml": JobSpec(
-        image="kfp-nvrx-trainer:0.1.0", pvc="shared", name="tiny-demo", nodes="2",
-        instance_type="cpu", config="tiny", overrides=["train.steps=6", "checkpoint.interval=3"],
-        faults=["kill@4/1"], mount="/data", run_dir="/data/runs/tiny-demo",
-    ),
-}
+GOLDEN_SPECS = golden_specs("trainjob", p5_nodes="4")
 
 
 @pytest.mark.parametrize("filename", sorted(GOLDEN_SPECS))

@@ -8,60 +8,35 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
-from collections.abc import Callable
 
 import pytest
 from k8s_double import K8sDouble
+from k8s_launch import (
+    SPEC,
+    Script,
+    assert_deleted_foreground,
+    assert_reattached,
+    assert_untouched,
+    fast_opts,
+    finish_later,
+    playing,
+)
 
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.train_fsdp.jobspec import naming
 from kfp_nvrx.components.train_fsdp.jobspec.pytorchjob import render
 from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
 from kfp_nvrx.components.train_fsdp.launcher import backends
-from kfp_nvrx.components.train_fsdp.launcher.kubernetes import (
-    ClusterError,
-    K8sOptions,
-    launch_kubernetes,
-)
-
-RUN_ID = "run-0001"
-SPEC = dict(image="img:1", pvc="fsx", instance_type="cpu", nodes="2", run_id=RUN_ID,
-            task="train", overrides=["train.steps=6"])
+from kfp_nvrx.components.train_fsdp.launcher.k8s_job import ClusterError
+from kfp_nvrx.components.train_fsdp.launcher.kubernetes import launch_kubernetes
 
 
-@pytest.fixture()
-def double():
-    d = K8sDouble().serve()
-    yield d
-    d.close()
-
-
-def _opts(**kw) -> K8sOptions:
-    base = dict(poll_s=0.05, progress_s=0, watch_timeout_s=2, handle_signals=False, drain_s=0.5)
-    return K8sOptions(**{**base, **kw})
-
-
-def _play(script: Callable[[str], None], double: K8sDouble, spec: JobSpec) -> threading.Thread:
-    """Run ``script(job_name)`` as the operator once the job exists."""
-    name = spec.job_name()
-
-    def run() -> None:
-        double.wait_for_job(name)
-        script(name)
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t
-
-
-def _run(double: K8sDouble, spec: JobSpec, script, **opts):
+def _run(double: K8sDouble, spec: JobSpec, script: Script, **opts):
     lines: list[str] = []
-    t = _play(lambda n: script(double, n), double, spec)
-    result = launch_kubernetes(spec, _opts(**opts), log=lines.append,
-                               client_configuration=double.configuration())
-    t.join(5)
+    with playing(double, spec, script):
+        result = launch_kubernetes(spec, fast_opts(**opts), log=lines.append,
+                                   client_configuration=double.configuration())
     return result, lines
 
 
@@ -102,8 +77,7 @@ def test_create_follow_late_and_restarted_pods_then_delete(double: K8sDouble) ->
     assert result.restarts == 1 and result.pod_restarts == 1
     assert result.extra["attached"] is False
     assert result.extra["run_dir_uri"] == f"pvc://fsx/runs/{spec.job_name()}"
-    deletes = double.calls("DELETE")
-    assert len(deletes) == 1 and deletes[0]["body"]["propagationPolicy"] == "Foreground"
+    assert_deleted_foreground(double)
     # follow never used a fixed SDK wait: the watch and log endpoints were used
     assert double.calls("GET", "/log") and any(
         r["query"].get("watch") for r in double.calls("GET", "/pods"))
@@ -118,16 +92,9 @@ def test_reattach_to_this_runs_job_never_creates_a_second(double: K8sDouble) -> 
     double.start(w0)
     double.set_condition(name, "Running")
     double.log(w0, "[trainer] step 3/6 loss 4.2")
-
-    def finish(d: K8sDouble, n: str) -> None:
-        time.sleep(0.5)
-        d.log(w0, "[trainer] done: step 6/6")
-        d.terminate(w0, 0)
-        d.set_condition(n, "Succeeded")
-
-    result, lines = _run(double, spec, finish, delete_after="never")
-    assert result.succeeded and result.extra["attached"] is True
-    assert not double.calls("POST") and not double.calls("DELETE")
+    result, lines = _run(double, spec, finish_later(w0, "Succeeded", after_s=0.5),
+                         delete_after="never")
+    assert_reattached(result, double)
     assert any("re-attaching" in ln for ln in lines)
     assert "[worker-0] [trainer] step 3/6 loss 4.2" in lines
 
@@ -137,10 +104,10 @@ def test_same_name_from_another_run_is_refused_untouched(double: K8sDouble) -> N
     other["metadata"]["annotations"][naming.RUN_ID_KEY] = "someone-else"
     double.put_job(other)
     with pytest.raises(UserError) as err:
-        launch_kubernetes(JobSpec(**SPEC), _opts(), log=lambda _: None,
+        launch_kubernetes(JobSpec(**SPEC), fast_opts(), log=lambda _: None,
                           client_configuration=double.configuration())
     assert err.value.field == "--name" and "someone-else" in err.value.message
-    assert not double.calls("POST") and not double.calls("DELETE")
+    assert_untouched(double)
 
 
 def _fail(d: K8sDouble, name: str) -> None:
@@ -179,8 +146,7 @@ def test_deadline_stops_following_and_deletes(double: K8sDouble) -> None:
     result, _ = _run(double, JobSpec(**SPEC), run_forever, deadline_s=1.5)
     assert result.state == "DeadlineExceeded" and "1.5s" in result.reason
     assert time.monotonic() - t0 >= 0.5  # creationTimestamp has 1 s resolution
-    deletes = double.calls("DELETE")
-    assert len(deletes) == 1 and deletes[0]["body"]["propagationPolicy"] == "Foreground"
+    assert_deleted_foreground(double)
 
 
 def test_sigterm_deletes_the_job_foreground_and_restores_handlers(double: K8sDouble) -> None:
@@ -195,13 +161,9 @@ def test_sigterm_deletes_the_job_foreground_and_restores_handlers(double: K8sDou
         time.sleep(0.3)
         os.kill(os.getpid(), signal.SIGTERM)  # KFP terminating the run
 
-    t = _play(lambda n: running_then_sigterm(double, n), double, spec)
-    result = launch_kubernetes(spec, _opts(handle_signals=True), log=lambda _: None,
-                               client_configuration=double.configuration())
-    t.join(5)
+    result, _ = _run(double, spec, running_then_sigterm, handle_signals=True)
     assert result.state == "Cancelled" and result.extra["signal"] == signal.SIGTERM
-    deletes = double.calls("DELETE")
-    assert len(deletes) == 1 and deletes[0]["body"]["propagationPolicy"] == "Foreground"
+    assert_deleted_foreground(double)
     assert (("default", spec.job_name())) not in double.jobs
     assert signal.getsignal(signal.SIGTERM) is before
 
@@ -234,11 +196,11 @@ def test_pending_reason_and_recreated_pod_are_shown(double: K8sDouble) -> None:
 
 def test_bad_input_sends_nothing(double: K8sDouble) -> None:
     with pytest.raises(UserError) as err:
-        launch_kubernetes(JobSpec(**{**SPEC, "nodes": "3:1"}), _opts(),
+        launch_kubernetes(JobSpec(**{**SPEC, "nodes": "3:1"}), fast_opts(),
                           client_configuration=double.configuration())
     assert err.value.field == "--nodes"
     with pytest.raises(UserError) as err:
-        launch_kubernetes(JobSpec(**SPEC), _opts(delete_after="sometimes"),
+        launch_kubernetes(JobSpec(**SPEC), fast_opts(delete_after="sometimes"),
                           client_configuration=double.configuration())
     assert err.value.field == "--delete-after"
     assert double.requests == []
@@ -247,17 +209,16 @@ def test_bad_input_sends_nothing(double: K8sDouble) -> None:
 def test_forbidden_create_is_a_cluster_error(double: K8sDouble) -> None:
     double.fail_next["POST"] = (403, "Forbidden")
     with pytest.raises(ClusterError, match="HTTP 403.*RBAC"):
-        launch_kubernetes(JobSpec(**SPEC), _opts(), log=lambda _: None,
+        launch_kubernetes(JobSpec(**SPEC), fast_opts(), log=lambda _: None,
                           client_configuration=double.configuration())
     assert not double.jobs
 
 
 def test_dispatcher_kubernetes_and_unknown_backend(double: K8sDouble) -> None:
     spec = JobSpec(**SPEC)
-    t = _play(lambda n: _happy(double, n), double, spec)
-    result = backends.launch(spec, "kubernetes", log=lambda _: None, poll_s=0.05,
-                             client_configuration=double.configuration())
-    t.join(5)
+    with playing(double, spec, _happy):
+        result = backends.launch(spec, "kubernetes", log=lambda _: None, poll_s=0.05,
+                                 client_configuration=double.configuration())
     assert result.succeeded and result.backend == "kubernetes"
     with pytest.raises(UserError) as err:
         backends.launch(spec, "slurm")

@@ -14,7 +14,6 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
 from k8s_double import K8sDouble
 
 from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
@@ -25,28 +24,10 @@ ARGS = ["--instance-type", "cpu", "--image", "img:1", "--pvc", "fsx", "--nodes",
 NAME = JobSpec(run_id="run-cli", task="train").job_name()
 
 
-@pytest.fixture()
-def double():
-    d = K8sDouble().serve()
-    yield d
-    d.close()
-
-
-def _kubeconfig(tmp_path: Path, url: str, namespace: str = "team-a") -> Path:
-    path = tmp_path / "kubeconfig"
-    path.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "double",
-        "clusters": [{"name": "double", "cluster": {"server": url}}],
-        "users": [{"name": "tester", "user": {"token": "not-a-secret"}}],
-        "contexts": [{"name": "double", "context": {"cluster": "double", "user": "tester",
-                                                    "namespace": namespace}}],
-    }))
-    return path
-
-
-def _launch(tmp_path: Path, url: str, *extra: str) -> subprocess.Popen:
+def _launch(tmp_path: Path, double: K8sDouble, *extra: str) -> subprocess.Popen:
+    kubeconfig = double.write_kubeconfig(tmp_path / "kubeconfig", namespace="team-a")
     cmd = [sys.executable, "-m", "kfp_nvrx.pipelines.cli", "launch", "--backend", "kubernetes",
-           "--kubeconfig", str(_kubeconfig(tmp_path, url)), *ARGS, *extra]
+           "--kubeconfig", str(kubeconfig), *ARGS, *extra]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -64,7 +45,7 @@ def test_cli_follows_to_success_in_the_kubeconfig_namespace(tmp_path, double) ->
         double.set_condition(NAME, "Succeeded", ns="team-a")
 
     threading.Thread(target=operator, daemon=True).start()
-    proc = _launch(tmp_path, double.url, "--result", str(result_file))
+    proc = _launch(tmp_path, double, "--result", str(result_file))
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     assert "[worker-0] [trainer] step 6/6 loss 3.1" in out
@@ -75,7 +56,7 @@ def test_cli_follows_to_success_in_the_kubeconfig_namespace(tmp_path, double) ->
 
 
 def test_cli_sigterm_deletes_the_job_and_exits_143(tmp_path, double) -> None:
-    proc = _launch(tmp_path, double.url)
+    proc = _launch(tmp_path, double)
     double.wait_for_job(NAME, ns="team-a", timeout=60)
     w0 = double.add_pod(NAME, 0, ns="team-a")
     double.start(w0, ns="team-a")
@@ -92,7 +73,7 @@ def test_cli_sigterm_deletes_the_job_and_exits_143(tmp_path, double) -> None:
 
 def test_cli_cluster_errors_are_one_line(tmp_path, double) -> None:
     double.fail_next["POST"] = (403, "Forbidden")
-    proc = _launch(tmp_path, double.url)
+    proc = _launch(tmp_path, double)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 1
     assert err.strip().count("\n") == 0 and "cluster error" in err and "403" in err

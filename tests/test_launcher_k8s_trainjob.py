@@ -9,50 +9,28 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 
+import k8s_launch
 import pytest
 from k8s_double import K8sDouble
+from k8s_launch import SPEC, Script, fast_opts, playing
 
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
 from kfp_nvrx.components.train_fsdp.jobspec.trainjob import render
 from kfp_nvrx.components.train_fsdp.launcher import backends
-from kfp_nvrx.components.train_fsdp.launcher.kubernetes import ClusterError, K8sOptions
+from kfp_nvrx.components.train_fsdp.launcher.k8s_job import ClusterError
 from kfp_nvrx.components.train_fsdp.launcher.trainjob import launch_trainjob, resolve_job_api
 
-RUN_ID = "run-0001"
-SPEC = dict(image="img:1", pvc="fsx", instance_type="cpu", nodes="2", run_id=RUN_ID,
-            task="train", overrides=["train.steps=6"])
 TRAINJOBS = "/apis/trainer.kubeflow.org/v1alpha1/namespaces/default/trainjobs"
 
 
-@pytest.fixture()
-def double():
-    d = K8sDouble().serve()
-    yield d
-    d.close()
-
-
-def _opts(**kw) -> K8sOptions:
-    base = dict(poll_s=0.05, progress_s=0, watch_timeout_s=2, handle_signals=False, drain_s=0.5)
-    return K8sOptions(**{**base, **kw})
-
-
-def _run(double: K8sDouble, spec: JobSpec, script, **opts):
+def _run(double: K8sDouble, spec: JobSpec, script: Script, **opts):
     lines: list[str] = []
-    name = spec.job_name()
-
-    def play() -> None:
-        double.wait_for_job(name)
-        script(double, name)
-
-    t = threading.Thread(target=play, daemon=True)
-    t.start()
     api = backends._api_client(double.configuration())
-    result = launch_trainjob(spec, _opts(**opts), log=lines.append, api_client=api)
-    t.join(5)
+    with playing(double, spec, script):
+        result = launch_trainjob(spec, fast_opts(**opts), log=lines.append, api_client=api)
     return result, lines
 
 
@@ -90,9 +68,7 @@ def test_create_follow_every_node_pod_then_delete(double: K8sDouble) -> None:
     assert "[node-1] agent 1 up" in text
     assert "[node-1] agent 1 back" in text  # the replacement pod (new name) is streamed too
     assert result.restarts == 1
-    deletes = double.calls("DELETE")
-    assert len(deletes) == 1 and deletes[0]["path"] == f"{TRAINJOBS}/{spec.job_name()}"
-    assert deletes[0]["body"]["propagationPolicy"] == "Foreground"
+    assert k8s_launch.assert_deleted_foreground(double)["path"] == f"{TRAINJOBS}/{spec.job_name()}"
 
 
 def test_reattach_by_name_never_creates_a_second(double: K8sDouble) -> None:
@@ -102,16 +78,9 @@ def test_reattach_by_name_never_creates_a_second(double: K8sDouble) -> None:
     n0 = double.add_node_pod(name, 0)
     double.start(n0)
     double.log(n0, "[trainer] step 3/6 loss 4.2")
-
-    def finish(d: K8sDouble, n: str) -> None:
-        time.sleep(0.4)
-        d.log(n0, "[trainer] done: step 6/6")
-        d.terminate(n0, 0)
-        d.set_condition(n, "Complete")
-
-    result, lines = _run(double, spec, finish, delete_after="never")
-    assert result.succeeded and result.extra["attached"] is True
-    assert not double.calls("POST") and not double.calls("DELETE")
+    result, lines = _run(double, spec, k8s_launch.finish_later(n0, "Complete", after_s=0.4),
+                         delete_after="never")
+    k8s_launch.assert_reattached(result, double)
     assert any("re-attaching to TrainJob default/" in ln for ln in lines)
 
 
@@ -119,10 +88,10 @@ def test_another_runs_trainjob_is_refused_untouched(double: K8sDouble) -> None:
     other = render(JobSpec(**{**SPEC, "run_id": "someone-else", "name": "clash"})).to_dict()
     double.put_job(other)
     with pytest.raises(UserError) as err:
-        launch_trainjob(JobSpec(**{**SPEC, "name": "clash"}), _opts(),
+        launch_trainjob(JobSpec(**{**SPEC, "name": "clash"}), fast_opts(),
                         api_client=backends._api_client(double.configuration()))
     assert err.value.field == "--name" and "someone-else" in err.value.message
-    assert not double.calls("POST") and not double.calls("DELETE")
+    k8s_launch.assert_untouched(double)
 
 
 def test_failed_trainjob_reason_and_failing_node_tail(double: K8sDouble) -> None:
@@ -162,17 +131,10 @@ def test_sigterm_deletes_the_trainjob(double: K8sDouble) -> None:
         time.sleep(0.3)
         os.kill(os.getpid(), signal.SIGTERM)
 
-    name = spec.job_name()
-    t = threading.Thread(target=lambda: (double.wait_for_job(name),
-                                         running_then_sigterm(double, name)), daemon=True)
-    t.start()
-    result = launch_trainjob(spec, _opts(handle_signals=True), log=lambda _: None,
-                             api_client=backends._api_client(double.configuration()))
-    t.join(5)
+    result, _ = _run(double, spec, running_then_sigterm, handle_signals=True)
     assert result.state == "Cancelled" and result.extra["signal"] == signal.SIGTERM
-    deletes = double.calls("DELETE")
-    assert len(deletes) == 1 and deletes[0]["body"]["propagationPolicy"] == "Foreground"
-    assert ("default", name) not in double.jobs
+    k8s_launch.assert_deleted_foreground(double)
+    assert ("default", spec.job_name()) not in double.jobs
     assert signal.getsignal(signal.SIGTERM) is before
 
 
@@ -194,30 +156,22 @@ def test_auto_with_neither_is_a_cluster_error(double: K8sDouble) -> None:
 
 def test_dispatcher_auto_runs_a_trainjob(double: K8sDouble) -> None:
     spec = JobSpec(**SPEC)
-    name = spec.job_name()
-    t = threading.Thread(target=lambda: (double.wait_for_job(name), _happy(double, name)),
-                         daemon=True)
-    t.start()
-    result = backends.launch(spec, "kubernetes", log=lambda _: None, namespace="default",
-                             poll_s=0.05, client_configuration=double.configuration(),
-                             job_api="auto")
-    t.join(5)
+    with playing(double, spec, _happy):
+        result = backends.launch(spec, "kubernetes", log=lambda _: None, namespace="default",
+                                 poll_s=0.05, client_configuration=double.configuration(),
+                                 job_api="auto")
     assert result.succeeded
     assert [c["path"] for c in double.calls("POST")] == [TRAINJOBS]
 
 
 def test_cluster_runtime_reference_reaches_the_api(double: K8sDouble) -> None:
     spec = JobSpec(**SPEC)
-    name = spec.job_name()
-    t = threading.Thread(target=lambda: (double.wait_for_job(name), _happy(double, name)),
-                         daemon=True)
-    t.start()
     lines: list[str] = []
-    result = backends.launch(spec, "kubernetes", log=lines.append, namespace="default",
-                             poll_s=0.05, client_configuration=double.configuration(),
-                             job_api="trainjob", runtime="ft-shared",
-                             runtime_kind="ClusterTrainingRuntime")
-    t.join(5)
+    with playing(double, spec, _happy):
+        result = backends.launch(spec, "kubernetes", log=lines.append, namespace="default",
+                                 poll_s=0.05, client_configuration=double.configuration(),
+                                 job_api="trainjob", runtime="ft-shared",
+                                 runtime_kind="ClusterTrainingRuntime")
     assert result.succeeded
     (post,) = double.calls("POST")
     assert post["body"]["spec"]["runtimeRef"] == {

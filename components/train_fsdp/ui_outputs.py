@@ -27,6 +27,13 @@ COLORS = {
 }
 _LANES = ("Steps kept", "Steps redone", "Checkpoints", "Faults", "Restarts")
 _W, _LEFT, _RIGHT, _TOP, _LANE_H, _AXIS_H = 1000, 120, 985, 10, 34, 30
+#: Summary keys logged as they are (missing: 0), with their number type, before and after the
+#: restart counts (the order the UI lists them in).
+_HEAD_METRICS = (("goodput", float), ("wall_s", float), ("productive_s", float),
+                 ("lost_work_s", float), ("steps_final", int), ("steps_run", int),
+                 ("steps_redone", int))
+_TAIL_METRICS = (("recovery_mean_s", float), ("recovery_max_s", float),
+                 ("checkpoint_stall_s", float), ("checkpoints", int), ("faults", int))
 
 
 def metrics_from_summary(summary: dict[str, Any]) -> dict[str, float]:
@@ -41,23 +48,11 @@ def metrics_from_summary(summary: dict[str, Any]) -> dict[str, float]:
 
     """
     restarts = dict(summary.get("restarts") or {})
-    out: dict[str, float] = {
-        "goodput": float(summary.get("goodput", 0.0)),
-        "wall_s": float(summary.get("wall_s", 0.0)),
-        "productive_s": float(summary.get("productive_s", 0.0)),
-        "lost_work_s": float(summary.get("lost_work_s", 0.0)),
-        "steps_final": int(summary.get("steps_final", 0)),
-        "steps_run": int(summary.get("steps_run", 0)),
-        "steps_redone": int(summary.get("steps_redone", 0)),
-        "restarts_total": int(sum(restarts.values())),
-        "restarts_in_job": int(restarts.pop("in-job", 0)),
-        "restarts_in_process": int(restarts.pop("in-process", 0)),
-        "recovery_mean_s": float(summary.get("recovery_mean_s", 0.0)),
-        "recovery_max_s": float(summary.get("recovery_max_s", 0.0)),
-        "checkpoint_stall_s": float(summary.get("checkpoint_stall_s", 0.0)),
-        "checkpoints": int(summary.get("checkpoints", 0)),
-        "faults": int(summary.get("faults", 0)),
-    }
+    out: dict[str, float] = {key: kind(summary.get(key, 0)) for key, kind in _HEAD_METRICS}
+    out["restarts_total"] = int(sum(restarts.values()))
+    out["restarts_in_job"] = int(restarts.pop("in-job", 0))
+    out["restarts_in_process"] = int(restarts.pop("in-process", 0))
+    out.update({key: kind(summary.get(key, 0)) for key, kind in _TAIL_METRICS})
     for kind, count in restarts.items():  # kinds added later still show up
         out["restarts_" + "".join(c if c.isalnum() else "_" for c in kind)] = int(count)
     if summary.get("final_loss") is not None:

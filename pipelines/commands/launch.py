@@ -46,7 +46,7 @@ def _cluster(args: argparse.Namespace) -> tuple[object, str]:
 
     from kubernetes import client, config
 
-    from kfp_nvrx.components.train_fsdp.launcher.kubernetes import ClusterError
+    from kfp_nvrx.components.train_fsdp.launcher.k8s_job import ClusterError
 
     cfg = client.Configuration()
     in_cluster = "KUBERNETES_SERVICE_HOST" in os.environ and not (args.kubeconfig or args.context)
@@ -71,7 +71,7 @@ def _cluster(args: argparse.Namespace) -> tuple[object, str]:
 def _run(args: argparse.Namespace) -> int:
     from kfp_nvrx.components.errors import UserError
     from kfp_nvrx.components.train_fsdp.launcher.backends import launch
-    from kfp_nvrx.components.train_fsdp.launcher.kubernetes import ClusterError
+    from kfp_nvrx.components.train_fsdp.launcher.k8s_job import ClusterError
 
     if args.deadline is not None and args.deadline <= 0:
         raise UserError("--deadline", f"must be > 0 seconds, got {args.deadline:g}")

@@ -25,7 +25,7 @@ def _api_client(configuration: Any) -> Any:
     """A Kubernetes ApiClient: ``configuration``, else in-cluster or kubeconfig credentials."""
     from kubernetes import client, config
 
-    from kfp_nvrx.components.train_fsdp.launcher.kubernetes import ClusterError
+    from kfp_nvrx.components.train_fsdp.launcher.k8s_job import ClusterError
 
     if configuration is None:
         configuration = client.Configuration()
@@ -82,7 +82,8 @@ def launch(spec: JobSpec, backend: str = "local", *, log: Callable[[str], None] 
 
     """
     if backend == "kubernetes":
-        from kfp_nvrx.components.train_fsdp.launcher.kubernetes import K8sOptions, launch_kubernetes
+        from kfp_nvrx.components.train_fsdp.launcher.k8s_job import K8sOptions
+        from kfp_nvrx.components.train_fsdp.launcher.kubernetes import launch_kubernetes
 
         opts = K8sOptions(namespace=namespace, deadline_s=deadline_s, delete_after=delete_after,
                           poll_s=poll_s)

@@ -1,0 +1,78 @@
+"""Helpers of the launcher tests against the API test double, for PyTorchJob and TrainJob alike.
+
+A test plays the operator and kubelet in a thread (:func:`playing`) while the launcher under test
+follows the job in the test's own thread (SIGTERM handlers can only be installed there).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from k8s_double import K8sDouble
+
+from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
+from kfp_nvrx.components.train_fsdp.launcher.k8s_job import K8sOptions
+from kfp_nvrx.components.train_fsdp.launcher.result import LaunchResult
+
+RUN_ID = "run-0001"
+SPEC = dict(image="img:1", pvc="fsx", instance_type="cpu", nodes="2", run_id=RUN_ID,
+            task="train", overrides=["train.steps=6"])
+#: A scenario: ``script(double, job_name)`` plays the cluster's side of one job.
+Script = Callable[[K8sDouble, str], None]
+
+
+def fast_opts(**kw: Any) -> K8sOptions:
+    """Options that poll quickly and install no signal handlers unless asked to."""
+    base = dict(poll_s=0.05, progress_s=0, watch_timeout_s=2, handle_signals=False, drain_s=0.5)
+    return K8sOptions(**{**base, **kw})
+
+
+@contextmanager
+def playing(double: K8sDouble, spec: JobSpec, script: Script) -> Iterator[None]:
+    """Run ``script`` in a thread once the job of ``spec`` exists; join it when the block ends."""
+    name = spec.job_name()
+
+    def play() -> None:
+        double.wait_for_job(name)
+        script(double, name)
+
+    t = threading.Thread(target=play, daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        t.join(5)
+
+
+def finish_later(pod: str, condition: str, after_s: float) -> Script:
+    """A scenario: after ``after_s`` the pod logs its last step, exits 0, the job ends so."""
+
+    def finish(d: K8sDouble, name: str) -> None:
+        time.sleep(after_s)
+        d.log(pod, "[trainer] done: step 6/6")
+        d.terminate(pod, 0)
+        d.set_condition(name, condition)
+
+    return finish
+
+
+def assert_untouched(double: K8sDouble) -> None:
+    """The launcher neither created nor deleted a job."""
+    assert not double.calls("POST") and not double.calls("DELETE")
+
+
+def assert_reattached(result: LaunchResult, double: K8sDouble) -> None:
+    """The launcher followed the existing job to success, creating and deleting nothing."""
+    assert result.succeeded and result.extra["attached"] is True
+    assert_untouched(double)
+
+
+def assert_deleted_foreground(double: K8sDouble) -> dict[str, Any]:
+    """The launcher deleted the job once, pods first; returns the DELETE request."""
+    deletes = double.calls("DELETE")
+    assert len(deletes) == 1 and deletes[0]["body"]["propagationPolicy"] == "Foreground"
+    return deletes[0]
