@@ -171,7 +171,8 @@ def test_documented_render_jobs_run_the_pushed_trainer(pushed, tmp_path):
             else done.stdout
         # The TrainingRuntime's container image is a template every TrainJob replaces with its
         # spec.trainer.image: what the pods pull comes from the jobs.
-        jobs = [d for d in yaml.safe_load_all(out) if d and d["kind"] != "TrainingRuntime"]
+        jobs = [d for d in yaml.safe_load_all(out)
+                if d and d["kind"] not in ("TrainingRuntime", "ClusterTrainingRuntime")]
         assert jobs and {d["kind"] for d in jobs} <= {"PyTorchJob", "TrainJob"}, line
         assert {ref for d in jobs for ref in _images(d)} == {refs["trainer"]}, line
 

@@ -35,8 +35,10 @@ pytestmark = pytest.mark.slow
 LAUNCHER_SIDE = [
     "kfp_nvrx.components.images",
     "kfp_nvrx.components.errors",
+    "kfp_nvrx.components.ownership",
+    "kfp_nvrx.components.core",
     "kfp_nvrx.components.train_fsdp.component",
-    "kfp_nvrx.components.train_fsdp.report",
+    "kfp_nvrx.components.train_fsdp.ui_outputs",
     "kfp_nvrx.components.train_fsdp.jobspec",
     "kfp_nvrx.components.train_fsdp.launcher",
     "kfp_nvrx.components.prepare_dataset",
@@ -77,7 +79,8 @@ outs = {n: art(c, n) for n, c in (("run", dsl.Artifact), ("metrics", dsl.Metrics
                                    ("timeline", dsl.HTML))}
 train_fsdp.python_func(dataset=ds, workspace=str(fsx / "ws"), pvc_name="fsx",
                        mount_path=str(fsx), nodes="1", instance_type="p5.48xlarge",
-                       backend="kubernetes", kfp_run_id="run-venv", kfp_task="train", **outs)
+                       backend="kubernetes", job_api="pytorchjob", kfp_run_id="run-venv",
+                       kfp_task="train", **outs)
 print(json.dumps({"run": outs["run"].metadata, "metrics": outs["metrics"].metadata}))
 """
 
