@@ -120,9 +120,11 @@ def test_the_same_stall_without_the_floor_is_killed(tmp_path, dataset):
 
 
 def test_raise_recovers_in_process_without_new_pids(tmp_path, dataset, reference):
+    # gloo cannot abort a blocked collective, so the survivor waits pg_timeout; 10 s (not less)
+    # also leaves a loaded machine time for the first collectives after the restart.
     extra = ["resilience.in_process=true", "resilience.monitor=off",
              "resilience.learn_timeouts=false", "resilience.soft_timeout=15",
-             "resilience.hard_timeout=30", "resilience.pg_timeout=4"]
+             "resilience.hard_timeout=30", "resilience.pg_timeout=10"]
     res = _train(tmp_path / "run", dataset, faults=["raise@14/1"], extra=extra)
     g = _report("raise in-process", res)
     assert g["restarts"] == {"in-process": 1}
