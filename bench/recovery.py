@@ -5,9 +5,15 @@ monitor's learned timeout fires), ``raise`` with ``resilience.in_process=true`` 
 wrapper re-enters the training function in the same process). Each total is split into
 detection (fault -> first launcher line reporting it; 0 in-process: the exception is the
 detection), restart (-> the new incarnation begins), setup (process group, model build),
-checkpoint load and the first step, from ``events.jsonl`` and the launcher's timed output.
+checkpoint load and the first step, from ``events.jsonl`` and the launcher's timed output. The
+new worker's own start is split further by the trainer (``boot`` of its ``start`` event:
+interpreter, imports, checks, CUDA context, process group, NVRx monitor, checkpointer, load);
+every restart's ``boot`` is kept.
 
-``python -m bench.recovery --preset 1b --out recovery.json``
+``--gpus 2`` runs the same scenarios on two local nodes of one GPU each (``launch-local --nodes
+2``), the fault on rank 1 (a peer of rank 0, which keeps the event log).
+
+``python -m bench.recovery --preset 1b --out recovery.json [--gpus 2]``
 """
 
 from __future__ import annotations
@@ -64,6 +70,9 @@ def split(events: list[dict[str, Any]], lines: list[tuple[float, str]], in_proce
         "restart_kind": next((e["kind"] for e in events if e["type"] == "restart"), None),
         "fault_step": fault["step"],
     }
+    # The worker start in parts (trainer-side), for the first and every later incarnation.
+    out["boot"] = start.get("boot")
+    out["boots"] = [e.get("boot") for e in events if e["type"] == "start" and e["time"] > t_fault]
     ckpts = [e for e in events if e["type"] == "checkpoint" and e["step"] == start.get("resumed_from")]
     if ckpts and load > 0:
         out["load_gb_per_s"] = ckpts[-1]["bytes"] / load / 1e9
@@ -81,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interval", type=int, default=5)
     p.add_argument("--only", default="kill,hang,raise")
     p.add_argument("--run-timeout", type=float, default=240)
+    p.add_argument("--gpus", type=int, choices=(1, 2), default=1,
+                   help="local nodes of one GPU each (launch-local --nodes N)")
     args = p.parse_args(argv)
 
     from kfp_nvrx.components.core.config import load_config
@@ -91,18 +102,20 @@ def main(argv: list[str] | None = None) -> int:
     base = [f"data.path={data}", f"train.steps={args.steps}", f"checkpoint.interval={args.interval}",
             "checkpoint.keep=2", "checkpoint.save_final=false", "resilience.learn_after=3",
             "resilience.workers_stop_timeout=5"]
-    res: dict[str, Any] = {"bench": "recovery", "preset": args.preset, "machine": machine_info(),
-                           "scenarios": {}}
+    res: dict[str, Any] = {"bench": "recovery", "preset": args.preset, "gpus": args.gpus,
+                           "machine": machine_info(), "scenarios": {}}
+    on_rank = f"/{args.gpus - 1}" if args.gpus > 1 else ""
     for name in args.only.split(","):
         sc = SCENARIOS[name]
-        faults = [f.format(f=args.fault_step) for f in sc["faults"]]
+        faults = [f.format(f=args.fault_step) + on_rank for f in sc["faults"]]
         run = run_trainer("ft", args.preset, work / f"run_{name}", [*base, *sc["set"]], faults,
-                          timeout=args.run_timeout)
+                          timeout=args.run_timeout, nodes=args.gpus)
         row = {"kind": sc["kind"], "state": run["state"], "wall_s": run["wall_s"],
                **split(run["events"], run["lines"], sc["kind"] == "in-process")}
         row["detect_lines"] = [ln[-300:] for t, ln in run["lines"] if _DETECT.search(ln)][:8]
         res["scenarios"][name] = row
-        log(f"recovery {name}: {({k: v for k, v in row.items() if k != 'detect_lines'})}")
+        log(f"recovery {name} x{args.gpus}: "
+            f"{({k: v for k, v in row.items() if k not in ('detect_lines', 'boots')})}")
         write_json(args.out, res)
     return 0
 

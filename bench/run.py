@@ -2,9 +2,11 @@
 
 ``python -m bench.run [--out docs/benchmarks] [--only ckpt_stall,throughput,recovery] [--quick]``
 
-Needs a CUDA GPU. ``--quick`` uses the ``125m`` preset and fewer steps (a smoke run of the
-benchmarks themselves, not figures to publish). ``--report-only`` rebuilds the markdown, plots
-and summary from the JSON files already in ``--out``.
+Needs a CUDA GPU. With 2 or more visible GPUs it also runs the 2-GPU figures: throughput on 1
+and 2 GPUs in one run (``throughput.json``) and the recovery scenarios on 2 GPUs
+(``recovery_2gpu.json``). ``--gpus 1`` keeps to one GPU. ``--quick`` uses the ``125m`` preset
+and fewer steps (a smoke run of the benchmarks themselves, not figures to publish).
+``--report-only`` rebuilds the markdown, plots and summary from the JSON files already in ``--out``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,17 @@ from pathlib import Path
 from bench.common import SAFE_ENV, log
 
 BENCHES = ("ckpt_stall", "throughput", "recovery")
+
+
+def jobs(only: list[str], quick: bool, gpus: int) -> list[tuple[str, str, list[str]]]:
+    """``(module, output JSON name, arguments)`` of each benchmark process to run, in order."""
+    out = []
+    for name in only:
+        extra = ["--gpus", "2"] if name == "throughput" and gpus >= 2 else []
+        out.append((name, name, [*_args(name, quick), *extra]))
+        if name == "recovery" and gpus >= 2:
+            out.append((name, "recovery_2gpu", [*_args(name, quick), "--gpus", "2"]))
+    return out
 
 
 def _args(name: str, quick: bool) -> list[str]:
@@ -40,7 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default=",".join(BENCHES))
     p.add_argument("--quick", action="store_true")
     p.add_argument("--report-only", action="store_true")
-    p.add_argument("--timeout", type=float, default=1800, help="seconds per benchmark")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds per benchmark process")
+    p.add_argument("--gpus", type=int, default=None,
+                   help="GPUs to use (default: 2 when 2+ are visible, else 1)")
     args = p.parse_args(argv)
     out = Path(args.out)
     if not args.report_only:
@@ -51,18 +66,21 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         out.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **SAFE_ENV, "PYTHONUNBUFFERED": "1"}
-        for name in filter(None, args.only.split(",")):
+        only = [n for n in args.only.split(",") if n]
+        for name in only:
             if name not in BENCHES:
                 sys.stderr.write(f"bench: unknown benchmark {name!r}; known: {', '.join(BENCHES)}\n")
                 return 2
+        gpus = args.gpus or min(2, torch.cuda.device_count())
+        for name, out_name, extra in jobs(only, args.quick, gpus):
             t0 = time.time()
-            cmd = [sys.executable, "-m", f"bench.{name}", "--out", str(out / f"{name}.json"),
-                   *_args(name, args.quick)]
+            cmd = [sys.executable, "-m", f"bench.{name}", "--out", str(out / f"{out_name}.json"),
+                   *extra]
             try:
                 rc = subprocess.run(cmd, env=env, timeout=args.timeout).returncode
             except subprocess.TimeoutExpired:
                 rc = "timeout"
-            log(f"{name}: exit {rc} after {time.time() - t0:.0f}s")
+            log(f"{out_name}: exit {rc} after {time.time() - t0:.0f}s")
     from bench.summary import build_report
 
     build_report(out)

@@ -2,8 +2,10 @@
 
 Two ways: ``direct`` (one ``python -m kfp_nvrx.components.train_fsdp.trainer`` process with the
 torchrun environment, no NVRx launcher) and ``ft`` (``launch-local``'s :func:`run_local`: one
-``ft_launcher`` agent, the same command line a PyTorchJob pod runs). Launcher output lines are
-kept with the wall time they arrived, so detection can be timed.
+``ft_launcher`` agent per local node, the same command line a PyTorchJob pod runs; ``nodes``
+agents of one GPU each, ``CUDA_VISIBLE_DEVICES`` sliced per node as pods see theirs). A
+multi-GPU run is always ``ft``. Launcher output lines are kept with the wall time they arrived,
+so detection can be timed.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ TRAINER = "kfp_nvrx.components.train_fsdp.trainer"
 
 
 def run_trainer(mode: str, preset: str, run_dir: Path, overrides: list[str],
-                faults: list[str] | None = None, timeout: float = 300) -> dict[str, Any]:
+                faults: list[str] | None = None, timeout: float = 300,
+                nodes: int = 1) -> dict[str, Any]:
     """Runs one training job to the end; returns state, wall seconds, events and log lines."""
     from kfp_nvrx.components.core.events import read_events
 
@@ -30,7 +33,7 @@ def run_trainer(mode: str, preset: str, run_dir: Path, overrides: list[str],
     faults = list(faults or [])
     lines: list[tuple[float, str]] = []
     t0 = time.time()
-    if mode == "direct":
+    if mode == "direct" and nodes == 1:
         argv = [sys.executable, "-m", TRAINER, "--config", preset, "--run-dir", str(run_dir)]
         for o in overrides:
             argv += ["--set", o]
@@ -49,13 +52,14 @@ def run_trainer(mode: str, preset: str, run_dir: Path, overrides: list[str],
         from kfp_nvrx.components.train_fsdp.launcher.local import run_local
 
         spec = JobSpec(run_dir=str(run_dir), config=preset, overrides=list(overrides),
-                       faults=list(faults), env=dict(SAFE_ENV))
+                       faults=list(faults), env=dict(SAFE_ENV), nodes=str(nodes),
+                       nproc_per_node=1)
         res = run_local(spec, deadline_s=timeout, verbose=True,
                         log=lambda ln: lines.append((time.time(), ln)))
         state = res.state if res.state == "Succeeded" else f"{res.state}: {res.reason}"
     wall = time.time() - t0
     if not state.startswith("Succeeded"):
-        log(f"{mode} {preset} {faults}: {state}")
+        log(f"{mode} {preset} x{nodes} {faults}: {state}")
         for _, ln in lines[-15:]:
             log(f"   {ln}")
     return {"state": state, "wall_s": wall, "events": read_events(run_dir), "lines": lines}
@@ -68,7 +72,8 @@ def step_times(events: list[dict[str, Any]], skip: int) -> list[float]:
 
 
 def step_summary(events: list[dict[str, Any]], skip: int, tokens_per_step: int) -> dict[str, Any]:
-    """Median/mean step time and tokens/s over the steady-state steps."""
+    """Median/mean step time and tokens/s over the steady-state steps (``tokens_per_step``: all
+    ranks together)."""
     times = step_times(events, skip)
     med = median(times)
     steps = [e for e in events if e["type"] == "step"][skip:]

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import write_json
+from bench.keys import round_two_keys, run_records
 from bench.projection import best_interval, goodput, job_mtbf_s, young_daly
 
 NODES, NODE_MTBF_DAYS = 16, 30.0
@@ -99,7 +100,7 @@ def build_report(out: Path) -> dict[str, Any]:
 
     def best_mfu(preset: str) -> float | None:
         vals = [x["mfu"] for x in t.get("runs", []) if x["preset"] == preset
-                and x["kind"] == "throughput" and x["state"] == "Succeeded"]
+                and x["kind"] == "throughput" and x["state"] == "Succeeded" and x.get("gpus", 1) == 1]
         return max(vals) if vals else None
 
     base = runs.get("1b compile=off", {})
@@ -129,6 +130,10 @@ def build_report(out: Path) -> dict[str, Any]:
         "recovery_preset": r.get("preset"), "ckpt_preset": c.get("config"),
         "machine": (c or t or r).get("machine", {}),
     }
+    loaded = {"ckpt_stall": c, "throughput": t, "recovery": r,
+              "recovery_2gpu": _load(out, "recovery_2gpu")}
+    summary.update(round_two_keys(loaded, ck))
+    summary["runs"] = run_records(loaded)
     mtbf = job_mtbf_s(NODES, NODE_MTBF_DAYS)
     proj = {}
     if ck and sc.get("kill", {}).get("total_s"):
@@ -200,6 +205,18 @@ def _markdown(s, ck, t, overheads, sc, load, proj) -> str:
         lambda v: v >= 0.8)
     row("MFU 1b", s["mfu_1b"], "≥ 45 %", lambda v: v >= 0.45, "{:.1%}")
     row("MFU 125m", s["mfu_125m"], "—", lambda v: True, "{:.1%}")
+    row("recovery in-job (kill), 2 GPUs, s", s["recovery_injob_s_2gpu"], "≤ 10 s",
+        lambda v: v <= 10)
+    row("recovery in-process (raise), 2 GPUs, s", s["recovery_inprocess_s_2gpu"], "≤ 3 s",
+        lambda v: v <= 3)
+    row("hang detection (fault → monitor kill), s", s["hang_detect_s"], "≤ 5 s", lambda v: v <= 5)
+    row("weak scaling 1→2 GPUs (1b eager, tokens/s/GPU)", s["scaling_efficiency_2gpu"], "≥ 0.95",
+        lambda v: v >= 0.95, "{:.3f}")
+    row("MFU 1b, 2 GPUs", s["mfu_1b_2gpu"], "≥ 55 %", lambda v: v >= 0.55, "{:.1%}")
+    row("worst step while a write is in flight (overlap)", s["worst_inflight_step_pct"], "≤ +5 %",
+        lambda v: v <= 5, "{:+.1f} %")
+    for key, reason in s.get("null_reasons", {}).items():
+        lines.append(f"| {key}: not measured | {reason} | | — |")
     if ck:
         lines += ["", f"## Checkpoint stall ({ck['state_gb']:.2f} GB of state, seconds per save)", "",
                   "| method | blocking s | note |", "|---|---|---|",

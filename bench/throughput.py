@@ -6,9 +6,12 @@ Every figure comes from the step events of real trainer runs on the bundled samp
   torch.compile off and on; MFU = FLOPs/token (``model.flops_per_token``) x tokens/s over the
   dense bf16 peak, and over the bf16 matmul rate measured here;
 - overhead: the ``1b`` baseline against the same loop under ``ft_launcher`` with the rank monitor
-  (sections + heartbeats), plus the in-process wrapper, plus async saves every N steps.
+  (sections + heartbeats), plus the in-process wrapper, plus async saves every N steps;
+- scaling (``--gpus 2``): the throughput runs again on 2 GPUs (``launch-local --nodes 2``, one GPU
+  per local node, monitor off as in the direct runs), in the same run as the 1-GPU ones, so
+  tokens/s/GPU at 2 over at 1 is a ratio within one run. MFU is per GPU.
 
-``python -m bench.throughput --out throughput.json``
+``python -m bench.throughput --out throughput.json [--gpus 2]``
 """
 
 from __future__ import annotations
@@ -44,14 +47,18 @@ def matmul_tflops(n: int = 8192, reps: int = 20) -> float:
     return 2 * n**3 * reps / (start.elapsed_time(end) / 1e3) / 1e12
 
 
-def _variants(steps: dict[str, int], interval: int, skip: int) -> list[dict[str, Any]]:
+def _variants(steps: dict[str, int], interval: int, skip: int,
+              gpus: int = 1) -> list[dict[str, Any]]:
     out = []
-    for preset in ("125m", "1b"):
-        for comp in (False, True):
-            out.append({"name": f"{preset} compile={'on' if comp else 'off'}", "preset": preset,
-                        "mode": "direct", "kind": "throughput", "skip": skip,
-                        "set": [*PLAIN, f"train.compile={str(comp).lower()}",
-                                f"train.steps={steps[preset]}"]})
+    for g in range(1, gpus + 1):
+        for preset in ("125m", "1b"):
+            for comp in (False, True):
+                out.append({"name": f"{preset} compile={'on' if comp else 'off'}"
+                                    + (f" {g}gpu" if g > 1 else ""),
+                            "preset": preset, "mode": "direct" if g == 1 else "ft",
+                            "kind": "throughput", "skip": skip, "gpus": g, "compile": comp,
+                            "set": [*PLAIN, f"train.compile={str(comp).lower()}",
+                                    f"train.steps={steps[preset]}"]})
     ft = ["checkpoint.interval=0", "checkpoint.save_final=false", f"train.steps={steps['1b']}"]
     # The save variant times the steps after the first save (which also pays for the worker's
     # first CUDA IPC mapping and pinned buffers, once per incarnation): one steady-state save
@@ -80,12 +87,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interval", type=int, default=50, help="save interval of the overhead run")
     p.add_argument("--skip", type=int, default=8, help="warm-up steps left out")
     p.add_argument("--only", default="", help="comma list of variant-name prefixes")
+    p.add_argument("--gpus", type=int, choices=(1, 2), default=1,
+                   help="also run the throughput variants on 2 GPUs (2 local nodes x 1 GPU)")
     args = p.parse_args(argv)
 
     from kfp_nvrx.components.core.config import load_config
     from kfp_nvrx.components.train_fsdp.trainer.model import flops_per_token
 
-    res: dict[str, Any] = {"bench": "throughput", "machine": machine_info(),
+    res: dict[str, Any] = {"bench": "throughput", "machine": machine_info(), "gpus": args.gpus,
                            "peak_bf16_flops": PEAK_BF16_FLOPS, "runs": []}
     if args.only and Path(args.out).is_file():  # a partial re-run replaces only its own rows
         res["runs"] = json.loads(Path(args.out).read_text()).get("runs", [])
@@ -94,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="kfp-nvrx-bench-"))
     data = {}
     wanted = [w for w in args.only.split(",") if w]
-    for v in _variants({"125m": args.steps_125m, "1b": args.steps_1b}, args.interval, args.skip):
+    for v in _variants({"125m": args.steps_125m, "1b": args.steps_1b}, args.interval, args.skip,
+                       args.gpus):
         if wanted and not any(v["name"].startswith(w) for w in wanted):
             continue
         cfg = load_config(v["preset"])
@@ -102,14 +112,17 @@ def main(argv: list[str] | None = None) -> int:
         if seq not in data:
             data[seq] = make_dataset(work, seq)
         t0 = time.time()
+        gpus = v.get("gpus", 1)
         run = run_trainer(v["mode"], v["preset"], work / "run", [f"data.path={data[seq]}", *v["set"]],
-                          timeout=420)
+                          timeout=420, nodes=gpus)
         fpt = flops_per_token(cfg.model, seq)
-        row = {**{k: v[k] for k in ("name", "preset", "mode", "kind")}, "state": run["state"],
-               "wall_s": time.time() - t0, "tokens_per_step": seq * bsz, "flops_per_token": fpt,
-               **step_summary(run["events"], v["skip"], seq * bsz)}
-        row["mfu"] = fpt * row["tokens_per_s"] / PEAK_BF16_FLOPS
-        row["mfu_vs_matmul"] = fpt * row["tokens_per_s"] / (res["matmul_tflops"] * 1e12)
+        row = {**{k: v[k] for k in ("name", "preset", "mode", "kind")}, "gpus": gpus,
+               "compile": v.get("compile"), "state": run["state"], "wall_s": time.time() - t0,
+               "tokens_per_step": seq * bsz * gpus, "flops_per_token": fpt,
+               **step_summary(run["events"], v["skip"], seq * bsz * gpus)}
+        row["tokens_per_s_per_gpu"] = row["tokens_per_s"] / gpus
+        row["mfu"] = fpt * row["tokens_per_s_per_gpu"] / PEAK_BF16_FLOPS
+        row["mfu_vs_matmul"] = fpt * row["tokens_per_s_per_gpu"] / (res["matmul_tflops"] * 1e12)
         row["checkpoints"] = [e for e in run["events"] if e["type"] == "checkpoint"]
         res["runs"] = [r for r in res["runs"] if r["name"] != row["name"]] + [row]
         log(f"{row['name']}: {row['state']} step {row['step_median_s']:.4f}s "

@@ -19,7 +19,8 @@ from bench.summary import build_report
 RECORDED = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
 ISSUE_KEYS = ("stall_over_d2h_floor", "torch_save_over_stall", "stager_over_stall",
               "dcp_async_over_stall", "overhead_pct", "recovery_inprocess_s", "recovery_injob_s",
-              "ckpt_load_over_disk_read", "mfu_1b", "mfu_125m")
+              "ckpt_load_over_disk_read", "mfu_1b", "mfu_125m", "overlap_visible_over_d2h_floor",
+              "worst_inflight_step_pct")
 
 
 @pytest.mark.parametrize("delta", [0.3, 10.0, 60.0])
@@ -64,3 +65,92 @@ def test_bench_refuses_without_cuda_in_one_line(tmp_path):
         "bench: needs a CUDA GPU (torch.cuda.is_available() is False)"
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def _write(folder: Path, name: str, obj: dict) -> None:
+    (folder / f"{name}.json").write_text(json.dumps(obj))
+
+
+def _machine(date: str, gpus: int) -> dict:
+    return {"gpu": "NVIDIA H200", "gpu_count": gpus, "torch": "2.11", "date": date,
+            "nvidia_resiliency_ext": "0.7.0"}
+
+
+def _scenario(kind: str, total: float, detection: float, restart_kind: str) -> dict:
+    return {"kind": kind, "state": "Succeeded", "total_s": total, "detection_s": detection,
+            "restart_s": 1.0, "setup_s": 1.0, "load_s": 0.5, "first_step_s": 0.3,
+            "restart_kind": restart_kind}
+
+
+def _tp_row(preset: str, gpus: int, compile_on: bool, tok_per_gpu: float, mfu: float) -> dict:
+    name = f"{preset} compile={'on' if compile_on else 'off'}" + (f" {gpus}gpu" if gpus > 1 else "")
+    return {"name": name, "preset": preset, "mode": "direct", "kind": "throughput", "gpus": gpus,
+            "compile": compile_on, "state": "Succeeded", "step_median_s": 0.3,
+            "wall_per_step_s": 0.3, "tokens_per_s": tok_per_gpu * gpus,
+            "tokens_per_s_per_gpu": tok_per_gpu, "mfu": mfu}
+
+
+def test_summary_round_two_keys_from_synthetic_runs(tmp_path):
+    _write(tmp_path, "recovery", {"preset": "125m", "gpus": 1, "machine": _machine("d1", 2),
+                                  "scenarios": {"kill": _scenario("in-job", 9.0, 1.0, "in-job"),
+                                                "hang": _scenario("in-job", 12.0, 4.5, "in-job")}})
+    _write(tmp_path, "recovery_2gpu", {
+        "preset": "125m", "gpus": 2, "machine": _machine("d2", 2),
+        "scenarios": {"kill": _scenario("in-job", 11.0, 1.0, "in-job"),
+                      # ft_launcher restarted the group: no in-process figure may come from it
+                      "raise": _scenario("in-process", 20.0, 0.0, "in-job"),
+                      "hang": {"kind": "in-job", "state": "Failed", "error": "no fault event"}}})
+    _write(tmp_path, "throughput", {"machine": _machine("d3", 2), "runs": [
+        _tp_row("1b", 1, False, 56000.0, 0.47), _tp_row("1b", 2, False, 53200.0, 0.445),
+        _tp_row("1b", 2, True, 60000.0, 0.52), _tp_row("125m", 1, False, 9e5, 0.2)]})
+    s = build_report(tmp_path)
+    assert s["recovery_injob_s_2gpu"] == 11.0
+    assert s["recovery_inprocess_s_2gpu"] is None
+    assert "in-job restart" in s["null_reasons"]["recovery_inprocess_s_2gpu"]
+    assert s["hang_detect_s"] == 4.5
+    assert s["hang_detect_s_2gpu"] is None and "no fault event" in s["null_reasons"]["hang_detect_s_2gpu"]
+    assert s["scaling_efficiency_2gpu"] == pytest.approx(53200 / 56000)
+    assert s["mfu_1b_2gpu"] == 0.52
+    assert s["worst_inflight_step_pct"] is None
+    assert "ckpt_stall" in s["null_reasons"]["worst_inflight_step_pct"]
+    assert s["overlap_visible_over_d2h_floor"] is None
+    assert {k: v["date"] for k, v in s["runs"].items()} == {"recovery": "d1", "recovery_2gpu": "d2",
+                                                           "throughput": "d3"}
+    assert s["runs"]["recovery_2gpu"]["gpus"] == 2
+    text = (tmp_path / "README.md").read_text()
+    assert "| weak scaling 1→2 GPUs (1b eager, tokens/s/GPU) | 0.950 | ≥ 0.95 | yes |" in text
+    assert "recovery_inprocess_s_2gpu: not measured" in text
+
+
+def test_summary_without_two_gpu_runs_says_why(tmp_path):
+    _write(tmp_path, "throughput", {"machine": _machine("d3", 1),
+                                    "runs": [_tp_row("1b", 1, False, 56000.0, 0.47)]})
+    s = build_report(tmp_path)
+    for key in ("recovery_injob_s_2gpu", "recovery_inprocess_s_2gpu", "hang_detect_s",
+                "scaling_efficiency_2gpu", "mfu_1b_2gpu", "worst_inflight_step_pct"):
+        assert s[key] is None and s["null_reasons"][key], key
+    assert "found 1 and 0" in s["null_reasons"]["scaling_efficiency_2gpu"]
+
+
+def test_bench_run_adds_the_two_gpu_runs_only_with_two_gpus():
+    from bench.run import jobs
+
+    one = jobs(["throughput", "recovery"], quick=False, gpus=1)
+    assert [(m, o) for m, o, _ in one] == [("throughput", "throughput"), ("recovery", "recovery")]
+    assert not any("--gpus" in a for _, _, a in one)
+    two = jobs(["throughput", "recovery"], quick=False, gpus=2)
+    assert [(m, o, a[-2:]) for m, o, a in two] == [
+        ("throughput", "throughput", ["--gpus", "2"]),
+        ("recovery", "recovery", ["--preset", "125m"]),
+        ("recovery", "recovery_2gpu", ["--gpus", "2"])]
+
+
+def test_throughput_variants_on_two_gpus_go_through_launch_local():
+    from bench.throughput import _variants
+
+    vs = _variants({"125m": 10, "1b": 10}, 5, 2, gpus=2)
+    two = [v for v in vs if v.get("gpus") == 2]
+    assert {v["name"] for v in two} == {"125m compile=off 2gpu", "125m compile=on 2gpu",
+                                        "1b compile=off 2gpu", "1b compile=on 2gpu"}
+    assert all(v["mode"] == "ft" and "resilience.monitor=off" in v["set"] for v in two)
+    assert len(_variants({"125m": 10, "1b": 10}, 5, 2)) == len(vs) - 4
