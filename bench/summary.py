@@ -266,6 +266,10 @@ def _markdown(s, ck, t, overheads, sc, load, proj) -> str:
             lines.append(f"| {name} | {x['kind']} | {x['total_s']:.2f} | {x['detection_s']:.2f} | "
                          f"{x['restart_s']:.2f} | {x['setup_s']:.2f} | {x['load_s']:.2f} | "
                          f"{x['first_step_s']:.2f} |")
+        boots = [(name, x["boot"]) for name, x in sc.items() if x.get("boot")]
+        if boots:
+            lines += ["", "Start of the new incarnation in parts (seconds, the trainer's `boot`):", ""]
+            lines += [f"- {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in b.items()) for name, b in boots]
     if proj:
         gp = s["goodput_projection"]
         lines += ["", f"## Goodput projection ({NODES} nodes, one failure per node per "

@@ -154,3 +154,20 @@ def test_throughput_variants_on_two_gpus_go_through_launch_local():
                                         "1b compile=off 2gpu", "1b compile=on 2gpu"}
     assert all(v["mode"] == "ft" and "resilience.monitor=off" in v["set"] for v in two)
     assert len(_variants({"125m": 10, "1b": 10}, 5, 2)) == len(vs) - 4
+
+
+def test_recovery_split_keeps_every_restarts_boot_parts():
+    from bench.recovery import split
+
+    boot0 = {"imports": 3.0, "total": 5.0}
+    boot1 = {"interpreter": 0.1, "imports": 3.1, "cuda_context": 0.4, "load": 0.5, "total": 6.0}
+    events = [{"type": "start", "time": 0.0, "boot": boot0},
+              {"type": "step", "step": 1, "start": 5.0, "end": 6.0},
+              {"type": "fault", "time": 10.0, "step": 2},
+              {"type": "restart", "kind": "in-job"},
+              {"type": "start", "time": 12.0, "load_s": 0.5, "resumed_from": 1, "boot": boot1},
+              {"type": "step", "step": 2, "start": 18.0, "end": 19.0}]
+    lines = [(11.0, "Event: failure_detected"), (11.5, "Event: worker_start_completed")]
+    out = split(events, lines, in_process=False)
+    assert out["total_s"] == 9.0 and out["detection_s"] == 1.0 and out["launcher_s"] == 0.5
+    assert out["boot"] == boot1 and out["boots"] == [boot1]

@@ -164,11 +164,26 @@ def test_restart_clock_prints_the_split_on_rank_0(monkeypatch, capsys) -> None:
     assert capsys.readouterr().out == ""
 
 
-def test_boot_line_splits_the_worker_start() -> None:
+def test_boot_record_splits_the_worker_start() -> None:
     import time
+    from types import SimpleNamespace
 
-    from kfp_nvrx.components.train_fsdp.trainer.__main__ import boot_line, process_start_time
+    from kfp_nvrx.components.train_fsdp.trainer.__main__ import boot_parts, process_start_time
+    from kfp_nvrx.components.train_fsdp.trainer.train import boot_line, boot_record
 
     started = process_start_time()
     assert started is not None and 0 <= time.time() - started < 3600
-    assert boot_line(time.time()).startswith("[trainer] boot: interpreter ")
+    first = boot_parts(100.0, 100.5, 103.0, {"checks": 0.5, "cuda_context": 1.0, "nvrx_client": 0.2})
+    assert list(first) == ["interpreter", "imports", "checks", "cuda_context", "nvrx_client"]
+    job = SimpleNamespace(boot=first, boot_origin=100.0, boot_mark=107.0)
+    marks = [("pg_init", 108.5), ("monitor_connect", 108.75), ("load", 110.0)]
+    boot = boot_record(job, 0, marks, 108.0, 110.25)
+    assert boot["wrapper"] == 1.0 and boot["pg_init"] == 0.5 and boot["load"] == 1.25
+    assert boot["total"] == 10.25 and sum(v for k, v in boot.items() if k != "total") <= 10.25
+    # An in-process re-entry: only its own parts, timed from the re-entry.
+    again = boot_record(job, 1, marks, 108.0, 110.25)
+    assert list(again) == ["pg_init", "monitor_connect", "load", "total"]
+    assert again["total"] == 2.25
+    line = boot_line(boot)
+    assert line.startswith("[trainer] boot: interpreter ") and line.endswith("; total 10.25s")
+    assert "cuda_context 1.00s" in line

@@ -62,6 +62,22 @@ def reference(tmp_path_factory, dataset):
     return run_dir, res, _final_weights(run_dir)
 
 
+PROCESS_PARTS = ["interpreter", "imports", "checks", "cuda_context", "nvrx_client", "wrapper"]
+INCARNATION_PARTS = ["pg_init", "monitor_connect", "model_build", "checkpointer", "load"]
+
+
+def _assert_boot(start: dict, whole_process: bool) -> None:
+    """A start event's start-up parts: in order, none negative, together within the total."""
+    boot = start["boot"]
+    want = (PROCESS_PARTS if whole_process else []) + INCARNATION_PARTS + ["total"]
+    assert list(boot) == want, boot
+    parts = [v for k, v in boot.items() if k != "total"]
+    assert all(v >= 0 for v in parts), boot
+    if whole_process:
+        assert boot["imports"] > 0, boot
+    assert sum(parts) <= boot["total"] + 1e-3, boot
+
+
 def _report(name: str, res) -> dict:
     g = res.extra["goodput"]
     print(f"\n[{name}] restarts={g['restarts']} recovery_s={g['recovery_s']} "
@@ -82,6 +98,9 @@ def test_fault_free_run_learns_commits_and_reports_goodput(reference):
     assert g["restarts"] == {} and g["steps_redone"] == 0
     assert 0 < g["goodput"] <= 1 and g["checkpoints"] == 4
     assert [e["type"] for e in events].count("end") == 1
+    [start] = [e for e in events if e["type"] == "start"]
+    _assert_boot(start, whole_process=True)
+    assert start["boot"]["total"] < res.duration_s
 
 
 def test_kill_rank_restarts_and_matches_reference_bitwise(tmp_path, dataset, reference):
@@ -90,6 +109,8 @@ def test_kill_rank_restarts_and_matches_reference_bitwise(tmp_path, dataset, ref
     assert g["restarts"].get("in-job", 0) >= 1 and g["faults"] == 1
     starts = [e for e in read_events(tmp_path / "run") if e["type"] == "start"]
     assert starts[-1]["resumed_from"] in (6, 12)  # newest committed when the rank died
+    for start in starts:  # a restarted worker is a new process: every part again
+        _assert_boot(start, whole_process=True)
     _assert_bitwise(_final_weights(tmp_path / "run"), reference[2])
 
 
@@ -131,6 +152,8 @@ def test_raise_recovers_in_process_without_new_pids(tmp_path, dataset, reference
     starts = [e for e in read_events(tmp_path / "run") if e["type"] == "start"]
     assert [s["iteration"] for s in starts] == [0, 1]
     assert starts[0]["pid"] == starts[1]["pid"]  # same worker process re-entered
+    _assert_boot(starts[0], whole_process=True)
+    _assert_boot(starts[1], whole_process=False)  # re-entry: no new interpreter, imports, device
     assert starts[1]["resumed_from"] in (6, 12)
     _assert_bitwise(_final_weights(tmp_path / "run"), reference[2])
 

@@ -45,18 +45,18 @@ def process_start_time() -> float | None:
         return None
 
 
-def boot_line(t_prepared: float) -> str:
-    """Where a worker's start-up went before training code runs (an in-job restart's share).
+def boot_parts(t_exec: float | None, t_main: float, t_imported: float,
+               prepared: dict[str, float]) -> dict[str, float]:
+    """Seconds of the start before the first incarnation, in order.
 
-    ``interpreter``: process creation to this module (Python, site-packages, runpy);
-    ``imports+checks+device``: :func:`prepare_job`, i.e. config, dataset and checkpoint checks with
-    the imports they need (torch, DCP, the training modules), the NVRx client and the device (the
-    CUDA context). Between this and the ``start`` event only the in-process wrapper (when on) is
-    set up.
+    ``interpreter``: process creation (``t_exec``) to this module (``t_main``): Python, site,
+    runpy; absent off Linux. ``imports``: torch and the training modules; then :func:`prepare_job`'s parts:
+    ``checks`` (config, dataset, checkpoint, run dir), ``cuda_context`` (the device) and
+    ``nvrx_client`` (NVRx import and its rank monitor client).
     """
-    t_exec = process_start_time()
-    interp = f"interpreter {_T_MAIN - t_exec:.2f}s, " if t_exec else ""
-    return f"[trainer] boot: {interp}imports+checks+device {t_prepared - _T_MAIN:.2f}s"
+    parts = {"interpreter": max(0.0, t_main - t_exec)} if t_exec else {}
+    parts["imports"] = t_imported - t_main
+    return {**parts, **prepared}
 
 
 def make_nccl_trace_dir() -> Path | None:
@@ -80,19 +80,24 @@ def main(argv: list[str] | None = None) -> int:
         from kfp_nvrx.components.train_fsdp.trainer.bootstrap import check_job
 
         return check_job(args.config, args.set, args.fault, Path(args.run_dir))
-    try:
-        from kfp_nvrx.components.train_fsdp.trainer.bootstrap import prepare_job
+    # The heavy imports first and on their own, so the start-up shows what they cost.
+    import kfp_nvrx.components.train_fsdp.trainer.train  # noqa: F401
+    from kfp_nvrx.components.train_fsdp.trainer.bootstrap import prepare_job
 
+    t_imported = time.time()
+    try:
         job = prepare_job(args.config, args.set, args.fault, Path(args.run_dir))
         make_nccl_trace_dir()
+        t_exec = process_start_time()
+        job.boot = boot_parts(t_exec, _T_MAIN, t_imported, job.boot)
+        job.boot_origin = min(t_exec or _T_MAIN, _T_MAIN)
+        job.boot_mark = time.time()
     except OSError as err:
         sys.stderr.write(f"trainer: error: TORCH_NCCL_DEBUG_INFO_TEMP_FILE: {err}\n")
         return UserError.exit_code
     except UserError as err:
         sys.stderr.write(f"trainer: error: {err.one_line()}\n")
         return UserError.exit_code
-    if os.environ.get("RANK", "0") == "0":
-        print(boot_line(time.time()), flush=True)
     from kfp_nvrx.components.train_fsdp.trainer.train import run
 
     try:

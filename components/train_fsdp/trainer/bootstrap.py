@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 from kfp_nvrx.components.core.config import Config, load_config
@@ -173,6 +174,7 @@ def check_job(config: str, overrides: list[str], faults: list[str], run_dir: Pat
 
 def prepare_job(config: str, overrides: list[str], faults: list[str], run_dir: Path):
     """Validates everything, then creates the run dir and the per-worker Job."""
+    t0 = time.time()
     cfg, parsed = validate_inputs(config, overrides, faults)
     check_device(cfg)
     check_init_from(cfg)
@@ -184,6 +186,12 @@ def prepare_job(config: str, overrides: list[str], faults: list[str], run_dir: P
     from kfp_nvrx.components.train_fsdp.trainer.train import Job, pick_device
 
     write_config(cfg, run_dir)
-    return Job(cfg=cfg, run_dir=run_dir, faults=parsed,
-               data=TokenDataset(cfg.data.path, cfg.data.split), device=pick_device(cfg),
-               monitor=Monitor(cfg.resilience))
+    data = TokenDataset(cfg.data.path, cfg.data.split)
+    t_checked = time.time()
+    device = pick_device(cfg)
+    t_device = time.time()
+    monitor = Monitor(cfg.resilience)
+    boot = {"checks": t_checked - t0, "cuda_context": t_device - t_checked,
+            "nvrx_client": time.time() - t_device}
+    return Job(cfg=cfg, run_dir=run_dir, faults=parsed, data=data, device=device, monitor=monitor,
+               boot=boot)

@@ -46,6 +46,11 @@ class Job:
     # and NVRx's writer (its processes, killed on abort, are reaped by a later incarnation).
     staging: HostStaging | None = None
     writer: NvrxWriter | None = None
+    # The process's start-up before the first incarnation (seconds per part, in order), when it
+    # began (process creation) and when those parts ended: the first ``start`` event adds its own.
+    boot: dict[str, float] = field(default_factory=dict)
+    boot_origin: float | None = None
+    boot_mark: float | None = None
 
 
 def make_deterministic() -> None:
@@ -103,6 +108,36 @@ def run(job: Job) -> None:
     wrapped(job, base_store)
 
 
+def boot_line(parts: dict[str, float]) -> str:
+    """The start-up in parts on one line (an in-job restart's share of the recovery)."""
+    body = ", ".join(f"{k} {v:.2f}s" for k, v in parts.items() if k != "total")
+    return f"[trainer] boot: {body}; total {parts['total']:.2f}s"
+
+
+def boot_record(job: Job, iteration: int, marks: list[tuple[str, float]], t_start: float,
+                now: float) -> dict[str, float]:
+    """Seconds per start-up part of this incarnation, in order, with their ``total``.
+
+    The first incarnation of a process also carries the process's own parts (interpreter,
+    imports, checks, CUDA context, NVRx client) and ``wrapper`` (from those to this function:
+    the in-process wrapper and its store, when on); its total runs from process creation. An
+    in-process restart's parts start at its re-entry. The parts are disjoint intervals, so they
+    sum to no more than the total.
+    """
+    parts: dict[str, float] = {}
+    origin = t_start
+    if iteration == 0 and job.boot_mark is not None:
+        parts.update(job.boot)
+        parts["wrapper"] = t_start - job.boot_mark
+        origin = job.boot_origin or job.boot_mark
+    prev = t_start
+    for name, t in marks:
+        parts[name] = t - prev
+        prev = t
+    parts["total"] = now - origin
+    return {k: round(v, 4) for k, v in parts.items()}
+
+
 def incarnation(job: Job, base_store: Any = None, call_wrapper: Any = None) -> None:
     """One entry of the training function: init PG, load newest checkpoint, train, save."""
     cfg, monitor = job.cfg, job.monitor
@@ -116,15 +151,20 @@ def incarnation(job: Job, base_store: Any = None, call_wrapper: Any = None) -> N
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     else:
         dist.init_process_group(backend, timeout=timeout)
+    # NCCL communicators are created lazily: their set-up lands in the first collective
+    # (model build or first step), not in pg_init (the rendezvous on the store).
+    marks = [("pg_init", time.time())]
     events = EventLog(job.run_dir, enabled=rank == 0)
     injector = FaultInjector(job.faults, job.run_dir, rank)
     monitor.bound_collectives(backend)
     monitor.connect()
+    marks.append(("monitor_connect", time.time()))
     res = cfg.resilience
     ckpt = None
     try:
         with monitor.phase("setup", bound=res.setup_timeout):
             model, opt, sched = build(cfg, job.device)
+            marks.append(("model_build", time.time()))
 
             def on_commit(step: int, blocking: float, total: float, nbytes: int) -> None:
                 events.emit("checkpoint", step=step, blocking_s=round(blocking, 6),
@@ -137,9 +177,11 @@ def incarnation(job: Job, base_store: Any = None, call_wrapper: Any = None) -> N
             trainer = Trainer(job, model, opt, sched, TrainState(), ckpt, events, injector, rank,
                               world, iteration, call_wrapper)
             ckpt.warm_up()
+            marks.append(("checkpointer", time.time()))
             t_load = time.perf_counter()
             resumed = trainer.resume()
             load_s = time.perf_counter() - t_load
+            marks.append(("load", time.time()))
         if iteration == 0 and rank == 0:
             # Agents count restarts per node; the job-wide count is what rank 0 has logged.
             job.restart_count = sum(1 for e in read_events(job.run_dir) if e["type"] == "start"
@@ -147,9 +189,12 @@ def incarnation(job: Job, base_store: Any = None, call_wrapper: Any = None) -> N
         if job.restart_count or iteration:
             events.emit("restart", kind="in-process" if iteration else "in-job",
                         incarnation=job.restart_count, iteration=iteration)
+        boot = boot_record(job, iteration, marks, t_start, time.time())
         events.emit("start", time=t_start, incarnation=job.restart_count, iteration=iteration,
                     world_size=world, resumed_from=resumed, load_s=round(load_s, 4),
-                    from_memory=ckpt.restored_from_memory, pid=os.getpid(), run_id=job.run_id)
+                    from_memory=ckpt.restored_from_memory, pid=os.getpid(), run_id=job.run_id,
+                    boot=boot)
+        log0(boot_line(boot))
         source = " (from host memory)" if ckpt.restored_from_memory else ""
         log0(f"start: world_size={world} incarnation={job.restart_count}.{iteration} "
              f"resumed_from={resumed}{source} load={load_s:.2f}s device={job.device}")
