@@ -28,7 +28,6 @@ from kubeflow.training.constants import constants
 from kubernetes import client as k8s
 
 from kfp_nvrx.components.core.config import Config, load_config
-from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.train_fsdp.jobspec.cluster_fields import check_cluster_fields
 from kfp_nvrx.components.train_fsdp.jobspec.pod import (
     annotations,
@@ -38,7 +37,7 @@ from kfp_nvrx.components.train_fsdp.jobspec.pod import (
     to_dict,
     trainer_command,
 )
-from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
+from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec, check_seconds
 
 CONTAINER_NAME = "pytorch"  # the operator (and its webhook) require this name
 REPLICA_TYPE = "Worker"
@@ -83,13 +82,9 @@ def build_pytorchjob(spec: JobSpec) -> RenderedJob:
     cfg = load_config(spec.config, list(spec.overrides))  # validates --config / --set
     check_pod_paths(spec, cfg)
     pod_labels = labels(spec)
-    for key, value in (("--active-deadline", spec.active_deadline_s),
-                       ("--ttl-after-finished", spec.ttl_after_finished_s),
-                       ("--backoff-limit", spec.backoff_limit)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or value < (1 if key == "--active-deadline" else 0)):
-            raise UserError(key, f"must be a whole number of seconds >= "
-                            f"{1 if key == '--active-deadline' else 0}, got {value!r}")
+    check_seconds("--active-deadline", spec.active_deadline_s, 1)
+    check_seconds("--ttl-after-finished", spec.ttl_after_finished_s, 0)
+    check_seconds("--backoff-limit", spec.backoff_limit, 0)
     template = k8s.V1PodTemplateSpec(
         metadata=k8s.V1ObjectMeta(
             labels=pod_labels,

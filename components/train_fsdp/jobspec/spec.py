@@ -200,6 +200,13 @@ def check_procs(n: object) -> int:
     return n
 
 
+def check_seconds(flag: str, value: object, least: int) -> None:
+    """``None`` or a whole number of seconds >= ``least`` (raises UserError naming ``flag``)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or value < least):
+        raise UserError(flag, f"must be a whole number of seconds >= {least}, got {value!r}")
+
+
 def check_abs_path(flag: str, path: str) -> str:
     """Return a normalised absolute POSIX path, or raise UserError naming ``flag``."""
     if not path or not path.startswith("/"):

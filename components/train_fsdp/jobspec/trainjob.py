@@ -37,7 +37,11 @@ from kfp_nvrx.components.train_fsdp.jobspec.pod import (
     to_dict,
     trainer_command,
 )
-from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec, check_resource_name
+from kfp_nvrx.components.train_fsdp.jobspec.spec import (
+    JobSpec,
+    check_resource_name,
+    check_seconds,
+)
 
 KIND = "TrainJob"
 #: The torch plugin injects these into the trainer container; the webhook rejects a TrainJob
@@ -183,11 +187,7 @@ def build_trainjob(spec: JobSpec, runtime_name: str = rt.RUNTIME_NAME,
     run_dir = spec.run_dir_path(name)
     cfg = load_config(spec.config, list(spec.overrides))
     check_pod_paths(spec, cfg)
-    if spec.active_deadline_s is not None and (isinstance(spec.active_deadline_s, bool) or not
-                                               isinstance(spec.active_deadline_s, int)
-                                               or spec.active_deadline_s < 1):
-        raise UserError("--active-deadline", f"must be a whole number of seconds >= 1, got "
-                        f"{spec.active_deadline_s!r}")
+    check_seconds("--active-deadline", spec.active_deadline_s, 1)
     # FT: the one builder; v2 injects no PET_RDZV_*: endpoint from node 0's DNS name, id = name.
     command = trainer_command(spec, cfg, run_dir, procs, rdzv_endpoint=rdzv_endpoint(), rdzv_id=name)
     pod = to_dict(pod_spec(spec, cfg, run_dir, procs, container_name=rt.CONTAINER_NAME,
