@@ -246,7 +246,8 @@ def run_local(spec: JobSpec, *, log: Callable[[str], None] = print,
             if slices[i] is not None:
                 # Each local node sees only its own GPUs, as a pod would; LOCAL_RANK indexes them.
                 agent_env["CUDA_VISIBLE_DEVICES"] = slices[i]
-                agent_env.update(in_process_env(gpu=True) if cfg.resilience.in_process else {})
+            if cfg.resilience.in_process:  # the pod spec's rule (jobspec/env.py), GPU or CPU
+                agent_env.update(in_process_env(gpu=slices[i] is not None))
             agents.append(_Agent(i, argv, agent_env, log, verbose, logs / f"node{i}.log"))
         if on_start is not None:
             on_start([a.proc.pid for a in agents])
