@@ -6,6 +6,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kfp_nvrx.components.core.config import Config, load_config
 from kfp_nvrx.components.core.faults import Fault, check_faults
@@ -19,13 +20,19 @@ from kfp_nvrx.components.core.rundir import (
 from kfp_nvrx.components.core.safetensors_header import read_header
 from kfp_nvrx.components.errors import UserError
 
+if TYPE_CHECKING:  # data.py imports torch and numpy: imported where a dataset is opened
+    from kfp_nvrx.components.train_fsdp.trainer.data import TokenDataset
+
 
 def validate_inputs(config: str, overrides: list[str], faults: list[str], *,
-                    verify_data: bool = False) -> tuple[Config, list[Fault]]:
+                    verify_data: bool = False) -> tuple[Config, list[Fault], TokenDataset]:
     """Loads the config, parses faults and opens the dataset; raises UserError on bad input.
 
     ``verify_data`` also checks the shards' sha256 when the split is small enough to read
     (the launcher does it once; every worker repeating it would multiply the reads).
+
+    Returns:
+        The config, the parsed faults and the opened dataset (the worker trains on it).
     """
     cfg = load_config(config, overrides)
     # The world size is not checked here: an elastic job may run with fewer workers than its
@@ -42,7 +49,7 @@ def validate_inputs(config: str, overrides: list[str], faults: list[str], *,
         from kfp_nvrx.components.prepare_dataset.shards import check_checksums
 
         check_checksums(cfg.data.path, dataset.index, [cfg.data.split], "data.path")
-    return cfg, parsed
+    return cfg, parsed, dataset
 
 
 def check_in_process_timeouts(cfg: Config) -> None:
@@ -161,7 +168,7 @@ def check_job(config: str, overrides: list[str], faults: list[str], run_dir: Pat
         (``field``, ``message``) for the launcher to raise again.
     """
     try:
-        cfg, _ = validate_inputs(config, overrides, faults, verify_data=True)
+        cfg, _, _ = validate_inputs(config, overrides, faults, verify_data=True)
         check_device(cfg)
         check_init_from(cfg)
         check_run_dir(run_dir)
@@ -175,18 +182,16 @@ def check_job(config: str, overrides: list[str], faults: list[str], run_dir: Pat
 def prepare_job(config: str, overrides: list[str], faults: list[str], run_dir: Path):
     """Validates everything, then creates the run dir and the per-worker Job."""
     t0 = time.time()
-    cfg, parsed = validate_inputs(config, overrides, faults)
+    cfg, parsed, data = validate_inputs(config, overrides, faults)
     check_device(cfg)
     check_init_from(cfg)
     check_run_dir(run_dir)
     check_checkpoint_model(cfg, run_dir)
     check_launcher_env()
-    from kfp_nvrx.components.train_fsdp.trainer.data import TokenDataset
     from kfp_nvrx.components.train_fsdp.trainer.resilience import Monitor
     from kfp_nvrx.components.train_fsdp.trainer.train import Job, pick_device
 
     write_config(cfg, run_dir)
-    data = TokenDataset(cfg.data.path, cfg.data.split)
     t_checked = time.time()
     device = pick_device(cfg)
     t_device = time.time()
