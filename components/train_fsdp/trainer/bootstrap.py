@@ -86,6 +86,23 @@ def check_launcher_env() -> None:
                         "launcher (kfp-nvrx launch-local, ft_launcher or torchrun), not on its own")
 
 
+def model_shapes(cfg: Config) -> dict[str, tuple[int, ...]] | None:
+    """This config's model's state dict keys and shapes, built on the meta device (no memory).
+
+    None when the model factory cannot build on the meta device: the checks that compare shapes
+    then leave the misfit to be reported where the weights are loaded.
+    """
+    import torch
+
+    from kfp_nvrx.components.train_fsdp.trainer.model import build_model
+
+    try:
+        with torch.device("meta"):
+            return {k: tuple(t.shape) for k, t in build_model(cfg.model).state_dict().items()}
+    except Exception:  # noqa: BLE001 - a meta-unfriendly factory
+        return None
+
+
 def check_checkpoint_model(cfg: Config, run_dir: Path) -> None:
     """The run dir's newest committed checkpoint must hold this config's model (names and shapes).
 
@@ -101,20 +118,17 @@ def check_checkpoint_model(cfg: Config, run_dir: Path) -> None:
         raise UserError("train.steps", f"{cfg.train.steps} is below the newest committed "
                         f"checkpoint (step {steps[0]}) in {root}: the run would end at once "
                         "without training; raise train.steps or use a fresh --run-dir")
-    import torch
     import torch.distributed.checkpoint as dcp
-
-    from kfp_nvrx.components.train_fsdp.trainer.model import build_model
 
     try:
         md = dcp.FileSystemReader(str(step_dir(root, steps[0]))).read_metadata()
-        with torch.device("meta"):
-            model = build_model(cfg.model)
-    except Exception:  # noqa: BLE001 - unreadable (resume falls back) or a meta-unfriendly factory
+    except Exception:  # noqa: BLE001 - unreadable: resume falls back to an older one
+        return
+    ours = model_shapes(cfg)
+    if ours is None:
         return
     theirs = {k[len("model."):]: tuple(m.size) for k, m in md.state_dict_metadata.items()
               if k.startswith("model.") and hasattr(m, "size")}
-    ours = {k: tuple(t.shape) for k, t in model.state_dict().items()}
     for key in sorted(set(ours) | set(theirs)):
         if theirs and ours.get(key) != theirs.get(key):
             raise UserError("checkpoint", f"step {steps[0]} in {root} was written by a different "
@@ -132,14 +146,8 @@ def check_init_from(cfg: Config) -> None:
     if not cfg.checkpoint.init_from:
         return
     shapes = read_header("checkpoint.init_from", cfg.checkpoint.init_from)
-    import torch
-
-    from kfp_nvrx.components.train_fsdp.trainer.model import build_model
-
-    try:
-        with torch.device("meta"):
-            ours = {k: tuple(t.shape) for k, t in build_model(cfg.model).state_dict().items()}
-    except Exception:  # noqa: BLE001 - a meta-unfriendly factory: warm_start reports a misfit
+    ours = model_shapes(cfg)
+    if ours is None:  # warm_start reports a misfit
         return
     for key in sorted(set(ours) | set(shapes)):
         if ours.get(key) != shapes.get(key):
