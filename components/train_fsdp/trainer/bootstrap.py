@@ -197,13 +197,13 @@ def prepare_job(config: str, overrides: list[str], faults: list[str], run_dir: P
     check_checkpoint_model(cfg, run_dir)
     check_launcher_env()
     from kfp_nvrx.components.train_fsdp.trainer.resilience import Monitor
-    from kfp_nvrx.components.train_fsdp.trainer.train import Job, pick_device
+    from kfp_nvrx.components.train_fsdp.trainer.train import Job, pg_backend, pick_device
 
     write_config(cfg, run_dir)
     t_checked = time.time()
     device = pick_device(cfg)
     t_device = time.time()
-    monitor = Monitor(cfg.resilience)
+    monitor = Monitor(cfg.resilience, pg_backend(device))
     boot = {"checks": t_checked - t0, "cuda_context": t_device - t_checked,
             "nvrx_client": time.time() - t_device}
     return Job(cfg=cfg, run_dir=run_dir, faults=parsed, data=data, device=device, monitor=monitor,
