@@ -44,7 +44,6 @@ class Monitor:
         self.client = None
         self.learned = False
         self._open: set[str] = set()
-        self._pending_state: dict[str, Any] | None = None
         # The least a learned timeout may be (see _apply_floor). Under in-process restart NCCL
         # collectives blocked on a failed peer are aborted by the wrapper at once; gloo's cannot
         # be, so a surviving rank waits up to ``pg_timeout`` inside its step, which a learned
