@@ -6,6 +6,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kfp_nvrx.components.core.config import Config, load_config
 from kfp_nvrx.components.core.faults import Fault, check_faults
@@ -19,13 +20,19 @@ from kfp_nvrx.components.core.rundir import (
 from kfp_nvrx.components.core.safetensors_header import read_header
 from kfp_nvrx.components.errors import UserError
 
+if TYPE_CHECKING:  # data.py imports torch and numpy: imported where a dataset is opened
+    from kfp_nvrx.components.train_fsdp.trainer.data import TokenDataset
+
 
 def validate_inputs(config: str, overrides: list[str], faults: list[str], *,
-                    verify_data: bool = False) -> tuple[Config, list[Fault]]:
+                    verify_data: bool = False) -> tuple[Config, list[Fault], TokenDataset]:
     """Loads the config, parses faults and opens the dataset; raises UserError on bad input.
 
     ``verify_data`` also checks the shards' sha256 when the split is small enough to read
     (the launcher does it once; every worker repeating it would multiply the reads).
+
+    Returns:
+        The config, the parsed faults and the opened dataset (the worker trains on it).
     """
     cfg = load_config(config, overrides)
     # The world size is not checked here: an elastic job may run with fewer workers than its
@@ -42,7 +49,7 @@ def validate_inputs(config: str, overrides: list[str], faults: list[str], *,
         from kfp_nvrx.components.prepare_dataset.shards import check_checksums
 
         check_checksums(cfg.data.path, dataset.index, [cfg.data.split], "data.path")
-    return cfg, parsed
+    return cfg, parsed, dataset
 
 
 def check_in_process_timeouts(cfg: Config) -> None:
@@ -79,6 +86,23 @@ def check_launcher_env() -> None:
                         "launcher (kfp-nvrx launch-local, ft_launcher or torchrun), not on its own")
 
 
+def model_shapes(cfg: Config) -> dict[str, tuple[int, ...]] | None:
+    """This config's model's state dict keys and shapes, built on the meta device (no memory).
+
+    None when the model factory cannot build on the meta device: the checks that compare shapes
+    then leave the misfit to be reported where the weights are loaded.
+    """
+    import torch
+
+    from kfp_nvrx.components.train_fsdp.trainer.model import build_model
+
+    try:
+        with torch.device("meta"):
+            return {k: tuple(t.shape) for k, t in build_model(cfg.model).state_dict().items()}
+    except Exception:  # noqa: BLE001 - a meta-unfriendly factory
+        return None
+
+
 def check_checkpoint_model(cfg: Config, run_dir: Path) -> None:
     """The run dir's newest committed checkpoint must hold this config's model (names and shapes).
 
@@ -94,20 +118,17 @@ def check_checkpoint_model(cfg: Config, run_dir: Path) -> None:
         raise UserError("train.steps", f"{cfg.train.steps} is below the newest committed "
                         f"checkpoint (step {steps[0]}) in {root}: the run would end at once "
                         "without training; raise train.steps or use a fresh --run-dir")
-    import torch
     import torch.distributed.checkpoint as dcp
-
-    from kfp_nvrx.components.train_fsdp.trainer.model import build_model
 
     try:
         md = dcp.FileSystemReader(str(step_dir(root, steps[0]))).read_metadata()
-        with torch.device("meta"):
-            model = build_model(cfg.model)
-    except Exception:  # noqa: BLE001 - unreadable (resume falls back) or a meta-unfriendly factory
+    except Exception:  # noqa: BLE001 - unreadable: resume falls back to an older one
+        return
+    ours = model_shapes(cfg)
+    if ours is None:
         return
     theirs = {k[len("model."):]: tuple(m.size) for k, m in md.state_dict_metadata.items()
               if k.startswith("model.") and hasattr(m, "size")}
-    ours = {k: tuple(t.shape) for k, t in model.state_dict().items()}
     for key in sorted(set(ours) | set(theirs)):
         if theirs and ours.get(key) != theirs.get(key):
             raise UserError("checkpoint", f"step {steps[0]} in {root} was written by a different "
@@ -125,14 +146,8 @@ def check_init_from(cfg: Config) -> None:
     if not cfg.checkpoint.init_from:
         return
     shapes = read_header("checkpoint.init_from", cfg.checkpoint.init_from)
-    import torch
-
-    from kfp_nvrx.components.train_fsdp.trainer.model import build_model
-
-    try:
-        with torch.device("meta"):
-            ours = {k: tuple(t.shape) for k, t in build_model(cfg.model).state_dict().items()}
-    except Exception:  # noqa: BLE001 - a meta-unfriendly factory: warm_start reports a misfit
+    ours = model_shapes(cfg)
+    if ours is None:  # warm_start reports a misfit
         return
     for key in sorted(set(ours) | set(shapes)):
         if ours.get(key) != shapes.get(key):
@@ -161,7 +176,7 @@ def check_job(config: str, overrides: list[str], faults: list[str], run_dir: Pat
         (``field``, ``message``) for the launcher to raise again.
     """
     try:
-        cfg, _ = validate_inputs(config, overrides, faults, verify_data=True)
+        cfg, _, _ = validate_inputs(config, overrides, faults, verify_data=True)
         check_device(cfg)
         check_init_from(cfg)
         check_run_dir(run_dir)
@@ -175,22 +190,20 @@ def check_job(config: str, overrides: list[str], faults: list[str], run_dir: Pat
 def prepare_job(config: str, overrides: list[str], faults: list[str], run_dir: Path):
     """Validates everything, then creates the run dir and the per-worker Job."""
     t0 = time.time()
-    cfg, parsed = validate_inputs(config, overrides, faults)
+    cfg, parsed, data = validate_inputs(config, overrides, faults)
     check_device(cfg)
     check_init_from(cfg)
     check_run_dir(run_dir)
     check_checkpoint_model(cfg, run_dir)
     check_launcher_env()
-    from kfp_nvrx.components.train_fsdp.trainer.data import TokenDataset
     from kfp_nvrx.components.train_fsdp.trainer.resilience import Monitor
-    from kfp_nvrx.components.train_fsdp.trainer.train import Job, pick_device
+    from kfp_nvrx.components.train_fsdp.trainer.train import Job, pg_backend, pick_device
 
     write_config(cfg, run_dir)
-    data = TokenDataset(cfg.data.path, cfg.data.split)
     t_checked = time.time()
     device = pick_device(cfg)
     t_device = time.time()
-    monitor = Monitor(cfg.resilience)
+    monitor = Monitor(cfg.resilience, pg_backend(device))
     boot = {"checks": t_checked - t0, "cuda_context": t_device - t_checked,
             "nvrx_client": time.time() - t_device}
     return Job(cfg=cfg, run_dir=run_dir, faults=parsed, data=data, device=device, monitor=monitor,

@@ -30,18 +30,27 @@ class Monitor:
     """Rank-monitor client: sections ``setup``/``step``/``checkpoint`` and/or heartbeats.
 
     A no-op when ``resilience.monitor`` is ``off`` or no ft_launcher is around (plain torchrun).
+
+    Args:
+        cfg: The ``resilience`` config section.
+        backend: The process group's backend (``nccl`` or ``gloo``), which bounds learned timeouts.
     """
 
     SECTIONS = ("setup", "step", "checkpoint")
 
-    def __init__(self, cfg: ResilienceConfig) -> None:
+    def __init__(self, cfg: ResilienceConfig, backend: str) -> None:
         self.cfg = cfg
         self.enabled = cfg.monitor != "off" and under_ft_launcher()
         self.client = None
         self.learned = False
         self._open: set[str] = set()
-        self._pending_state: dict[str, Any] | None = None
+        # The least a learned timeout may be (see _apply_floor). Under in-process restart NCCL
+        # collectives blocked on a failed peer are aborted by the wrapper at once; gloo's cannot
+        # be, so a surviving rank waits up to ``pg_timeout`` inside its step, which a learned
+        # step timeout below that would take for a hang.
         self.floor = cfg.min_learned_timeout
+        if backend == "gloo" and cfg.in_process:
+            self.floor = max(self.floor, cfg.pg_timeout + 2.0)
         # The client's socket carries one message at a time: keepalive heartbeats come from a
         # second thread while the main thread is inside a long phase.
         self._lock = threading.Lock()
@@ -60,16 +69,6 @@ class Monitor:
         with self._lock:
             self.client.init_workload_monitoring()
         self._open.clear()
-
-    def bound_collectives(self, backend: str) -> None:
-        """Raise the floor above the collective timeout where a fault cannot abort collectives.
-
-        Under in-process restart NCCL collectives blocked on a failed peer are aborted by the
-        wrapper at once; gloo's cannot be, so a surviving rank waits up to ``pg_timeout`` inside
-        its step, which a learned step timeout below that would take for a hang.
-        """
-        if backend == "gloo" and self.cfg.in_process:
-            self.floor = max(self.cfg.min_learned_timeout, self.cfg.pg_timeout + 2.0)
 
     def disconnect(self) -> None:
         """Closes every section and leaves the rank monitor (before an in-process restart).

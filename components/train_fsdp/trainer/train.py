@@ -72,6 +72,11 @@ def make_deterministic() -> None:
     torch.backends.cuda.enable_math_sdp(True)
 
 
+def pg_backend(device: torch.device) -> str:
+    """The process group's backend for the training device."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
 def pick_device(cfg: Config) -> torch.device:
     """``train.device``: auto picks CUDA when present."""
     if cfg.train.deterministic:
@@ -143,7 +148,7 @@ def incarnation(job: Job, base_store: Any = None, call_wrapper: Any = None) -> N
     cfg, monitor = job.cfg, job.monitor
     iteration = call_wrapper.iteration if call_wrapper is not None else 0
     rank, world = env_int("RANK", 0), env_int("WORLD_SIZE", 1)
-    backend = "nccl" if job.device.type == "cuda" else "gloo"
+    backend = pg_backend(job.device)
     timeout = datetime.timedelta(seconds=cfg.resilience.pg_timeout)
     t_start = time.time()
     if base_store is not None:
@@ -156,7 +161,6 @@ def incarnation(job: Job, base_store: Any = None, call_wrapper: Any = None) -> N
     marks = [("pg_init", time.time())]
     events = EventLog(job.run_dir, enabled=rank == 0)
     injector = FaultInjector(job.faults, job.run_dir, rank)
-    monitor.bound_collectives(backend)
     monitor.connect()
     marks.append(("monitor_connect", time.time()))
     res = cfg.resilience
