@@ -38,12 +38,13 @@ def _scenario(rec: dict[str, Any], name: str, field: str, in_process: bool = Fal
     return sc[field], None
 
 
-def _throughput_row(t: dict[str, Any], preset: str, gpus: int, compile_on: bool | None = None):
-    rows = [x for x in t.get("runs", []) if x.get("kind") == "throughput"
+def throughput_rows(t: dict[str, Any], preset: str, gpus: int,
+                    compile_on: bool | None = None) -> list[dict[str, Any]]:
+    """Succeeded throughput rows of ``preset`` on ``gpus`` GPUs (``compile_on``: None = any)."""
+    return [x for x in t.get("runs", []) if x.get("kind") == "throughput"
             and x.get("preset") == preset and x.get("gpus", 1) == gpus
             and x.get("state") == "Succeeded" and x.get("tokens_per_s")
             and (compile_on is None or x.get("compile", "compile=on" in x["name"]) == compile_on)]
-    return rows
 
 
 def per_gpu_tokens(row: dict[str, Any]) -> float:
@@ -59,12 +60,12 @@ def throughput_keys(t: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
         for k in ("mfu_1b_2gpu", "scaling_efficiency_2gpu"):
             vals[k], why[k] = None, "no throughput JSON in this run"
         return vals, why
-    two = _throughput_row(t, "1b", 2)
+    two = throughput_rows(t, "1b", 2)
     vals["mfu_1b_2gpu"] = max((x["mfu"] for x in two), default=None)
     if not two:
         why["mfu_1b_2gpu"] = "no succeeded 1b throughput run on 2 GPUs (bench.throughput --gpus 2)"
     # Eager against eager: compile changes the step, not the scaling.
-    one, two = _throughput_row(t, "1b", 1, False), _throughput_row(t, "1b", 2, False)
+    one, two = throughput_rows(t, "1b", 1, False), throughput_rows(t, "1b", 2, False)
     if one and two:
         vals["scaling_efficiency_2gpu"] = per_gpu_tokens(two[0]) / per_gpu_tokens(one[0])
     else:

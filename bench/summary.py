@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import write_json
-from bench.keys import round_two_keys, run_records
+from bench.keys import round_two_keys, run_records, throughput_rows
 from bench.projection import best_interval, goodput, job_mtbf_s, young_daly
 
 NODES, NODE_MTBF_DAYS = 16, 30.0
@@ -99,9 +99,7 @@ def build_report(out: Path) -> dict[str, Any]:
     runs = {x["name"]: x for x in t.get("runs", [])}
 
     def best_mfu(preset: str) -> float | None:
-        vals = [x["mfu"] for x in t.get("runs", []) if x["preset"] == preset
-                and x["kind"] == "throughput" and x["state"] == "Succeeded" and x.get("gpus", 1) == 1]
-        return max(vals) if vals else None
+        return max((x["mfu"] for x in throughput_rows(t, preset, 1)), default=None)
 
     base = runs.get("1b compile=off", {})
     overheads = {}
