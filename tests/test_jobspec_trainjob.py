@@ -164,6 +164,21 @@ def test_nvrx_parser_accepts_the_command_under_v2_env(filename: str) -> None:
 
 
 @pytest.mark.parametrize("change,field", [
+    (dict(namespace="Team_A"), "--namespace"),
+    (dict(service_account="bad name"), "--service-account"),
+    (dict(node_selector={"node.kubernetes.io/instance-type": "p5 48xl"}), "--node-selector"),
+    (dict(fs_group=-1), "--fs-group"),
+    (dict(mount="/proc"), "--mount"),
+])
+def test_cluster_fields_are_checked_as_for_the_pytorchjob(change: dict, field: str) -> None:
+    spec = JobSpec(image=IMAGE, pvc="fsx", **{"name": "job", "nodes": "2", **change})
+    for render in (trainjob.render, pytorchjob.render):
+        with pytest.raises(UserError) as err:
+            render(spec)
+        assert err.value.field == field and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("change,field", [
     (dict(nodes="2:4"), "--nodes"),
     (dict(priority_class="high"), "--priority-class"),
     (dict(scheduler_name="volcano"), "--scheduler-name"),

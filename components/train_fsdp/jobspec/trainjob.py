@@ -29,6 +29,7 @@ from kfp_nvrx.components.core.config import Config, load_config
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.train_fsdp.jobspec import naming
 from kfp_nvrx.components.train_fsdp.jobspec import runtime as rt
+from kfp_nvrx.components.train_fsdp.jobspec.cluster_fields import check_cluster_fields
 from kfp_nvrx.components.train_fsdp.jobspec.pod import (
     annotations,
     check_pod_paths,
@@ -177,6 +178,7 @@ def build_trainjob(spec: JobSpec, runtime_name: str = rt.RUNTIME_NAME,
         UserError: On any bad value or a setting v2 cannot express, naming the flag.
 
     """
+    check_cluster_fields(spec)
     refuse_v1_only(spec)
     check_resource_name("--runtime", runtime_name)
     check_runtime_kind(runtime_kind)
