@@ -37,9 +37,12 @@ EXAMPLE = {"<account>": "123456789012", "<region>": "us-west-2"}
 # A documented image reference: an ECR host, a path ending in one of our repositories, a tag.
 IMAGE_RE = re.compile(r"[\w.<>-]+\.amazonaws\.com/[\w./-]*kfp-nvrx-(?:trainer|components):[\w.-]+")
 
-# Commands that need an engine, an AWS account or a cluster: record them instead.
+# Commands that need an engine, an AWS account or a cluster: record them instead. Each call is
+# one file of its own under $CALLS (named by time, pid and a random number, so they sort in call
+# order): both ends of a pipe (`aws ecr get-login-password | docker login`) record at the same
+# time, and records appended to one shared file interleaved under load.
 STUBS = r"""
-record() { local a; for a in "$@"; do printf '%s\037' "$a"; done >> "$CALLS"; echo >> "$CALLS"; }
+record() { printf '%s\037' "$@" > "$CALLS/$(date +%s%N).$BASHPID.$RANDOM"; }
 docker() { record docker "$@"; cat > /dev/null; }
 aws() { record aws "$@"; if [ "$1 $2" = "ecr get-login-password" ]; then echo not-a-password; fi; }
 pip() { record pip "$@"; }
@@ -79,13 +82,37 @@ def run_build_block(doc: Path, tmp_path: Path) -> tuple[list[list[str]], dict[st
     """Run the block of ``doc`` that builds the images; return the recorded calls and its env."""
     (block,) = [b for b in code_blocks(doc) if "docker buildx build" in b]
     calls, env_out = tmp_path / f"{doc.stem}.calls", tmp_path / f"{doc.stem}.env"
+    calls.mkdir()
     script = f"set -euo pipefail\n{STUBS}\n{block}\nenv -0 > {env_out}\n"
     done = subprocess.run(["bash", "-c", script], cwd=ROOT, capture_output=True, text=True,
                           env=clean_env(CALLS=str(calls)))
     assert done.returncode == 0, done.stderr
-    recorded = [line.split("\037")[:-1] for line in calls.read_text().splitlines()]
+    recorded = recorded_calls(calls)
     env = dict(item.split("=", 1) for item in env_out.read_text().split("\0") if "=" in item)
     return recorded, env
+
+
+def recorded_calls(calls: Path) -> list[list[str]]:
+    """The stubs' records under ``calls``, in call order: one argument list per file."""
+    return [f.read_text().split("\037")[:-1] for f in sorted(calls.iterdir())]
+
+
+def test_stub_records_stay_whole_when_both_ends_of_a_pipe_record(tmp_path):
+    """40 pipes whose two ends record at once: every record is one whole call, none is lost."""
+    calls = tmp_path / "calls"
+    calls.mkdir()
+    long_arg = "x" * 3000  # longer than one write of a line-buffered shell builtin
+    script = (f"set -euo pipefail\n{STUBS}\nfor i in $(seq 40); do\n"
+              f"  (aws ecr get-login-password --region r$i | docker login --password-stdin "
+              f"h$i {long_arg}) &\ndone\nwait\n")
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True,
+                          env=clean_env(CALLS=str(calls)))
+    assert done.returncode == 0, done.stderr
+    got = sorted(map(tuple, recorded_calls(calls)))
+    want = sorted([("aws", "ecr", "get-login-password", "--region", f"r{i}") for i in
+                   range(1, 41)] + [("docker", "login", "--password-stdin", f"h{i}", long_arg)
+                                    for i in range(1, 41)])
+    assert got == want
 
 
 def pushed_refs(calls: list[list[str]]) -> dict[str, str]:
