@@ -230,6 +230,33 @@ def test_invalid_cron(cron):
     assert err.value.field == "--cron"
 
 
+@pytest.mark.parametrize("cron", [
+    "0 0 0 30 2 *", "0 0 0 31 4 *", "0 0 0 31 2,4,6,9,11 *", "0 0 12 30-31 FEB ?",
+    "0 0 0 31 SEP */1",
+])
+def test_cron_that_can_never_fire_is_refused(cron):
+    """Day-of-month and month that no calendar date has: croniter finds no firing in 400 years."""
+    with pytest.raises(UserError) as err:
+        validate_cron(cron)
+    assert err.value.field == "--cron" and "never fires" in err.value.message
+
+
+@pytest.mark.parametrize("cron", ["0 0 0 29 2 *", "0 0 0 30 2 MON", "0 0 0 31 * *"])
+def test_cron_that_fires_rarely_or_by_weekday_passes(cron):
+    """Feb 29 fires in leap years; with a weekday set robfig ORs the two day fields."""
+    assert validate_cron(cron) == cron
+
+
+@pytest.mark.parametrize("cron, needle", [
+    ("0 0 3 * * 7", "outside 0-6"), ("0 0 0 1 DEC-JAN *", "backwards"), ("0 0 3 L * *", "extensions"),
+    ("0 0 3 * * 1#2", "extensions"), ("H 0 3 * * *", "extensions"), ("0 0 3 1,,2 * *", "valid"),
+])
+def test_what_croniter_reads_but_kfp_refuses_is_refused(cron, needle):
+    with pytest.raises(UserError) as err:
+        validate_cron(cron)
+    assert needle in err.value.message and "\n" not in err.value.one_line()
+
+
 def test_parse_params_types():
     spec = {"s": {"parameterType": "STRING"}, "i": {"parameterType": "NUMBER_INTEGER"},
             "f": {"parameterType": "NUMBER_DOUBLE"}, "b": {"parameterType": "BOOLEAN"},
