@@ -16,10 +16,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from kfp_nvrx.components.core.config_text import parse_set_value, read_config_file
+from kfp_nvrx.components.core.config_text import (
+    AmbiguousNumber,
+    parse_set_value,
+    read_config_file,
+)
 from kfp_nvrx.components.errors import UserError
 
 PRESETS_DIR = Path(__file__).parent / "configs"
+#: The largest value of an int field that declares no upper bound of its own: every count,
+#: size and step of a run fits a signed 32-bit int (torch indices, the job spec, JSON readers).
+MAX_INT = 2**31 - 1
 
 
 def setting(default: Any, *, gt: float | None = None, ge: float | None = None,
@@ -28,7 +35,8 @@ def setting(default: Any, *, gt: float | None = None, ge: float | None = None,
     """A config field with its constraint, checked on every assignment (YAML, ``--set``, Python).
 
     The constraint is ``gt < value`` or ``ge <= value``, and ``value <= le`` or ``value < lt``,
-    or one of ``choices``. Every float field must also be finite (no nan, no inf).
+    or one of ``choices``. Every float field must also be finite (no nan, no inf), and an int
+    field without an upper bound is at most :data:`MAX_INT`.
     """
     return field(default=default, metadata={"gt": gt, "ge": ge, "le": le, "lt": lt,
                                             "choices": choices})
@@ -71,7 +79,9 @@ class ModelConfig(Section):
     """Built-in Llama-style decoder (RMSNorm, RoPE, SwiGLU, SDPA) or a user factory."""
 
     section: ClassVar[str] = "model"
-    vocab_size: int = positive(256)
+    # 2^24: beyond the largest vocabularies in use (~1M), and an embedding table of that many
+    # rows already takes gigabytes; a typo such as 2**70 must not reach every worker.
+    vocab_size: int = setting(256, gt=0, le=2**24)
     dim: int = positive(64)
     n_layers: int = positive(2)
     n_heads: int = positive(4)
@@ -227,6 +237,9 @@ def _check(key: str, value: Any, rule: Mapping[str, Any]) -> None:
     if isinstance(value, float) and not math.isfinite(value):
         raise UserError(key, f"must be a finite number, got {value}")
     gt, ge, le, lt = (rule.get(k) for k in ("gt", "ge", "le", "lt"))
+    if isinstance(value, int) and not isinstance(value, bool) and le is None and lt is None \
+            and value > MAX_INT:
+        raise UserError(key, f"must be <= {MAX_INT} (2^31 - 1), got {value}")
     if ((gt is not None and not value > gt) or (ge is not None and not value >= ge)
             or (le is not None and not value <= le) or (lt is not None and not value < lt)):
         raise UserError(key, f"must be {_bounds(rule)}, got {value}")
@@ -234,12 +247,16 @@ def _check(key: str, value: Any, rule: Mapping[str, Any]) -> None:
 
 def _coerce(key: str, value: Any, typ: Any, rule: Mapping[str, Any]) -> Any:
     """Checks ``value`` against the annotated type (ints may stand for floats, not bools)."""
+    if isinstance(value, AmbiguousNumber):
+        raise UserError(key, f"{str(value)!r} is a number YAML 1.1 and 1.2 read differently (a "
+                        "leading 0 is octal in 1.1, decimal in 1.2) or no plain decimal (0x, 0o, "
+                        "0b, _); write it in plain decimal, or quote it for a string")
     if typ is bool:
         if isinstance(value, bool):
             return value
     elif typ is int:
         if isinstance(value, int) and not isinstance(value, bool):
-            return value
+            return int(value)  # a plain int, not config_text.YamlInt
     elif typ is float:
         if isinstance(value, (int, float, str)) and not isinstance(value, bool):
             try:  # YAML 1.1 reads `1e-3` (no dot) as a string
@@ -250,13 +267,13 @@ def _coerce(key: str, value: Any, typ: Any, rule: Mapping[str, Any]) -> Any:
                 pass
     elif typ is str:
         if isinstance(value, str):
-            return value
+            return str(value)
         choices = rule.get("choices") or ()
         word = {False: "off", True: "on"}.get(value) if isinstance(value, bool) else None
         if word is not None and word in choices:
             return word  # YAML 1.1 reads a bare `off` as false
         if isinstance(value, (int, float)) and not isinstance(value, bool) and not choices:
-            return str(value)
+            return getattr(value, "text", None) or str(value)  # YAML `name: 1.50` keeps "1.50"
     name = getattr(typ, "__name__", str(typ))
     raise UserError(key, f"expected {name}, got {value!r} ({type(value).__name__})")
 

@@ -66,21 +66,17 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _affinity(text: str) -> dict[str, Any] | None:
-    import yaml
-
+    from kfp_nvrx.components.core.bounded import CONFIG_LIMIT, read_text
+    from kfp_nvrx.components.core.config_text import load_yaml
     from kfp_nvrx.components.errors import UserError
 
     if not text:
         return None
-    if text.startswith("@"):
-        try:
-            text = open(text[1:]).read()  # noqa: SIM115 - small file
-        except OSError as err:
-            raise UserError("--affinity", f"cannot read {text[1:]}: {err.strerror}") from None
-    try:
-        value = yaml.safe_load(text)
-    except yaml.YAMLError:
-        value = None
+    where = "--affinity"
+    if text.startswith("@"):  # a file: bounded, regular files only (no /dev/zero, no FIFO)
+        where = text[1:]
+        text = read_text(where, "--affinity", CONFIG_LIMIT, "affinity file")
+    value = load_yaml(text, "--affinity", where)
     if not isinstance(value, dict):
         raise UserError("--affinity", "expected a YAML/JSON mapping (Kubernetes affinity fields)")
     return value
