@@ -94,11 +94,13 @@ def is_run_dir(run_dir: str | os.PathLike[str], sections: Collection[str] = ()) 
         return False
     if not ((d / "checkpoints").is_dir() or (d / "events.jsonl").is_file()):
         return False
-    import yaml
+    from kfp_nvrx.components.core.bounded import CONFIG_LIMIT, read_text
+    from kfp_nvrx.components.core.config_text import load_yaml
 
     try:
-        raw = yaml.safe_load((d / "config.yaml").read_text(encoding="utf-8"))
-    except (OSError, ValueError, yaml.YAMLError):
+        raw = load_yaml(read_text(d / "config.yaml", "--run-dir", CONFIG_LIMIT), "--run-dir",
+                        d / "config.yaml")
+    except UserError:
         return False
     return isinstance(raw, dict) and bool(raw) and set(map(str, raw)) <= set(sections)
 

@@ -3,7 +3,11 @@
 Definitions:
 - *kept* steps are the last execution of each step number (an earlier execution of the same step
   was rolled back by a restart and is *redone* work);
-- goodput = time inside kept steps / wall time (first event to last event);
+- a *session* is one invocation of the launcher: it ends with an ``end`` event, and a ``start``
+  event of another ``run_id`` (the rendezvous id, new per launcher) begins the next one. The idle
+  time between two sessions of a resumed run is nobody's lost work: it is not counted;
+- wall time = the sum over sessions of first event to last event;
+- goodput = time inside kept steps / wall time;
 - lost work = time inside redone steps;
 - recovery = fault (or the last step before a restart) -> first step of the next incarnation;
 - checkpoint stall = sum of the blocking seconds of every save;
@@ -14,6 +18,7 @@ Definitions:
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -50,13 +55,38 @@ def _incarnation(ev: dict[str, Any]) -> tuple[int, int]:
     return int(ev.get("incarnation", 0)), int(ev.get("iteration", 0))
 
 
+def sessions(events: list[dict[str, Any]]) -> list[int]:
+    """The session (launcher invocation) of each event, 0, 1, ... (see the module docstring)."""
+    out: list[int] = []
+    index, run_id, ended = 0, None, False
+    for e in events:
+        rid = e.get("run_id") or None if e["type"] == "start" else None
+        if out and (ended or (rid is not None and run_id is not None and rid != run_id)):
+            index, run_id, ended = index + 1, None, False
+        if rid is not None:
+            run_id = rid
+        ended = ended or e["type"] == "end"
+        out.append(index)
+    return out
+
+
+def _wall(events: list[dict[str, Any]], sess: list[int]) -> float:
+    """Sum over sessions of first event (a step's start) to last event (a step's end)."""
+    spans: dict[int, list[float]] = {}
+    for e, k in zip(events, sess, strict=True):
+        lo, hi = e.get("start", e["time"]), max(e["time"], e.get("end", e["time"]))
+        span = spans.setdefault(k, [lo, hi])
+        span[0], span[1] = min(span[0], lo, e["time"]), max(span[1], hi)
+    return sum(hi - lo for lo, hi in spans.values())
+
+
 def summarize_events(events: list[dict[str, Any]]) -> GoodputReport:
     """Computes the report from a list of events (see :mod:`events` for the schema)."""
     rep = GoodputReport()
     if not events:
         return rep
-    times = [e["time"] for e in events] + [e["end"] for e in events if e["type"] == "step"]
-    rep.wall_s = max(times) - min(e.get("start", e["time"]) for e in events)
+    sess = sessions(events)
+    rep.wall_s = _wall(events, sess)
     steps = [e for e in events if e["type"] == "step"]
     last_exec: dict[int, int] = {}
     for i, e in enumerate(steps):
@@ -82,11 +112,11 @@ def summarize_events(events: list[dict[str, Any]]) -> GoodputReport:
             rep.checkpoint_stall_s += float(e.get("blocking_s", 0.0))
         elif e["type"] == "fault":
             rep.faults += 1
-    rep.recovery_s = _recoveries(events)
+    rep.recovery_s = _recoveries(events, sess)
     if rep.recovery_s:
         rep.recovery_mean_s = sum(rep.recovery_s) / len(rep.recovery_s)
         rep.recovery_max_s = max(rep.recovery_s)
-    rep.what_happened = narrate(events)
+    rep.what_happened = narrate(events, sess)
     return rep
 
 
@@ -95,26 +125,32 @@ _FAULT_VERBS = {"kill": "killed", "raise": "raised an exception", "hang": "hung"
                 "kill-in-ckpt": "killed while checkpointing", "stall": "stalled"}
 
 
-def narrate(events: list[dict[str, Any]]) -> list[str]:
-    """Return one sentence per restart.
+def narrate(events: list[dict[str, Any]], sess: list[int] | None = None) -> list[str]:
+    """Return one sentence per restart (and per relaunch of a resumed run).
 
     E.g. "rank 1 killed at step 20, resumed from step 10 in 4.1 s, 9 steps redone": redone counts
     the stopped incarnation's executions past the resumed step (as ``steps_redone`` does),
-    recovery runs from the fault (or the last step) to the next incarnation's first step.
+    recovery runs from the fault (or the last step) to the next incarnation's first step. A new
+    session reads "relaunched, resumed from step 10, 2 steps redone": the time between two
+    launcher invocations is no recovery.
     """
+    sess = sessions(events) if sess is None else sess
     out: list[str] = []
     fault: dict[str, Any] | None = None
-    current: tuple[int, int] | None = None
+    current: tuple[int, int, int] | None = None
     done: list[int] = []  # steps the current incarnation executed
     last_end: float | None = None
     pending: dict[str, Any] | None = None  # a restart waiting for its first step (recovery)
-    for e in events:
+    for e, k in zip(events, sess, strict=True):
         if e["type"] == "fault" and fault is None:
             fault = e
         elif e["type"] == "start":
-            inc = _incarnation(e)
+            inc = (k, *_incarnation(e))
+            relaunch = current is not None and k != current[0]
             if current is not None and inc != current:
-                if fault is not None:
+                if relaunch:
+                    what = "relaunched"
+                elif fault is not None:
                     rank = f"rank {fault['rank']}" if fault.get("rank") is not None else "a rank"
                     what = (f"{rank} {_FAULT_VERBS.get(fault['kind'], fault['kind'] + ' fault')}"
                             f" at step {fault['step']}")
@@ -125,14 +161,14 @@ def narrate(events: list[dict[str, Any]]) -> list[str]:
                 if e.get("from_memory"):
                     where += " (host memory)"
                 redone = sum(1 for s in done if s > (base or 0))
-                origin = fault["time"] if fault is not None else last_end
+                origin = None if relaunch else fault["time"] if fault is not None else last_end
                 pending = {"text": f"{what}, {where}", "origin": origin,
                            "redone": f"{redone} step{'s' if redone != 1 else ''} redone"}
                 fault, done = None, []
             current = inc
         elif e["type"] == "step":
-            if current is None or _incarnation(e) != current:  # a log without start events
-                current, done = _incarnation(e), []
+            if current is None or (k, *_incarnation(e)) != current:  # a log without starts
+                current, done = (k, *_incarnation(e)), []
             if pending is not None:
                 took = ("" if pending["origin"] is None
                         else f" in {e['end'] - pending['origin']:.1f} s")
@@ -145,18 +181,20 @@ def narrate(events: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-def _recoveries(events: list[dict[str, Any]]) -> list[float]:
-    """Fault -> first step of the next incarnation, one figure per restart."""
+def _recoveries(events: list[dict[str, Any]], sess: list[int]) -> list[float]:
+    """Fault -> first step of the next incarnation, one figure per restart (not per relaunch)."""
     out = []
     last_fault: float | None = None
     last_step_end: float | None = None
-    current: tuple[int, int] | None = None
-    for e in events:
+    current: tuple[int, int, int] | None = None
+    for e, k in zip(events, sess, strict=True):
         if e["type"] == "fault":
             last_fault = e["time"] if last_fault is None else last_fault
         elif e["type"] == "step":
-            inc = _incarnation(e)
-            if current is not None and inc != current:
+            inc = (k, *_incarnation(e))
+            if current is not None and inc[0] != current[0]:
+                last_fault = None  # a relaunch: the idle time between sessions is no recovery
+            elif current is not None and inc != current:
                 origin = last_fault if last_fault is not None else last_step_end
                 if origin is not None:
                     out.append(round(e["end"] - origin, 3))
@@ -166,6 +204,7 @@ def _recoveries(events: list[dict[str, Any]]) -> list[float]:
     return out
 
 
-def summarize(run_dir: str | os.PathLike) -> GoodputReport:
-    """Reads ``<run_dir>/events.jsonl`` and summarises it."""
-    return summarize_events(read_events(run_dir))
+def summarize(run_dir: str | os.PathLike,
+              warn: Callable[[str], None] | None = None) -> GoodputReport:
+    """Reads ``<run_dir>/events.jsonl`` and summarises it (``warn``: one line per bad line)."""
+    return summarize_events(read_events(run_dir, warn))

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from kfp_nvrx.components.core.bounded import read_json
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.ownership import check_run_dir_owned, claim_run_dir
 
@@ -140,7 +141,7 @@ def write_commit_marker(path: Path, step: int, world_size: int) -> int:
     files = _dir_files(path)
     sums: dict[str, int] = {}
     for sidecar in path.glob(f"{CRC_SIDECAR_PREFIX}*.json"):
-        sums.update(json.loads(sidecar.read_text()))
+        sums.update(read_json(sidecar, "checkpoint"))
     if (path / DCP_METADATA).is_file():
         sums[DCP_METADATA] = crc32_file(path / DCP_METADATA)
     nbytes = sum(files.values())
@@ -160,9 +161,9 @@ def read_commit_marker(path: Path) -> dict[str, Any] | None:
     if not marker_path.is_file():
         return None
     try:
-        marker = json.loads(marker_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"unreadable commit marker ({err})") from None
+        marker = read_json(marker_path, "checkpoint")
+    except UserError as err:
+        raise ValueError(f"unreadable commit marker ({err.message})") from None
     if not isinstance(marker, dict):
         raise ValueError("commit marker is not a JSON object")
     return marker

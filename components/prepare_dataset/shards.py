@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from kfp_nvrx.components.core.bounded import read_json
 from kfp_nvrx.components.errors import UserError
 
 FORMAT = "kfp-nvrx-tokens/1"
@@ -135,10 +136,7 @@ def read_index(data_dir: str | os.PathLike[str], field_name: str = "data") -> di
     if not path.is_file():
         raise UserError(field_name, f"{data_dir} is not a dataset (no {INDEX_NAME}); "
                         "create one with kfp-nvrx prepare-data")
-    try:
-        index = json.loads(path.read_bytes().decode("utf-8"))
-    except (OSError, ValueError) as err:
-        raise UserError(field_name, f"cannot read {path}: {err}") from None
+    index = read_json(path, field_name, what="dataset index")  # bounded, depth-safe
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         got = index.get("format") if isinstance(index, dict) else type(index).__name__
         raise UserError(field_name, f"{path} has format {got!r}, expected {FORMAT!r}")

@@ -14,9 +14,11 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from kfp_nvrx.components.core.bounded import SOURCE_LINE_LIMIT, iter_lines, open_regular
 from kfp_nvrx.components.errors import UserError
 
 TEXT_SUFFIXES = (".txt",)
@@ -46,7 +48,9 @@ def resolve_sources(source: str) -> list[Path]:
         if not files:
             raise UserError("source", f"directory {source} holds no {'/'.join(SUFFIXES)} file")
         return files
-    if path.is_file():
+    if path.exists() and not path.is_dir():
+        if not path.is_file():  # /dev/zero, a FIFO: refused before anything reads it
+            open_regular(path, "source")
         if path.suffix.lower() not in SUFFIXES:
             raise UserError("source", f"{source}: unsupported file type; use {'/'.join(SUFFIXES)}")
         return [path]
@@ -57,7 +61,7 @@ def file_sha256(path: Path) -> str:
     """Return the sha256 of a source file's bytes (UserError ``source`` when unreadable)."""
     digest = hashlib.sha256()
     try:
-        with open(path, "rb") as fh:
+        with os.fdopen(open_regular(path, "source"), "rb") as fh:
             for block in iter(lambda: fh.read(1 << 20), b""):
                 digest.update(block)
     except OSError as err:
@@ -66,14 +70,20 @@ def file_sha256(path: Path) -> str:
 
 
 def _lines(path: Path) -> Iterator[tuple[int, str]]:
-    try:
-        with open(path, encoding="utf-8", errors="strict") as fh:
-            yield from enumerate(fh, start=1)
-    except OSError as err:
-        raise UserError("source", f"cannot read {path}: {err.strerror or err}") from None
-    except UnicodeDecodeError as err:
-        raise UserError("source", f"{path} is not UTF-8 text (bad byte at offset {err.start})"
-                        ) from None
+    """The lines of a source file with their newline; a line over SOURCE_LINE_LIMIT is an error."""
+    offset = 0
+    for lineno, raw in enumerate(iter_lines(path, "source", SOURCE_LINE_LIMIT, keep_ends=True),
+                                 start=1):
+        if raw is None:
+            raise UserError("source", f"{path}:{lineno}: a line longer than "
+                            f"{SOURCE_LINE_LIMIT >> 20} MiB; split the document into lines or "
+                            "paragraphs")
+        try:
+            yield lineno, raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise UserError("source", f"{path} is not UTF-8 text (bad byte at offset "
+                            f"{offset + err.start})") from None
+        offset += len(raw)
 
 
 def _text_documents(path: Path) -> Iterator[str]:

@@ -14,6 +14,7 @@ from typing import Protocol
 
 import numpy as np
 
+from kfp_nvrx.components.core.bounded import TOKENIZER_LIMIT, read_bytes
 from kfp_nvrx.components.errors import UserError
 
 #: Special tokens tried, in order, when a tokenizer.json is given without ``--eos-token``.
@@ -78,10 +79,7 @@ class JsonTokenizer:
                 "a tokenizer.json needs the 'tokenizers' package: pip install 'kfp-nvrx[launcher]' "
                 "(or pip install tokenizers), or use --tokenizer byte",
             ) from None
-        try:
-            data = path.read_bytes()
-        except OSError as err:
-            raise UserError("tokenizer", f"cannot read {path}: {err.strerror or err}") from None
+        data = read_bytes(path, "tokenizer", TOKENIZER_LIMIT, "tokenizer.json")
         try:
             self._tok = HFTokenizer.from_str(data.decode("utf-8"))
         except Exception as err:  # noqa: BLE001 - tokenizers raises plain Exception subclasses

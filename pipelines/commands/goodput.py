@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from kfp_nvrx.components.errors import UserError
@@ -23,9 +24,12 @@ def _run(args: argparse.Namespace) -> int:
 
     if not (Path(args.run_dir) / EVENTS_FILE).is_file():
         raise UserError("--run-dir", f"{args.run_dir} has no {EVENTS_FILE} (not a training run)")
-    rep = summarize(args.run_dir).to_dict()
+    def warn(msg: str) -> None:  # one line per bad line of events.jsonl; the report still comes
+        sys.stderr.write(f"kfp-nvrx goodput: warning: {msg}\n")
+
+    rep = summarize(args.run_dir, warn).to_dict()
     if args.json:
-        print(json.dumps(rep, indent=2))
+        print(json.dumps(rep, indent=2, allow_nan=False))  # strict JSON: the events hold no NaN
         return 0
     width = max(len(k) for k in rep)
     for key, value in rep.items():
