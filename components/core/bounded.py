@@ -115,8 +115,10 @@ def read_text(path: str | os.PathLike[str], field: str, limit: int, what: str = 
 
 
 def iter_lines(path: str | os.PathLike[str], field: str, line_limit: int,
-               limit: int | None = None) -> Iterator[bytes | None]:
-    """The lines of a regular file as bytes (newline stripped); ``None`` for a line over the cap.
+               limit: int | None = None, keep_ends: bool = False) -> Iterator[bytes | None]:
+    """The lines of a regular file as bytes; ``None`` for a line over the cap.
+
+    The newline is stripped unless ``keep_ends``.
 
     An over-long line is skipped to its end without holding it in memory; the caller decides
     whether that is an error (a source document) or a warning (an event). ``limit`` caps the
@@ -144,7 +146,7 @@ def iter_lines(path: str | os.PathLike[str], field: str, line_limit: int,
             if limit is not None and total > limit:
                 raise UserError(field, f"{path} is larger than {_size(limit)}; give the right "
                                 "file")
-            yield None if line is None else line.rstrip(b"\r\n")
+            yield line if line is None or keep_ends else line.rstrip(b"\r\n")
 
 
 def _refuse_constant(name: str) -> Any:
