@@ -46,6 +46,67 @@ _HOST = rf"{_LABEL}(?:\.{_LABEL})*"
 _PATH = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
 _REGISTRY_RE = re.compile(rf"^(?:{_HOST}(?::[0-9]+)?)(?:/{_PATH})*$")
 _TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+# A whole reference: [host[:port]/]path[:tag][@algorithm:hex], hosts may be [IPv6].
+_DOMAIN = rf"(?:{_HOST}|\[[0-9a-fA-F:.]+\])(?::[0-9]+)?"
+_REFERENCE_RE = re.compile(rf"^(?:(?P<domain>{_DOMAIN})/)?(?P<path>{_PATH}(?:/{_PATH})*)"
+                           r"(?::(?P<tag>[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}))?"
+                           r"(?:@(?P<algorithm>[A-Za-z0-9+._-]+):(?P<hex>[^/@:]*))?$")
+#: Digest algorithms a registry serves (OCI image spec) -> hex digits of their digest.
+DIGEST_HEX = {"sha256": 64, "sha512": 128}
+#: Longest repository name (host and path) distribution/reference accepts.
+MAX_NAME = 255
+
+
+def check_reference(field: str, value: str) -> str:
+    """Check an image reference against the container reference grammar (distribution/reference).
+
+    ``[host[:port]/]path[:tag][@sha256:<64 hex>]``: path components lower-case, a tag of at most
+    128 word characters, a digest of the length its algorithm gives. A reference the kubelet
+    cannot pull must fail here, in one line, not as ``ImagePullBackOff`` on every node.
+
+    Args:
+        field: The flag or parameter the reference came from (named in the error).
+        value: The reference as given.
+
+    Returns:
+        ``value`` unchanged.
+
+    Raises:
+        UserError: Naming ``field``, what is wrong and an example.
+
+    """
+    example = "e.g. 123456789012.dkr.ecr.us-west-2.amazonaws.com/kfp-nvrx/kfp-nvrx-trainer:0.1.0"
+    if not value:
+        raise UserError(field, f"the image is required ({example})")
+    if any(ch.isspace() or not ch.isprintable() for ch in value):
+        raise UserError(field, f"invalid image {value!r}: it holds whitespace or a control "
+                        f"character; give one reference, {example}")
+    match = _REFERENCE_RE.match(value)
+    if match is None:
+        name = value.split("@", 1)[0]
+        last = name.rsplit("/", 1)[-1]
+        repo = name[:len(name) - len(last)] + last.split(":", 1)[0]
+        why = ("the repository must be lower-case" if repo != repo.lower() else
+               "not [host[:port]/]name[:tag][@sha256:digest] (name components of a-z, 0-9 and "
+               "single '.', '_' or '-' between them; a tag of at most 128 letters, digits, '_', "
+               "'.', '-')")
+        raise UserError(field, f"invalid image {value!r}: {why}; {example}")
+    name = value.split("@", 1)[0].rsplit(":", 1)[0] if match["tag"] else value.split("@", 1)[0]
+    if len(name) > MAX_NAME:
+        raise UserError(field, f"invalid image: the repository name is {len(name)} characters "
+                        f"long, at most {MAX_NAME} are allowed")
+    if match["algorithm"] is not None:
+        algorithm, digits = match["algorithm"], match["hex"]
+        want = DIGEST_HEX.get(algorithm)
+        if want is None:
+            raise UserError(field, f"invalid image {value!r}: digest algorithm {algorithm!r}; "
+                            f"use {' or '.join(DIGEST_HEX)}")
+        if len(digits) != want or not re.fullmatch(r"[0-9a-f]+", digits):
+            got = (f"{len(digits)} characters" if len(digits) != want else
+                   "other characters than 0-9 and a-f")
+            raise UserError(field, f"invalid image {value!r}: a {algorithm} digest is {want} "
+                            f"lower-case hex digits, got {got}")
+    return value
 
 
 def registry(value: str | None = None) -> str:

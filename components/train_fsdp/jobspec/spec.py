@@ -22,7 +22,6 @@ if TYPE_CHECKING:
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _QUANTITY = re.compile(r"^([0-9]+(\.[0-9]+)?|\.[0-9]+)(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
-_IMAGE = re.compile(r"^[^\s]+$")
 #: Kubernetes resource names (PVCs, Secrets, PriorityClasses): DNS-1123 subdomain.
 _DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 #: Env the operator or the pod spec owns; a user value would break rendezvous or the launcher.
@@ -232,11 +231,10 @@ def check_resource_name(flag: str, value: str) -> str:
 
 
 def check_image(value: str) -> str:
-    """Check for a non-empty image reference without whitespace."""
-    if not value or not _IMAGE.match(value):
-        raise UserError("--image", "the trainer image is required (e.g. <account>.dkr.ecr.<region>"
-                        ".amazonaws.com/kfp-nvrx-trainer:0.1.0)")
-    return value
+    """Check the trainer image: required, and a reference by the container reference grammar."""
+    from kfp_nvrx.components.images import check_reference
+
+    return check_reference("--image", value)
 
 
 def parse_key_values(flag: str, items: list[str]) -> dict[str, str]:
