@@ -15,6 +15,7 @@ import json
 import re
 import threading
 import urllib.error
+import urllib.parse
 import urllib.request
 import warnings
 from pathlib import Path
@@ -147,7 +148,8 @@ def _probe(host: str, token: str | None, timeout: float) -> None:
             body = resp.read()
     except urllib.error.HTTPError as err:
         if err.code in (301, 302, 303, 307, 308):
-            where = err.headers.get("Location", "a login page")
+            where = redact(" ".join(err.headers.get("Location", "a login page").split()),
+                           [token or ""])[:300]
             raise UserError("--host", f"{host} redirected to {where} (login required); "
                             f"{_AUTH_HINT}") from None
         if err.code in (401, 403):
@@ -169,12 +171,42 @@ def _probe(host: str, token: str | None, timeout: float) -> None:
                         "give the pipelines API/UI base URL") from None
 
 
-def api_error(host: str, err: Exception, secrets: tuple[str, ...] = ()) -> UserError:
+def _refuse_redirects(client: Any, seen: list[tuple[str, str, str]]) -> None:
+    """Make every request of ``client`` hand a 3xx back instead of following it.
+
+    urllib3 (under ``kfp.Client``) follows 301/302/307/308 by re-sending the request, POST body
+    included, to wherever ``Location`` points; an auth proxy or a hostile server could collect
+    pipeline specs and parameters that way. Each refused redirect is recorded in ``seen`` as
+    (method, request URL, absolute Location) for the error message.
+    """
+    pool = client._run_api.api_client.rest_client.pool_manager  # shared by every generated API
+    follow = pool.urlopen
+
+    def urlopen(method: str, url: str, redirect: bool = True, **kw: Any) -> Any:
+        resp = follow(method, url, redirect=False, **kw)
+        if 300 <= resp.status < 400:
+            seen.append((method, url, urllib.parse.urljoin(url, resp.headers.get("Location")
+                                                           or "")))
+        return resp
+
+    pool.urlopen = urlopen
+
+
+def api_error(host: str, err: Exception, secrets: tuple[str, ...] = (),
+              redirects: list[tuple[str, str, str]] | None = None) -> UserError:
     """Fold an exception from a ``kfp.Client`` call into one line naming ``--host``.
 
-    ``secrets`` (the bearer token) are cut out of whatever the server or the client library said.
+    ``secrets`` (the bearer token) are cut out of whatever the server or the client library said;
+    ``redirects`` are the ones :func:`_refuse_redirects` refused.
     """
     status = getattr(err, "status", None)
+    if isinstance(status, int) and 300 <= status < 400:
+        method, url, where = (redirects or [("a", host, "")])[-1]
+        path = urllib.parse.urlsplit(url).path or "/"
+        where = redact(" ".join(where.split()), secrets)[:300] or "nowhere (no Location)"
+        return UserError("--host", f"the KFP API at {host} answered {method} {path} with HTTP "
+                         f"{status}, redirecting to {where}; not followed: it would re-send the "
+                         "request and its body there. Give the API's final URL as --host")
     if status in (401, 403):
         return UserError("--host", f"the KFP API at {host} refused the request (HTTP {status}); "
                          f"{_AUTH_HINT}")
@@ -261,9 +293,11 @@ class KfpApi:
         self.host = normalize_host(host)
         self.timeout = float(timeout)
         self._secrets = (token,) if token else ()
+        self._redirects: list[tuple[str, str, str]] = []
         _probe(self.host, token, self.timeout)
         self.client = self.call(kfp.Client, host=self.host, existing_token=token,
                                 namespace=namespace or "kubeflow")
+        _refuse_redirects(self.client, self._redirects)
 
     def call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Run one client call with its prints captured, a deadline, and errors as one line.
@@ -292,7 +326,7 @@ class KfpApi:
         if isinstance(err, UserError):
             raise err
         if err is not None:
-            raise api_error(self.host, err, self._secrets) from None
+            raise api_error(self.host, err, self._secrets, self._redirects) from None
         return box["value"]
 
 

@@ -12,8 +12,8 @@ them, with the request/response shapes of the KFP v2beta1 API (``kfp_server_api`
 
 Every request is recorded (method, path, query, headers, JSON body) so tests can assert exactly
 what was sent. ``token`` makes every endpoint answer 401 unless ``Authorization: Bearer <token>``
-is present; ``redirect_to`` makes every endpoint answer 302 (an auth proxy's login redirect);
-``fail`` makes one route answer an API error.
+is present; ``redirect_to`` makes every endpoint answer 302 (an auth proxy's login redirect), ``redirect``
+one route; ``fail`` makes one route answer an API error.
 """
 
 from __future__ import annotations
@@ -52,6 +52,8 @@ class KfpApiDouble:
     stall: dict[tuple[str, str], float] = field(default_factory=dict)
     #: ``(method, path) -> JSON``: answer 200 with exactly this body (e.g. without an id).
     reply: dict[tuple[str, str], Any] = field(default_factory=dict)
+    #: ``(method, path) -> (status, location)``: answer that route with a redirect.
+    redirect: dict[tuple[str, str], tuple[int, str]] = field(default_factory=dict)
 
     def __enter__(self) -> KfpApiDouble:
         double = self
@@ -102,6 +104,9 @@ class KfpApiDouble:
             return self._send(h, 401, {"error": "Unauthorized", "code": 16,
                                        "message": "Unauthorized"})
         route = (method, url.path)
+        if route in self.redirect:
+            status, location = self.redirect[route]
+            return self._send(h, status, None, {"Location": location})
         if route in self.stall:
             self._released.wait(self.stall[route])
         if route in self.reply:

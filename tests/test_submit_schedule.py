@@ -209,6 +209,35 @@ def test_schedule_bad_concurrency(api, capsys, value):
     assert "--max-concurrency: must be within 1-10" in err and api.requests == []
 
 
+# -- redirects are refused, never followed with the request body -------------------------------
+
+@pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
+@pytest.mark.parametrize("cmd, route", [
+    (["submit"], ("POST", "/apis/v2beta1/runs")),
+    (["schedule", "--cron", "0 0 3 * * *"], ("POST", "/apis/v2beta1/recurringruns")),
+    (["submit"], ("POST", "/apis/v2beta1/experiments")),
+    (["submit"], ("GET", "/apis/v2beta1/experiments")),
+])
+def test_a_redirect_after_the_probe_is_refused_and_named(status, cmd, route, capsys):
+    """The POST body (pipeline spec, parameters) never reaches where the 3xx points."""
+    with KfpApiDouble() as elsewhere, KfpApiDouble() as api:
+        target = f"{elsewhere.url}/collect{route[1]}"
+        api.redirect[route] = (status, target)
+        err = _one_line_error(capsys, main([*cmd, "--host", api.url]))
+        assert elsewhere.requests == []
+        assert len(api.calls(*route)) == 1  # asked once, not retried
+    assert "--host" in err and f"HTTP {status}" in err and target in err
+    assert f"{route[0]} {route[1]}" in err and "not followed" in err
+
+
+def test_a_relative_redirect_is_named_as_an_absolute_url(capsys):
+    with KfpApiDouble() as api:
+        api.redirect[("POST", "/apis/v2beta1/runs")] = (307, "/other/runs")
+        err = _one_line_error(capsys, main(["submit", "--host", api.url]))
+        assert api.calls("POST", "/other/runs") == []
+    assert f"redirecting to {api.url}/other/runs" in err
+
+
 # -- units --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("cron", [
