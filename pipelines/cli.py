@@ -16,7 +16,6 @@ import sys
 import threading
 import warnings
 from collections.abc import Sequence
-from pathlib import Path
 
 from kfp_nvrx.components.errors import UserError, redact
 
@@ -68,10 +67,13 @@ def _secrets(args: argparse.Namespace) -> list[str]:
     found = []
     token_file = getattr(args, "token_file", None)
     if token_file:
-        try:
-            text = Path(token_file).read_bytes().decode("utf-8", errors="replace")
+        from kfp_nvrx.components.core.bounded import TOKEN_LIMIT, read_bytes
+
+        try:  # bounded, regular files only: the same reader the command itself uses
+            text = read_bytes(token_file, "--token-file", TOKEN_LIMIT, "token file").decode(
+                "utf-8", errors="replace")
             found += [line.strip() for line in text.splitlines() if line.strip()]
-        except OSError:
+        except UserError:
             pass
     host = getattr(args, "host", None) or ""
     userinfo = host.partition("://")[2].partition("/")[0].rpartition("@")[0]

@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from kfp_nvrx.components.core.bounded import PACKAGE_LIMIT, TOKEN_LIMIT, read_bytes, read_text
 from kfp_nvrx.components.errors import UserError, redact
 from kfp_nvrx.pipelines.cron import validate_cron
 
@@ -43,12 +44,10 @@ _AUTH_HINT = ("pass a bearer token with --token-file (e.g. a service-account tok
 
 def load_package(path: str | Path) -> dict[str, Any]:
     """Read a compiled pipeline YAML (the first document: the pipeline spec)."""
+    text = read_text(path, "--package", PACKAGE_LIMIT, "compiled pipeline")
     try:
-        with open(path, encoding="utf-8") as f:
-            docs = list(yaml.safe_load_all(f))
-    except OSError as err:
-        raise UserError("--package", f"cannot read {path}: {err.strerror or err}") from None
-    except yaml.YAMLError:
+        docs = list(yaml.safe_load_all(text))
+    except (yaml.YAMLError, RecursionError):  # RecursionError: nesting PyYAML cannot follow
         raise UserError("--package", f"{path} is not valid YAML") from None
     if not docs or not isinstance(docs[0], dict) or "root" not in docs[0]:
         raise UserError("--package", f"{path} is not a compiled KFP pipeline (no 'root')")
@@ -251,10 +250,7 @@ def read_token(token_file: str | None) -> str | None:
     """
     if not token_file:
         return None
-    try:
-        raw = Path(token_file).read_bytes()
-    except OSError as err:
-        raise UserError("--token-file", f"cannot read {token_file}: {err.strerror}") from None
+    raw = read_bytes(token_file, "--token-file", TOKEN_LIMIT, "token file")  # no /dev/zero, FIFO
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:

@@ -149,6 +149,10 @@ class CheckpointConfig(Section):
     # blocking on CPU.
     staging: str = one_of("auto", "overlap", "blocking", "nvrx")
     write_threads: int = positive(4)  # files per rank written in parallel by the NVRx writer
+    # Keys a resume may change from the run's config.yaml record, comma-separated: model (every
+    # model key), model.<key>, data.path, train.seed. Empty: a resume with other values of
+    # those is refused (the checkpoints were trained with the recorded ones).
+    allow_changes: str = ""
 
 
 @dataclass
@@ -370,6 +374,9 @@ def validate(cfg: Config) -> None:
         raise UserError("data.seq_len", f"{cfg.data.seq_len} exceeds model.max_seq_len ({m.max_seq_len})")
     if not 0 <= cfg.train.min_lr_ratio <= 1:
         raise UserError("train.min_lr_ratio", f"must be within [0, 1], got {cfg.train.min_lr_ratio}")
+    from kfp_nvrx.components.core.run_record import check_allow_changes
+
+    check_allow_changes(cfg.checkpoint.allow_changes)
     r = cfg.resilience
     if r.in_process and r.hard_timeout <= r.soft_timeout:
         raise UserError("resilience.hard_timeout", "must exceed resilience.soft_timeout")

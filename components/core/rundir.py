@@ -4,7 +4,9 @@ One run directory is shared by every worker of a run, the launcher and the tools
 afterwards (export, drills, goodput)::
 
     <run_dir>/
-      config.yaml              the resolved trainer config (written before training starts)
+      config.yaml              the run's record: the resolved config of its first start (never
+                               replaced; see :mod:`.run_record`)
+      config.resumed.yaml      the resolved config of the newest start that differed from it
       events.jsonl             run events (:mod:`.events`)
       faults/                  one marker per injected fault that fired (fires once per run)
       nccl_trace/rank_*        NCCL flight-recorder dumps
@@ -13,7 +15,12 @@ afterwards (export, drills, goodput)::
           COMMITTED            JSON: step, world_size, bytes, files {name: size}, crc32 {name: crc}
 
 A checkpoint is committed when :func:`verify` finds nothing wrong with it; the trainer (resume),
-export and the fault drills all decide with that one function. This module imports no torch.
+export and the fault drills all decide with that one function.
+
+Nothing is written or deleted through a symbolic link below the run dir (:func:`link_in`): a
+``checkpoints`` that links elsewhere would make pruning delete a stranger's ``step_*`` folders.
+:func:`check_run_dir` refuses such a run dir before anything starts; the writer and the pruner
+check again where they act. This module imports no torch.
 """
 
 from __future__ import annotations
@@ -21,22 +28,22 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import yaml
-
 from kfp_nvrx.components.core.bounded import read_json
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.ownership import check_run_dir_owned, claim_run_dir
+from kfp_nvrx.components.ownership import check_run_dir_owned
 
 if TYPE_CHECKING:
     from kfp_nvrx.components.core.config import Config
 
 CONFIG_FILE = "config.yaml"
+RESUMED_CONFIG_FILE = "config.resumed.yaml"
 EVENTS_FILE = "events.jsonl"
 FAULTS_DIR = "faults"
 NCCL_TRACE_DIR = "nccl_trace"
@@ -51,11 +58,63 @@ STEP_PREFIX = "step_"
 CRC_SIDECAR_PREFIX = ".crc32_rank"
 
 
-def check_run_dir(run_dir: Path) -> Path:
-    """A usable run directory: no ``..``, not a file, new, empty or a run dir of ours.
+def link_in(path: str | os.PathLike[str], top: str | os.PathLike[str]) -> Path | None:
+    """The first symbolic link among ``path`` and its parents below ``top``; None when none is.
 
-    We write config.yaml and checkpoints into it, and never into a stranger's folder.
+    ``top`` itself (the run dir the user named) may be a link; nothing inside it may.
     """
+    path, top = Path(path), Path(top)
+    try:
+        rel = path.relative_to(top)
+    except ValueError:
+        rel = Path(os.path.relpath(path, top))
+    cur = top
+    for part in rel.parts:
+        cur = cur / part
+        if part == ".." or cur.is_symlink():
+            return cur
+    return None
+
+
+def refuse_link(path: str | os.PathLike[str], top: str | os.PathLike[str],
+                field: str = "--run-dir") -> Path:
+    """``path``, after checking that no link lies between it and ``top`` (:func:`link_in`).
+
+    Raises:
+        UserError: Naming ``field`` and the link.
+    """
+    link = link_in(path, top)
+    if link is not None:
+        raise UserError(field, f"{link} is a symbolic link (to {os.readlink(link)!r}); kfp-nvrx "
+                        "never writes or deletes through a link inside a run dir: replace it "
+                        "with a real directory or use a fresh --run-dir")
+    return Path(path)
+
+
+#: Entries of a run dir whose own entries we create, delete or write (each checked for links).
+_WRITTEN_DIRS = (CHECKPOINTS_DIR, LOGS_DIR, FAULTS_DIR, NCCL_TRACE_DIR)
+
+
+def check_run_dir_links(run_dir: Path) -> None:
+    """Refuses a run dir holding a symbolic link where we write or delete (one line, exit 2)."""
+    if not run_dir.is_dir():
+        return
+    for entry in run_dir.iterdir():  # config.yaml, events.jsonl, the lock, the marker, ...
+        refuse_link(entry, run_dir)
+        if entry.name in _WRITTEN_DIRS and entry.is_dir():
+            for child in entry.iterdir():  # step_* folders, node logs, NCCL dumps
+                refuse_link(child, run_dir)
+
+
+def check_run_dir(run_dir: Path, cfg: Config | None = None, crc: bool = False) -> Path:
+    """A usable run directory: no ``..``, not a file, new, empty or a run dir of ours, no links.
+
+    We write config.yaml and checkpoints into it, and never into a stranger's folder. With
+    ``cfg``, also :func:`.run_record.check_resume`: a resume that cannot be the one asked for
+    stops here (``crc``: a ``checkpoint.load_step`` checkpoint's CRC32s are checked too).
+    """
+    if not str(run_dir).strip():
+        raise UserError("--run-dir", "is empty; give the run directory (e.g. runs/r1)")
     if ".." in Path(run_dir).parts:
         raise UserError("--run-dir", f"{run_dir} must not contain '..'")
     if run_dir.exists() and not run_dir.is_dir():
@@ -63,15 +122,26 @@ def check_run_dir(run_dir: Path) -> Path:
     from kfp_nvrx.components.core.config import Config  # config imports this module
 
     check_run_dir_owned(run_dir, [f.name for f in dataclasses.fields(Config)])
+    check_run_dir_links(run_dir)
+    if cfg is not None:
+        from kfp_nvrx.components.core.run_record import check_resume
+
+        check_resume(cfg, run_dir, crc=crc)
     return run_dir
 
 
 def write_config(cfg: Config, run_dir: Path) -> None:
-    """Writes the resolved config (atomically; every rank writes the same bytes)."""
-    claim_run_dir(run_dir)
-    tmp = run_dir / f".{CONFIG_FILE}.{os.getpid()}.tmp"
-    tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    os.replace(tmp, run_dir / CONFIG_FILE)
+    """Records the resolved config (:func:`.run_record.record_config`: config.yaml never replaced)."""
+    from kfp_nvrx.components.core.run_record import record_config
+
+    record_config(cfg, run_dir)
+
+
+def remove_torn(path: Path, run_dir: Path) -> None:
+    """Deletes a torn step folder an earlier incarnation left, never through a link."""
+    refuse_link(path, run_dir)
+    if path.exists():
+        shutil.rmtree(path)
 
 
 def checkpoints_dir(run_dir: str | os.PathLike[str]) -> Path:
@@ -183,13 +253,13 @@ def _marker_problem(marker: dict[str, Any]) -> str | None:
     return None
 
 
-def verify(path: Path, share: tuple[int, int] = (0, 1)) -> str | None:
+def verify(path: Path, share: tuple[int, int] = (0, 1), crc: bool = True) -> str | None:
     """Decides whether the checkpoint in ``path`` is committed; returns the problem or None.
 
     Committed means: a marker the trainer could have written (a JSON object listing a non-empty
     set of files that includes the DCP metadata), every listed file present with its recorded
-    size, and the recorded CRC32s matching. Sizes are always checked; CRC32s only for this
-    ``(index, count)`` share of the files, so ranks can split that work.
+    size, and the recorded CRC32s matching. Sizes are always checked; CRC32s (unless not
+    ``crc``) only for this ``(index, count)`` share of the files, so ranks can split that work.
     """
     try:
         marker = read_commit_marker(path)
@@ -209,11 +279,11 @@ def verify(path: Path, share: tuple[int, int] = (0, 1)) -> str | None:
             return f"missing file {name}"
         if actual[name] != size:
             return f"{name} is {actual[name]} bytes, expected {size} (truncated or corrupt)"
-    for i, (name, crc) in enumerate(sorted(marker.get("crc32", {}).items())):
-        if i % share[1] != share[0]:
+    for i, (name, want) in enumerate(sorted(marker.get("crc32", {}).items())):
+        if not crc or i % share[1] != share[0]:
             continue
         try:
-            if crc32_file(path / name) != crc:
+            if crc32_file(path / name) != want:
                 return f"{name} fails its CRC32 check (corrupt)"
         except OSError as err:
             return f"cannot read {name} ({err})"

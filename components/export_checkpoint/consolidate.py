@@ -25,6 +25,7 @@ from typing import Any
 from kfp_nvrx.components.core.rundir import (
     CHECKPOINTS_DIR,
     CONFIG_FILE,
+    RESUMED_CONFIG_FILE,
     checkpoints_dir,
     parse_step,
     read_commit_marker,
@@ -148,18 +149,22 @@ def load_model_state(ckpt_dir: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def read_run_config(run_dir: str | os.PathLike[str]) -> Any:
-    """Rebuild the trainer Config from ``<run_dir>/config.yaml``."""
-    import yaml
+    """Rebuild the trainer Config of the run's newest start.
 
+    That is ``config.resumed.yaml`` when a later start changed the config, else the run's
+    ``config.yaml`` record (:mod:`kfp_nvrx.components.core.run_record`).
+    """
+    from kfp_nvrx.components.core.bounded import CONFIG_LIMIT, read_text
     from kfp_nvrx.components.core.config import config_from_dict
+    from kfp_nvrx.components.core.config_text import load_yaml
 
-    path = Path(run_dir) / CONFIG_FILE
+    path = Path(run_dir) / RESUMED_CONFIG_FILE
+    if not path.is_file():
+        path = Path(run_dir) / CONFIG_FILE
     if not path.is_file():
         raise UserError("run_dir", f"{run_dir} has no {CONFIG_FILE}; is it a kfp-nvrx run dir?")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError) as err:
-        raise UserError("run_dir", f"cannot read {path}: {' '.join(str(err).split())}") from None
+    raw = load_yaml(read_text(path, "run_dir", CONFIG_LIMIT, "run config"), "run_dir", path,
+                    typed=True) or {}
     if not isinstance(raw, dict):
         raise UserError("run_dir", f"{path} must hold a mapping of sections")
     return config_from_dict(raw)
@@ -178,8 +183,15 @@ EXPORT_FILES = ("model.safetensors", "config.json", "export.json")
 
 
 def _check_out(out: Path, run_dir: Path) -> None:
-    if out == run_dir or out.is_relative_to(run_dir / CHECKPOINTS_DIR):
-        raise UserError("out_dir", f"{out} is inside the run's checkpoints; export elsewhere")
+    real_out, real_run = Path(os.path.realpath(out)), Path(os.path.realpath(run_dir))
+    if real_out == real_run:
+        raise UserError("out_dir", f"{out} is the run dir itself; export to a folder of its own "
+                        "(e.g. models/<run>)")
+    if real_out.is_relative_to(real_run):
+        where = ("the run's checkpoints" if real_out.is_relative_to(real_run / CHECKPOINTS_DIR)
+                 else "the run dir")
+        raise UserError("out_dir", f"{out} is inside {where} ({run_dir}); export to a folder "
+                        "outside it (e.g. models/<run>)")
     check_output_dir(out, "out_dir", [run_dir])
     if out.exists():
         if not out.is_dir():
@@ -188,6 +200,25 @@ def _check_out(out: Path, run_dir: Path) -> None:
             raise UserError("out_dir", f"{out} is not empty and holds no earlier export; "
                             "choose an empty or new directory")
         refuse_foreign(out, EXPORT_FILES, "out_dir", "earlier export")
+
+
+def _work_dir(out: Path) -> tuple[Path, list[Path]]:
+    """The temporary folder the export is built in, next to ``out`` (created now).
+
+    Returns:
+        The folder and the parents of ``out`` created for it (removed again on failure).
+
+    Raises:
+        UserError: Naming ``out_dir`` (``out`` itself, not the temporary name) when its folder
+            cannot be created or written: a read-only mount, no permission, a full disk.
+    """
+    created = [p for p in (out.parent, *out.parent.parents) if not p.exists()]
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent)), created
+    except OSError as err:
+        raise UserError("out_dir", f"cannot write {out}: {err.strerror or err} (in "
+                        f"{out.parent}); choose a writable folder") from None
 
 
 def model_config_json(model_cfg: Any, dtype: str) -> dict[str, Any]:
@@ -245,19 +276,20 @@ def export_checkpoint(run_dir: str | os.PathLike[str], out_dir: str | os.PathLik
                             "--eval-batches 0")
         check_dataset(data_dir, cfg.model.vocab_size, cfg.data.seq_len)
     _check_out(out, run)
-    log(f"loading model tensors of {ckpt.path}")
-    state = load_model_state(ckpt.path)
-    model = build_model(cfg.model)
+    # Before reading gigabytes: a read-only --out fails here, naming it.
+    work, created = _work_dir(out)
+    done = False
     try:
-        model.load_state_dict(state, strict=True)
-    except RuntimeError as err:
-        msg = " ".join(str(err).split())[:300]
-        raise UserError("run_dir", f"{ckpt.path} does not match config.yaml's model: {msg}"
-                        ) from None
-    del model
-    out.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+        log(f"loading model tensors of {ckpt.path}")
+        state = load_model_state(ckpt.path)
+        model = build_model(cfg.model)
+        try:
+            model.load_state_dict(state, strict=True)
+        except RuntimeError as err:
+            msg = " ".join(str(err).split())[:300]
+            raise UserError("run_dir", f"{ckpt.path} does not match config.yaml's model: {msg}"
+                            ) from None
+        del model
         os.chmod(work, 0o755)
         weights = work / "model.safetensors"
         save_file(state, str(weights), metadata={"format": "pt"})
@@ -283,8 +315,14 @@ def export_checkpoint(run_dir: str | os.PathLike[str], out_dir: str | os.PathLik
         for name in EXPORT_FILES:  # readable by the serving side of a shared volume
             os.chmod(work / name, 0o644)
         publish_dir(work, out, EXPORT_FILES, last="export.json")
+        done = True
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        for parent in [] if done else created:  # nearest first; only the empty ones we made
+            try:
+                parent.rmdir()
+            except OSError:
+                break
     return {**info, "path": str(out)}
 
 

@@ -41,6 +41,9 @@ from kfp_nvrx.components.prepare_dataset.tokenize import dtype_for_vocab, load_t
 
 #: ``source`` scheme for the bundled sample corpus: ``sample:`` or ``sample:<n_docs>``.
 SAMPLE_SCHEME = "sample:"
+#: Most documents ``sample:N`` writes (about 400 MB of text): it is a demo corpus, and a typo
+#: such as ``sample:99999999999`` would fill the temporary disk.
+MAX_SAMPLE_DOCS = 1_000_000
 SPLITS = ("train", "val")
 #: Documents handed to the tokenizer at once.
 ENCODE_BATCH = 256
@@ -79,8 +82,9 @@ def _sample_source(source: str, stack: ExitStack) -> str:
         raise UserError("source", f"expected '{SAMPLE_SCHEME}' or '{SAMPLE_SCHEME}<n_docs>', "
                         f"got {source!r}")
     n_docs = int(arg) if arg else 1600
-    if n_docs < 2:
-        raise UserError("source", "the sample corpus needs at least 2 documents")
+    if not 2 <= n_docs <= MAX_SAMPLE_DOCS:
+        raise UserError("source", f"the sample corpus takes 2 to {MAX_SAMPLE_DOCS:,} documents "
+                        f"(about 400 bytes each), got {n_docs:,}; use your own files for more")
     tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="kfp-nvrx-sample-"))
     write_sample_corpus(tmp, n_docs=n_docs, seed=0)
     return tmp

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kfp_nvrx.components.core import argtypes
+
 #: Library parameter names -> this command's flags (errors name the flag the user typed).
 FLAGS = {"run_dir": "--run-dir", "out_dir": "--out", "step": "--step", "data": "--data",
          "eval_batches": "--eval-batches"}
@@ -19,8 +21,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "model.safetensors with config.json and export.json, whatever world size wrote it, and "
         "measure the eval loss on the dataset's val split.",
     )
-    p.add_argument("--run-dir", required=True, help="training run directory")
-    p.add_argument("--out", required=True, help="export directory to create")
+    p.add_argument("--run-dir", required=True, type=argtypes.path, help="training run directory")
+    p.add_argument("--out", required=True, type=argtypes.path, help="export directory to create")
     p.add_argument("--step", type=int, default=None,
                    help="export this step (default: the newest committed checkpoint)")
     p.add_argument("--data", default=None,

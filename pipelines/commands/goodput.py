@@ -7,13 +7,15 @@ import json
 import sys
 from pathlib import Path
 
+from kfp_nvrx.components.core import argtypes
 from kfp_nvrx.components.errors import UserError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Adds the subcommand."""
     p = sub.add_parser("goodput", help="summarise a run's events.jsonl")
-    p.add_argument("--run-dir", required=True, help="run directory holding events.jsonl")
+    p.add_argument("--run-dir", required=True, type=argtypes.path,
+                   help="run directory holding events.jsonl")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(handler=_run)
 

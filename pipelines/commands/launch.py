@@ -13,6 +13,7 @@ import json
 import signal
 import sys
 
+from kfp_nvrx.components.core import argtypes
 from kfp_nvrx.pipelines.commands.render_job import add_job_arguments, spec_from_args, write_atomic
 
 
@@ -27,7 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="kubernetes: pytorchjob (Training Operator v1, default), trainjob "
                    "(Kubeflow Trainer v2) or auto (ask the cluster; TrainJob when it serves both)")
     f = p.add_argument_group("follow")
-    f.add_argument("--deadline", type=float, default=None,
+    f.add_argument("--deadline", type=argtypes.seconds, default=None,
                    help="give up after SECONDS (kubernetes: from job creation; default: "
                    "active deadline + 10 min)")
     f.add_argument("--delete-after", choices=("always", "on_success", "never"),

@@ -7,6 +7,8 @@ import json
 import signal
 import sys
 
+from kfp_nvrx.components.core import argtypes
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Adds the subcommand."""
@@ -15,11 +17,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "environment a PyTorchJob gets, streams their output and waits.")
     p.add_argument("--nodes", default="1", help="N or MIN:MAX local nodes (default 1)")
     p.add_argument("--nproc-per-node", type=int, default=1, help="workers per node (default 1)")
-    p.add_argument("--run-dir", required=True, help="run directory")
+    p.add_argument("--run-dir", required=True, type=argtypes.path, help="run directory")
     p.add_argument("--config", default="tiny", help="preset or YAML (default tiny)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--fault", action="append", default=[], metavar="KIND@STEP[/RANK]")
-    p.add_argument("--deadline", type=float, default=None, help="wall-clock limit in seconds")
+    p.add_argument("--deadline", type=argtypes.seconds, default=None,
+                   help="wall-clock limit in seconds")
     p.add_argument("--verbose", action="store_true", help="stream every launcher log line")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(handler=_run)

@@ -13,6 +13,8 @@ import sys
 import tempfile
 from typing import Any
 
+from kfp_nvrx.components.core import argtypes
+
 
 def add_job_arguments(p: argparse.ArgumentParser) -> None:
     """Add the JobSpec flags to a subcommand parser."""
@@ -35,7 +37,8 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pvc", default="", help="shared volume claim, e.g. FSx for Lustre (required)")
     g.add_argument("--mount", default="/fsx", help="mount path of --pvc (default /fsx)")
     t = p.add_argument_group("trainer (passed through)")
-    t.add_argument("--run-dir", default="", help="run directory (default <mount>/runs/<name>)")
+    t.add_argument("--run-dir", default=None, type=argtypes.path,
+                   help="run directory (default <mount>/runs/<name>)")
     t.add_argument("--config", default="tiny", help="trainer preset or YAML (default tiny)")
     t.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[],
                    metavar="SECTION.KEY=VALUE", help="trainer override (repeatable)")
@@ -98,7 +101,7 @@ def spec_from_args(args: argparse.Namespace) -> Any:
     return JobSpec(
         image=args.image, pvc=args.pvc, name=args.name, run_id=args.run_id, task=args.task,
         namespace=args.namespace, nodes=args.nodes, instance_type=args.instance_type,
-        nproc_per_node=args.nproc_per_node, mount=args.mount, run_dir=args.run_dir,
+        nproc_per_node=args.nproc_per_node, mount=args.mount, run_dir=args.run_dir or "",
         config=args.config, overrides=list(args.overrides), faults=list(args.faults),
         env=parse_key_values("--env", args.env), secret_env=list(args.secret_env),
         extra_pvcs=list(args.extra_pvc), cpu=args.cpu, memory=args.memory, efa=args.efa,

@@ -9,6 +9,7 @@ deadline stop every agent and every worker they started (nothing is left running
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -186,8 +187,8 @@ def run_local(spec: JobSpec, *, log: Callable[[str], None] = print,
     """
     lo, hi = spec.node_range()
     nproc_per_node = check_procs(1 if spec.nproc_per_node is None else spec.nproc_per_node)
-    if deadline_s is not None and deadline_s <= 0:
-        raise UserError("--deadline", f"must be > 0 seconds, got {deadline_s}")
+    if deadline_s is not None and not (math.isfinite(deadline_s) and deadline_s > 0):
+        raise UserError("--deadline", f"must be a finite number of seconds > 0, got {deadline_s}")
     overrides, env = list(spec.overrides), dict(spec.env)
     cfg = load_config(spec.config, overrides)
     # train.device=cuda on a host without GPUs fails here, naming train.device, before anything.

@@ -76,6 +76,9 @@ def make_nccl_trace_dir() -> Path | None:
 def main(argv: list[str] | None = None) -> int:
     """Validates inputs before any process group exists, then trains."""
     args = parse_args(argv)
+    if not args.run_dir.strip():  # Path('') is '.': the working directory, never meant
+        sys.stderr.write("trainer: error: --run-dir: is empty; give the run directory\n")
+        return UserError.exit_code
     if args.check:
         from kfp_nvrx.components.train_fsdp.trainer.bootstrap import check_job
 

@@ -179,7 +179,7 @@ def check_job(config: str, overrides: list[str], faults: list[str], run_dir: Pat
         cfg, _, _ = validate_inputs(config, overrides, faults, verify_data=True)
         check_device(cfg)
         check_init_from(cfg)
-        check_run_dir(run_dir)
+        check_run_dir(run_dir, cfg, crc=True)  # the launcher reads a load_step checkpoint once
         check_checkpoint_model(cfg, run_dir)
     except UserError as err:
         print(json.dumps({"field": err.field, "message": err.message}), flush=True)
@@ -193,7 +193,7 @@ def prepare_job(config: str, overrides: list[str], faults: list[str], run_dir: P
     cfg, parsed, data = validate_inputs(config, overrides, faults)
     check_device(cfg)
     check_init_from(cfg)
-    check_run_dir(run_dir)
+    check_run_dir(run_dir, cfg)
     check_checkpoint_model(cfg, run_dir)
     check_launcher_env()
     from kfp_nvrx.components.train_fsdp.trainer.resilience import Monitor

@@ -22,7 +22,6 @@ from it instead of reading the files back.
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,10 +36,12 @@ from kfp_nvrx.components.core.config import CheckpointConfig
 from kfp_nvrx.components.core.rundir import (
     checkpoints_dir,
     committed_steps,
+    remove_torn,
     step_dir,
     verify,
     write_commit_marker,
 )
+from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.train_fsdp.trainer.checkpoint.async_save import AsyncSaver, all_ranks
 from kfp_nvrx.components.train_fsdp.trainer.checkpoint.files import prune, write_checksums
 from kfp_nvrx.components.train_fsdp.trainer.checkpoint.reader import load as fast_load
@@ -170,8 +171,7 @@ class Checkpointer:
         t0 = time.perf_counter()
         path = step_dir(self.root, step)
         if self.rank == 0:
-            if path.exists():  # a torn leftover of an earlier incarnation
-                shutil.rmtree(path)
+            remove_torn(path, self.root.parent)  # a torn leftover; never through a symlink
             path.mkdir(parents=True)
         dist.barrier()
         flat = flat_state(state) if self.staging is not None else None
@@ -284,6 +284,9 @@ class Checkpointer:
             bad = next((p for p in problems if p), None)
             if bad is None:
                 return step
+            if self.cfg.load_step >= 0:  # asked for this one: no fallback, no start from scratch
+                raise UserError("checkpoint.load_step", f"step {step} in {self.root} is damaged "
+                                f"({bad}); give another step, or -1 for the newest intact one")
             log(f"checkpoint step {step} is damaged ({bad}); falling back to an older one")
         return None
 

@@ -19,6 +19,7 @@ from kfp_nvrx.components.core.rundir import (
     STEP_PREFIX,
     committed_steps,
     crc32_file,
+    link_in,
     step_dir,
     write_atomic,
 )
@@ -40,7 +41,13 @@ def write_checksums(files: list[str], rank: int) -> None:
 
 
 def prune(root: Path, keep: int) -> None:
-    """Keeps the newest ``keep`` committed checkpoints; drops older torn ones and old trash."""
+    """Keeps the newest ``keep`` committed checkpoints; drops older torn ones and old trash.
+
+    Nothing is deleted through a symbolic link (:func:`rundir.link_in`): a ``checkpoints`` that
+    links elsewhere, or a ``step_*`` that is a link, is left alone.
+    """
+    if link_in(root, root.parent) is not None:
+        return
     committed = committed_steps(root)
     for step in committed[keep:]:
         _discard(step_dir(root, step))
@@ -66,6 +73,8 @@ def _discard(path: Path) -> None:
     by this process is recognised without a registry.
     """
     if any(t.name == _remover_name(path) for t in threading.enumerate()):
+        return
+    if link_in(path, path.parent.parent) is not None:  # <run_dir>/checkpoints/<path>
         return
     trash = path
     if not path.name.startswith(".trash-"):
