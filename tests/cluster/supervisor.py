@@ -1,0 +1,105 @@
+"""The one process that owns a test cluster: starts every component, reports, stops them all.
+
+``python -m cluster serve --dir D`` runs in the foreground until SIGTERM/SIGINT; ``up`` starts it
+detached and waits for ``D/state.json`` to say ``ready``; ``down`` signals it and waits until every
+component and port is gone. The components die with the supervisor even when it is SIGKILLed
+(``PR_SET_PDEATHSIG``), so nothing outlives a cluster.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+from . import install
+from .controlplane import SYSTEM_NAMESPACE, USER_NAMESPACE, ControlPlane
+
+
+class Lock:
+    """An exclusive ``flock`` on ``D/lock`` held for the life of the supervisor."""
+
+    def __init__(self, root: Path) -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(root / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self.fd)
+            raise SystemExit(f"cluster: {root} is in use by a running cluster "
+                             "(`make cluster-down` stops it)") from None
+
+
+def serve(root: Path, bins: Path, nodes: int = 0) -> int:
+    """Start the cluster in ``root`` and keep it until a stop signal.
+
+    Args:
+        root: The run folder.
+        bins: The binaries.
+        nodes: Test nodes for the node agent (0: none).
+
+    Returns:
+        Exit status (0 after a clean stop, 1 if start-up failed).
+    """
+    lock = Lock(root)  # noqa: F841 - held until the process exits
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda *_: stop.set())
+    (root / "state.json").unlink(missing_ok=True)
+    cp = ControlPlane(root, bins)
+    status = 0
+    try:
+        t0 = time.monotonic()
+        cp.start_etcd()
+        cp.start_apiserver()
+        install.namespaces(cp, [SYSTEM_NAMESPACE, USER_NAMESPACE])
+        install.crds(cp)
+        install.webhooks(cp)
+        cp.start_kube_controllers()
+        controllers = [cp.start_trainer(), cp.start_jobset(), cp.start_training_operator()]
+        cp.wait_controllers(controllers)
+        install.upstream_runtimes(cp)
+        install.ours(cp, USER_NAMESPACE)
+        agent = None
+        if nodes:
+            from .agent import start_agent
+
+            agent = start_agent(cp, nodes)
+        cp.write_state({"ready": True, "supervisor": os.getpid(),
+                        "startup_s": round(time.monotonic() - t0, 1),
+                        **(agent.state() if agent else {})})
+        print(f"cluster: ready in {time.monotonic() - t0:.0f} s; KUBECONFIG={cp.kubeconfig}",
+              flush=True)
+        while not stop.wait(1.0):
+            for p in cp.procs:
+                if (msg := p.died()) is not None:
+                    # A dead component is a broken cluster: say which and stop the rest.
+                    cp.write_state({"ready": False, "failed": msg, "supervisor": os.getpid()})
+                    print(f"cluster: {msg}", flush=True)
+                    stop.set()
+                    status = 1
+                    break
+    except Exception as e:  # noqa: BLE001 - any start-up failure: report it, stop what started
+        msg = f"{type(e).__name__}: {e}"
+        cp.write_state({"ready": False, "failed": msg, "supervisor": os.getpid()})
+        print(f"cluster: start-up failed: {msg}", flush=True)
+        status = 1
+    finally:
+        if "agent" in locals() and agent is not None:
+            agent.stop()
+        cp.stop()
+        if status == 0:
+            (root / "state.json").unlink(missing_ok=True)
+    return status
+
+
+def read_state(root: Path) -> dict | None:
+    """The state a supervisor wrote, or None."""
+    try:
+        return json.loads((root / "state.json").read_text())
+    except (OSError, ValueError):
+        return None
