@@ -6,7 +6,8 @@ PY     := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 DEMO_DIR ?= runs/demo
 
-.PHONY: demo test test-gpu lint bench compile clean wheelhouse install-offline gpu-matrix
+.PHONY: demo test test-gpu lint bench compile clean wheelhouse install-offline gpu-matrix \
+        cluster-bins cluster-up cluster-down
 
 $(VENV)/.installed-%: setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,9 +19,29 @@ $(VENV)/.installed-%: setup.cfg pyproject.toml
 demo: $(VENV)/.installed-all
 	$(VENV)/bin/kfp-nvrx run-local --pipeline fsdp-train --out $(DEMO_DIR) --param faults=kill@20/1
 
+# The cluster tests (tests/cluster) need the control-plane binaries: built here when Go is on PATH
+# (cached outside the checkout, see cluster-bins); without Go they are skipped with one line.
 test: $(VENV)/.installed-test
 	$(PY) -m ruff check .
+	@if command -v go >/dev/null; then $(MAKE) --no-print-directory cluster-bins; \
+	else echo "make test: no Go on PATH; the cluster tests will be skipped (make cluster-bins)"; fi
 	$(PY) -m pytest -q -ra --durations=15
+
+# A real control plane from Go modules (kube-apiserver, etcd, kube-controller-manager,
+# kube-scheduler, Kubeflow Trainer, JobSet, Training Operator), built once into
+# ~/.cache/kfp-nvrx/cluster-bins/<versions key>/ (KFP_NVRX_CLUSTER_CACHE to move it).
+cluster-bins:
+	bash tests/cluster/build.sh >/dev/null
+
+# Start / stop a test cluster on 127.0.0.1 (CLUSTER_NODES test nodes, default 2) in
+# CLUSTER_DIR (default /tmp/kfp-nvrx-cluster-$UID); `up` prints the kubeconfig path.
+CLUSTER_NODES ?= 2
+CLUSTER_DIR ?= /tmp/kfp-nvrx-cluster-$(shell id -u)
+cluster-up: $(VENV)/.installed-test cluster-bins
+	cd tests && ../$(PY) -m cluster up --dir $(CLUSTER_DIR) --nodes $(CLUSTER_NODES)
+
+cluster-down: $(VENV)/.installed-test
+	cd tests && ../$(PY) -m cluster down --dir $(CLUSTER_DIR)
 
 # On a CUDA machine: the GPU tests (pinned staging, overlapped D2H, in-memory restore).
 test-gpu: $(VENV)/.installed-test
