@@ -34,10 +34,11 @@ from kfp_nvrx.components.core.launch_command import (
     in_process_env,
     pet_env,
 )
-from kfp_nvrx.components.core.rundir import LOGS_DIR
+from kfp_nvrx.components.core.rundir import CHECKPOINTS_DIR, LOGS_DIR
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.ownership import claim_run_dir
 from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec, check_procs
+from kfp_nvrx.components.train_fsdp.launcher.agent_log import AgentLog, DiskFullNotice
 from kfp_nvrx.components.train_fsdp.launcher.gpus import slice_gpus
 from kfp_nvrx.components.train_fsdp.launcher.lifetime import RunDirLock, Watchdog
 from kfp_nvrx.components.train_fsdp.launcher.result import LaunchResult
@@ -114,6 +115,7 @@ class _Agent:
                  verbose: bool, log_path: Path) -> None:
         self.idx, self.tail = idx, deque(maxlen=40)
         self.exited_at: float | None = None  # when the launcher first saw it gone
+        self.disk_full = DiskFullNotice(log_path.parent.parent / CHECKPOINTS_DIR)
         self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, bufsize=1,
                                      start_new_session=True)
@@ -123,12 +125,18 @@ class _Agent:
 
     def _pump(self, log: Callable[[str], None], verbose: bool, log_path: Path) -> None:
         held = None  # a "Traceback" header, shown only if what it led to is shown
-        with open(log_path, "a", buffering=1) as full:
+        full = AgentLog(log_path, f"[node{self.idx}]", log)  # survives a full disk
+        try:
             for line in self.proc.stdout:
                 line = line.rstrip()
-                full.write(line + "\n")
+                full.write(line)
                 self.tail.append(line)
-                if verbose:
+                notice = self.disk_full.check(line)
+                if notice:
+                    log(f"[node{self.idx}] {notice}")
+                if notice is not None and not verbose:
+                    held = None  # torch's torn-write lines and their traceback: said above
+                elif verbose:
                     log(f"[node{self.idx}] {line}")
                 elif not _QUIET.search(line) or _HIDDEN.search(line):
                     held = None if _HIDDEN.search(line) else held
@@ -139,6 +147,8 @@ class _Agent:
                         log(f"[node{self.idx}] {held}")
                         held = None
                     log(f"[node{self.idx}] {line}")
+        finally:
+            full.close()
 
     def terminate(self) -> None:
         if self.proc.poll() is None:
@@ -287,8 +297,9 @@ def run_local(spec: JobSpec, *, log: Callable[[str], None] = print,
             # The agent that failed first holds the cause; the others report its consequences.
             failing.sort(key=lambda a: a.exited_at or float("inf"))
             bad = failing[0] if failing else agents[0]
-            tail = list(bad.tail)[-20:]
-            last_err = next((ln for ln in reversed(tail) if "error" in ln.lower()), "")
+            tail = bad.disk_full.clean(list(bad.tail)[-20:])
+            last_err = bad.disk_full.line or next(
+                (ln for ln in reversed(tail) if "error" in ln.lower()), "")
             in_job, most = report.restarts.get("in-job", 0), cfg.resilience.max_restarts
             gave_up = (f" after {in_job} in-job restart(s), the most resilience.max_restarts="
                        f"{most} allows" if failing and in_job >= most else "")

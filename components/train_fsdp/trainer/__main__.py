@@ -16,6 +16,8 @@ import argparse  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from kfp_nvrx.components.core.disk import disk_full, disk_full_line  # noqa: E402
+from kfp_nvrx.components.core.rundir import checkpoints_dir  # noqa: E402
 from kfp_nvrx.components.errors import UserError  # noqa: E402
 
 
@@ -96,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
         job.boot_origin = min(t_exec or _T_MAIN, _T_MAIN)
         job.boot_mark = time.time()
     except OSError as err:
+        if disk_full(err):  # config.yaml or the run dir on a full disk: say so, let it restart
+            sys.stderr.write(f"[trainer] error: {disk_full_line(args.run_dir)}\n")
+            return 1
         sys.stderr.write(f"trainer: error: TORCH_NCCL_DEBUG_INFO_TEMP_FILE: {err}\n")
         return UserError.exit_code
     except UserError as err:
@@ -108,6 +113,14 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:
         sys.stderr.write(f"trainer: error: {err.one_line()}\n")
         return UserError.exit_code
+    except Exception as err:
+        where = checkpoints_dir(job.run_dir)
+        if not disk_full(err, where):
+            raise
+        # One line instead of torch's "inline_container.cc ... unexpected pos" traceback; exit 1
+        # so the launcher restarts the workers, which resume once there is room.
+        sys.stderr.write(f"[trainer] error: {disk_full_line(where)}\n")
+        return 1
     finally:
         job.monitor.close()
     return 0
