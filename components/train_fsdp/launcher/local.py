@@ -83,8 +83,11 @@ def preflight(trainer: TrainerArgs, env: dict[str, str] | None = None) -> None:
         if isinstance(err, dict) and {"field", "message"} <= err.keys():
             raise UserError(str(err["field"]), str(err["message"]))
     last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-    raise UserError("trainer", f"its input check exited {proc.returncode} ({last[:300]}); "
-                    "install the trainer with pip install 'kfp-nvrx[trainer]'")
+    # Only a missing module means a missing install; anything else is reported as it is.
+    fix = ("install the trainer with pip install 'kfp-nvrx[trainer]'"
+           if re.search(r"ModuleNotFoundError|ImportError", proc.stderr)
+           else f"run it alone for the traceback: python -m {TRAINER_MODULE} ... --check")
+    raise UserError("trainer", f"its input check exited {proc.returncode} ({last[:300]}); {fix}")
 
 
 def _ft_launcher() -> str:
