@@ -19,7 +19,12 @@ import pytest
 
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.prepare_dataset.prepare import prepare_dataset
-from kfp_nvrx.components.train_fsdp.launcher.lifetime import LOCK_FILE, RunDirLock, Watchdog
+from kfp_nvrx.components.train_fsdp.launcher.lifetime import (
+    LOCK_FILE,
+    RunDirLock,
+    Watchdog,
+    die_with_parent,
+)
 
 TAG = "KFP_NVRX_LIFETIME_TEST"
 
@@ -105,6 +110,23 @@ time.sleep(600)
     _wait_until(lambda: _try_lock(tmp_path), 30, "the watchdog to release the lock")
 
 
+def _lock_free_only_once_all_are_gone(run_dir: Path, token: str, timeout: float) -> None:
+    """Wait until no process of the run is left; never may the lock be free before that.
+
+    The lock is tried *before* the processes are listed: a free lock means every holder was
+    already dead, so a process still listed afterwards outlived the lock (no births here).
+    """
+    end = time.monotonic() + timeout
+    while True:
+        free = _try_lock(run_dir)
+        alive = _alive(token)
+        assert not (free and alive), f"run dir free while {alive} still run"
+        if not alive:
+            return
+        assert time.monotonic() < end, f"{alive} outlived the launcher"
+        time.sleep(0.1)
+
+
 def _try_lock(path: Path) -> bool:
     try:
         RunDirLock(path).acquire().release()
@@ -117,6 +139,58 @@ def test_watchdog_finish_returns_when_nothing_is_left() -> None:
     wd = Watchdog(f"{TAG}={uuid.uuid4().hex}", grace=1.0)
     wd.finish()
     assert wd.proc.returncode == 0
+
+
+# -- the agents' leash: the kernel, not the watchdog -----------------------------------------
+
+def test_a_child_dies_with_its_parent_by_sigterm_and_holds_the_lock_until_then(tmp_path):
+    """No watchdog at all: the parent is SIGKILLed, the kernel SIGTERMs the child (PDEATHSIG).
+
+    The child handles SIGTERM like ft_launcher does (a clean stop that takes a moment), and the
+    run-dir lock it was handed stays taken until it has exited.
+    """
+    token = uuid.uuid4().hex
+    stopped = tmp_path / "stopped"
+    child = (f"import signal, sys, time\n"
+             f"def stop(*_):\n    open({str(stopped)!r}, 'w').write('SIGTERM')\n"
+             f"    time.sleep(1)\n    sys.exit(0)\n"
+             f"signal.signal(signal.SIGTERM, stop)\nprint('up', flush=True)\ntime.sleep(600)\n")
+    parent = f"""
+import os, subprocess, sys, time
+from kfp_nvrx.components.train_fsdp.launcher.lifetime import RunDirLock, die_with_parent
+lock = RunDirLock(sys.argv[1]).acquire()
+p = subprocess.Popen(die_with_parent([sys.executable, "-c", {child!r}]), pass_fds=(lock.fd,),
+                     env={{**os.environ, "{TAG}": "{token}"}}, stdout=subprocess.PIPE, text=True,
+                     start_new_session=True)
+p.stdout.readline()
+print("ready", flush=True)
+time.sleep(600)
+"""
+    launcher = subprocess.Popen([sys.executable, "-c", parent, str(tmp_path)],
+                                stdout=subprocess.PIPE, text=True)
+    try:
+        assert launcher.stdout.readline().strip() == "ready"
+        assert len(_alive(token)) == 1
+        launcher.kill()
+        launcher.wait()
+        _lock_free_only_once_all_are_gone(tmp_path, token, 60)
+        assert stopped.read_text() == "SIGTERM"
+        assert _try_lock(tmp_path)
+    finally:
+        for pid in _alive(token):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_die_with_parent_does_not_start_a_child_whose_parent_is_already_gone(tmp_path):
+    """The pid check closes the window between fork and prctl: an orphan never runs the program."""
+    ran = tmp_path / "ran"
+    argv = die_with_parent([sys.executable, "-c", f"open({str(ran)!r}, 'w')"])
+    argv[argv.index(str(os.getpid()))] = "1"  # "our parent" is init: we are not it
+    assert subprocess.run(argv).returncode == 0
+    assert not ran.exists()
+    assert subprocess.run(die_with_parent([sys.executable, "-c", f"open({str(ran)!r}, 'w')"])
+                          ).returncode == 0
+    assert ran.exists()
 
 
 # -- launch-local, end to end ----------------------------------------------------------------
@@ -163,6 +237,85 @@ def test_nothing_outlives_launch_local(sig: signal.Signals, data: Path, tmp_path
         _gone(token)
         assert _try_lock(run_dir)
     finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for pid in _alive(token):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _starts(run_dir: Path) -> int:
+    """How many worker incarnations the run started (``start`` events)."""
+    return (run_dir / "events.jsonl").read_text().count('"type":"start"')
+
+
+def _watchdogs(token: str) -> list[int]:
+    """The run's watchdog processes (they carry the test's tag, and their script)."""
+    found = []
+    for pid in _alive(token):
+        try:
+            if b"sys.stdin.buffer.read()" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(pid)
+        except OSError:
+            continue
+    return found
+
+
+def _launch_logged(run_dir: Path, data: Path, token: str, out: Path) -> subprocess.Popen:
+    """launch-local as in :func:`_launch`, its output in a file (a pipe nobody reads fills up)."""
+    with open(out, "w") as fh:
+        return subprocess.Popen(
+            [sys.executable, "-m", "kfp_nvrx.pipelines.cli", "launch-local", "--run-dir",
+             str(run_dir), "--nodes", "2", "--set", f"data.path={data}", "--set",
+             "train.steps=100000", "--set", "train.step_sleep=0.05"],
+            env={**os.environ, TAG: token}, stdout=fh, stderr=subprocess.STDOUT, text=True)
+
+
+def test_a_killed_watchdog_is_replaced_and_the_run_still_ends_with_its_launcher(data, tmp_path):
+    """SIGKILL the watchdog: the launcher starts a new one; SIGKILL the launcher: nothing of the
+    run is left, and the run dir is not free while any process of it runs."""
+    token, run_dir, out = uuid.uuid4().hex, tmp_path / "run", tmp_path / "launcher.log"
+    launcher = _launch_logged(run_dir, data, token, out)
+    try:
+        _wait_until(lambda: _training(run_dir), 180, "the first training step")
+        (first,) = _watchdogs(token)
+        os.kill(first, signal.SIGKILL)
+        _wait_until(lambda: [p for p in _watchdogs(token) if p != first], 60,
+                    "the launcher to start a new watchdog")
+        _wait_until(lambda: f"the watchdog (pid {first}) died (signal 9)" in out.read_text(), 30,
+                    "the launcher to say so")
+        assert launcher.poll() is None and _training(run_dir)  # the run goes on, covered again
+        launcher.kill()
+        launcher.wait()
+        _lock_free_only_once_all_are_gone(run_dir, token, 120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for pid in _alive(token):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_agents_die_with_the_launcher_when_the_watchdog_cannot_act(data, tmp_path):
+    """The watchdog is stopped (alive, so not replaced, but useless): SIGKILL the launcher, and
+    the kernel's death signal alone stops the agents, which stop their workers."""
+    token, run_dir, out = uuid.uuid4().hex, tmp_path / "run", tmp_path / "launcher.log"
+    launcher = _launch_logged(run_dir, data, token, out)
+    stopped = None
+    try:
+        _wait_until(lambda: _training(run_dir), 180, "the first training step")
+        (stopped,) = _watchdogs(token)
+        os.kill(stopped, signal.SIGSTOP)
+        assert len(_alive(token)) >= 4  # launcher, watchdog, 2 agents (and their workers)
+        starts = _starts(run_dir)
+        launcher.kill()
+        launcher.wait()
+        _wait_until(lambda: _alive(token) == [stopped], 120,
+                    "every agent and worker to stop without the watchdog")
+        # Stopped, not restarted: without the death signal the workers die of their broken
+        # output pipe and the agents start new ones (what the issue saw) before giving up.
+        assert _starts(run_dir) == starts
+    finally:
+        if stopped is not None:
+            os.kill(stopped, signal.SIGKILL)
         if launcher.poll() is None:
             launcher.kill()
         for pid in _alive(token):

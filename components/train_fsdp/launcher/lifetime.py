@@ -1,13 +1,25 @@
-"""What ties a local run to its launcher: the run-dir lock and the watchdog.
+"""What ties a local run to its launcher: the run-dir lock, the watchdog and the agents' leash.
+
+Three layers, so that no single process's death breaks "one run owns a run dir" or "no process
+outlives its launcher":
 
 - :class:`RunDirLock`: one launcher owns a run dir at a time. ``flock`` on
   ``<run_dir>/.kfp-nvrx-run.lock`` (the holder's pid, host and start time written into it); the
-  kernel drops the lock when its holder dies, so a lock file left by a dead run is simply taken.
+  kernel drops the lock when the last process holding it dies, so a lock file left by a dead run
+  is simply taken. The launcher holds it itself and hands the same open file to the watchdog and
+  to every agent (:func:`die_with_parent` via ``pass_fds``), so it stays taken while any of them
+  lives, whichever dies first.
 - :class:`Watchdog`: a small process that outlives the launcher by design. It reads a pipe whose
   only writer is the launcher; end-of-file means the launcher is gone (exit, crash, SIGKILL), and
   the watchdog then stops every process carrying the run's marker in its environment (agents,
-  workers, checkpoint writer processes): SIGTERM, a grace period, SIGKILL. It holds the run-dir
-  lock until then, so no second run can start on a run dir that is still being written.
+  workers, checkpoint writer processes): SIGTERM, a grace period, SIGKILL. The launcher polls it
+  and starts a new one when it dies.
+- :func:`die_with_parent`: every agent runs with ``PR_SET_PDEATHSIG`` = SIGTERM, so the kernel
+  itself tells it to stop when the launcher dies, even with no watchdog left. A kernel mechanism,
+  not one more process that can be killed: a pipe the agents watch would need a watcher in
+  every agent (``ft_launcher`` is not ours), and that watcher could die like the watchdog did.
+  SIGTERM, not SIGKILL: ``ft_launcher`` stops its workers on SIGTERM (they lead sessions of their
+  own and would be orphaned by a SIGKILLed agent), and keeps the lock until they are gone.
 """
 
 from __future__ import annotations
@@ -99,6 +111,30 @@ for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
 """
 
 
+# Runs as the agent's first program: ask the kernel for SIGTERM when the parent dies, make sure
+# the parent did not die before that took effect, then become the agent (execve keeps the
+# setting). A wrapper rather than ``preexec_fn``: Python code between fork and exec is unsafe
+# while the launcher's log threads run.
+_DIE_WITH_PARENT = r"""
+import ctypes, os, signal, sys
+libc = ctypes.CDLL(None, use_errno=True)
+if libc.prctl(1, int(signal.SIGTERM), 0, 0, 0) != 0:  # 1 = PR_SET_PDEATHSIG
+    sys.exit("kfp-nvrx: prctl(PR_SET_PDEATHSIG) failed: " + os.strerror(ctypes.get_errno()))
+if os.getppid() != int(sys.argv[1]):
+    sys.exit(0)  # the launcher is already gone: nothing to run for
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
+
+
+def die_with_parent(argv: list[str]) -> list[str]:
+    """``argv`` wrapped so that the process gets SIGTERM from the kernel when we die.
+
+    The signal follows the *thread* that starts the process (Linux semantics), so start it from
+    the thread that lives as long as the run: :func:`.local.run_local`'s caller.
+    """
+    return [sys.executable, "-I", "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), *argv]
+
+
 class Watchdog:
     """Stops every process of a run once the launcher is gone, however it went.
 
@@ -116,6 +152,17 @@ class Watchdog:
             env=env, pass_fds=keep_fds, start_new_session=True,  # Ctrl-C reaches it not
             stdout=subprocess.DEVNULL)
         os.close(read)
+
+    def dead(self) -> int | None:
+        """The watchdog's exit status once it is gone (it should never go before :meth:`finish`)."""
+        return self.proc.poll()
+
+    def close(self) -> None:
+        """Let go of a dead watchdog: close our end of its pipe and reap it."""
+        if self._write is not None:
+            os.close(self._write)
+            self._write = None
+        self.proc.wait()
 
     def finish(self, timeout: float = 30.0) -> None:
         """The launcher is done: let the watchdog sweep up leftovers, and wait for it."""

@@ -40,7 +40,7 @@ from kfp_nvrx.components.ownership import claim_run_dir
 from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec, check_procs
 from kfp_nvrx.components.train_fsdp.launcher.agent_log import AgentLog, DiskFullNotice
 from kfp_nvrx.components.train_fsdp.launcher.gpus import slice_gpus
-from kfp_nvrx.components.train_fsdp.launcher.lifetime import RunDirLock, Watchdog
+from kfp_nvrx.components.train_fsdp.launcher.lifetime import RunDirLock, Watchdog, die_with_parent
 from kfp_nvrx.components.train_fsdp.launcher.result import LaunchResult
 
 _MARKER = "KFP_NVRX_LOCAL_RUN"
@@ -115,13 +115,15 @@ def _reap(marker: str) -> int:
 
 class _Agent:
     def __init__(self, idx: int, argv: list[str], env: dict[str, str], log: Callable[[str], None],
-                 verbose: bool, log_path: Path) -> None:
+                 verbose: bool, log_path: Path, keep_fds: tuple[int, ...] = ()) -> None:
         self.idx, self.tail = idx, deque(maxlen=40)
         self.exited_at: float | None = None  # when the launcher first saw it gone
         self.disk_full = DiskFullNotice(log_path.parent.parent / CHECKPOINTS_DIR)
-        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
+        # The kernel SIGTERMs the agent when the launcher dies (die_with_parent); keep_fds (the
+        # run-dir lock) keeps the run dir taken until the agent has stopped its workers.
+        self.proc = subprocess.Popen(die_with_parent(argv), env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                     start_new_session=True)
+                                     start_new_session=True, pass_fds=keep_fds)
         self.thread = threading.Thread(target=self._pump, args=(log, verbose, log_path),
                                        daemon=True)
         self.thread.start()
@@ -165,6 +167,18 @@ class _Agent:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+
+
+def _replace_watchdog(old: Watchdog, marker: str, grace: float, lock_fd: int,
+                      log: Callable[[str], None]) -> Watchdog:
+    """A new watchdog for a dead one (someone killed it; the run must stay covered)."""
+    code = old.dead()
+    old.close()
+    new = Watchdog(marker, grace, keep_fds=(lock_fd,))
+    how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+    log(f"[launch-local] the watchdog (pid {old.proc.pid}) died ({how}); started a new one "
+        f"(pid {new.proc.pid})")
+    return new
 
 
 def local_run_dir(spec: JobSpec) -> Path:
@@ -233,7 +247,7 @@ def run_local(spec: JobSpec, *, log: Callable[[str], None] = print,
     lock = RunDirLock(run_path).acquire()  # one run owns a run dir at a time
     grace = float(cfg.resilience.workers_stop_timeout) + 10
     # Stops everything of this run if the launcher itself dies (SIGKILL included); it holds the
-    # lock until then.
+    # lock until then. If the watchdog dies first, the loop below starts a new one.
     watchdog = Watchdog(f"{_MARKER}={marker}", grace, keep_fds=(lock.fd,))
     log(f"[launch-local] {name}: {hi} node(s) x {nproc_per_node} proc, run dir {run_path}")
     started = time.time()
@@ -262,7 +276,8 @@ def run_local(spec: JobSpec, *, log: Callable[[str], None] = print,
                 agent_env["CUDA_VISIBLE_DEVICES"] = slices[i]
             if cfg.resilience.in_process:  # the pod spec's rule (jobspec/env.py), GPU or CPU
                 agent_env.update(in_process_env(gpu=slices[i] is not None))
-            agents.append(_Agent(i, argv, agent_env, log, verbose, logs / f"node{i}.log"))
+            agents.append(_Agent(i, argv, agent_env, log, verbose, logs / f"node{i}.log",
+                                 keep_fds=(lock.fd,)))
         if on_start is not None:
             on_start([a.proc.pid for a in agents])
         while not stop.is_set() and any(a.proc.poll() is None for a in agents):
@@ -272,6 +287,14 @@ def run_local(spec: JobSpec, *, log: Callable[[str], None] = print,
             if deadline_s is not None and time.time() - started > deadline_s:
                 state, reason = "DeadlineExceeded", f"deadline of {deadline_s:g}s passed"
                 break
+            if watchdog.dead() is not None:
+                try:
+                    watchdog = _replace_watchdog(watchdog, f"{_MARKER}={marker}", grace,
+                                                 lock.fd, log)
+                except OSError as err:  # without a watchdog a SIGKILLed launcher leaks
+                    state = "Failed"
+                    reason = f"the watchdog died and no new one could be started: {err}"
+                    break
             stop.wait(0.2)
     finally:
         # Tell every node first, then wait: stopping them one at a time would take N x grace.
