@@ -34,6 +34,10 @@ class Lock:
                              "(`make cluster-down` stops it)") from None
 
 
+class _Stopped(BaseException):
+    """A stop signal arrived while the cluster was starting."""
+
+
 def serve(root: Path, bins: Path, nodes: int = 0) -> int:
     """Start the cluster in ``root`` and keep it until a stop signal.
 
@@ -47,8 +51,15 @@ def serve(root: Path, bins: Path, nodes: int = 0) -> int:
     """
     lock = Lock(root)  # noqa: F841 - held until the process exits
     stop = threading.Event()
+    starting = True
+
+    def on_signal(signum: int, _frame) -> None:
+        stop.set()
+        if starting:  # abort a start-up that is waiting on a component; `finally` stops all
+            raise _Stopped(signal.Signals(signum).name)
+
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     (root / "state.json").unlink(missing_ok=True)
     cp = ControlPlane(root, bins)
     status = 0
@@ -74,6 +85,7 @@ def serve(root: Path, bins: Path, nodes: int = 0) -> int:
                         **(agent.state() if agent else {})})
         print(f"cluster: ready in {time.monotonic() - t0:.0f} s; KUBECONFIG={cp.kubeconfig}",
               flush=True)
+        starting = False
         while not stop.wait(1.0):
             for p in cp.procs:
                 if (msg := p.died()) is not None:
@@ -83,6 +95,8 @@ def serve(root: Path, bins: Path, nodes: int = 0) -> int:
                     stop.set()
                     status = 1
                     break
+    except _Stopped as e:
+        print(f"cluster: start-up stopped by {e}", flush=True)
     except Exception as e:  # noqa: BLE001 - any start-up failure: report it, stop what started
         msg = f"{type(e).__name__}: {e}"
         cp.write_state({"ready": False, "failed": msg, "supervisor": os.getpid()})
