@@ -195,10 +195,11 @@ def test_what_v2_cannot_express_is_refused(change: dict, field: str) -> None:
     assert err.value.field == field and "\n" not in str(err.value)
 
 
-def test_name_limit_counts_the_jobset_pod_hostname() -> None:
-    trainjob.render(JobSpec(image=IMAGE, pvc="fsx", name="a" * 54, nodes="10"))  # a..-node-0-9
+def test_name_limit_counts_the_jobset_pod_name() -> None:
+    # The JobSet webhook's limit: <name>-node-0-<index>-xxxxx (the Job controller's suffix).
+    trainjob.render(JobSpec(image=IMAGE, pvc="fsx", name="a" * 48, nodes="10"))  # a..-node-0-9
     with pytest.raises(UserError, match="node-0-10"):
-        trainjob.render(JobSpec(image=IMAGE, pvc="fsx", name="a" * 54, nodes="11"))
+        trainjob.render(JobSpec(image=IMAGE, pvc="fsx", name="a" * 48, nodes="11"))
 
 
 @pytest.mark.parametrize("mutate,field", [

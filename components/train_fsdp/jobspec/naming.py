@@ -20,8 +20,10 @@ _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 #: name is itself a DNS-1035 label of at most 63 characters.
 REPLICA_INFIX = "-worker-"
 MAX_LABEL = 63
-#: Derived names stay this short so any index up to 9999 still fits in a Service name.
-MAX_DERIVED = MAX_LABEL - len(REPLICA_INFIX) - 4
+#: Derived names stay this short so any index up to 9999 still fits in a PyTorchJob's Service
+#: name and in a TrainJob's pod names ``<job>-node-0-<index>-<5 characters>`` (the JobSet webhook
+#: refuses longer ones when the Trainer creates the JobSet).
+MAX_DERIVED = MAX_LABEL - len("-node-0-") - 4 - len("-abcde")
 
 #: Label/annotation keys (prefix ``kfp-nvrx``: a valid DNS subdomain, owned by this package).
 RUN_ID_KEY = "kfp-nvrx/run-id"

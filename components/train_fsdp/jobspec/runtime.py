@@ -100,10 +100,13 @@ def build_runtime(name: str = RUNTIME_NAME, namespace: str = "",
                 "failurePolicy": {
                     "maxRestarts": MAX_RESTARTS,
                     "restartStrategy": "Recreate",
+                    # Rule names: the JobSet webhook allows ^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$
+                    # only (no '-'); it checks them when the Trainer creates the JobSet, long
+                    # after the runtime and the TrainJob were accepted.
                     "rules": [
-                        {"name": "ft-launcher-gave-up", "action": "RestartJobSet",
+                        {"name": "ft_launcher_gave_up", "action": "RestartJobSet",
                          "onJobFailureReasons": ["PodFailurePolicy"]},
-                        {"name": "anything-else", "action": "FailJobSet"},
+                        {"name": "anything_else", "action": "FailJobSet"},
                     ],
                 },
             }},

@@ -43,6 +43,7 @@ from kfp_nvrx.components.train_fsdp.jobspec.spec import (
     check_resource_name,
     check_seconds,
 )
+from kfp_nvrx.components.train_fsdp.jobspec.validate_jobset import POD_SUFFIX
 
 KIND = "TrainJob"
 #: The torch plugin injects these into the trainer container; the webhook rejects a TrainJob
@@ -99,19 +100,21 @@ def refuse_v1_only(spec: JobSpec) -> None:
 def check_name(name: str, nodes: int) -> None:
     """Raise UserError naming ``--name`` unless the JobSet-derived names stay valid.
 
-    The JobSet is named after the TrainJob; each node pod's hostname is
-    ``<name>-node-0-<index>`` (a DNS-1123 label, at most 63 characters) and the headless Service
-    is ``<name>``.
+    The JobSet is named after the TrainJob and the headless Service is ``<name>``; the JobSet
+    webhook refuses a JobSet whose longest pod name ``<name>-node-0-<index>-<5 characters>`` (the
+    Job controller's suffix) is not a DNS-1035 label of at most 63 characters, when the Trainer
+    creates it: the TrainJob itself would be accepted and never start.
     """
     if not naming.DNS1035.match(name) or len(name) > naming.MAX_LABEL:
         raise UserError("--name", f"{name!r} is not a DNS-1035 label of at most "
                         f"{naming.MAX_LABEL} characters (lower-case letters, digits and '-', "
                         "starting with a letter)")
-    longest = f"{name}-{rt.REPLICATED_JOB}-0-{nodes - 1}"
+    longest = f"{name}-{rt.REPLICATED_JOB}-0-{nodes - 1}{POD_SUFFIX}"
     if len(longest) > naming.MAX_LABEL:
         most = len(name) - (len(longest) - naming.MAX_LABEL)
-        raise UserError("--name", f"{name!r} is too long: the JobSet pod hostname {longest!r} "
-                        f"would exceed {naming.MAX_LABEL} characters; use at most {most}")
+        raise UserError("--name", f"{name!r} is too long: the JobSet's pod names "
+                        f"{longest[:-len(POD_SUFFIX)]}-xxxxx would exceed {naming.MAX_LABEL} "
+                        f"characters; use at most {most}")
 
 
 @dataclass

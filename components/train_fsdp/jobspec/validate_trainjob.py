@@ -4,9 +4,11 @@ The same three layers as :mod:`.validate` for the PyTorchJob:
 
 1. The Kubeflow Trainer v2.3.0 CRD schemas (vendored in ``schemas/``, sha256 in
    ``trainer-v2.3.0.SHA256SUMS``), strict: unknown fields are rejected.
-2. The rules the schema's CEL expressions and the v2 admission webhook enforce: name format and
+2. The rules the schema's CEL expressions and the v2 admission webhooks enforce: name format and
    length, the torch plugin's reserved env names, a runtime reference and a patched replicated
-   job that exist, and the Kubernetes name limits of the JobSet-derived pod hostnames.
+   job that exist; and what only bites when the controllers build the job
+   (:mod:`.validate_jobset`): the JobSet webhook's rules on the runtime's failure policy and on
+   the JobSet-derived Job and pod names, the Job API's rules on its ``podFailurePolicy``.
 3. The node Pod the controllers would create (runtime template + runtime patch + trainer fields +
    the torch plugin's env and port), checked by ``kubernetes-validate`` strict and the API-server
    resource rules.
@@ -31,6 +33,10 @@ from kfp_nvrx.components.train_fsdp.jobspec.validate import (
     _path,
     _resource_rules,
     _strict,
+)
+from kfp_nvrx.components.train_fsdp.jobspec.validate_jobset import (
+    validate_jobset_names,
+    validate_runtime,
 )
 
 SCHEMAS = Path(__file__).parent / "schemas"
@@ -111,10 +117,8 @@ def validate_rules(job: dict[str, Any], runtime: dict[str, Any]) -> None:
                                 f"replicatedJobs[{j}].name", f"the runtime has no replicated job "
                                 f"{rjob.get('name')!r}")
     nodes = trainer.get("numNodes") or runtime["spec"].get("mlPolicy", {}).get("numNodes") or 1
-    host = f"{name}-{rt.REPLICATED_JOB}-0-{nodes - 1}"
-    if len(host) > MAX_LABEL:
-        raise UserError("metadata.name", f"the JobSet pod hostname {host!r} would exceed "
-                        f"{MAX_LABEL} characters")
+    # Checked by the JobSet webhook only when the Trainer creates the JobSet (after acceptance).
+    validate_jobset_names(name, nodes)
 
 
 def _merge_named(base: list[dict], patch: list[dict]) -> list[dict]:
@@ -195,6 +199,7 @@ def validate_trainjob(job: dict[str, Any], runtime: dict[str, Any],
     if crd is None:
         raise UserError("kind", f"the runtime must be one of {', '.join(RUNTIME_KINDS)}")
     validate_schema(runtime, crd)
+    validate_runtime(runtime)
     validate_schema(job, TRAINJOB_CRD)
     validate_rules(job, runtime)
     validate_pod(job, runtime, k8s_version)
