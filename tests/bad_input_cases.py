@@ -1,7 +1,9 @@
 """The bad-input sweep's table: one :class:`Case` per bad CLI/trainer input (tests/test_bad_inputs.py).
 
-Each case names the field its one-line error must name; ``{name}`` placeholders in ``argv`` are the
-sweep's fixture paths.
+Each case names the field its one-line error must name (and, with ``says``, words the line must
+hold: a message that points the right way); ``{name}`` placeholders in ``argv`` are the sweep's
+fixture paths. tests/bad_input_cases_proc.py, when present, adds its own ``CASES`` (and may add
+``fixtures(fx) -> {name: path}`` and ``COMPONENT_CASES``); the sweep runs them all alike.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ class Case:
     field: str
     program: str = "cli"  # cli | trainer
     env: tuple[tuple[str, str], ...] = ()  # extra environment
+    says: str = ""  # words the one line must hold besides the field
 
 
-def _c(id_: str, field: str, *argv: str, program: str = "cli", **env: str) -> Case:
-    return Case(id_, argv, field, program, tuple(env.items()))
+def _c(id_: str, field: str, *argv: str, program: str = "cli", says: str = "",
+       **env: str) -> Case:
+    return Case(id_, argv, field, program, tuple(env.items()), says)
 
 
 NO_GPU = {"CUDA_VISIBLE_DEVICES": "-1"}  # CUDA's "no device", on any host
@@ -34,6 +38,10 @@ NO_GPU = {"CUDA_VISIBLE_DEVICES": "-1"}  # CUDA's "no device", on any host
 LAUNCH = ("launch-local", "--run-dir", "{ws}/run", "--set", "data.path={data}")
 RENDER = ("render-job", "--image", "img:1", "--pvc", "shared", "--out", "{ws}/job.yaml")
 TRAINER = ("--config", "tiny", "--run-dir", "{ws}/run", "--set", "data.path={data}")
+#: Resuming the sweep's recorded run (tiny, data.path={data}, committed step 4).
+RESUME = ("launch-local", "--run-dir", "{recorded}", "--set", "data.path={data}")
+RESUME_TRAINER = ("--config", "tiny", "--run-dir", "{recorded}", "--set", "data.path={data}")
+TWO_TO_THE_70 = str(2**70)
 
 CASES = [
     # prepare-data
@@ -207,4 +215,117 @@ CASES = [
     _c("job-fs-group", "--fs-group", *RENDER, "--fs-group", "-1"),
     _c("job-mount-root", "--mount", *RENDER, "--mount", "/"),
     _c("job-mount-usr", "--extra-pvc", *RENDER, "--extra-pvc", "data:/usr/lib"),
+    # a resume that cannot be the resume asked for stops (issue 23.1)
+    _c("resume-load-step-missing", "checkpoint.load_step", *RESUME, "--set",
+       "checkpoint.load_step=7", says="committed: 4"),
+    _c("resume-load-step-fresh-dir", "checkpoint.load_step", *LAUNCH, "--set",
+       "checkpoint.load_step=3", says="committed: none"),
+    _c("resume-load-step-damaged", "checkpoint.load_step", "launch-local", "--run-dir",
+       "{damaged}", "--set", "data.path={data}", "--set", "checkpoint.load_step=4",
+       says="damaged"),
+    _c("resume-seed-changed", "train.seed", *RESUME, "--set", "train.seed=7",
+       says="checkpoint.allow_changes=train.seed"),
+    _c("resume-data-changed", "data.path", "launch-local", "--run-dir", "{recorded}", "--set",
+       "data.path={data2}", says="records"),
+    _c("resume-model-changed", "model.norm_eps", *RESUME, "--set", "model.norm_eps=0.001",
+       says="records"),
+    _c("resume-allow-changes-unknown", "checkpoint.allow_changes", *RESUME, "--set",
+       "checkpoint.allow_changes=train.lr"),
+    _c("resume-allowed-still-guards-others", "train.seed", *RESUME, "--set", "train.seed=9",
+       "--set", "checkpoint.allow_changes=data.path"),
+    _c("trainer-resume-seed-changed", "train.seed", *RESUME_TRAINER, "--set", "train.seed=7",
+       program="trainer"),
+    _c("trainer-load-step-missing", "checkpoint.load_step", *RESUME_TRAINER, "--set",
+       "checkpoint.load_step=12", program="trainer"),
+    # never through a symlink out of the run dir (issue 23.2; the targets are fixtures)
+    _c("local-checkpoints-symlink", "--run-dir", "launch-local", "--run-dir", "{linkedckpt}",
+       "--set", "data.path={data}", says="symbolic link"),
+    _c("local-step-dir-symlink", "--run-dir", "launch-local", "--run-dir", "{linkedstep}",
+       "--set", "data.path={data}", says="symbolic link"),
+    _c("local-events-symlink", "--run-dir", "launch-local", "--run-dir", "{linkedevents}",
+       "--set", "data.path={data}", says="events.jsonl"),
+    _c("local-log-symlink", "--run-dir", "launch-local", "--run-dir", "{linkedlog}", "--set",
+       "data.path={data}", says="node0.log"),
+    _c("trainer-checkpoints-symlink", "--run-dir", "--config", "tiny", "--run-dir",
+       "{linkedckpt}", "--set", "data.path={data}", program="trainer", says="symbolic link"),
+    # no unbounded input: devices, FIFOs and huge files (issue 23.8)
+    _c("local-config-dev-zero", "--config", *LAUNCH, "--config", "/dev/zero"),
+    _c("local-config-fifo", "--config", *LAUNCH, "--config", "{fifo}"),
+    _c("local-config-huge", "--config", *LAUNCH, "--config", "{bigyaml}", says="larger than"),
+    _c("job-affinity-dev-zero", "--affinity", *RENDER, "--affinity", "@/dev/zero",
+       says="character device"),
+    _c("job-affinity-fifo", "--affinity", *RENDER, "--affinity", "@{fifo}", says="FIFO"),
+    _c("job-affinity-huge", "--affinity", *RENDER, "--affinity", "@{bigyaml}",
+       says="larger than"),
+    _c("submit-token-dev-zero", "--token-file", "submit", "--host", HOST, "--token-file",
+       "/dev/zero", says="character device"),
+    _c("submit-token-fifo", "--token-file", "submit", "--host", HOST, "--token-file", "{fifo}",
+       says="FIFO"),
+    _c("submit-token-huge", "--token-file", "submit", "--host", HOST, "--token-file",
+       "{bigtoken}", says="larger than"),
+    _c("submit-package-dev-zero", "--package", "submit", "--host", HOST, "--package",
+       "/dev/zero"),
+    _c("local-index-huge", "data.path", "launch-local", "--run-dir", "{ws}/run", "--set",
+       "data.path={bigindex}", says="larger than"),
+    _c("local-index-dev-zero", "data.path", "launch-local", "--run-dir", "{ws}/run", "--set",
+       "data.path={zeroindex}", says="character device"),
+    _c("local-index-fifo", "data.path", "launch-local", "--run-dir", "{ws}/run", "--set",
+       "data.path={fifoindex}", says="FIFO"),
+    _c("prep-source-dev-zero", "source", "prepare-data", "--source", "/dev/zero", "--out",
+       "{ws}/ds", says="character device"),
+    _c("prep-source-fifo", "source", "prepare-data", "--source", "{fifo}", "--out", "{ws}/ds",
+       says="FIFO"),
+    _c("prep-tokenizer-dev-zero", "tokenizer", "prepare-data", "--source", "sample:", "--out",
+       "{ws}/ds", "--tokenizer", "/dev/zero"),
+    _c("local-init-from-dev-zero", "checkpoint.init_from", *LAUNCH, "--set",
+       "checkpoint.init_from=/dev/zero"),
+    _c("goodput-events-dev-zero", "--run-dir", "goodput", "--run-dir", "{zeroevents}"),
+    # YAML bombs, YAML 1.2 numbers, integer ranges, nan and empty values (issue 23.9)
+    _c("local-config-alias-bomb", "--config", *LAUNCH, "--config", "{bomb}", says="aliases"),
+    _c("local-config-deep-nesting", "--config", *LAUNCH, "--config", "{deepyaml}",
+       says="deeper than"),
+    _c("local-config-recursive-alias", "--config", *LAUNCH, "--config", "{recursive}"),
+    _c("local-config-octal", "train.steps", *LAUNCH, "--config", "{octal}", says="YAML 1.1"),
+    _c("local-config-hex", "model.vocab_size", *LAUNCH, "--config", "{hexyaml}",
+       says="plain decimal"),
+    _c("local-config-underscore", "train.steps", *LAUNCH, "--config", "{underscore}"),
+    _c("local-config-hex-for-a-string", "data.path", *LAUNCH, "--config", "{hexpath}"),
+    _c("local-config-steps-2-70", "train.steps", *LAUNCH, "--config", "{hugesteps}",
+       says="2^31"),
+    _c("local-vocab-2-70", "model.vocab_size", *LAUNCH, "--set",
+       f"model.vocab_size={TWO_TO_THE_70}"),
+    _c("local-interval-past-int32", "checkpoint.interval", *LAUNCH, "--set",
+       "checkpoint.interval=3000000000"),
+    _c("local-set-hex", "train.steps", *LAUNCH, "--set", "train.steps=0x10"),
+    _c("job-steps-2-70", "train.steps", *RENDER, "--set", f"train.steps={TWO_TO_THE_70}"),
+    _c("job-config-alias-bomb", "--config", *RENDER, "--config", "{bomb}"),
+    _c("job-affinity-alias-bomb", "--affinity", *RENDER, "--affinity",
+       "a: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]\n"
+       "c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]\nd: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c]\n"
+       "e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d]\nf: [*e, *e, *e, *e, *e, *e, *e, *e, *e]"),
+    _c("job-affinity-deep", "--affinity", *RENDER, "--affinity", "[" * 5000 + "]" * 5000),
+    _c("local-deadline-nan", "--deadline", *LAUNCH, "--deadline", "nan"),
+    _c("local-deadline-inf", "--deadline", *LAUNCH, "--deadline", "inf"),
+    _c("launch-deadline-nan", "--deadline", "launch", "--backend", "kubernetes", "--image", "i:1",
+       "--pvc", "shared", "--deadline", "nan"),
+    _c("local-run-dir-empty", "--run-dir", "launch-local", "--run-dir", "", "--set",
+       "data.path={data}"),
+    _c("local-run-dir-blank", "--run-dir", "launch-local", "--run-dir", "  ", "--set",
+       "data.path={data}"),
+    _c("trainer-run-dir-empty", "--run-dir", "--config", "tiny", "--run-dir", "", "--set",
+       "data.path={data}", program="trainer"),
+    _c("export-run-dir-empty", "--run-dir", "export", "--run-dir", "", "--out", "{ws}/m"),
+    _c("goodput-run-dir-empty", "--run-dir", "goodput", "--run-dir", ""),
+    _c("job-run-dir-empty", "--run-dir", *RENDER, "--run-dir", ""),
+    _c("prep-sample-too-many", "source", "prepare-data", "--source", "sample:99999999999",
+       "--out", "{ws}/ds", says="1,000,000"),
+    # messages that point the right way (issue 23.12)
+    _c("export-out-is-the-run-dir", "--out", "export", "--run-dir", "{recorded}", "--out",
+       "{recorded}", "--eval-batches", "0", says="the run dir itself"),
+    _c("export-out-inside-the-run-dir", "--out", "export", "--run-dir", "{recorded}", "--out",
+       "{recorded}/model", "--eval-batches", "0", says="inside the run dir"),
+    _c("local-index-deeply-nested", "data.path", "launch-local", "--run-dir", "{ws}/run",
+       "--set", "data.path={deepindex}", says="nests too deeply"),
+    _c("export-data-deeply-nested", "--data", "export", "--run-dir", "{recorded}", "--out",
+       "{ws}/m", "--data", "{deepindex}", says="nests too deeply"),
 ]

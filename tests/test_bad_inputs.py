@@ -9,6 +9,10 @@ naming ``--host`` (or a kubeconfig error) instead of the expected field. Compone
 KFP components' Python functions in-process (the KFP executor would wrap any exception in its own
 traceback); they must raise :class:`UserError` naming the parameter before anything is created.
 No case may start training.
+
+The table is tests/bad_input_cases.py plus, when present, tests/bad_input_cases_proc.py (its
+``CASES``, ``COMPONENT_CASES`` and ``fixtures(fx) -> {placeholder: path}``). ``pytest -k <id>``
+runs only the selected cases' processes.
 """
 
 from __future__ import annotations
@@ -22,12 +26,28 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from bad_input_cases import CASES, SECRET, Case
+from bad_input_cases import CASES as BASE_CASES
+from bad_input_cases import SECRET, TWO_TO_THE_70, Case
 
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.train_fsdp.trainer.bootstrap import LAUNCHER_ENV
 
 SWEEP_ENV = "KFP_NVRX_SWEEP"
+
+
+def _proc_module():
+    """tests/bad_input_cases_proc.py (the secrets/network/process classes), if it exists."""
+    try:
+        import bad_input_cases_proc
+    except ModuleNotFoundError as err:
+        if err.name != "bad_input_cases_proc":
+            raise
+        return None
+    return bad_input_cases_proc
+
+
+PROC = _proc_module()
+CASES: list[Case] = [*BASE_CASES, *getattr(PROC, "CASES", [])]
 
 
 def _snapshot(root: Path) -> dict[str, tuple[int, int]]:
@@ -70,6 +90,83 @@ def _other_model_run(run_dir: Path) -> None:
     (run_dir / "config.yaml").write_text(json.dumps({"model": cfg.to_dict()["model"]}))
 
 
+def _recorded_run(run_dir: Path, data: Path, damaged: bool = False) -> None:
+    """A run dir of ours: config.yaml records tiny with ``data``; step 4 committed (CRC32s)."""
+    import torch.distributed.checkpoint as dcp
+
+    from kfp_nvrx.components.core.config import load_config
+    from kfp_nvrx.components.core.rundir import step_dir, write_commit_marker, write_config
+    from kfp_nvrx.components.train_fsdp.trainer.model import build_model
+
+    cfg = load_config("tiny", [f"data.path={data}"])
+    write_config(cfg, run_dir)
+    path = step_dir(run_dir / "checkpoints", 4)
+    path.mkdir(parents=True)
+    dcp.save({"model": build_model(cfg.model).state_dict()},
+             storage_writer=dcp.FileSystemWriter(str(path)), no_dist=True)
+    write_commit_marker(path, 4, 1)
+    if damaged:
+        biggest = max(path.glob("*.distcp"), key=lambda p: p.stat().st_size)
+        os.truncate(biggest, biggest.stat().st_size // 2)
+
+
+def _link_fixtures(fx: Path) -> dict[str, str]:
+    """Run dirs of ours holding a link where we write; the targets are fixtures themselves."""
+    from kfp_nvrx.components.ownership import claim_run_dir
+
+    foreign = fx / "foreignsteps" / "step_00000001"
+    foreign.mkdir(parents=True)
+    (foreign / "COMMITTED").write_text('{"step": 1}')
+    (fx / "precious.txt").write_text("years of work")
+    out = {}
+    for name, link, target in (("linkedckpt", "checkpoints", fx / "foreignsteps"),
+                               ("linkedstep", "checkpoints/step_00000008", foreign),
+                               ("linkedevents", "events.jsonl", fx / "precious.txt"),
+                               ("linkedlog", "logs/node0.log", fx / "precious.txt")):
+        run = claim_run_dir(fx / name)
+        (run / link).parent.mkdir(parents=True, exist_ok=True)
+        (run / link).symlink_to(target)
+        out[name] = str(run)
+    zero = claim_run_dir(fx / "zeroevents")
+    (zero / "events.jsonl").symlink_to("/dev/zero")
+    out["zeroevents"] = str(zero)
+    return out
+
+
+def _input_fixtures(fx: Path) -> dict[str, str]:
+    """Devices, FIFOs, huge files, YAML bombs and numbers YAML 1.1 and 1.2 read differently."""
+    os.mkfifo(fx / "pipe.txt")
+    for name, kind in (("zeroindex", "zero"), ("fifoindex", "fifo"), ("bigindex", "big"),
+                       ("deepindex", "deep")):
+        (fx / name).mkdir()
+        index = fx / name / "index.json"
+        if kind == "zero":
+            index.symlink_to("/dev/zero")
+        elif kind == "fifo":
+            os.mkfifo(index)
+        elif kind == "big":
+            index.write_text('{"format": "kfp-nvrx-tokens/1", "pad": "' + "x" * (17 << 20) + '"}')
+        else:
+            index.write_text("[" * 100_000 + "]" * 100_000)
+    (fx / "big.yaml").write_text("# padding\n" * (220 << 10))  # 2.2 MiB of comments
+    (fx / "bigtoken").write_text("t" * 100_000)
+    laughs = ["a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    for i in range(8):
+        prev, cur = chr(ord("a") + i), chr(ord("b") + i)
+        laughs.append(f"{cur}: &{cur} [" + ", ".join([f"*{prev}"] * 9) + "]")
+    yamls = {"bomb": "\n".join(laughs) + "\n", "deepyaml": "train: " + "[" * 10_000 + "]" * 10_000,
+             "recursive": "train: &t {steps: *t}\n", "octal": "train: {steps: 010}\n",
+             "hexyaml": "model: {vocab_size: 0x100}\n", "underscore": "train: {steps: 1_000}\n",
+             "hexpath": "data: {path: 0x1F}\n", "hugesteps": f"train: {{steps: {TWO_TO_THE_70}}}\n"}
+    out = {"fifo": str(fx / "pipe.txt"), "bigyaml": str(fx / "big.yaml"),
+           "bigtoken": str(fx / "bigtoken"),
+           **{name: str(fx / name) for name in ("zeroindex", "fifoindex", "bigindex", "deepindex")}}
+    for name, text in yamls.items():
+        (fx / f"{name}.yaml").write_text(text)
+        out[name] = str(fx / f"{name}.yaml")
+    return out
+
+
 def _safetensors(path: Path, tensors: dict[str, tuple], body: int) -> None:
     """A safetensors file by hand: header length, JSON header, ``body`` bytes of data."""
     header = json.dumps({k: {"dtype": d, "shape": s, "data_offsets": o}
@@ -106,7 +203,14 @@ def fixtures(tmp_path_factory) -> dict[str, str]:
     (fx / "binary.yaml").write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff\xfe train: {}")
     _safetensors(fx / "trunc.safetensors", {"w": ("F32", [4], [0, 16])}, body=8)
     _safetensors(fx / "other.safetensors", {"w": ("F32", [2], [0, 8])}, body=8)
-    return {"src": str(fx / "src"), "foreign": str(fx / "foreign"),
+    prepare_dataset("sample:150", fx / "data2", seq_len=64)
+    _recorded_run(fx / "recorded", data)
+    _recorded_run(fx / "damaged", data, damaged=True)
+    extra = {**_link_fixtures(fx), **_input_fixtures(fx), "data2": str(fx / "data2"),
+             "recorded": str(fx / "recorded"), "damaged": str(fx / "damaged")}
+    if hasattr(PROC, "fixtures"):
+        extra.update(PROC.fixtures(fx))
+    return {**extra, "src": str(fx / "src"), "foreign": str(fx / "foreign"),
             "token2": str(fx / "token2"), "tokenbin": str(fx / "tokenbin"),
             "dupkey": str(fx / "dup.yaml"), "binconfig": str(fx / "binary.yaml"),
             "truncst": str(fx / "trunc.safetensors"), "otherst": str(fx / "other.safetensors"),
@@ -134,18 +238,21 @@ def _run_case(case: Case, fixtures: dict[str, str], root: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def results(fixtures, tmp_path_factory) -> dict[str, dict]:
+def results(fixtures, tmp_path_factory, request) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("sweep")
     before = _snapshot(Path(fixtures["fx"]))
+    selected = {item.callspec.params["case"].id for item in request.session.items
+                if hasattr(item, "callspec") and isinstance(item.callspec.params.get("case"), Case)}
+    run = [c for c in CASES if c.id in selected] or CASES
     with ThreadPoolExecutor(max_workers=3) as pool:
-        futures = {c.id: pool.submit(_run_case, c, fixtures, root) for c in CASES}
+        futures = {c.id: pool.submit(_run_case, c, fixtures, root) for c in run}
         out = {k: f.result() for k, f in futures.items()}
     out["__fixtures_unchanged__"] = before == _snapshot(Path(fixtures["fx"]))
     return out
 
 
 def test_sweep_is_large_and_spans_every_surface() -> None:
-    assert len(CASES) >= 25 and len({c.id for c in CASES}) == len(CASES)
+    assert len(CASES) + len(COMPONENT_CASES) >= 160 and len({c.id for c in CASES}) == len(CASES)
     commands = {c.argv[0] for c in CASES if c.program == "cli"}
     assert {"prepare-data", "launch-local", "export", "render-job", "launch", "compile",
             "run-local", "submit", "schedule"} <= commands
@@ -160,6 +267,7 @@ def test_bad_input_is_one_line_exit_2_and_leaves_nothing(case: Case, results) ->
     assert "Traceback" not in r["stderr"] + r["stdout"]
     assert SECRET not in r["stderr"] + r["stdout"]
     assert "error: " in lines[0] and case.field in lines[0].split("error: ", 1)[1], lines[0]
+    assert case.says in lines[0], lines[0]
     assert r["ws_after"] == {}, f"left behind: {sorted(r['ws_after'])}"
     assert r["alive"] == []
 
@@ -183,6 +291,7 @@ COMPONENT_CASES = [  # (id, component, parameters, field the error must name)
     ("export-no-checkpoint", "export", {"run_path": "{empty}"}, "run_dir"),
     ("export-step", "export", {"step": 7}, "step"),
     ("compare-min-improvement", "compare", {"min_improvement": -1.0}, "min_improvement"),
+    *getattr(PROC, "COMPONENT_CASES", []),
 ]
 
 

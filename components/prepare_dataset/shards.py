@@ -133,7 +133,7 @@ def read_index(data_dir: str | os.PathLike[str], field_name: str = "data") -> di
 
     """
     path = Path(data_dir) / INDEX_NAME
-    if not path.is_file():
+    if not os.path.lexists(path):  # anything else there (a FIFO, /dev/zero): read_json says what
         raise UserError(field_name, f"{data_dir} is not a dataset (no {INDEX_NAME}); "
                         "create one with kfp-nvrx prepare-data")
     index = read_json(path, field_name, what="dataset index")  # bounded, depth-safe

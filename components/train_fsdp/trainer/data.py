@@ -6,6 +6,7 @@ restarted run needs only the step number to continue exactly where it left off.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +30,7 @@ class TokenDataset:
         from kfp_nvrx.components.prepare_dataset.shards import read_index
 
         root = Path(path)
-        if not path or not (root / INDEX_FILE).is_file():
+        if not path or not os.path.lexists(root / INDEX_FILE):  # a FIFO there: read_index says
             raise UserError(field, f"{path!r} is not a dataset (no {INDEX_FILE}); "
                             "create one with `kfp-nvrx prepare-data`")
         self.index = read_index(root, field)
