@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable
+from kfp_nvrx.components.redaction import REDACTED, redact
 
 
 class UserError(Exception):
@@ -26,19 +25,6 @@ class UserError(Exception):
         return " ".join(str(self).split())
 
 
-#: ``scheme://user:password@``: the credentials part of a URL.
-_USERINFO = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]+@")
-#: What replaces a secret in any message.
-REDACTED = "<redacted>"
-
-
-def redact(text: str, secrets: Iterable[str]) -> str:
-    """Replace every secret (and ``user:password@`` in URLs) in ``text`` with a placeholder.
-
-    Every error and log line that may carry a credential passes through here before it is
-    printed: a token read from ``--token-file`` or a password typed into ``--host`` must never
-    reach stdout, stderr, logs or artifacts.
-    """
-    for secret in sorted({s for s in secrets if s}, key=len, reverse=True):
-        text = text.replace(secret, REDACTED)
-    return _USERINFO.sub(rf"\1{REDACTED}@", text)
+# One redaction for the whole process (components/redaction.py); re-exported here, where every
+# caller already imports UserError from.
+__all__ = ["REDACTED", "UserError", "redact"]

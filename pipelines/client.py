@@ -25,6 +25,7 @@ import yaml
 
 from kfp_nvrx.components.core.bounded import PACKAGE_LIMIT, TOKEN_LIMIT, read_bytes, read_text
 from kfp_nvrx.components.errors import UserError, redact
+from kfp_nvrx.components.redaction import register as register_secret
 from kfp_nvrx.pipelines.cron import validate_cron
 
 __all__ = ["validate_cron"]  # re-exported: submit/schedule check the cron through this module
@@ -265,6 +266,7 @@ def read_token(token_file: str | None) -> str | None:
     if not _TOKEN.fullmatch(lines[0]):
         raise UserError("--token-file", f"{token_file}: the token holds a space, a control or a "
                         "non-ASCII character; it must be one word of printable ASCII")
+    register_secret(lines[0])  # cut out of everything printed from here on
     return lines[0]
 
 

@@ -47,10 +47,16 @@ def _cluster(args: argparse.Namespace) -> tuple[object, str]:
 
     from kubernetes import client, config
 
+    from kfp_nvrx.components.redaction import register_kube_configuration, register_kubeconfig
     from kfp_nvrx.components.train_fsdp.launcher.k8s_job import ClusterError
 
     cfg = client.Configuration()
+    # Whatever authenticates us is cut out of every line printed from here on (the CLI's
+    # redacting stdout/stderr), the file's values before the loader can quote them in an error.
+    register_kube_configuration(cfg)
     in_cluster = "KUBERNETES_SERVICE_HOST" in os.environ and not (args.kubeconfig or args.context)
+    if not in_cluster:
+        register_kubeconfig(args.kubeconfig or None)
     try:
         if in_cluster:
             config.load_incluster_config(client_configuration=cfg)
@@ -99,8 +105,10 @@ def _run(args: argparse.Namespace) -> int:
     except ClusterError as err:
         sys.stderr.write(f"kfp-nvrx launch: cluster error: {err}\n")
         return 1
-    if args.result:
-        write_atomic(args.result, json.dumps(result.to_dict(), indent=2) + "\n")
+    if args.result:  # reasons and log lines came from the cluster: redacted like the terminal
+        from kfp_nvrx.components.redaction import redact
+
+        write_atomic(args.result, redact(json.dumps(result.to_dict(), indent=2)) + "\n")
     print(f"{result.state}: {result.name} ({result.backend}) in {result.duration_s:.0f}s, "
           f"restarts {result.restarts}, pod restarts {result.pod_restarts}, "
           f"run dir {result.run_dir}", flush=True)

@@ -25,10 +25,12 @@ def _api_client(configuration: Any) -> Any:
     """A Kubernetes ApiClient: ``configuration``, else in-cluster or kubeconfig credentials."""
     from kubernetes import client, config
 
+    from kfp_nvrx.components.redaction import register_kube_configuration, register_kubeconfig
     from kfp_nvrx.components.train_fsdp.launcher.k8s_job import ClusterError
 
     if configuration is None:
         configuration = client.Configuration()
+        register_kubeconfig(None)  # before loading: a loader error must not quote a token
         try:
             config.load_incluster_config(client_configuration=configuration)
         except config.ConfigException:
@@ -37,6 +39,7 @@ def _api_client(configuration: Any) -> Any:
             except Exception as err:  # noqa: BLE001 - no kubeconfig: one line
                 raise ClusterError(f"no Kubernetes credentials: {' '.join(str(err).split())}") \
                     from None
+    register_kube_configuration(configuration)  # every later line we print is redacted
     return client.ApiClient(configuration)
 
 
