@@ -21,6 +21,7 @@ from kubernetes.client.rest import ApiException
 
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.train_fsdp.jobspec.spec import DELETE_AFTER, JobSpec
+from kfp_nvrx.components.train_fsdp.launcher.k8s_api import ClusterError, describe
 from kfp_nvrx.components.train_fsdp.launcher.logs import PodLogFollower
 from kfp_nvrx.components.train_fsdp.launcher.result import LaunchResult
 
@@ -29,10 +30,13 @@ from kfp_nvrx.components.train_fsdp.launcher.result import LaunchResult
 DEADLINE_MARGIN_S = 600.0
 #: Consecutive failed status reads before the launcher stops retrying.
 MAX_READ_ERRORS = 10
+#: Seconds the launcher waits for a deleted job to be gone (foreground: its pods go first);
+#: below KFP's 30 s termination grace, so a cancelled step still exits on its own.
+DELETE_WAIT_S = 20.0
+#: Attempts at the delete call itself (a job must not be left behind by one dropped connection).
+DELETE_ATTEMPTS = 3
 
-
-class ClusterError(RuntimeError):
-    """The cluster refused or could not answer (RBAC, missing CRD, API server down)."""
+__all__ = ["ClusterError", "JobAPI", "JobRun", "K8sOptions", "Outcome"]
 
 
 @dataclass
@@ -109,13 +113,20 @@ class JobAPI(Protocol):
     def outcome(self, job: Any) -> Outcome | None:
         """The final condition, None while the job runs."""
 
+    def blocked(self, job: Any) -> Outcome | None:
+        """A failure the controller only reports in Events (the job never gets a condition)."""
 
-def api_error(action: str, err: ApiException, crd: str) -> ClusterError:
+
+def hints(crd: str) -> dict[int, str]:
+    """Advice for the usual HTTP statuses of a call on ``crd``'s objects."""
+    return {401: "The credentials were rejected.", 403: "RBAC forbids it (see docs/eks.md).",
+            404: f"Is {crd} installed?"}
+
+
+def api_error(action: str, err: ApiException, crd: str, host: str = "the API server"
+              ) -> ClusterError:
     """One line for a refused call, with a hint for the usual HTTP statuses."""
-    hint = {401: "credentials were rejected", 403: "RBAC forbids it (see docs/eks.md)",
-            404: f"is {crd} installed?"}
-    return ClusterError(f"{action}: HTTP {err.status} {err.reason}. {hint.get(err.status, '')} "
-                        f"{str(err.body or '')[:300]}".strip())
+    return describe(action, err, host, hints(crd))
 
 
 class StopSignals:
@@ -172,6 +183,12 @@ def fill_failure(result: LaunchResult, follower: PodLogFollower, lines: int) -> 
         except ApiException:
             tail = []
     result.last_log_lines = tail
+
+
+def _blocked(jobs: JobAPI, job: Any) -> Outcome | None:
+    """``jobs.blocked(job)`` where the backend has it (test doubles may not)."""
+    check = getattr(jobs, "blocked", None)
+    return check(job) if check is not None else None
 
 
 class JobRun:
@@ -234,9 +251,34 @@ class JobRun:
                             f"{posixpath.relpath(run_dir, spec.mount)}",
                             progress=follower.progress.summary())
         if should_delete(result.state, self.opts.delete_after):
-            jobs.delete()
-            self.say(f"deleted {jobs.where} (propagationPolicy=Foreground)")
+            self._delete(jobs)
         return result
+
+    def _delete(self, jobs: JobAPI) -> None:
+        """Delete the job (retrying a failed call) and wait a while for it to be gone."""
+        for attempt in range(DELETE_ATTEMPTS):
+            try:
+                jobs.delete()
+                break
+            except ClusterError as err:
+                if attempt + 1 == DELETE_ATTEMPTS:
+                    raise
+                self.say(f"warning: {err} (retrying)")
+                time.sleep(1.0 + attempt)
+        deadline = time.monotonic() + DELETE_WAIT_S
+        while True:
+            try:
+                gone = jobs.get() is None
+            except ClusterError:
+                gone = False
+            if gone:
+                self.say(f"deleted {jobs.where} (propagationPolicy=Foreground)")
+                return
+            if time.monotonic() > deadline:
+                self.say(f"deleting {jobs.where} (propagationPolicy=Foreground): still in "
+                         "progress, its pods are stopping")
+                return
+            time.sleep(1.0)
 
     def _attach_or_create(self, jobs: JobAPI, body: Any, run_id: str,
                           describe: str) -> tuple[Any, bool]:
@@ -303,7 +345,7 @@ class JobRun:
                 last_state = state
                 if state == "Running" and "time_to_running_s" not in result.extra:
                     result.extra["time_to_running_s"] = round(time.time() - created, 1)
-            outcome = jobs.outcome(job)
+            outcome = jobs.outcome(job) or _blocked(jobs, job)
             if outcome is not None:
                 result.state, result.reason = outcome.state, outcome.reason
                 result.finished_at = outcome.finished_at or time.time()

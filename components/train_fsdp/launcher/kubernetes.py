@@ -23,7 +23,7 @@ from kubernetes.client.rest import ApiException
 from kfp_nvrx.components.train_fsdp.jobspec import naming
 from kfp_nvrx.components.train_fsdp.jobspec.pytorchjob import render
 from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
-from kfp_nvrx.components.train_fsdp.launcher import k8s_job
+from kfp_nvrx.components.train_fsdp.launcher import k8s_api, k8s_job
 from kfp_nvrx.components.train_fsdp.launcher.logs import PodLogFollower
 from kfp_nvrx.components.train_fsdp.launcher.result import LaunchResult
 
@@ -35,53 +35,57 @@ def _ts(value: Any) -> float:
     return value.timestamp() if value is not None else 0.0
 
 
-def _api_error(action: str, err: Exception) -> k8s_job.ClusterError:
-    exc = err.__cause__ if isinstance(err.__cause__, ApiException) else err
-    if isinstance(exc, ApiException):
-        return k8s_job.api_error(action, exc, CRD)
-    return k8s_job.ClusterError(f"{action}: {' '.join(str(err).split()) or type(err).__name__}")
-
-
 class _Job:
-    """The SDK calls on one PyTorchJob and the readings of its typed model (a :class:`JobAPI`)."""
+    """The API calls on one PyTorchJob and the readings of its typed model (a :class:`JobAPI`).
+
+    The calls go to ``CustomObjectsApi`` directly, not through ``TrainingClient.create_job`` /
+    ``delete_job``: those wrap every failure in a ``RuntimeError`` whose text drops the reason
+    (connection refused, an HTML login page), and :mod:`.k8s_api` needs the original.
+    """
 
     kind = "PyTorchJob"
 
     def __init__(self, tc: TrainingClient, name: str, namespace: str) -> None:
         self.tc, self.name, self.namespace = tc, name, namespace
         self.where = f"PyTorchJob {namespace}/{name}"
+        self.host = k8s_api.host_of(tc.api_client)
+        self._hints = k8s_job.hints(CRD)
+
+    def _call(self, action: str, fn: Any, *args: Any, ok: tuple[int, ...] = (),
+              **kwargs: Any) -> Any:
+        return k8s_api.call(f"{action} {self.where}", self.host, fn, constants.GROUP,
+                            constants.VERSION, self.namespace, PLURAL, *args, ok=ok,
+                            hints=self._hints, **kwargs)
 
     def get(self) -> models.KubeflowOrgV1PyTorchJob | None:
         """Read the job (typed SDK model); None when it does not exist."""
         try:
-            raw = self.tc.custom_api.get_namespaced_custom_object(
-                constants.GROUP, constants.VERSION, self.namespace, PLURAL, self.name)
-        except ApiException as err:
-            if err.status == 404:
-                return None
-            raise _api_error(f"reading {self.where}", err) from None
+            raw = self._call("reading", self.tc.custom_api.get_namespaced_custom_object,
+                             self.name, ok=(404,))
+        except ApiException:
+            return None
+        raw = k8s_api.expect_object(raw, f"reading {self.where}", self.host)
         return self.tc.api_client.deserialize(sdk_utils.FakeResponse(raw),
                                               constants.PYTORCHJOB_MODEL)
 
     def create(self, job: models.KubeflowOrgV1PyTorchJob) -> bool:
         """Create the job; False when one with this name appeared meanwhile (HTTP 409)."""
         try:
-            self.tc.create_job(job=job, namespace=self.namespace)
-        except RuntimeError as err:
-            if isinstance(err.__cause__, ApiException) and err.__cause__.status == 409:
-                return False
-            raise _api_error(f"creating {self.where}", err) from None
+            resp = self._call("creating", self.tc.custom_api.create_namespaced_custom_object,
+                              job, ok=(409,))
+        except ApiException:
+            return False
+        k8s_api.expect_object(resp, f"creating {self.where}", self.host)
         return True
 
     def delete(self) -> None:
         """Delete with foreground propagation (pods go before the job object)."""
         try:
-            self.tc.delete_job(self.name, self.namespace,
-                               delete_options=k8s.V1DeleteOptions(propagation_policy="Foreground"))
-        except RuntimeError as err:
-            if isinstance(err.__cause__, ApiException) and err.__cause__.status == 404:
-                return
-            raise _api_error(f"deleting {self.where}", err) from None
+            self._call("deleting", self.tc.custom_api.delete_namespaced_custom_object,
+                       self.name,
+                       body=k8s.V1DeleteOptions(propagation_policy="Foreground"), ok=(404,))
+        except ApiException:
+            return
 
     def created_at(self, job: models.KubeflowOrgV1PyTorchJob) -> float:
         return _ts(job.metadata.creation_timestamp)
@@ -103,6 +107,10 @@ class _Job:
                 reason = k8s_job.failure_reason(cond.reason, cond.message) if failed else ""
                 return k8s_job.Outcome(cond.type, reason, _ts(job.status.completion_time)
                                        or _ts(cond.last_transition_time))
+        return None
+
+    def blocked(self, job: models.KubeflowOrgV1PyTorchJob) -> k8s_job.Outcome | None:
+        """Never: the Training Operator reports its failures as job conditions."""
         return None
 
 
@@ -129,6 +137,7 @@ def launch_kubernetes(spec: JobSpec, opts: k8s_job.K8sOptions | None = None, *,
     """
     run = k8s_job.JobRun(opts, log)
     rendered = render(spec)
+    k8s_api.configure(client_configuration)
     if training_client is None:
         kwargs: dict[str, Any] = {"client_configuration": client_configuration}
         if run.opts.namespace:

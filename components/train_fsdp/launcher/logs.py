@@ -23,6 +23,10 @@ from kubernetes import client as k8s
 from kubernetes import watch as k8s_watch
 from kubernetes.client.rest import ApiException
 
+from kfp_nvrx.components.train_fsdp.launcher import k8s_api
+
+#: Pause after the first failed or empty pod watch, and the most it grows to.
+WATCH_BACKOFF_S = (0.8, 30.0)
 JOB_NAME_LABEL = "training.kubeflow.org/job-name"
 REPLICA_TYPE_LABEL = "training.kubeflow.org/replica-type"
 REPLICA_INDEX_LABEL = "training.kubeflow.org/replica-index"
@@ -152,6 +156,9 @@ class PodLogFollower:
         self._streamed: set[tuple[str, int]] = set()
         self._streams: dict[tuple[str, int], tuple[threading.Thread, Any]] = {}
         self._watcher: threading.Thread | None = None
+        self._error = ""
+        #: API requests of the pod watch and what they met (list, watch, bookmark, gone).
+        self.requests: collections.Counter[str] = collections.Counter()
 
     # -- public ---------------------------------------------------------------------------------
 
@@ -196,23 +203,64 @@ class PodLogFollower:
     # -- pods -----------------------------------------------------------------------------------
 
     def _watch_loop(self) -> None:
-        selector = self.selector
+        """LIST once, then WATCH from the last resourceVersion seen, for as long as we follow.
+
+        What keeps this from hot-looping the API (a Pending job used to cost a LIST and a WATCH
+        every time a watch ended at once): a renewed watch resumes from the last
+        resourceVersion instead of listing again (LIST only at start and after 410 Gone);
+        ``allowWatchBookmarks`` lets the server move that resourceVersion on while nothing
+        happens, so a resumed watch is rarely too old; and a watch that failed, or ended before
+        half its length without delivering anything, is followed by an exponentially growing
+        pause (client-go's reflector does the same: 0.8 s doubling to 30 s).
+        """
+        rv, pause = "", 0.0
         while not self._stop.is_set():
+            started, delivered = time.monotonic(), False
             try:
-                pods = self.core.list_namespaced_pod(self.namespace, label_selector=selector)
-                for pod in pods.items:
-                    self._on_pod(pod)
+                if not rv:
+                    self.requests["list"] += 1
+                    pods = self.core.list_namespaced_pod(self.namespace,
+                                                         label_selector=self.selector)
+                    for pod in pods.items:
+                        self._on_pod(pod)
+                    rv = pods.metadata.resource_version or ""
+                self.requests["watch"] += 1
                 w = k8s_watch.Watch()
                 for event in w.stream(self.core.list_namespaced_pod, self.namespace,
-                                      label_selector=selector,
-                                      resource_version=pods.metadata.resource_version,
+                                      label_selector=self.selector, resource_version=rv,
+                                      allow_watch_bookmarks=True,
                                       timeout_seconds=self.watch_timeout_s):
-                    if event["type"] in ("ADDED", "MODIFIED"):
+                    delivered = True
+                    raw = event.get("raw_object") or {}
+                    rv = (raw.get("metadata") or {}).get("resourceVersion") or rv
+                    if event["type"] == "BOOKMARK":
+                        self.requests["bookmark"] += 1
+                    elif event["type"] in ("ADDED", "MODIFIED"):
                         self._on_pod(event["object"])
                     if self._stop.is_set():
                         w.stop()
-            except Exception:  # noqa: BLE001 - API hiccups (410 Gone, resets): list again
-                self._stop.wait(1.0)
+                self._error = ""
+            except ApiException as err:
+                if err.status == 410:  # our resourceVersion is older than the server keeps
+                    self.requests["gone"] += 1
+                    rv = ""
+                else:
+                    self._warn_once(err)
+            except Exception as err:  # noqa: BLE001 - connection reset, server restarting
+                self._warn_once(err)
+            healthy = delivered or time.monotonic() - started >= self.watch_timeout_s / 2
+            pause = 0.0 if healthy else min(max(2 * pause, WATCH_BACKOFF_S[0]),
+                                            WATCH_BACKOFF_S[1])
+            if pause:
+                self._stop.wait(pause)
+
+    def _warn_once(self, err: BaseException) -> None:
+        """Say once what keeps the pod watch from working (until it works again)."""
+        line = str(k8s_api.describe(f"watching the pods of {self.job_name}", err,
+                                    k8s_api.host_of(getattr(self.core, "api_client", None))))
+        if line != self._error:
+            self._error = line
+            self.emit(f"warning: {line} (retrying)")
 
     def _on_pod(self, pod: k8s.V1Pod) -> None:
         name, uid = pod.metadata.name, pod.metadata.uid

@@ -27,13 +27,14 @@ from kfp_nvrx.components.train_fsdp.jobspec import naming
 from kfp_nvrx.components.train_fsdp.jobspec import runtime as rt
 from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
 from kfp_nvrx.components.train_fsdp.jobspec.trainjob import render
+from kfp_nvrx.components.train_fsdp.launcher import k8s_api
 from kfp_nvrx.components.train_fsdp.launcher.k8s_job import (
     ClusterError,
     JobRun,
     K8sOptions,
     Outcome,
-    api_error,
     failure_reason,
+    hints,
 )
 from kfp_nvrx.components.train_fsdp.launcher.logs import PodLogFollower
 from kfp_nvrx.components.train_fsdp.launcher.result import LaunchResult
@@ -47,25 +48,26 @@ FINAL = ("Complete", "Failed")
 JOB_APIS = ("pytorchjob", "trainjob")
 SA_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 CRD = "Kubeflow Trainer v2 (trainer.kubeflow.org TrainJob CRD)"
+#: The Event reason of a TrainJob whose JobSet (or other objects) could not be applied.
+CREATION_FAILED = "TrainJobResourcesCreationFailed"
+#: What an Event message says when the refusal will not go away by retrying.
+FINAL_REFUSALS = ("denied the request", "is invalid", "is forbidden")
 
 
 def served_job_apis(api: k8s.ApiClient) -> set[str]:
     """Return which of ``pytorchjob`` / ``trainjob`` the cluster serves (API discovery)."""
-    served = set()
+    served, host = set(), k8s_api.host_of(api)
     for group, version, plural, api_name in ((rt.GROUP, VERSION, PLURAL, "trainjob"),
                                              ("kubeflow.org", "v1", "pytorchjobs", "pytorchjob")):
+        action = f"asking the API server for {group}/{version}"
         try:
-            resp = api.call_api(f"/apis/{group}/{version}", "GET", response_type="object",
-                                auth_settings=["BearerToken"], _return_http_data_only=True)
-        except ApiException as err:
-            if err.status == 404:
-                continue
-            raise ClusterError(f"asking the API server for {group}/{version}: HTTP "
-                               f"{err.status} {err.reason}") from None
-        except Exception as err:  # noqa: BLE001 - connection errors: one line
-            raise ClusterError(f"asking the API server for {group}/{version}: "
-                               f"{' '.join(str(err).split())}") from None
-        if any(r.get("name") == plural for r in (resp or {}).get("resources", [])):
+            resp = k8s_api.call(action, host, api.call_api, f"/apis/{group}/{version}", "GET",
+                                response_type="object", auth_settings=["BearerToken"],
+                                _return_http_data_only=True, ok=(404,))
+        except ApiException:
+            continue  # the group/version is not served
+        resources = k8s_api.expect_object(resp, action, host).get("resources") or []
+        if any(isinstance(r, dict) and r.get("name") == plural for r in resources):
             served.add(api_name)
     return served
 
@@ -105,39 +107,44 @@ class _TrainJobs:
 
     kind = "TrainJob"
 
-    def __init__(self, api: k8s.CustomObjectsApi, name: str, namespace: str) -> None:
-        self.api, self.name, self.namespace = api, name, namespace
+    def __init__(self, api: k8s.ApiClient, name: str, namespace: str) -> None:
+        self.api, self.core = k8s.CustomObjectsApi(api), k8s.CoreV1Api(api)
+        self.name, self.namespace = name, namespace
         self.where = f"TrainJob {namespace}/{name}"
+        self.host = k8s_api.host_of(api)
+        self._warned: set[str] = set()
+        self._hints = hints(CRD)
+        self.say: Callable[[str], None] = print
+
+    def _call(self, action: str, fn: Any, *args: Any, ok: tuple[int, ...] = (),
+              **kwargs: Any) -> Any:
+        return k8s_api.call(f"{action} {self.where}", self.host, fn, rt.GROUP, VERSION,
+                            self.namespace, PLURAL, *args, ok=ok, hints=self._hints,
+                            **kwargs)
 
     def get(self) -> dict[str, Any] | None:
         try:
-            return self.api.get_namespaced_custom_object(rt.GROUP, VERSION, self.namespace,
-                                                         PLURAL, self.name)
-        except ApiException as err:
-            if err.status == 404:
-                return None
-            raise api_error(f"reading {self.where}", err, CRD) from None
-        except Exception as err:  # noqa: BLE001 - connection reset and the like
-            raise ClusterError(f"reading {self.where}: {' '.join(str(err).split())}") from None
+            resp = self._call("reading", self.api.get_namespaced_custom_object, self.name,
+                              ok=(404,))
+        except ApiException:
+            return None
+        return k8s_api.expect_object(resp, f"reading {self.where}", self.host)
 
     def create(self, body: dict[str, Any]) -> bool:
         try:
-            self.api.create_namespaced_custom_object(rt.GROUP, VERSION, self.namespace, PLURAL,
-                                                     body)
-        except ApiException as err:
-            if err.status == 409:
-                return False
-            raise api_error(f"creating {self.where}", err, CRD) from None
+            resp = self._call("creating", self.api.create_namespaced_custom_object, body,
+                              ok=(409,))
+        except ApiException:
+            return False
+        k8s_api.expect_object(resp, f"creating {self.where}", self.host)
         return True
 
     def delete(self) -> None:
         try:
-            self.api.delete_namespaced_custom_object(
-                rt.GROUP, VERSION, self.namespace, PLURAL, self.name,
-                body=k8s.V1DeleteOptions(propagation_policy="Foreground"))
-        except ApiException as err:
-            if err.status != 404:
-                raise api_error(f"deleting {self.where}", err, CRD) from None
+            self._call("deleting", self.api.delete_namespaced_custom_object, self.name,
+                       body=k8s.V1DeleteOptions(propagation_policy="Foreground"), ok=(404,))
+        except ApiException:
+            return
 
     def created_at(self, job: dict[str, Any]) -> float:
         return _ts(job["metadata"].get("creationTimestamp"))
@@ -159,6 +166,43 @@ class _TrainJobs:
             return Outcome("Succeeded", "", _ts(final.get("lastTransitionTime")))
         return Outcome("Failed", failure_reason(final.get("reason"), final.get("message")),
                        _ts(final.get("lastTransitionTime")))
+
+    def blocked(self, job: dict[str, Any]) -> Outcome | None:
+        """The Trainer could not build the job's JobSet and will not be able to.
+
+        Trainer v2.3 reports a failed reconcile only as a Warning Event on the TrainJob
+        (``TrainJobResourcesCreationFailed``), never as a condition: without this check a
+        TrainJob whose runtime builds a JobSet that the JobSet webhook refuses would be followed
+        as ``Pending`` until the deadline. A refusal by admission or validation is final for this
+        TrainJob and runtime; anything else (a webhook not reachable yet, a conflict) is retried
+        by the controller, so it is reported once and followed on.
+        """
+        if (job.get("status") or {}).get("jobsStatus"):
+            return None  # the JobSet exists
+        uid = job["metadata"].get("uid", "")
+        try:
+            events = k8s_api.call(
+                f"reading the events of {self.where}", self.host,
+                self.core.list_namespaced_event, self.namespace,
+                field_selector=f"involvedObject.uid={uid},reason={CREATION_FAILED}")
+        except ClusterError as err:
+            self._warn(f"warning: {err}")
+            return None
+        messages = [" ".join((e.message or "").split()) for e in events.items]
+        final = [m for m in messages if any(r in m for r in FINAL_REFUSALS)]
+        if final:
+            ref = job["spec"].get("runtimeRef") or {}
+            return Outcome("Failed", f"{CREATION_FAILED}: {final[-1][:600]} (the "
+                           f"{ref.get('kind', 'runtime')} {ref.get('name', '')} builds an object "
+                           "the cluster refuses: fix the runtime)", 0.0)
+        for message in messages:
+            self._warn(f"warning: {self.where}: {CREATION_FAILED}: {message[:300]}")
+        return None
+
+    def _warn(self, line: str) -> None:
+        if line not in self._warned:
+            self._warned.add(line)
+            self.say(line)
 
 
 def node_replica(pod: k8s.V1Pod) -> str:
@@ -217,7 +261,7 @@ def launch_trainjob(spec: JobSpec, opts: K8sOptions | None = None, *,
     """
     run = JobRun(opts, log)
     rendered = render(spec, runtime, runtime_kind)
-    api = api_client or k8s.ApiClient(client_configuration)
+    api = api_client or k8s.ApiClient(k8s_api.configure(client_configuration))
     namespace = run.opts.namespace or spec.namespace or current_namespace()
     rendered.job["metadata"]["namespace"] = namespace
     follower = PodLogFollower(k8s.CoreV1Api(api), namespace, rendered.name, emit=run.say,
@@ -226,7 +270,9 @@ def launch_trainjob(spec: JobSpec, opts: K8sOptions | None = None, *,
                               selector=f"{JOBSET_NAME_LABEL}={rendered.name}",
                               replica_name=node_replica)
     ref = rendered.job["spec"]["runtimeRef"]
-    return run.run(_TrainJobs(k8s.CustomObjectsApi(api), rendered.name, namespace), rendered.job,
+    jobs = _TrainJobs(api, rendered.name, namespace)
+    jobs.say = run.say
+    return run.run(jobs, rendered.job,
                    spec, follower, run_dir=rendered.run_dir,
                    describe=f"{rendered.nodes} x {spec.instance_type} "
                    f"({rendered.procs_per_node} procs each), runtime {ref['kind']}/{ref['name']}, "

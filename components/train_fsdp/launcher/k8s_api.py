@@ -1,0 +1,154 @@
+"""Calls to a Kubernetes API server that fail in one line naming the server, never a traceback.
+
+What can stand between the launcher and the API server in a real cluster, and what each does to
+the ``kubernetes`` client unless handled here:
+
+* nothing listening / DNS / a firewall: urllib3 retries three times, logging a ``WARNING Retrying
+  (Retry(total=2...))`` line per retry, then raises ``MaxRetryError`` with the connection's
+  object repr in its text;
+* a proxy or SSO gateway answering with its HTML login page (often as a 200 after a redirect): the
+  client returns the page as a ``str`` where a dict was expected, and the caller crashes later;
+* an answer that is not UTF-8 (a binary page, a wrong port speaking another protocol): the client
+  raises ``UnicodeDecodeError`` while decoding it, for any status;
+* TLS failures: ``ApiException(status=0)`` with a multi-line reason.
+
+:func:`describe` turns each into one line; :func:`expect_object` refuses an answer that is not a
+Kubernetes object; :func:`configure` silences urllib3's retry warnings (our own loops retry and
+say so once).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+from kubernetes.client.rest import ApiException
+
+#: Longest part of an API server's error body quoted in a message.
+MAX_BODY = 300
+_HTML = re.compile(r"<\s*(!doctype\s+html|html|head|body|title)\b", re.IGNORECASE)
+_OBJ_REPR = re.compile(r"<[\w.]+ object at 0x[0-9a-f]+>:?\s*")
+
+
+class ClusterError(RuntimeError):
+    """The cluster refused or could not answer (RBAC, missing CRD, API server down)."""
+
+
+def configure(configuration: Any) -> Any:
+    """Quiet urllib3's per-retry warnings for the calls made with ``configuration``.
+
+    The warnings are not about anything the user can act on before the final error, which
+    :func:`describe` reports in one line; every loop of ours that retries says so itself.
+
+    Args:
+        configuration: A ``kubernetes.client.Configuration`` (returned as is).
+
+    Returns:
+        ``configuration``.
+
+    """
+    logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
+    return configuration
+
+
+def host_of(api_client: Any) -> str:
+    """The server URL an ApiClient talks to ('the API server' when unknown)."""
+    cfg = getattr(api_client, "configuration", None)
+    return str(getattr(cfg, "host", "") or "the API server")
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def looks_like_html(text: Any) -> bool:
+    """True when ``text`` is (the start of) an HTML page."""
+    return isinstance(text, str | bytes) and bool(
+        _HTML.search(text[:2048] if isinstance(text, str) else text[:2048].decode("latin-1")))
+
+
+def body_text(body: Any) -> str:
+    """What an error body says, in at most :data:`MAX_BODY` characters on one line."""
+    if not body:
+        return ""
+    if looks_like_html(body):
+        return "(an HTML page: a login page or a proxy in front of the API server?)"
+    if isinstance(body, bytes):
+        body = body.decode("utf-8", errors="replace")
+    return _one_line(body)[:MAX_BODY]
+
+
+def _reason(err: BaseException) -> str:
+    """The innermost useful text of a urllib3 connection error."""
+    inner = getattr(err, "reason", None) or err
+    return _OBJ_REPR.sub("", _one_line(str(inner))) or type(inner).__name__
+
+
+def describe(action: str, err: BaseException, host: str, hints: dict[int, str] | None = None
+             ) -> ClusterError:
+    """One line for a failed call.
+
+    Args:
+        action: What was being done ("reading PyTorchJob ns/name").
+        err: What the client raised.
+        host: The API server's URL.
+        hints: Advice per HTTP status.
+
+    Returns:
+        The error to raise.
+
+    """
+    if isinstance(err, ClusterError):
+        return err
+    if isinstance(err, ApiException):
+        if not err.status:  # the client's TLS failure (status 0, reason "SSLError\n...")
+            return ClusterError(f"{action}: TLS with {host} failed: {_one_line(err.reason)}")
+        hint = (hints or {}).get(err.status, "")
+        text = f"{action}: {host} answered HTTP {err.status} {err.reason}."
+        return ClusterError(" ".join(p for p in (text, hint, body_text(err.body)) if p))
+    if isinstance(err, UnicodeDecodeError):
+        return ClusterError(f"{action}: {host} answered with bytes that are not UTF-8: not a "
+                            "Kubernetes API server (a proxy in the way, or the wrong port?)")
+    if isinstance(err, OSError) or type(err).__module__.startswith("urllib3"):
+        return ClusterError(f"{action}: cannot reach the Kubernetes API server at {host}: "
+                            f"{_reason(err)}")
+    return ClusterError(f"{action}: {type(err).__name__}: {_one_line(str(err))}")
+
+
+def expect_object(resp: Any, action: str, host: str) -> dict[str, Any]:
+    """Return ``resp`` if it is a Kubernetes object (a JSON object), else raise.
+
+    Raises:
+        ClusterError: An HTML page (login page, proxy) or anything else that is not JSON.
+
+    """
+    if isinstance(resp, dict):
+        return resp
+    if looks_like_html(resp):
+        raise ClusterError(f"{action}: {host} answered with an HTML page, not the Kubernetes "
+                           "API (a login page or a proxy? check the kubeconfig's server)")
+    raise ClusterError(f"{action}: {host} answered with something that is not a Kubernetes "
+                       f"object: {body_text(resp) or type(resp).__name__}")
+
+
+def call(action: str, host: str, fn: Any, *args: Any, ok: tuple[int, ...] = (),
+         hints: dict[int, str] | None = None, **kwargs: Any) -> Any:
+    """Call ``fn``; an ``ApiException`` whose status is in ``ok`` is re-raised for the caller.
+
+    Returns:
+        What ``fn`` returned.
+
+    Raises:
+        ApiException: The status is one of ``ok`` (404 on a read, 409 on a create).
+        ClusterError: Any other failure, in one line.
+
+    """
+    try:
+        return fn(*args, **kwargs)
+    except ApiException as err:
+        if err.status in ok:
+            raise
+        raise describe(action, err, host, hints) from None
+    except Exception as err:  # noqa: BLE001 - every other way a call fails: one line
+        raise describe(action, err, host, hints) from None
