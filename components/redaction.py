@@ -20,10 +20,12 @@ still caught.
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import re
+import sys
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -190,6 +192,33 @@ def register_kubeconfig(paths: str | None) -> None:
                     register(*(_key_lines(text) if key == "client-key" else [text]))
 
 
+#: The service account token a pod's kubernetes client loads in-cluster.
+SERVICE_ACCOUNT_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+
+
+def register_kube_defaults() -> None:
+    """Register what the kubernetes client may authenticate with when it loads credentials itself.
+
+    ``TrainingClient()`` without a configuration loads the kubeconfig (or the in-cluster service
+    account) into the client's *default* configuration, out of our sight: register the files'
+    values now and read the default configuration's token at every redaction.
+    """
+    register_kubeconfig(None)
+    if Path(SERVICE_ACCOUNT_TOKEN).is_file():
+        register(_read_bounded(SERVICE_ACCOUNT_TOKEN))
+
+    def current() -> list[Any]:
+        from kubernetes import client
+
+        cfg = getattr(client.Configuration, "_default", None)  # set by load_kube_config()
+        values = [*((getattr(cfg, "api_key", None) or {}).values()),
+                  getattr(cfg, "password", None)] if cfg is not None else []
+        register(*values)
+        return values
+
+    register_source(current)
+
+
 class RedactingStream(io.TextIOBase):
     """A text stream that redacts whole lines before passing them on.
 
@@ -246,3 +275,20 @@ class RedactingStream(io.TextIOBase):
     def encoding(self) -> str:  # type: ignore[override]
         """The inner stream's encoding."""
         return getattr(self.inner, "encoding", "utf-8")
+
+
+@contextlib.contextmanager
+def redacted_output() -> Iterator[None]:
+    """Pass every line of stdout and stderr through :func:`redact` inside the ``with`` block.
+
+    Whatever prints there (our messages, an API server's error body, pod logs, a library's
+    warning), no registered credential reaches the terminal or the KFP task log.
+    """
+    saved = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = RedactingStream(saved[0]), RedactingStream(saved[1])
+    try:
+        yield
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        sys.stdout, sys.stderr = saved

@@ -8,7 +8,6 @@ inside the command's handler so ``kfp-nvrx --help`` is fast and works without to
 from __future__ import annotations
 
 import argparse
-import contextlib
 import errno
 import importlib
 import os
@@ -16,10 +15,10 @@ import signal
 import sys
 import threading
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 from kfp_nvrx.components.errors import UserError, redact
-from kfp_nvrx.components.redaction import RedactingStream
+from kfp_nvrx.components.redaction import redacted_output
 from kfp_nvrx.components.redaction import register as register_secrets
 
 #: Set to show the traceback of an unexpected error (bug reports).
@@ -122,30 +121,13 @@ def _terminate(signum: int, _frame: object) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-@contextlib.contextmanager
-def _redacted_output() -> Iterator[None]:
-    """Pass every line of stdout and stderr through the one redaction while a command runs.
-
-    Whatever prints (our messages, an API server's error body, pod logs, a library's warning),
-    no credential registered with :mod:`kfp_nvrx.components.redaction` reaches the terminal.
-    """
-    saved = sys.stdout, sys.stderr
-    sys.stdout, sys.stderr = RedactingStream(saved[0]), RedactingStream(saved[1])
-    try:
-        yield
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
-        sys.stdout, sys.stderr = saved
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kfp-nvrx`` console script."""
     # torch imports pynvml on CPU-only machines and warns about it on every command.
     warnings.filterwarnings("ignore", message="The pynvml package is deprecated")
     args = build_parser().parse_args(argv)
     register_secrets(*_secrets(args))
-    with _redacted_output():
+    with redacted_output():  # no credential reaches stdout/stderr, whoever prints it
         return _run(args)
 
 

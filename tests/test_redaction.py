@@ -185,3 +185,32 @@ def test_kfp_api_echoing_a_short_token_is_redacted_whole(tmp_path):
     assert "HTTP 500" in proc.stderr and "q7zebra" in proc.stderr
     assert f"Bearer {REDACTED} not valid" in proc.stderr
     assert not _standalone(SHORT, proc.stdout + proc.stderr)
+
+
+def test_the_training_component_prints_and_raises_no_credential(tmp_path, monkeypatch, capsys):
+    """The KFP component (in-process, as the executor calls it) against the echoing server."""
+    from kfp import dsl
+
+    from kfp_nvrx.components.train_fsdp.component import train_fsdp
+
+    with _EchoingApiServer() as api:
+        kc = _kubeconfig(tmp_path / "kubeconfig", api.url, {"token": SHORT})
+        monkeypatch.setenv("KUBECONFIG", str(kc))
+        from kubernetes.config import kube_config  # reads $KUBECONFIG once, at import
+
+        monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kc))
+        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+        monkeypatch.chdir(tmp_path)
+        out = tmp_path / "outputs"
+        with pytest.raises(RuntimeError) as err:
+            train_fsdp.python_func(
+                dataset=dsl.Dataset(uri="/fsx/data", metadata={"path": "/fsx/data"}),
+                workspace="/fsx/work", run=dsl.Artifact(uri=str(out / "run")),
+                metrics=dsl.Metrics(uri=str(out / "metrics")),
+                timeline=dsl.HTML(uri=str(out / "timeline")), backend="kubernetes",
+                job_api="pytorchjob", trainer_image="img:1", pvc_name="shared",
+                kfp_run_id="run-1", kfp_task="train-fsdp")
+    printed = capsys.readouterr()
+    everything = str(err.value) + printed.out + printed.err
+    assert "500" in everything and "q7zebra" in everything
+    assert not _standalone(SHORT, everything), everything

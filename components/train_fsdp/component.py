@@ -69,6 +69,7 @@ def train_fsdp(
 
     from kfp_nvrx.components import images
     from kfp_nvrx.components.errors import UserError
+    from kfp_nvrx.components.redaction import redact, redacted_output
     from kfp_nvrx.components.train_fsdp import ui_outputs
     from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
     from kfp_nvrx.components.train_fsdp.launcher.backends import launch
@@ -89,9 +90,19 @@ def train_fsdp(
                    overrides=sets, faults=list(faults))
     name = spec.job_name()
     spec.run_dir = os.path.join(workspace, "runs", name)
-    result = launch(spec, backend, deadline_s=deadline_s or None, job_api=job_api)
+    # Pod logs, API errors and the reason come from the cluster: no credential the launcher
+    # authenticated with may reach the task log, Metrics or the HTML (one redaction).
+    with redacted_output():
+        try:
+            result = launch(spec, backend, deadline_s=deadline_s or None, job_api=job_api)
+        except UserError:
+            raise
+        except Exception as err:  # the executor prints it (and its chain) as a traceback
+            raise RuntimeError(redact(f"{type(err).__name__}: {err}")) from None
+    result.reason = redact(result.reason)
+    result.last_log_lines = [redact(line) for line in result.last_log_lines]
     summary = ui_outputs.publish(spec.run_dir, result, run=run, metrics=metrics, timeline=timeline,
-                             title=name)
+                                 title=name)
     print(f"{result.state}: goodput {summary['goodput']:.3f}, steps {summary['steps_final']}, "
           f"restarts {summary['restarts']}, run dir {spec.run_dir}")
     for line in summary.get("what_happened") or []:

@@ -85,8 +85,12 @@ def launch(spec: JobSpec, backend: str = "local", *, log: Callable[[str], None] 
 
     """
     if backend == "kubernetes":
+        from kfp_nvrx.components.redaction import register_kube_defaults
         from kfp_nvrx.components.train_fsdp.launcher.k8s_job import K8sOptions
         from kfp_nvrx.components.train_fsdp.launcher.kubernetes import launch_kubernetes
+
+        # Credentials the client loads by itself (TrainingClient) are redacted too.
+        register_kube_defaults()
 
         opts = K8sOptions(namespace=namespace, deadline_s=deadline_s, delete_after=delete_after,
                           poll_s=poll_s)
