@@ -78,7 +78,7 @@ def build_runtime(name: str = RUNTIME_NAME, namespace: str = "",
                     # FT: ft_launcher gave up (in-job restarts used up): fail, let JobSet decide.
                     {"action": "FailJob", "onExitCodes": {
                         "containerName": CONTAINER_NAME, "operator": "In",
-                        "values": GAVE_UP_EXIT_CODES}},
+                        "values": list(GAVE_UP_EXIT_CODES)}},
                     # Killed by a signal (OOM, SIGKILL): a new pod re-joins the rendezvous.
                     {"action": "Ignore", "onExitCodes": {
                         "containerName": CONTAINER_NAME, "operator": "NotIn",

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import re
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,17 @@ def _node_job(runtime_spec: dict[str, Any]) -> dict[str, Any] | None:
     return next((j for j in jobs if j.get("name") == rt.REPLICATED_JOB), None)
 
 
+_HTTP_PATH = re.compile(r"^[A-Za-z0-9/\-._~%!$&'()*+,;=:]+$")
+_DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+def _domain_prefixed_path(value: str) -> bool:
+    """Like apimachinery's IsDomainPrefixedPath: ``<DNS-1123 subdomain>/<http path>``."""
+    host, _, path = value.partition("/")
+    return bool(host and path and len(host) <= 253 and _DNS1123_SUBDOMAIN.match(host)
+                and _HTTP_PATH.match(path))
+
+
 def validate_rules(job: dict[str, Any], runtime: dict[str, Any]) -> None:
     """CEL and webhook rules of the TrainJob, checked against the runtime it refers to."""
     name = job.get("metadata", {}).get("name", "")
@@ -109,13 +121,30 @@ def validate_rules(job: dict[str, Any], runtime: dict[str, Any]) -> None:
     if _node_job(runtime["spec"]) is None:
         raise UserError("spec.runtimeRef.name", f"runtime {runtime['metadata']['name']} has no "
                         f"replicated job {rt.REPLICATED_JOB!r}")
+    node_containers = {c.get("name") for c in _node_job(runtime["spec"])["template"]["spec"][
+        "template"]["spec"].get("containers") or []}
     for p, patch in enumerate(spec.get("runtimePatches") or []):
+        if not _domain_prefixed_path(patch.get("manager") or ""):
+            raise UserError(f"spec.runtimePatches[{p}].manager", "must be a domain-prefixed path "
+                            "(such as 'acme.io/foo')")
         tmpl = (patch.get("trainingRuntimeSpec") or {}).get("template") or {}
         for j, rjob in enumerate((tmpl.get("spec") or {}).get("replicatedJobs") or []):
+            where = f"spec.runtimePatches[{p}].trainingRuntimeSpec.template.spec.replicatedJobs[{j}]"
             if _node_job({"template": {"spec": {"replicatedJobs": [rjob]}}}) is None:
-                raise UserError(f"spec.runtimePatches[{p}].trainingRuntimeSpec.template.spec."
-                                f"replicatedJobs[{j}].name", f"the runtime has no replicated job "
+                raise UserError(f"{where}.name", f"the runtime has no replicated job "
                                 f"{rjob.get('name')!r}")
+            pod = (((rjob.get("template") or {}).get("spec") or {}).get("template") or {}).get(
+                "spec") or {}
+            for c, container in enumerate(pod.get("containers") or []):
+                cpath = f"{where}.template.spec.template.spec.containers[{c}]"
+                # The Trainer webhook: a patch may change the runtime's containers, not add any,
+                # and the node container's env belongs to trainer.env (PET_* injection).
+                if container.get("name") not in node_containers:
+                    raise UserError(f"{cpath}.name", f"the runtime's {rt.REPLICATED_JOB!r} job "
+                                    f"has no container {container.get('name')!r}")
+                if container.get("env"):
+                    raise UserError(f"{cpath}.env", "must not be set for the node container "
+                                    "(use spec.trainer.env)")
     nodes = trainer.get("numNodes") or runtime["spec"].get("mlPolicy", {}).get("numNodes") or 1
     # Checked by the JobSet webhook only when the Trainer creates the JobSet (after acceptance).
     validate_jobset_names(name, nodes)
