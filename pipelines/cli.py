@@ -121,11 +121,29 @@ def _terminate(signum: int, _frame: object) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
+#: Every int flag is a signed 32-bit int: counts, seconds and ids that reach the job spec, the
+#: Kubernetes API (int32 fields) or a loop (2**70 nodes once raised OverflowError, exit 1).
+INT_FLAG_RANGE = (-(2**31), 2**31 - 1)
+
+
+def _check_int_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuses, in argparse's one line, any int flag value outside :data:`INT_FLAG_RANGE`."""
+    lo, hi = INT_FLAG_RANGE
+    for dest, value in vars(args).items():
+        values = value if isinstance(value, list) else [value]
+        for v in values:
+            if isinstance(v, int) and not isinstance(v, bool) and not lo <= v <= hi:
+                parser.error(f"argument --{dest.replace('_', '-')}: {v} is out of range "
+                             f"({lo} to {hi})")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kfp-nvrx`` console script."""
     # torch imports pynvml on CPU-only machines and warns about it on every command.
     warnings.filterwarnings("ignore", message="The pynvml package is deprecated")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check_int_flags(parser, args)
     register_secrets(*_secrets(args))
     with redacted_output():  # no credential reaches stdout/stderr, whoever prints it
         return _run(args)

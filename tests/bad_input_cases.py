@@ -298,6 +298,13 @@ CASES = [
        "checkpoint.interval=3000000000"),
     _c("local-set-hex", "train.steps", *LAUNCH, "--set", "train.steps=0x10"),
     _c("job-steps-2-70", "train.steps", *RENDER, "--set", f"train.steps={TWO_TO_THE_70}"),
+    _c("job-nodes-2-70", "--nodes", *RENDER, "--nodes", TWO_TO_THE_70),
+    _c("local-nodes-2-70", "--nodes", *LAUNCH, "--nodes", TWO_TO_THE_70),
+    _c("job-active-deadline-2-70", "--active-deadline", *RENDER, "--active-deadline",
+       TWO_TO_THE_70, says="out of range"),
+    _c("job-backoff-limit-2-70", "--backoff-limit", *RENDER, "--backoff-limit", TWO_TO_THE_70),
+    _c("export-step-2-70", "--step", "export", "--run-dir", "{recorded}", "--out", "{ws}/m",
+       "--step", TWO_TO_THE_70),
     _c("job-config-alias-bomb", "--config", *RENDER, "--config", "{bomb}"),
     _c("job-affinity-alias-bomb", "--affinity", *RENDER, "--affinity",
        "a: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]\n"

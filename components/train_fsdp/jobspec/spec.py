@@ -178,6 +178,10 @@ class JobSpec:
 # -- parsers for CLI strings ---------------------------------------------------------------------
 
 
+#: More nodes than any cluster has (and than a local launcher could start).
+MAX_NODES = 65_536
+
+
 def parse_nodes(text: str | int) -> tuple[int, int]:
     """``"N"`` -> (N, N); ``"MIN:MAX"`` -> (MIN, MAX); raises UserError naming ``--nodes``."""
     raw = str(text).strip()
@@ -189,6 +193,8 @@ def parse_nodes(text: str | int) -> tuple[int, int]:
         raise UserError("--nodes", f"need at least 1 node, got {raw!r}")
     if lo > hi:
         raise UserError("--nodes", f"MIN must not exceed MAX, got {raw!r}")
+    if hi > MAX_NODES:  # 2**70 nodes raised OverflowError in the local launcher (exit 1)
+        raise UserError("--nodes", f"at most {MAX_NODES:,} nodes, got {raw!r}")
     return lo, hi
 
 
