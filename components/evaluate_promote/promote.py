@@ -21,6 +21,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from kfp_nvrx.components.core.bounded import read_json
 from kfp_nvrx.components.errors import UserError
 
 #: Files an export consists of (``export_checkpoint``); all are copied on promotion.
@@ -36,9 +37,10 @@ def current_model(promoted_dir: str | os.PathLike[str]) -> Path | None:
 
 def _json(path: Path) -> dict[str, Any]:
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        value = read_json(path, "promoted_dir")  # bounded, no NaN, depth-safe
+    except UserError:
         return {}
+    return value if isinstance(value, dict) else {}
 
 
 def compare(candidate_dir: str | os.PathLike[str], data_dir: str | os.PathLike[str],

@@ -6,13 +6,13 @@ split, so the same model and data always give the same number (no sampling, no R
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from kfp_nvrx.components.core.bounded import read_json
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.prepare_dataset.shards import (
     SplitTokens,
@@ -113,10 +113,9 @@ def read_export_config(export_dir: str | os.PathLike[str]) -> Any:
     from kfp_nvrx.components.core.config import ModelConfig, config_from_dict
 
     path = Path(export_dir) / "config.json"
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise UserError("model", f"cannot read {path}: {err}") from None
+    raw = read_json(path, "model", what="export config.json")  # bounded, no NaN, depth-safe
+    if not isinstance(raw, dict):
+        raise UserError("model", f"{path} is not a JSON object")
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     return config_from_dict({"model": {k: v for k, v in raw.items() if k in known}}).model
 
@@ -147,8 +146,8 @@ def evaluate_export(export_dir: str | os.PathLike[str], data_dir: str | os.PathL
     model = load_exported_model(export_dir)
     if seq_len is None:
         try:
-            seq_len = int(json.loads((Path(export_dir) / "export.json").read_text())["seq_len"])
-        except (OSError, ValueError, KeyError, TypeError):
+            seq_len = int(read_json(Path(export_dir) / "export.json", "model")["seq_len"])
+        except (UserError, ValueError, KeyError, TypeError):
             seq_len = int(model_cfg.max_seq_len)
     return eval_loss(model, data_dir, seq_len=seq_len, batch_size=batch_size, batches=batches,
                      vocab_size=model_cfg.vocab_size)
