@@ -242,9 +242,11 @@ def run_local(spec: JobSpec, *, log: Callable[[str], None] = print,
                       rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id=f"{name}-{marker[:8]}",
                       max_restarts=cfg.resilience.max_restarts)}
     claim_run_dir(run_path)
+    # One run owns a run dir at a time; taken before anything is written into it, so a launch
+    # refused for a run dir in use leaves it as it was.
+    lock = RunDirLock(run_path).acquire()
     logs = run_path / LOGS_DIR  # every agent's full output; the stream shows what matters
     logs.mkdir(exist_ok=True)
-    lock = RunDirLock(run_path).acquire()  # one run owns a run dir at a time
     grace = float(cfg.resilience.workers_stop_timeout) + 10
     # Stops everything of this run if the launcher itself dies (SIGKILL included); it holds the
     # lock until then. If the watchdog dies first, the loop below starts a new one.
