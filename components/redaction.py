@@ -45,6 +45,10 @@ _TOKEN_CHAR = r"A-Za-z0-9\-_~+/"
 _BEFORE = rf"(?<![{_TOKEN_CHAR}.])"
 _AFTER = rf"(?![{_TOKEN_CHAR}=]|\.[{_TOKEN_CHAR}])"
 
+#: ``token: value`` (and password, client-key-data) on a kubeconfig line, quoted or not.
+_KUBECONFIG_SECRET = re.compile(
+    r"""(?:^|[\s{,])(?:token|password|client-key-data)\s*:\s*["']?([^\s"',}#]+)""", re.M)
+
 _lock = threading.Lock()
 _values: set[str] = set()
 _sources: list[Callable[[], Iterable[Any]]] = []
@@ -166,8 +170,11 @@ def register_kubeconfig(paths: str | None) -> None:
 
     raw = paths or os.environ.get("KUBECONFIG") or str(Path.home() / ".kube" / "config")
     for path in filter(None, raw.split(os.pathsep)):
+        text = _read_bounded(path)
+        # Line by line first: a file YAML cannot parse still has its secrets found.
+        register(*(m[1] for m in _KUBECONFIG_SECRET.finditer(text)))
         try:
-            doc = yaml.safe_load(_read_bounded(path))
+            doc = yaml.safe_load(text)
         except yaml.YAMLError:
             continue
         users = doc.get("users") if isinstance(doc, dict) else None

@@ -102,6 +102,13 @@ def test_every_credential_of_a_kubeconfig_is_registered_before_loading(tmp_path)
     assert redact(text) == " ".join([REDACTED] * 4 + ["Basic", REDACTED])
 
 
+def test_a_kubeconfig_yaml_cannot_parse_still_has_its_token_registered(tmp_path):
+    kc = tmp_path / "kubeconfig"
+    kc.write_text(f'users:\n- name: u\n  user: {{token: "{LONG}", password: pw2}}\n  - [\n')
+    redaction.register_kubeconfig(str(kc))
+    assert redact(f"{LONG} pw2") == f"{REDACTED} {REDACTED}"
+
+
 # -- end to end: servers that echo the credential ---------------------------------------------
 
 class _EchoingApiServer:
