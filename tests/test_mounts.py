@@ -111,3 +111,37 @@ def test_export_to_a_read_only_mount_fails_before_reading_the_checkpoint(tmp_pat
     assert "--out" in lines[0] and str(ro / "model") in lines[0] and ".tmp-" not in lines[0]
     assert "Read-only file system" in lines[0]
     assert "loading model tensors" not in proc.stderr + proc.stdout
+
+
+def test_a_log_file_on_a_full_device_is_given_up_once_and_the_stream_goes_on(tmp_path) -> None:
+    from kfp_nvrx.components.train_fsdp.launcher.agent_log import AgentLog
+
+    said: list[str] = []
+    full = AgentLog(Path("/dev/full"), "[node0]", said.append)  # every write: ENOSPC
+    for i in range(5):
+        full.write(f"line {i}")
+    full.close()
+    assert len(said) == 1 and "No space left on device" in said[0], said
+    (tmp_path / "target").write_text("keep")
+    (tmp_path / "node0.log").symlink_to(tmp_path / "target")
+    linked = AgentLog(tmp_path / "node0.log", "[node0]", said.append)
+    linked.write("through the link?")
+    linked.close()
+    assert (tmp_path / "target").read_text() == "keep" and len(said) == 2
+
+
+def test_the_disk_full_notice_is_said_once_per_incarnation_and_only_for_a_full_disk(
+        tmp_path) -> None:
+    from kfp_nvrx.components.train_fsdp.launcher.agent_log import DiskFullNotice
+
+    torn = "RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"
+    roomy = DiskFullNotice(tmp_path)  # a file system with space: a torn write of another cause
+    assert roomy.check(torn) is None and roomy.line is None
+    notice = DiskFullNotice(tmp_path)
+    first = notice.check("OSError: [Errno 28] No space left on device: 'x'")
+    assert first and first.startswith("disk full: No space left on device")
+    assert notice.check("[Errno 28] No space left on device") == ""
+    assert notice.check("[trainer] start: world_size=1 incarnation=1.0") is None
+    assert notice.check("Disk quota exceeded")
+    assert notice.clean(["[trainer] step 5", "[Errno 28] No space left on device"]) == \
+        ["[trainer] step 5"]

@@ -182,7 +182,8 @@ def crc32_file(path: Path) -> int:
 def write_atomic(path: Path, data: bytes) -> None:
     """Writes ``path`` so a reader sees the old bytes or the new ones (tmp + fsync + rename)."""
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as fh:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW  # never through a link
+    with os.fdopen(os.open(tmp, flags, 0o644), "wb") as fh:
         fh.write(data)
         fh.flush()
         os.fsync(fh.fileno())

@@ -9,6 +9,7 @@ instead of torch's ``inline_container.cc ... unexpected pos`` and NVRx's relays 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO
@@ -23,8 +24,9 @@ class AgentLog:
         self.path, self.prefix, self.log = path, prefix, log
         self.fh: IO[str] | None = None
         self.broken = False
-        try:
-            self.fh = open(path, "a", buffering=1)  # noqa: SIM115 - closed in close()
+        try:  # O_NOFOLLOW: a node log that is a link (out of the run dir) is never written
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            self.fh = os.fdopen(fd, "a", buffering=1)
         except OSError as err:
             self._give_up(err)
 
