@@ -14,6 +14,9 @@ SOURCES = {
     "recovery_injob_s_2gpu": "recovery_2gpu",
     "recovery_inprocess_s_2gpu": "recovery_2gpu",
     "hang_detect_s": "recovery",
+    "recovery_inprocess_s_1b": "recovery_1b",
+    "recovery_injob_s_1b": "recovery_1b",
+    "hang_detect_s_1b": "recovery_1b",
     "hang_detect_s_2gpu": "recovery_2gpu",
     "scaling_efficiency_2gpu": "throughput",
     "mfu_1b_2gpu": "throughput",
@@ -94,6 +97,7 @@ def round_two_keys(loaded: dict[str, dict[str, Any]], ck: dict[str, Any]) -> dic
         ck: :func:`bench.summary.ckpt_figures` of this run's ``ckpt_stall`` JSON.
     """
     rec, rec2 = loaded.get("recovery", {}), loaded.get("recovery_2gpu", {})
+    rec1b = loaded.get("recovery_1b", {})
     out: dict[str, Any] = {}
     why: dict[str, str] = {}
 
@@ -106,6 +110,10 @@ def round_two_keys(loaded: dict[str, dict[str, Any]], ck: dict[str, Any]) -> dic
     put("recovery_inprocess_s_2gpu", _scenario(rec2, "raise", "total_s", in_process=True,
                                                   source="recovery_2gpu"))
     put("hang_detect_s", _scenario(rec, "hang", "detection_s"))
+    put("recovery_inprocess_s_1b", _scenario(rec1b, "raise", "total_s", in_process=True,
+                                             source="recovery_1b"))
+    put("recovery_injob_s_1b", _scenario(rec1b, "kill", "total_s", source="recovery_1b"))
+    put("hang_detect_s_1b", _scenario(rec1b, "hang", "detection_s", source="recovery_1b"))
     put("hang_detect_s_2gpu", _scenario(rec2, "hang", "detection_s", source="recovery_2gpu"))
     vals, reasons = throughput_keys(loaded.get("throughput", {}))
     out.update(vals)

@@ -42,3 +42,38 @@ def best_interval(delta: float, recovery: float, mtbf: float) -> tuple[float, fl
             hi = b
     tau = (lo + hi) / 2
     return tau, goodput(tau, delta, recovery, mtbf)
+
+
+# FSx for Lustre SCRATCH_2, the seeds' 1.2 TiB file system: throughput for all nodes together.
+FSX_TIB = 1.2
+FSX_BASELINE_MB_S_PER_TIB = 200.0
+FSX_BURST_MB_S_PER_TIB = 1300.0
+GPUS_PER_P5 = 8
+
+
+def fsx_gb_per_s(burst: bool) -> float:
+    """Aggregate FSx SCRATCH_2 read throughput of the 1.2 TiB file system, GB/s."""
+    per_tib = FSX_BURST_MB_S_PER_TIB if burst else FSX_BASELINE_MB_S_PER_TIB
+    return per_tib * FSX_TIB / 1000
+
+
+def recovery_paths(nodes: int, measured_s: float, measured_load_s: float,
+                   state_gb_per_gpu: float) -> dict[str, float]:
+    """Recovery seconds of one failure on ``nodes`` p5 nodes, by where the state is loaded from.
+
+    ``measured_s``/``measured_load_s``: an in-job restart measured on one GPU holding
+    ``state_gb_per_gpu`` (its load from node-local memory). A p5 node holds 8 such shares.
+
+    * ``host copy, node kept``: the measured restart (every node loads from its own memory);
+    * ``host copy, node replaced``: the replaced node reads its 8 shares from FSx alone;
+    * ``file path, every node``: every node reads its shares from FSx at once (no host copy), at
+      the burst and at the baseline throughput.
+    """
+    node_gb = GPUS_PER_P5 * state_gb_per_gpu
+    rest = measured_s - measured_load_s
+    return {
+        "host copy, node kept": measured_s,
+        "host copy, node replaced (burst)": rest + node_gb / fsx_gb_per_s(True),
+        "file path, every node (burst)": rest + nodes * node_gb / fsx_gb_per_s(True),
+        "file path, every node (baseline)": rest + nodes * node_gb / fsx_gb_per_s(False),
+    }

@@ -29,6 +29,8 @@ def jobs(only: list[str], quick: bool, gpus: int) -> list[tuple[str, str, list[s
     for name in only:
         extra = ["--gpus", "2"] if name == "throughput" and gpus >= 2 else []
         out.append((name, name, [*_args(name, quick), *extra]))
+        if name == "recovery":  # 125m above, 1b beside it (13 GB of state: a p5 GPU's share)
+            out.append((name, "recovery_1b", ["--preset", "1b"]))
         if name == "recovery" and gpus >= 2:
             out.append((name, "recovery_2gpu", [*_args(name, quick), "--gpus", "2"]))
     return out
@@ -40,8 +42,6 @@ def _args(name: str, quick: bool) -> list[str]:
     if name == "throughput":
         return ["--steps-125m", "20", "--steps-1b", "16", "--skip", "5"] if quick else []
     if name == "recovery":
-        # 125m (1.6 GB of state) for the published figures too: a 1b run reads 13 GB per restart;
-        # the report's goodput projection swaps in the 1b checkpoint's measured cold load.
         return ["--preset", "125m"]
     return []
 

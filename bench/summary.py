@@ -9,6 +9,7 @@ from typing import Any
 from bench.common import write_json
 from bench.keys import round_two_keys, run_records, throughput_rows
 from bench.projection import best_interval, goodput, job_mtbf_s, young_daly
+from bench.recovery_report import projection, projection_lines, recovery_lines
 
 NODES, NODE_MTBF_DAYS = 16, 30.0
 
@@ -128,8 +129,9 @@ def build_report(out: Path) -> dict[str, Any]:
         "recovery_preset": r.get("preset"), "ckpt_preset": c.get("config"),
         "machine": (c or t or r).get("machine", {}),
     }
+    r1b = _load(out, "recovery_1b")
     loaded = {"ckpt_stall": c, "throughput": t, "recovery": r,
-              "recovery_2gpu": _load(out, "recovery_2gpu")}
+              "recovery_2gpu": _load(out, "recovery_2gpu"), "recovery_1b": r1b}
     summary.update(round_two_keys(loaded, ck))
     summary["runs"] = run_records(loaded)
     mtbf = job_mtbf_s(NODES, NODE_MTBF_DAYS)
@@ -151,9 +153,16 @@ def build_report(out: Path) -> dict[str, Any]:
         if "ours" in proj and step_1b:
             summary["save_overhead_pct_at_young_daly"] = save_overhead_pct(
                 ck, step_1b, proj["ours"]["best_interval_s"] / step_1b)
+    state_gb = ck.get("state_gb") if c.get("config") == "1b" else None
+    summary["goodput_projection_p5"] = projection(
+        r1b.get("scenarios", {}).get("kill"), state_gb,
+        ck.get("ours_overlap_visible_s") or ck.get("ours_visible_s"))
     write_json(out / "summary.json", summary)
-    (out / "README.md").write_text(_markdown(summary, ck, t, overheads, sc, load, proj))
-    _plots(out, ck, sc, proj, mtbf, summary.get("goodput_projection", {}).get("recovery_s"))
+    text = _markdown(summary, ck, t, overheads, {"1b": r1b, "125m": r}, load, proj)
+    (out / "README.md").write_text(text)
+    _plots(out, ck, {**{f"{k} (125m)": v for k, v in sc.items()},
+                     **{f"{k} (1b)": v for k, v in r1b.get("scenarios", {}).items()}},
+           proj, mtbf, summary.get("goodput_projection", {}).get("recovery_s"))
     return summary
 
 
@@ -207,7 +216,13 @@ def _markdown(s, ck, t, overheads, sc, load, proj) -> str:
         lambda v: v <= 10)
     row("recovery in-process (raise), 2 GPUs, s", s["recovery_inprocess_s_2gpu"], "≤ 3 s",
         lambda v: v <= 3)
-    row("hang detection (fault → monitor kill), s", s["hang_detect_s"], "≤ 5 s", lambda v: v <= 5)
+    row("hang detection (fault → monitor kill), 125m, s", s["hang_detect_s"], "≤ 5 s",
+        lambda v: v <= 5)
+    row("recovery in-process (raise), 1b, s", s["recovery_inprocess_s_1b"], "≤ 2 s",
+        lambda v: v <= 2)
+    row("recovery in-job (kill), 1b, s", s["recovery_injob_s_1b"], "≤ 12 s", lambda v: v <= 12)
+    row("hang detection (fault → monitor kill), 1b, s", s["hang_detect_s_1b"], "≤ 5 s",
+        lambda v: v <= 5)
     row("weak scaling 1→2 GPUs (1b eager, tokens/s/GPU)", s["scaling_efficiency_2gpu"], "≥ 0.95",
         lambda v: v >= 0.95, "{:.3f}")
     row("MFU 1b, 2 GPUs", s["mfu_1b_2gpu"], "≥ 55 %", lambda v: v >= 0.55, "{:.1%}")
@@ -253,21 +268,7 @@ def _markdown(s, ck, t, overheads, sc, load, proj) -> str:
             ov = f"{o['median_pct']:+.2f} % / {o['wall_pct']:+.2f} %" if o else ""
             lines.append(f"| {x['name']} | {x['state'][:40]} | {x['step_median_s']:.4f} | "
                          f"{x['tokens_per_s']:,.0f} | {x['mfu']:.1%} | {ov} |")
-    if sc:
-        lines += ["", "## Recovery (fault → end of the first step of the next incarnation)", "",
-                  "| fault | kind | total s | detection | restart | setup | load | first step |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for name, x in sc.items():
-            if "total_s" not in x:
-                lines.append(f"| {name} | {x.get('kind')} | {x.get('error', x.get('state'))} |||||")
-                continue
-            lines.append(f"| {name} | {x['kind']} | {x['total_s']:.2f} | {x['detection_s']:.2f} | "
-                         f"{x['restart_s']:.2f} | {x['setup_s']:.2f} | {x['load_s']:.2f} | "
-                         f"{x['first_step_s']:.2f} |")
-        boots = [(name, x["boot"]) for name, x in sc.items() if x.get("boot")]
-        if boots:
-            lines += ["", "Start of the new incarnation in parts (seconds, the trainer's `boot`):", ""]
-            lines += [f"- {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in b.items()) for name, b in boots]
+    lines += recovery_lines(sc)
     if proj:
         gp = s["goodput_projection"]
         lines += ["", f"## Goodput projection ({NODES} nodes, one failure per node per "
@@ -280,6 +281,7 @@ def _markdown(s, ck, t, overheads, sc, load, proj) -> str:
             lines.append(f"| {k} | {p['delta_s']:.3f} | {p['best_interval_s']:.0f} | "
                          f"{p['best_goodput']:.4%} | {p['goodput_at_30min']:.4%} |")
         lines += ["", "![goodput](goodput.png)"]
+    lines += projection_lines(s.get("goodput_projection_p5") or {})
     lines += ["", "![checkpoint stall](ckpt_stall.png) ![recovery](recovery.png)", "",
               "Analysis of each missed target, the profile and the NVRx 0.7.0 fixes: NOTES.md.", ""]
     return "\n".join(lines)
@@ -318,11 +320,11 @@ def _plots(out: Path, ck, sc, proj, mtbf, rec_s) -> None:
         plt.close(fig)
     done = {k: v for k, v in sc.items() if "total_s" in v}
     if done:
-        parts = ["detection_s", "restart_s", "setup_s", "load_s", "first_step_s"]
-        fig, ax = plt.subplots(figsize=(7, 3))
+        parts = ["detection_s", "launcher_s", "start_s", "load_s", "first_step_s"]
+        fig, ax = plt.subplots(figsize=(7, 1 + 0.35 * len(done)))
         left = [0.0] * len(done)
         for part in parts:
-            vals = [max(0.0, v[part]) for v in done.values()]
+            vals = [max(0.0, v.get(part) or 0.0) for v in done.values()]
             ax.barh(list(done), vals, left=left, label=part[:-2])
             left = [a + b for a, b in zip(left, vals, strict=True)]
         ax.set_xlabel("seconds from fault to the end of the first step after it")

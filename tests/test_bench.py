@@ -136,12 +136,14 @@ def test_bench_run_adds_the_two_gpu_runs_only_with_two_gpus():
     from bench.run import jobs
 
     one = jobs(["throughput", "recovery"], quick=False, gpus=1)
-    assert [(m, o) for m, o, _ in one] == [("throughput", "throughput"), ("recovery", "recovery")]
+    assert [(m, o) for m, o, _ in one] == [("throughput", "throughput"), ("recovery", "recovery"),
+                                           ("recovery", "recovery_1b")]
     assert not any("--gpus" in a for _, _, a in one)
     two = jobs(["throughput", "recovery"], quick=False, gpus=2)
     assert [(m, o, a[-2:]) for m, o, a in two] == [
         ("throughput", "throughput", ["--gpus", "2"]),
         ("recovery", "recovery", ["--preset", "125m"]),
+        ("recovery", "recovery_1b", ["--preset", "1b"]),
         ("recovery", "recovery_2gpu", ["--gpus", "2"])]
 
 
@@ -170,4 +172,52 @@ def test_recovery_split_keeps_every_restarts_boot_parts():
     lines = [(11.0, "Event: failure_detected"), (11.5, "Event: worker_start_completed")]
     out = split(events, lines, in_process=False)
     assert out["total_s"] == 9.0 and out["detection_s"] == 1.0 and out["launcher_s"] == 0.5
+    # start: the worker's own start (spawned at 11.5, incarnation at 12.0) plus its setup
+    # (12.0 -> first step 18.0, less the 0.5 s load)
+    assert out["start_s"] == 0.5 + 5.5 and out["load_s"] == 0.5
     assert out["boot"] == boot1 and out["boots"] == [boot1]
+
+
+def test_report_puts_1b_and_125m_recovery_side_by_side_with_the_p5_projection(tmp_path):
+    from bench.projection import fsx_gb_per_s
+    from bench.summary import build_report
+
+    def rec(preset, kill_total, from_memory):
+        return {"preset": preset, "gpus": 1, "machine": _machine("d", 1), "scenarios": {
+            "raise": {"kind": "in-process", "total_s": 1.5, "detection_s": 0.0, "launcher_s": 0.5,
+                      "start_s": 0.3, "load_s": 0.4, "first_step_s": 0.3, "from_memory": True,
+                      "restart_kind": "in-process", "resumed_from": 20},
+            "kill": {"kind": "in-job", "total_s": kill_total, "detection_s": 0.2,
+                     "launcher_s": 2.0, "start_s": 6.0, "load_s": 1.0, "first_step_s": 0.8,
+                     "from_memory": from_memory, "restart_kind": "in-job", "resumed_from": 20},
+            "hang": {"kind": "in-job", "total_s": 14.0, "detection_s": 4.4, "launcher_s": 2.0,
+                     "start_s": 6.0, "load_s": 1.0, "first_step_s": 0.6, "from_memory": True,
+                     "restart_kind": "in-job", "resumed_from": 20}}}
+
+    _write(tmp_path, "recovery", rec("125m", 9.0, True))
+    _write(tmp_path, "recovery_1b", rec("1b", 11.0, True))
+    s = build_report(tmp_path)
+    assert s["recovery_injob_s_1b"] == 11.0 and s["recovery_inprocess_s_1b"] == 1.5
+    assert s["hang_detect_s_1b"] == 4.4 and "recovery_injob_s_1b" not in s["null_reasons"]
+    text = (tmp_path / "README.md").read_text()
+    assert "| kill | 1b | in-job | **11.00** | 0.20 | 2.00 | 6.00 | 1.00 | 0.80 | memory | 20 |" in text
+    assert "| kill | 125m | in-job | **9.00** |" in text
+    assert "recovery in-job (kill), 1b, s | 11.00 | ≤ 12 s | yes" in text
+    # No 1b checkpoint-stall run here: no state size to project with, so no projection.
+    assert s["goodput_projection_p5"] == {}
+    assert abs(fsx_gb_per_s(True) - 1.56) < 1e-9 and abs(fsx_gb_per_s(False) - 0.24) < 1e-9
+
+
+def test_p5_projection_reads_every_nodes_state_from_fsx_only_without_the_host_copy():
+    from bench.recovery_report import projection
+
+    kill = {"total_s": 11.0, "load_s": 1.0}
+    p = projection(kill, 13.25, 0.03)
+    n16, n128 = p["nodes"]["16"]["paths"], p["nodes"]["128"]["paths"]
+    assert n16["host copy, node kept"]["recovery_s"] == 11.0
+    node_gb = 8 * 13.25
+    assert abs(n16["host copy, node replaced (burst)"]["recovery_s"] - (10 + node_gb / 1.56)) < 1e-6
+    assert abs(n128["file path, every node (burst)"]["recovery_s"]
+               - (10 + 128 * node_gb / 1.56)) < 1e-6
+    assert n128["host copy, node kept"]["best_goodput"] > n128["file path, every node (burst)"][
+        "best_goodput"]

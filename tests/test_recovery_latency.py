@@ -83,6 +83,19 @@ def test_launcher_flags_follow_the_poll_interval() -> None:
     assert f"{GPU_POLL}=0.25" in local
 
 
+def test_iteration_file_flag_only_for_an_nvrx_that_reads_it() -> None:
+    res = load_config("tiny").resilience
+    flag = "--ft-checkpoint-iteration-file"
+    new = ft_launcher_argv(res, TrainerArgs("tiny", "/runs/r1"), local_addr="127.0.0.1",
+                           executable="/x/ft_launcher", nvrx_version="0.7.0")
+    assert f"{flag}=/runs/r1/checkpoints/latest_committed_step" in new
+    assert new.index(f"{flag}=/runs/r1/checkpoints/latest_committed_step") < new.index("-m")
+    for old in ("0.4.1", "0.6.2", None):  # 0.4.1 has no progress tracking and rejects the flag
+        argv = ft_launcher_argv(res, TrainerArgs("tiny", "/runs/r1"), local_addr="127.0.0.1",
+                                executable="/x/ft_launcher", nvrx_version=old)
+        assert not any(a.startswith(flag) for a in argv), old
+
+
 def test_launcher_version_is_the_installed_one_only_for_this_environment() -> None:
     from importlib.metadata import version
 

@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 from kfp_nvrx.components.core.config import load_config
 from kfp_nvrx.components.core.rundir import step_dir
 from kfp_nvrx.components.train_fsdp.trainer.build import TrainState, build, full_state
-from kfp_nvrx.components.train_fsdp.trainer.checkpoint import Checkpointer
+from kfp_nvrx.components.train_fsdp.trainer.checkpoint import Checkpointer, staged_write
 from kfp_nvrx.components.train_fsdp.trainer.checkpoint import staging as staging_mod
 
 
@@ -134,15 +134,16 @@ def test_reused_buffer_second_save_and_in_memory_restore(tmp_path, pg, monkeypat
     for key, value in _tensors(target4).items():
         assert torch.equal(value, want4[key]), key
 
-    # A fault while staging leaves a torn buffer: nothing to restore, the files are used.
+    # A fault while staging tears only the bank being staged: the other still holds committed
+    # step 3, which the restart restores from memory (equal to the files).
     original = staging_mod.HostStaging.view
     calls = []
 
-    def failing_view(self, key):
+    def failing_view(self, key, bank=None):
         calls.append(key)
         if len(calls) > 3:
             raise RuntimeError("fault while staging")
-        return original(self, key)
+        return original(self, key, bank)
 
     monkeypatch.setattr(staging_mod.HostStaging, "view", failing_view)
     with pytest.raises(RuntimeError, match="fault while staging"):
@@ -150,17 +151,49 @@ def test_reused_buffer_second_save_and_in_memory_restore(tmp_path, pg, monkeypat
     ckpt3.abort()
     monkeypatch.undo()
     ckpt4 = Checkpointer(tmp_path, cfg.checkpoint, torch.device("cpu"), staging=staging)
-    assert ckpt4.memory_step() is None
-    resumed, _ = ckpt4.resume(lambda: _state(model2, opt2, sched2, train2))
-    assert resumed == 3 and not ckpt4.restored_from_memory
+    assert ckpt4.memory_step() == 3
+    resumed, target3 = ckpt4.resume(lambda: _state(model2, opt2, sched2, train2))
+    assert resumed == 3 and ckpt4.restored_from_memory
+    for key, value in _tensors(disk).items():
+        assert torch.equal(_tensors(target3)[key], value), key
     ckpt4.close()
+
+
+def test_one_bank_torn_by_a_fault_while_staging_falls_back_to_the_files(tmp_path, pg, monkeypatch):
+    cfg, model, opt, sched, train, step = _trainer(["checkpoint.staging=blocking"])
+    staging = staging_mod.HostStaging(torch.device("cpu"), banks=1)
+    ckpt = Checkpointer(tmp_path, cfg.checkpoint, torch.device("cpu"), staging=staging)
+    step()
+    ckpt.save(train.step, _state(model, opt, sched, train))
+    ckpt.finalize(blocking=True)
+    assert len(staging.banks) == 1 and staging.valid_step == 1
+    original = staging_mod.HostStaging.view
+    calls = []
+
+    def failing_view(self, key, bank=None):
+        calls.append(key)
+        if len(calls) > 3:
+            raise RuntimeError("fault while staging")
+        return original(self, key, bank)
+
+    monkeypatch.setattr(staging_mod.HostStaging, "view", failing_view)
+    step()
+    with pytest.raises(RuntimeError, match="fault while staging"):
+        ckpt.save(train.step, _state(model, opt, sched, train))
+    ckpt.abort()
+    monkeypatch.undo()
+    ckpt2 = Checkpointer(tmp_path, cfg.checkpoint, torch.device("cpu"), staging=staging)
+    assert ckpt2.memory_step() is None
+    resumed, _ = ckpt2.resume(lambda: _state(model, opt, sched, train))
+    assert resumed == 1 and not ckpt2.restored_from_memory
+    ckpt2.close()
 
 
 def test_writer_views_own_exactly_their_bytes():
     base = torch.zeros(1 << 20, dtype=torch.uint8)
     slot = staging_mod.Slot(offset=128, nbytes=64, shape=(4, 4), dtype=torch.float32)
     base[128:192].view(torch.float32).copy_(torch.arange(16, dtype=torch.float32))
-    region = staging_mod._region(base, slot)
+    region = staged_write._region(base, slot)
     assert region.untyped_storage().nbytes() == 64
     assert torch.equal(region.flatten(), torch.arange(16, dtype=torch.float32))
     buf = io.BytesIO()

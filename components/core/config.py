@@ -167,15 +167,18 @@ class ResilienceConfig(Section):
     step_timeout: float = positive(300.0)
     checkpoint_timeout: float = positive(600.0)
     out_of_section_timeout: float = positive(300.0)
-    learn_timeouts: bool = True  # calculate_and_set_*_timeouts after `learn_after` steps
+    # The step and heartbeat timeouts are learned from `learn_after` steady steps (not an
+    # incarnation's first two, not next to a save or commit, not while the staging buffers pin).
+    learn_timeouts: bool = True
     learn_after: int = non_negative(5)
     safety_factor: float = positive(5.0)
-    # Seconds no learned timeout goes below: NVRx learns safety_factor x the longest gap seen,
-    # under a second for fast steps, and a GC pause or a stall on shared storage must not kill a
-    # healthy rank (long phases such as saves and the final writer wait heartbeat on their own).
-    # Hang detection after learning takes max(this, learned) + the check interval.
-    min_learned_timeout: float = positive(5.0)
-    workload_check_interval: float = positive(1.0)
+    # Seconds no learned timeout goes below: safety_factor x a sub-second step is under a second,
+    # and a GC pause or a stall on shared storage must not kill a healthy rank (long phases such
+    # as saves and the final writer wait heartbeat on their own). Hang detection after learning
+    # takes max(this, learned) + the rank monitor's check interval: 4 s + 0.25 s keeps it within
+    # 5 s of the last heartbeat, and a 3 s stall of a sub-second step stays under it.
+    min_learned_timeout: float = positive(4.0)
+    workload_check_interval: float = positive(0.25)
     max_restarts: int = non_negative(3)
     # auto (= any-failed) | any-failed | min-healthy (NVRx <= 0.5)
     restart_policy: str = one_of("auto", "any-failed", "min-healthy")

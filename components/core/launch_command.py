@@ -24,6 +24,16 @@ TRAINER_MODULE = "kfp_nvrx.components.train_fsdp.trainer"
 RDZV_BACKEND = "c10d"
 #: First NVRx release known to accept ``--ft-gpu-memory-poll-interval`` (0.4.1 rejects it).
 GPU_MEMORY_POLL_SINCE = (0, 7)
+#: First NVRx release known to read ``--ft-checkpoint-iteration-file`` (its progress tracker;
+#: 0.4.1 has neither and rejects the flag).
+ITERATION_FILE_SINCE = (0, 7)
+#: The newest committed step (one integer), written by the trainer's rank 0 at every commit.
+ITERATION_FILE = "latest_committed_step"
+
+
+def iteration_file(run_dir: str | Path) -> Path:
+    """Where the trainer writes the newest committed step and ft_launcher reads it."""
+    return Path(run_dir) / "checkpoints" / ITERATION_FILE
 
 
 @dataclass
@@ -188,6 +198,11 @@ def ft_launcher_argv(
     """
     if nvrx_version is None:
         nvrx_version = launcher_nvrx_version(executable)
+    progress = []
+    if _version_tuple(nvrx_version) >= ITERATION_FILE_SINCE:
+        # FT: ft_launcher's progress tracking reads the newest committed step the trainer writes
+        # (without it NVRx 0.7 warns that no iterations are reported and tracks nothing).
+        progress = [f"--ft-checkpoint-iteration-file={iteration_file(trainer.run_dir)}"]
     rdzv = [f"--rdzv-endpoint={rdzv_endpoint}"] if rdzv_endpoint else []
     rdzv += [f"--rdzv-id={rdzv_id}"] if rdzv_id else []
     return [
@@ -203,6 +218,7 @@ def ft_launcher_argv(
         # restart round): the failure-detection latency of an in-job restart (torchrun: 0.1 s).
         f"--monitor-interval={res.launcher_poll_interval:g}",
         *ft_flags(res, nic_monitor=nic_monitor, nvrx_version=nvrx_version),
+        *progress,
         "-m",
         TRAINER_MODULE,
         *trainer.argv(),

@@ -187,6 +187,14 @@ def check_job(config: str, overrides: list[str], faults: list[str], run_dir: Pat
     return 0
 
 
+def env_restart_count() -> int:
+    """``TORCHELASTIC_RESTART_COUNT``: worker-group restarts so far (ft_launcher, torchrun)."""
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    except ValueError:
+        return 0
+
+
 def prepare_job(config: str, overrides: list[str], faults: list[str], run_dir: Path):
     """Validates everything, then creates the run dir and the per-worker Job."""
     t0 = time.time()
@@ -194,7 +202,11 @@ def prepare_job(config: str, overrides: list[str], faults: list[str], run_dir: P
     check_device(cfg)
     check_init_from(cfg)
     check_run_dir(run_dir, cfg)
-    check_checkpoint_model(cfg, run_dir)
+    if env_restart_count() == 0:
+        # A restarted worker group (ft_launcher's in-job restart) resumes from checkpoints this
+        # job wrote with this config, after the first group checked the run dir: building the
+        # model on the meta device and reading the DCP metadata again cost a second per restart.
+        check_checkpoint_model(cfg, run_dir)
     check_launcher_env()
     from kfp_nvrx.components.train_fsdp.trainer.resilience import Monitor
     from kfp_nvrx.components.train_fsdp.trainer.train import Job, pg_backend, pick_device

@@ -17,8 +17,14 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from kfp_nvrx.components.core.config import ResilienceConfig
+from kfp_nvrx.components.train_fsdp.trainer.restart_clock import RestartClock, clock_hooks
+
+__all__ = ["Monitor", "RestartClock", "in_process_wrapper", "under_ft_launcher"]
 
 log = logging.getLogger(__name__)
+
+#: Seconds between the in-process wrapper's polls (monitor thread, monitor process, watchdog).
+WRAPPER_POLL_S = 0.25
 
 
 def under_ft_launcher() -> bool:
@@ -43,11 +49,13 @@ class Monitor:
         self.enabled = cfg.monitor != "off" and under_ft_launcher()
         self.client = None
         self.learned = False
+        self._steady_steps: list[float] = []
+        self._steady_gaps: list[float] = []
         self._open: set[str] = set()
-        # The least a learned timeout may be (see _apply_floor). Under in-process restart NCCL
-        # collectives blocked on a failed peer are aborted by the wrapper at once; gloo's cannot
-        # be, so a surviving rank waits up to ``pg_timeout`` inside its step, which a learned
-        # step timeout below that would take for a hang.
+        # The least a learned timeout may be (resilience.min_learned_timeout). Under in-process
+        # restart NCCL collectives blocked on a failed peer are aborted by the wrapper at once;
+        # gloo's cannot be, so a surviving rank waits up to ``pg_timeout`` inside its step, which
+        # a learned step timeout below that would take for a hang.
         self.floor = cfg.min_learned_timeout
         if backend == "gloo" and cfg.in_process:
             self.floor = max(self.floor, cfg.pg_timeout + 2.0)
@@ -153,57 +161,67 @@ class Monitor:
                 self.client.end_all_sections()
             self._open.clear()
 
-    def maybe_learn(self, steps_done: int, saves_done: int, checkpointing: bool) -> bool:
-        """Collective: compute and set timeouts from observed times, once enough was seen.
+    def observe(self, step_s: float, gap_s: float | None, steady: bool) -> None:
+        """Records one step: its ``step`` section's seconds and the gap since the last step's beat.
 
-        Waits for ``learn_after`` steps and, when checkpointing is on, for one full save cycle
-        (the heartbeat gap around a save is the longest normal gap), so the learned values
-        cover it. The ``setup`` section and the out-of-section timeout keep their configured
-        values: setup time varies with checkpoint loads, and the gaps between sections are tiny.
+        Only ``steady`` steps count (the trainer leaves out an incarnation's first steps, steps
+        next to a save or a commit and steps while the staging buffers are being pinned): those
+        are what a healthy run repeats, so a timeout learned from them is tight, and the rare
+        long ones it must still survive are covered by the safety factor and the floor.
         """
-        if not self.enabled or not self.cfg.learn_timeouts or self.learned \
-                or steps_done < self.cfg.learn_after or (checkpointing and saves_done < 1):
+        if steady and not self.learned:
+            self._steady_steps.append(step_s)
+            if gap_s is not None:
+                self._steady_gaps.append(gap_s)
+
+    def maybe_learn(self, reduce_max: Callable[[list[float]], list[float]]) -> bool:
+        """Collective: sets the step and heartbeat timeouts once ``learn_after`` steady steps ran.
+
+        Each is ``safety_factor`` x the longest steady step (or gap between step heartbeats) on
+        any rank, at least ``self.floor``. NVRx's own calculation takes the
+        longest gap it ever saw (the first steps, a compile, the pinning of the staging buffers:
+        a 21 s step timeout for 0.3 s steps); ours come from steady steps only and are handed to
+        the monitor through the client's state API. The ``setup`` and ``checkpoint`` sections and
+        the out-of-section timeout keep their configured values: loads and writes vary with the
+        storage, and the gaps between sections are tiny.
+
+        Args:
+            reduce_max: Element-wise maximum over every rank (a collective every rank calls).
+        """
+        if not self.enabled or not self.cfg.learn_timeouts or self.learned:
             return False
-        # FT: learned timeouts (synchronised across ranks: every rank must call these).
-        ok = self.client.calculate_and_set_hb_timeouts(skip_if_not_ready=True)
-        if self.cfg.monitor == "sections":
-            sections = ["step", "checkpoint"] if checkpointing else ["step"]
-            ok = self.client.calculate_and_set_section_timeouts(
-                selected_sections=sections, calc_out_of_section=False, skip_if_not_ready=True
-            ) and ok
-        if ok:
-            self._apply_floor()
-        self.learned = bool(ok)
-        return self.learned
+        ready = len(self._steady_steps) >= max(1, self.cfg.learn_after)
+        # Every rank must take part in the reduction, or none: its count is reduced first.
+        longest = reduce_max([0.0 if ready else 1.0, max(self._steady_steps, default=0.0),
+                              max(self._steady_gaps, default=0.0)])
+        if longest[0] > 0:
+            return False
+        factor = self.cfg.safety_factor
+        step_to = max(self.floor, factor * longest[1])
+        beat_to = max(self.floor, factor * max(longest[2], longest[1]))
+        self._set(step_to, beat_to)
+        self.learned = True
+        return True
 
-    def _apply_floor(self) -> None:
-        """Raises every learned timeout to ``resilience.min_learned_timeout`` at least.
-
-        NVRx learns ``safety_factor`` x the longest gap it saw; with sub-second steps that is
-        well under a second, and a GC pause, a slow read from shared storage or a recompile
-        would then kill a healthy rank. The floored values go back to the monitor through the
-        client's public state API and are what checkpoints persist.
-        """
-        floor = self.floor
-        state = dict(self.client.state_dict())
-        timeouts = state.get(self.client.CURRENT_TIMEOUTS_STATE_KEY) or {}
-        changed = False
-        hb = timeouts.get("heartbeat")
-        for key in ("initial", "subsequent"):
-            if hb and hb.get(key) is not None and hb[key] < floor:
-                hb[key], changed = floor, True
-        sec = timeouts.get("section")
-        if sec:
-            for name in sec.get("calculated_sections") or []:
-                if sec["section"].get(name) is not None and sec["section"][name] < floor:
-                    sec["section"][name], changed = floor, True
-            if sec.get("is_out_of_section_calculated") and sec.get("out_of_section") is not None \
-                    and sec["out_of_section"] < floor:
-                sec["out_of_section"], changed = floor, True
-        if changed:
-            # FT: load_state_dict sends the timeouts to the rank monitor right away.
-            with self._lock:
-                self.client.load_state_dict(state)
+    def _set(self, step_to: float, beat_to: float) -> None:
+        """Sends learned ``step`` section and subsequent-heartbeat timeouts to the rank monitor."""
+        key = self.client.CURRENT_TIMEOUTS_STATE_KEY
+        hb = self.client.hb_timeouts
+        state: dict[str, Any] = {key: {"heartbeat": {
+            "initial": hb.initial if hb is not None else self.cfg.initial_heartbeat_timeout,
+            "subsequent": beat_to, "were_calculated": True}}}
+        sec = self.client.section_timeouts
+        if self.cfg.monitor == "sections" and sec is not None:
+            state[key]["section"] = {
+                "section": {**dict(sec.section), "step": step_to},
+                "out_of_section": sec.out_of_section,
+                "calculated_sections": sorted(set(sec.calculated_sections) | {"step"}),
+                "is_out_of_section_calculated": bool(sec.is_out_of_section_calculated),
+            }
+        # FT: load_state_dict sends the timeouts to the rank monitor right away; checkpoints
+        # persist them (state_dict) for the next incarnations.
+        with self._lock:
+            self.client.load_state_dict(state)
 
     def timeouts(self) -> dict[str, Any]:
         """Current timeouts, for logs."""
@@ -238,16 +256,16 @@ def in_process_wrapper(cfg: ResilienceConfig, store_port: int) -> Callable[[Call
     Restart latency: NVRx waits ``last_call_wait`` (its default, 1 s, was half of the wrapper's
     2.15 s on the H200) after the first fault report before it aborts and restarts, only so that
     concurrent faults of other ranks appear in the logged attribution; ``resilience.last_call_wait``
-    (0.1 s) keeps that for faults within 0.1 s. The restart decision itself is immediate (the
-    failing rank's report wakes every rank's monitor thread through the store), so the monitor,
-    heartbeat and watchdog intervals stay at NVRx's defaults: they bound hang and lost-rank
-    detection, not the restart of a raised exception.
+    (0.1 s) keeps that for faults within 0.1 s. The monitor-thread, monitor-process and progress
+    watchdog intervals are ``WRAPPER_POLL_S`` (NVRx: 1 s); the heartbeat interval keeps its default.
+    The abort (NCCL communicators, process group) is timed and its share printed with the restart.
     """
     # FT: in-process restart; the wrapper's own TCPStore listens on MASTER_PORT + 2.
     from nvidia_resiliency_ext import inprocess
 
     clock = RestartClock()
-    initialize, finalize = _clock_hooks(inprocess, clock)
+    initialize, finalize, abort = clock_hooks(inprocess, clock)
+    poll = datetime.timedelta(seconds=WRAPPER_POLL_S)
     wrapper = inprocess.Wrapper(
         store_kwargs={"port": store_port},
         soft_timeout=datetime.timedelta(seconds=cfg.soft_timeout),
@@ -256,6 +274,11 @@ def in_process_wrapper(cfg: ResilienceConfig, store_port: int) -> Callable[[Call
         completion_timeout=datetime.timedelta(seconds=cfg.barrier_timeout),
         heartbeat_timeout=datetime.timedelta(seconds=max(cfg.soft_timeout / 2, 5)),
         last_call_wait=datetime.timedelta(seconds=cfg.last_call_wait),
+        # The fault report travels rank -> monitor process -> store -> monitor thread, and the
+        # progress watchdog must pause before the restart: polled every second by default.
+        monitor_thread_interval=poll, monitor_process_interval=poll,
+        progress_watchdog_interval=poll,
+        abort=abort,
         initialize=inprocess.Compose(
             inprocess.initialize.RetryController(max_iterations=cfg.in_process_max_iterations),
             initialize),
@@ -299,61 +322,6 @@ def in_process_wrapper(cfg: ResilienceConfig, store_port: int) -> Callable[[Call
         return start
 
     return decorate
-
-
-class RestartClock:
-    """Timestamps of one in-process restart, printed by rank 0 when the function is re-entered.
-
-    Splits the wrapper's share of the recovery: the function's exit (after its own cleanup) ->
-    the restart decision (NVRx's ``finalize``: after ``last_call_wait`` and the abort) -> the next
-    iteration (``initialize``: after the health checks, the iteration barrier and garbage
-    collection) -> re-entry (after the pre-entry health check).
-    """
-
-    def __init__(self) -> None:
-        self.t_exit: float | None = None
-        self.t_decided: float | None = None
-        self.t_iteration: float | None = None
-
-    def exited(self) -> None:
-        """The wrapped function raised."""
-        self.t_exit = time.time()
-
-    def decided(self) -> None:
-        """NVRx decided to restart (``finalize``)."""
-        self.t_decided = time.time()
-
-    def next_iteration(self) -> None:
-        """NVRx starts the next iteration (``initialize``)."""
-        self.t_iteration = time.time()
-
-    def entered(self, iteration: int) -> None:
-        """The wrapped function is (re-)entered: log the split of the restart just done."""
-        now = time.time()
-        marks = (self.t_exit, self.t_decided, self.t_iteration)
-        if iteration and None not in marks and os.environ.get("RANK", "0") == "0":
-            t_exit, t_decided, t_iteration = marks
-            print(f"[trainer] in-process restart {iteration}: exit->decision "
-                  f"{t_decided - t_exit:.3f}s, ->next iteration {t_iteration - t_decided:.3f}s, "
-                  f"->re-entry {now - t_iteration:.3f}s (wrapper total {now - t_exit:.3f}s)",
-                  flush=True)
-        self.t_exit = self.t_decided = self.t_iteration = None
-
-
-def _clock_hooks(inprocess: Any, clock: RestartClock) -> tuple[Any, Any]:
-    """NVRx ``Initialize``/``Finalize`` instances that only record times on ``clock``."""
-
-    class _Iteration(inprocess.initialize.Initialize):
-        def __call__(self, state: Any) -> Any:
-            clock.next_iteration()
-            return state
-
-    class _Decision(inprocess.finalize.Finalize):
-        def __call__(self, state: Any) -> Any:
-            clock.decided()
-            return state
-
-    return _Iteration(), _Decision()
 
 
 def _hold_nvml() -> None:

@@ -29,6 +29,10 @@ from kfp_nvrx.components.train_fsdp.trainer.data import TokenDataset
 from kfp_nvrx.components.train_fsdp.trainer.fault_injector import FaultInjector
 from kfp_nvrx.components.train_fsdp.trainer.resilience import Monitor, in_process_wrapper
 
+#: Steps of an incarnation before its steps count as steady for the learned timeouts: the first
+#: is the start-up (allocations, autotuning, compilation), the second may still compile.
+STEADY_AFTER = 2
+
 
 @dataclass
 class Job:
@@ -206,6 +210,10 @@ def incarnation(job: Job, base_store: Any = None, call_wrapper: Any = None) -> N
         # The final wait for the writer is no step: heartbeats continue while it lasts.
         with monitor.phase(None, bound=res.checkpoint_timeout):
             ckpt.close()
+            ckpt.discard_host_copy()  # the run is over (unpinning 26 GB takes seconds)
+        # Training is over: the teardown (process group, the in-process wrapper's completion
+        # barrier) is no step, and the learned rhythm must not judge it.
+        monitor.disconnect()
         if rank == 0:
             events.emit("end", step=trainer.train.step, status="completed")
         log0(f"done: step {trainer.train.step}/{cfg.train.steps}")
@@ -264,6 +272,8 @@ class Trainer:
         cfg, monitor, ckpt, t = self.job.cfg, self.job.monitor, self.ckpt, self.job.cfg.train
         tokens_per_step = cfg.data.seq_len * cfg.data.batch_size * self.world
         first, steps_here, t_first = self.train.step + 1, 0, time.perf_counter()
+        last_beat: float | None = None  # the previous step's heartbeat (perf_counter)
+        after_save = False  # the previous step saved: this one overlaps its copies
 
         for step in range(first, t.steps + 1):
             t0 = time.time()
@@ -271,27 +281,36 @@ class Trainer:
             # the start-up, not of the step rhythm the timeouts are learned from.
             timed = (monitor.phase("setup", bound=cfg.resilience.setup_timeout) if steps_here == 0
                      else monitor.section("step"))
+            commits, pinning = ckpt.commits, ckpt.preparing()
+            t_sec = time.perf_counter()
             with timed:
                 self._fault(step, ("kill", "raise", "hang", "stall"))
                 loss_value = self._step(step, tokens_per_step)
                 ckpt.finalize(blocking=False)
+            step_s = time.perf_counter() - t_sec
             monitor.heartbeat()
+            now = time.perf_counter()
+            # Steady: what a healthy run repeats (see Monitor.observe).
+            steady = (steps_here >= STEADY_AFTER and not after_save and ckpt.commits == commits
+                      and not pinning and not ckpt.preparing())
+            monitor.observe(step_s, None if last_beat is None else now - last_beat, steady)
+            last_beat = now
             if self.call_wrapper is not None:
                 self.call_wrapper.ping()  # FT: in-process progress watchdog
-            if ckpt.should_save(step):
+            after_save = ckpt.should_save(step)
+            if after_save:
                 with monitor.phase("checkpoint", bound=cfg.resilience.checkpoint_timeout):
                     ckpt.save(step, self.state())
                     self._fault(step, ("kill-in-ckpt",))
+                last_beat = time.perf_counter()  # the phase ends with a heartbeat
             self.events.emit("step", step=step, start=t0, end=time.time(),
                              incarnation=self.job.restart_count, iteration=self.iteration,
                              loss=round(loss_value, 6), tokens=tokens_per_step)
             steps_here += 1
             if steps_here == 1 and ckpt.periodic:  # the state's final layout exists (optimizer)
                 ckpt.prepare(self.state)
-            # Learn only once a whole save (stage, write, commit) lies between observed heartbeats.
-            cycles = ckpt.commits if step > ckpt.last_commit_step else ckpt.commits - 1
-            if monitor.maybe_learn(steps_here, cycles, checkpointing=ckpt.periodic) \
-                    and self.rank == 0:
+            if steps_here >= STEADY_AFTER + cfg.resilience.learn_after \
+                    and monitor.maybe_learn(self._reduce_max) and self.rank == 0:
                 log0(f"learned NVRx timeouts: {monitor.timeouts()}")
             if step % t.log_every == 0 or step == t.steps:
                 elapsed = time.perf_counter() - t_first
@@ -299,6 +318,13 @@ class Trainer:
                 eta = (t.steps - step) * elapsed / steps_here
                 log0(f"step {step}/{t.steps} loss {loss_value:.4f} tok/s {tps:,.0f} "
                      f"eta {eta:.0f}s")
+
+    def _reduce_max(self, values: list[float]) -> list[float]:
+        """Element-wise maximum of ``values`` over every rank (collective)."""
+        device = self.job.device if self.job.device.type == "cuda" else "cpu"
+        t = torch.tensor(values, dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.tolist()
 
     def _step(self, step: int, tokens_per_step: int) -> float:
         """One forward/backward/optimizer step; returns the loss."""

@@ -23,11 +23,11 @@ import torch
 import torch.distributed as dist
 
 from kfp_nvrx.components.train_fsdp.trainer.checkpoint.files import write_checksums
-from kfp_nvrx.components.train_fsdp.trainer.checkpoint.staging import (
-    HostStaging,
+from kfp_nvrx.components.train_fsdp.trainer.checkpoint.staged_write import (
     staged_writer,
     write_staged,
 )
+from kfp_nvrx.components.train_fsdp.trainer.checkpoint.staging import HostStaging
 from kfp_nvrx.components.train_fsdp.trainer.checkpoint.writer import CheckpointError, NvrxWriter
 
 
@@ -81,7 +81,7 @@ class AsyncSaver:
         self.writer.wait_started(self.start_timeout)
         writer = staged_writer(str(path), staging, self.write_threads)
         cache = self._plan_cache
-        if cache is not None and all_ranks(cache[0] == staging.key, self.device):
+        if cache is not None and all_ranks(cache[0] == staging.layout_key, self.device):
             # Same layout as the last save (same keys, shapes, shards): its plan and metadata hold;
             # only the bytes entries are resolved again. Planning is collective and pickles every
             # item: ~0.1 s of GPU idle time per save for a 1B model.
@@ -95,7 +95,7 @@ class AsyncSaver:
             plan = (writer, metadata, dist_wrapper)
         else:
             plan = save_state_dict_async_plan(state, writer)
-            self._plan_cache = (staging.key, writer.central_plan, plan[1], plan[2])
+            self._plan_cache = (staging.layout_key, writer.central_plan, plan[1], plan[2])
         # D2H starts now, after planning: planning's collectives sync on small device-to-host
         # copies, which would queue behind the staging copies on the copy engine.
         staging.stage(flat, step)
@@ -105,15 +105,13 @@ class AsyncSaver:
         return lambda: self._finalize(*plan)
 
     def submit(self, staging: HostStaging) -> None:
-        """Hands the pending staged save to the writer (the buffer itself once per process)."""
+        """Hands the pending staged save to the writer (which maps the bank's file by path)."""
         from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
 
         writer, self.pending = self.pending, None
         staging.synchronize()  # the writer reads the buffer: the copies must be complete
-        send = self.writer.needs_buffer(staging.key)
         self.writer.schedule(AsyncRequest(
-            write_staged, (self.rank, writer.request(send), writer.results_queue), []))
-        self.writer.buffer_sent(staging.key)
+            write_staged, (self.rank, writer.request(), writer.results_queue), []))
 
     def nvrx_staged(self, path: Path, state: dict[str, Any]) -> Callable[[], None]:
         """Starts a save staged by NVRx; returns the finalise step."""

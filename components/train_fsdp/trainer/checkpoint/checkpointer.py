@@ -15,8 +15,11 @@ next forward/backward (``overlap``: the optimizer step waits for it on the GPU) 
 because NVRx <= 0.4 does not snapshot CPU tensors). Writing runs in NVRx's persistent worker
 process; finalisation (gather write results, metadata, commit marker) is collective and happens at
 a step boundary once every rank's write is done, bounded by ``checkpoint.finalize_timeout``.
-The staging buffer keeps the newest committed state in host memory: an in-process restart restores
-from it instead of reading the files back.
+The staging banks keep the newest committed state in host memory, as files under ``/dev/shm``
+that outlive the worker (:mod:`.hostcopy`): an in-process restart restores from them, and so does
+an in-job restart on the same node once the bank's manifest matches the newest commit marker;
+neither reads (nor CRC-checks) the files back. Rank 0 also writes the newest committed step to
+``checkpoints/latest_committed_step`` for ft_launcher's progress tracking (NVRx >= 0.7).
 """
 
 from __future__ import annotations
@@ -33,17 +36,20 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from kfp_nvrx.components.core.config import CheckpointConfig
+from kfp_nvrx.components.core.launch_command import iteration_file
 from kfp_nvrx.components.core.rundir import (
     checkpoints_dir,
     committed_steps,
     remove_torn,
     step_dir,
     verify,
+    write_atomic,
     write_commit_marker,
 )
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.train_fsdp.trainer.checkpoint.async_save import AsyncSaver, all_ranks
 from kfp_nvrx.components.train_fsdp.trainer.checkpoint.files import prune, write_checksums
+from kfp_nvrx.components.train_fsdp.trainer.checkpoint.hostcopy import HostCopyDir, marker_identity
 from kfp_nvrx.components.train_fsdp.trainer.checkpoint.reader import load as fast_load
 from kfp_nvrx.components.train_fsdp.trainer.checkpoint.staging import (
     HostStaging,
@@ -96,6 +102,7 @@ class Checkpointer:
                  on_commit: Callable[[int, float, float, int], None] | None = None,
                  staging: HostStaging | None = None, writer: NvrxWriter | None = None,
                  log: Callable[[str], None] = print, final_step: int | None = None) -> None:
+        self.run_dir = Path(run_dir)
         self.root = checkpoints_dir(run_dir)
         self.cfg = cfg
         self.device = device
@@ -110,10 +117,15 @@ class Checkpointer:
         self.mode = staging_mode(cfg, device)
         self.staging = None
         if self.mode in ("overlap", "blocking"):
-            self.staging = staging if staging is not None else HostStaging(device)
+            if staging is None:  # a new worker process: the node-local host copy of this rank
+                home = HostCopyDir(run_dir, self.rank, self.world_size)
+                home.sweep()  # other runs' copies whose ft_launcher agents are gone
+                staging = HostStaging(device, home)
+            self.staging = staging
         self.writer = writer if writer is not None else NvrxWriter(device)
         if self.writer.started:  # the last incarnation's, whose abort was cut short: not ours
             self.writer.abort()
+        self.writer.use_cuda(self.staging is None)  # staged saves: the writer needs no GPU
         self.saver = AsyncSaver(self.writer, device, self.rank, cfg.write_threads,
                                 start_timeout=cfg.finalize_timeout)
         self.log = log
@@ -135,26 +147,39 @@ class Checkpointer:
                ) -> tuple[int | None, dict[str, Any] | None]:
         """Loads the newest state this run can resume from; ``(None, None)`` when there is none.
 
-        The newest intact committed checkpoint on disk, unless every rank holds a newer complete
-        snapshot in its staging buffer (in-process restart). ``state_fn`` builds the state to load
+        From host memory when every rank holds the newest committed step there (a restarted
+        worker adopts its node-local host copy, see :mod:`.hostcopy`) or a newer complete
+        snapshot (in-process restart); otherwise the newest intact committed checkpoint on disk
+        (CRC-checked, falling back to older ones). ``state_fn`` builds the state to load
         into; only the keys the checkpoint holds are loaded (e.g. not another world size's per-rank
         RNG). ``check(keys, step)`` may reject the checkpoint before anything is loaded.
 
         Returns:
             The step resumed from and the state dict loaded in place.
         """
-        step = self.select(log=self.log)
+        steps = self.committed()
+        newest = steps[0] if steps else None
         in_memory = self.memory_step()  # FT: in-process restart: the last snapshot survives
-        if in_memory is not None and (step is None or in_memory > step):
-            self.log(f"restoring step {in_memory} from host memory (newest committed on disk: "
-                     f"{step})")
+        if in_memory is None and newest is None:
+            return None, None  # (state_fn would initialise the optimizer state: a fresh start)
+        state = state_fn()
+        if in_memory is None and self._adopt(newest, state):
+            in_memory = newest  # FT: in-job restart on the same node: the host copy survives
+        if in_memory is not None and (newest is None or in_memory >= newest):
+            # Host memory holds this process's own snapshot, or a copy verified against the
+            # newest commit marker: the files need no CRC pass (13 GB: seconds).
+            if newest is None or in_memory > newest:
+                self.log(f"restoring step {in_memory} from host memory (newest committed on "
+                         f"disk: {newest})")
             step = in_memory
+        else:
+            step = self.select(steps, log=self.log)
         if step is None:
             return None, None
         keys = self.metadata_keys(step)
         if check is not None:
             check(keys, step)
-        state = {k: v for k, v in state_fn().items()
+        state = {k: v for k, v in state.items()
                  if any(s == k or s.startswith(f"{k}.") for s in keys)}
         self.load(step, state)
         return step, state
@@ -196,6 +221,10 @@ class Checkpointer:
         if self.staging is not None:
             self.staging.prepare(state_fn())
 
+    def preparing(self) -> bool:
+        """Whether the staging banks are being allocated and pinned in the background."""
+        return self.staging is not None and self.staging.preparing()
+
     def _staging_ok(self, flat: dict[str, Any]) -> bool:
         """Every rank has a staging buffer for this state; else all fall back to NVRx staging."""
         problem = ""
@@ -209,6 +238,7 @@ class Checkpointer:
                  "using NVRx's staging")
         self.staging.release()
         self.staging, self.mode = None, "nvrx"
+        self.writer.use_cuda(True)  # NVRx's staging copies from the GPU in the writer
         return False
 
     def wait_before_update(self) -> None:
@@ -256,10 +286,14 @@ class Checkpointer:
         dist.barrier()
         if self.rank == 0:
             nbytes = write_commit_marker(inf.path, inf.step, self.world_size)
+            # FT: ft_launcher's progress tracking reads the newest committed step from here.
+            write_atomic(iteration_file(self.run_dir), f"{inf.step}\n".encode())
             prune(self.root, self.cfg.keep)
             if self.on_commit is not None:
                 self.on_commit(inf.step, inf.blocking_s, time.perf_counter() - inf.started, nbytes)
         dist.barrier()
+        if self.staging is not None:  # the bank now holds committed state: describe it
+            self.staging.commit(inf.step, marker_identity(inf.path))
         self.commits += 1
         self.commit_s.append(time.perf_counter() - t_commit)
         self.last_commit_step = inf.step
@@ -267,23 +301,29 @@ class Checkpointer:
         return True
 
     # ---------------------------------------------------------------- load
-    def select(self, log: Callable[[str], None] = print) -> int | None:
+    def committed(self) -> list[int]:
+        """Committed steps (newest first; only ``load_step`` when set), as rank 0 sees them."""
+        steps = [committed_steps(self.root) if self.rank == 0 else None]
+        dist.broadcast_object_list(steps, src=0)
+        return [s for s in steps[0] if self.cfg.load_step < 0 or s == self.cfg.load_step]
+
+    def select(self, steps: list[int] | None = None,
+               log: Callable[[str], None] = print) -> int | None:
         """The newest intact committed step (or ``load_step``), the same on every rank.
 
         Every rank checks the sizes and the CRC32 of its share of the files; a damaged checkpoint
         is skipped (logged) in favour of the next older one.
         """
-        steps = [committed_steps(self.root) if self.rank == 0 else None]
-        dist.broadcast_object_list(steps, src=0)
-        for step in steps[0]:
-            if self.cfg.load_step >= 0 and step != self.cfg.load_step:
-                continue
+        for step in self.committed() if steps is None else steps:
             problem = verify(step_dir(self.root, step), share=(self.rank, self.world_size))
             problems: list[str | None] = [None] * self.world_size
             dist.all_gather_object(problems, problem)
             bad = next((p for p in problems if p), None)
             if bad is None:
                 return step
+            if self.cfg.load_step >= 0:  # asked for this one: no fallback, no start from scratch
+                raise UserError("checkpoint.load_step", f"step {step} in {self.root} is damaged "
+                                f"({bad}); give another step, or -1 for the newest intact one")
             if self.cfg.load_step >= 0:  # asked for this one: no fallback, no start from scratch
                 raise UserError("checkpoint.load_step", f"step {step} in {self.root} is damaged "
                                 f"({bad}); give another step, or -1 for the newest intact one")
@@ -306,10 +346,18 @@ class Checkpointer:
         low, high = int(t[0]), -int(t[1])
         return low if low == high and low >= 0 else None
 
+    def _adopt(self, step: int, state: dict[str, Any]) -> bool:
+        """Whether every rank took over its host copy of committed ``step`` (collective)."""
+        ok = False
+        if self.staging is not None:
+            identity = marker_identity(step_dir(self.root, step))
+            ok = self.staging.adopt(step, identity, flat_state(state))
+        return all_ranks(ok, self.device)
+
     def metadata_keys(self, step: int) -> set[str]:
         """Flattened keys stored in a checkpoint (e.g. to skip per-rank RNG of another world size)."""
-        if self.staging is not None and self.staging.valid_step == step:
-            return self.staging.keys()
+        if self.staging is not None and self.staging.can_restore({}, step):
+            return self.staging.keys(step)
         md = dcp.FileSystemReader(str(step_dir(self.root, step))).read_metadata()
         return set(md.state_dict_metadata)
 
@@ -327,7 +375,7 @@ class Checkpointer:
             flat, mapping = flatten_state_dict(state)
             if all_ranks(self.staging.can_restore(flat, step), self.device):
                 # FT: in-process restart: the last committed state is still in host memory.
-                for key, value in self.staging.restore(flat).items():
+                for key, value in self.staging.restore(flat, step).items():
                     set_element(state, mapping[key], value)
                 self.restored_from_memory = True
                 return
@@ -349,3 +397,8 @@ class Checkpointer:
             self.finalize(blocking=True)
         finally:
             self.writer.close()
+
+    def discard_host_copy(self) -> None:
+        """The run is over: frees the staging banks and deletes their files under /dev/shm."""
+        if self.staging is not None:
+            self.staging.release()

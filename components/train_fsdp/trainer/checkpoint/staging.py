@@ -1,125 +1,126 @@
-"""Host staging for async checkpoints: persistent pinned, shared buffers and their writer request.
+"""Host staging for async checkpoints: persistent pinned, shared banks that outlive the worker.
 
-A save copies every tensor of the (flattened) state dict into one host buffer that lives as long as
-the worker process (it survives in-process restarts): shared memory, so NVRx's persistent writer
-process maps it once and writes straight from it; pinned (``cudaHostRegister``), so the
-device-to-host copies run at DMA speed. On CUDA the copies are issued on a side stream:
+A save copies every tensor of the (flattened) state dict into a host buffer (a *bank*) that lives
+as long as the worker process: a file under ``/dev/shm`` (see :mod:`.hostcopy`), so NVRx's
+persistent writer process maps it and writes straight from it, and a restarted worker on the same
+node can load from it; pinned (``cudaHostRegister``), so the device-to-host copies run at DMA
+speed. On CUDA the copies are issued on a side stream:
 
 * ``blocking``: ``save()`` waits for them (the visible stall is the D2H copy itself);
 * ``overlap``: ``save()`` returns at once; the next step's forward/backward runs beside the copy and
   only the optimizer step waits for it, on the GPU (``wait_before_update``), never the CPU.
 
-The buffer also holds the newest complete snapshot in host memory: an in-process restart restores
-from it (H2D) instead of reading a checkpoint back from disk when every rank holds the same step,
-even one whose write to disk the fault interrupted (the snapshot of every rank is complete).
-
-The writer request carries the buffer once per writer process; afterwards only the layout. In the
-writer, every tensor becomes a zero-copy view with a storage of exactly its own bytes (``torch.save``
-serialises a view's whole storage, which would be the whole buffer).
+Two banks where ``/dev/shm`` has room: a save is staged into the bank that does *not* hold the
+newest committed state, so that state stays in host memory while the next save is written. The
+banks restore an in-process restart (H2D, the newest complete snapshot every rank holds, even one
+whose write the fault interrupted) and an in-job restart on the same node (the committed bank, as
+its manifest describes it, see :meth:`HostStaging.adopt`) instead of a read from disk.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import ctypes
 import hashlib
-import inspect
 import os
 import threading
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.tensor import DTensor
 
-from kfp_nvrx.components.train_fsdp.trainer.checkpoint.files import write_checksums
+from kfp_nvrx.components.train_fsdp.trainer.checkpoint.bank import (
+    _ALIGN,
+    SHM_RESERVE,
+    Slot,
+    StagingUnavailable,
+    _Bank,
+    _local,
+    _pin_ranges,
+    _slot_rows,
+    flat_state,
+    layout_of,
+    shm_free_bytes,
+)
+from kfp_nvrx.components.train_fsdp.trainer.checkpoint.hostcopy import (
+    HostCopyDir,
+    HostCopyUnavailable,
+)
+from kfp_nvrx.components.train_fsdp.trainer.checkpoint.restore import restore_bounced
 
-_ALIGN = 64
-
-
-@dataclass(frozen=True)
-class Slot:
-    """Where one tensor lives in the staging buffer."""
-
-    offset: int
-    nbytes: int
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    # DTensor's local shard without to_local()'s autograd bookkeeping (~40 us each, 600+ a save).
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
-def flat_state(state: dict[str, Any]) -> dict[str, Any]:
-    """The state dict flattened exactly as DCP's default planner flattens it (same keys)."""
-    return flatten_state_dict(state)[0]
-
-
-def layout_of(flat: dict[str, Any]) -> dict[str, Slot]:
-    """A buffer layout for every tensor leaf of a flattened state dict."""
-    slots, offset = {}, 0
-    for key, value in flat.items():
-        if isinstance(value, torch.Tensor):
-            t = _local(value)
-            nbytes = t.numel() * t.element_size()
-            slots[key] = Slot(offset, nbytes, tuple(t.shape), t.dtype)
-            offset += -(-nbytes // _ALIGN) * _ALIGN
-    return slots
-
-
-def shm_free_bytes(path: str = "/dev/shm") -> int:
-    """Free bytes of the shared-memory filesystem the staging buffer is allocated from."""
-    try:
-        st = os.statvfs(path)
-    except OSError:
-        return 0
-    return st.f_bavail * st.f_frsize
-
-
-class StagingUnavailable(RuntimeError):
-    """The buffer cannot be allocated here (e.g. ``/dev/shm`` too small); use NVRx's staging."""
+__all__ = ["HostStaging", "Slot", "StagingUnavailable", "flat_state", "layout_of",
+           "shm_free_bytes"]
 
 
 class HostStaging:
-    """The persistent staging buffer of one worker process, reused by every save.
+    """The persistent staging banks of one worker process, reused by every save.
 
     Args:
-        device: The training device (CUDA: pinned buffer, copies on a side stream).
+        device: The training device (CUDA: pinned banks, copies on a side stream).
+        home: This rank's host copy directory (None: a private one, never reused).
+        banks: Banks at most (2: the committed state stays in memory while a save is written).
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, home: HostCopyDir | None = None,
+                 banks: int = 2) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
+        self.home = home if home is not None else HostCopyDir(None, 0, 1)
+        self.max_banks = max(1, banks)
         self.slots: dict[str, Slot] = {}
-        self.buffer: torch.Tensor | None = None  # uint8, shared memory (pinned on CUDA)
-        self.key = ""  # layout + allocation identity, what the writer process caches under
+        self.nbytes = 0
+        self.banks: list[_Bank] = []
+        self.layout_key = ""  # layout + allocation identity (the save plan cache's key)
         self.generation = 0
-        self.valid_step: int | None = None  # step of the complete snapshot held (restore source)
-        self.staged_step: int | None = None  # step being staged or written
-        self._objects: dict[str, Any] = {}  # non-tensor leaves of the staged state
+        self.target: _Bank | None = None  # bank being staged, or staged last
+        self.committed: _Bank | None = None  # bank holding the newest committed step
+        self.staged_step: int | None = None
+        self.adopted_step: int | None = None  # step adopted from an earlier worker's bank
         self._event: Any = None
         self._stream: Any = None
         self._prep: threading.Thread | None = None
         self._prep_error: BaseException | None = None
         self._lock = threading.Lock()
 
-    # ------------------------------------------------------------------ buffer
+    # ------------------------------------------------------------------ views of the banks
+    @property
+    def buffer(self) -> torch.Tensor | None:
+        """The buffer of the bank staged last (else the first)."""
+        bank = self.target or (self.banks[0] if self.banks else None)
+        return bank.buffer if bank is not None else None
+
+    @property
+    def key(self) -> str:
+        """The writer-side key of the bank staged last."""
+        return self.target.key if self.target is not None else ""
+
+    @property
+    def valid_step(self) -> int | None:
+        """The newest complete snapshot held in any bank."""
+        steps = [b.step for b in self.banks if b.step is not None]
+        return max(steps) if steps else None
+
+    def _holding(self, step: int | None) -> _Bank | None:
+        return next((b for b in self.banks if b.step is not None and b.step == step), None)
+
+    # ------------------------------------------------------------------ allocation
     def prepare(self, state: dict[str, Any]) -> None:
-        """Allocates (and pins) the buffer for ``state``'s layout in a background thread.
+        """Allocates (and pins) the banks for ``state``'s layout in a background thread.
 
         Pinning 10+ GB takes seconds; done here, the first save does not pay for it.
         """
         slots = layout_of(flat_state(state))
-        if slots == self.slots or (self._prep is not None and self._prep.is_alive()):
+        complete = (slots == self.slots and len(self.banks) == self._bank_count(slots, first=False)
+                    and all(b.pinned for b in self.banks if self.cuda))
+        if complete or (self._prep is not None and self._prep.is_alive()):
             return
         self._prep_error = None
         self._prep = threading.Thread(target=self._allocate_quietly, args=(slots,), daemon=True,
                                       name="ckpt-staging-alloc")
         self._prep.start()
+
+    def preparing(self) -> bool:
+        """Whether the background allocation is still running (its steps are not steady)."""
+        return self._prep is not None and self._prep.is_alive()
 
     def _allocate_quietly(self, slots: dict[str, Slot]) -> None:
         try:
@@ -128,7 +129,7 @@ class HostStaging:
             self._prep_error = err
 
     def ensure(self, flat: dict[str, Any]) -> None:
-        """A buffer that fits ``flat``'s layout (waits for :meth:`prepare`, else allocates)."""
+        """Banks that fit ``flat``'s layout (waits for :meth:`prepare`, else allocates)."""
         if self._prep is not None:
             self._prep.join()
             self._prep = None
@@ -137,76 +138,112 @@ class HostStaging:
                 if isinstance(err, StagingUnavailable):
                     raise err
         slots = layout_of(flat)
-        if slots != self.slots or self.buffer is None:
+        unpinned = self.cuda and any(not b.pinned for b in self.banks)
+        if slots != self.slots or not self.banks or unpinned or self._missing(slots):
             self._allocate(slots)
+
+    def _missing(self, slots: dict[str, Slot]) -> bool:
+        """Fewer banks than fit (an adopted bank alone, before its second one is allocated)."""
+        return len(self.banks) < self.max_banks and self._bank_count(slots, False) > len(self.banks)
+
+    def _bank_count(self, slots: dict[str, Slot], first: bool) -> int:
+        """How many banks fit in /dev/shm (every local rank allocates at about the same time)."""
+        last = max(slots.values(), key=lambda s: s.offset, default=None)
+        nbytes = max(_ALIGN, last.offset + last.nbytes if last else 0)
+        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) if first else 1
+        have = len(self.banks) if slots == self.slots else 0
+        free = shm_free_bytes(str(self.home.root)) + have * nbytes
+        for n in range(self.max_banks, 0, -1):
+            reserve = SHM_RESERVE if n > 1 else 0
+            if free >= n * nbytes * ranks * 1.05 + reserve:
+                return n
+        return 0
 
     def _allocate(self, slots: dict[str, Slot]) -> None:
         with self._lock:
-            if slots == self.slots and self.buffer is not None:
-                return
             last = max(slots.values(), key=lambda s: s.offset, default=None)
             nbytes = max(_ALIGN, last.offset + last.nbytes if last else 0)
             first = self.generation == 0
-            self.release()
-            # The first allocation of every local rank happens at about the same time, so each
-            # must see room for all of them: a tmpfs that fills up while pages are touched kills
-            # the process with SIGBUS instead of failing the allocation.
-            ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) if first else 1
-            free = shm_free_bytes()
-            if free < nbytes * ranks * 1.05:
+            if slots != self.slots:
+                self.release()
+            count = self._bank_count(slots, first)
+            if count == 0:
+                ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) if first else 1
                 raise StagingUnavailable(
-                    f"/dev/shm has {free / 1e9:.2f} GB free, the staging buffers need "
-                    f"{nbytes / 1e9:.2f} GB x {ranks} local rank(s) (mount a larger /dev/shm, e.g. "
-                    "--shm-size, or set checkpoint.staging=nvrx)")
-            storage = torch.UntypedStorage._new_shared(nbytes)
-            buf = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,))
+                    f"/dev/shm has {shm_free_bytes(str(self.home.root)) / 1e9:.2f} GB free, the "
+                    f"staging buffers need {nbytes / 1e9:.2f} GB x {ranks} local rank(s) (mount "
+                    "a larger /dev/shm, e.g. --shm-size, or set checkpoint.staging=nvrx)")
+            try:
+                self.home.ensure()
+            except HostCopyUnavailable as err:
+                raise StagingUnavailable(str(err)) from None
+            if slots != self.slots:
+                self.generation += 1
+                digest = hashlib.sha1(repr(_slot_rows(slots)).encode()).hexdigest()
+                self.layout_key = f"{os.getpid()}-{self.generation}-{digest[:16]}"
+            self.slots, self.nbytes = slots, nbytes
             if self.cuda:
                 torch.cuda.set_device(self.device)  # prepare() runs this in its own thread
-                # Page-locked (portable: for every device context of this process), so the D2H
-                # copies run at DMA speed, as the floor measures.
-                rc = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 1)
-                if int(rc) != 0:
-                    raise StagingUnavailable(f"cudaHostRegister of {nbytes / 1e9:.2f} GB failed "
-                                             f"(error {int(rc)})")
-            self.buffer, self.slots = buf, slots
-            self.generation += 1
-            digest = hashlib.sha1(repr(sorted((k, s.offset, s.nbytes, s.shape, str(s.dtype))
-                                              for k, s in slots.items())).encode()).hexdigest()
-            self.key = f"{os.getpid()}-{self.generation}-{digest[:16]}"
-            self.valid_step = None
+            if self.committed is None:  # nothing adopted: an earlier worker's files are stale
+                self.home.withdraw()
+                self.home.drop_banks(keep={b.index for b in self.banks})
+            ranges = _pin_ranges(slots, nbytes)
+            for bank in self.banks:
+                if self.cuda and not bank.pinned:  # adopted: pinned before a save copies in
+                    bank.pin(ranges)
+            have = {b.index for b in self.banks}
+            for index in range(self.max_banks):
+                if len(have) >= count:
+                    break
+                if index in have:
+                    continue  # adopted from an earlier worker, or allocated before
+                bank = _Bank(index, self.home.bank_path(index))
+                bank.map(nbytes, create=True)
+                if self.cuda:
+                    bank.pin(ranges)
+                bank.key = f"{self.layout_key}-{index}"
+                self.banks.append(bank)
+                have.add(index)
 
     def release(self) -> None:
-        """Unpins and drops the buffer (the writer process may still map it until it exits)."""
-        if self.buffer is not None and self.cuda:
-            self.synchronize()
-            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
-        self.buffer, self.slots, self.valid_step = None, {}, None
+        """Unpins and unmaps the banks and deletes their files (the layout changed, or the end)."""
+        self.synchronize()
+        for bank in self.banks:
+            bank.unmap()
+        self.banks, self.slots, self.target, self.committed = [], {}, None, None
+        self.home.remove_rank_files()
 
-    def view(self, key: str) -> torch.Tensor:
-        """The buffer region of one tensor, typed and shaped (training side)."""
+    def view(self, key: str, bank: _Bank | None = None) -> torch.Tensor:
+        """The region of one tensor in a bank (the one being staged by default), typed and shaped."""
         s = self.slots[key]
-        region = self.buffer[s.offset:s.offset + s.nbytes]
+        region = (bank or self.target).buffer[s.offset:s.offset + s.nbytes]
         return region.view(s.dtype).view(s.shape)
 
     # ------------------------------------------------------------------ copies
     def stage(self, flat: dict[str, Any], step: int) -> None:
-        """Starts copying ``flat`` into the buffer (CUDA tensors on a side stream).
+        """Starts copying ``flat`` into a bank (CUDA tensors on a side stream).
 
-        Call :meth:`ensure` for ``flat`` first (the save path does, once per save). CPU tensors
-        and non-tensor leaves are captured before this returns; CUDA tensors are complete once
-        :meth:`ready` (or after :meth:`synchronize`).
+        The bank is the one not holding the newest committed step (with one bank, its manifest is
+        withdrawn first). Call :meth:`ensure` for ``flat`` first (the save path does, once per
+        save). CPU tensors and non-tensor leaves are captured before this returns; CUDA tensors
+        are complete once :meth:`ready` (or after :meth:`synchronize`).
         """
-        if self.buffer is None:
+        if not self.banks:
             raise RuntimeError("HostStaging.stage() before ensure()")
-        self.valid_step, self.staged_step = None, step
-        self._objects = {k: copy.deepcopy(v) for k, v in flat.items()
-                         if not isinstance(v, torch.Tensor)}
+        free = [b for b in self.banks if b is not self.committed]
+        if not free:  # one bank: the committed state is given up for this save
+            self.home.withdraw()
+            self.committed, free = None, self.banks
+        bank = min(free, key=lambda b: -1 if b.step is None else b.step)
+        self.target, self.staged_step = bank, step
+        bank.step = None
+        bank.objects = {k: copy.deepcopy(v) for k, v in flat.items()
+                        if not isinstance(v, torch.Tensor)}
         if self.cuda:
             if self._stream is None:
                 self._stream = torch.cuda.Stream(device=self.device)
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream) if self.cuda else contextlib.nullcontext(), \
-                torch.no_grad():
+        with torch.cuda.stream(self._stream) if self.cuda else contextlib.nullcontext(), torch.no_grad():
             for key, value in flat.items():
                 if isinstance(value, torch.Tensor):
                     src = _local(value)
@@ -217,7 +254,7 @@ class HostStaging:
                 self._event = torch.cuda.Event()
                 self._event.record(self._stream)
         if not self.cuda:
-            self.valid_step = step  # CPU copies are complete on return
+            bank.step = step  # CPU copies are complete on return
 
     def ready(self) -> bool:
         """Whether the last stage()'s copies are complete (never blocks)."""
@@ -233,143 +270,88 @@ class HostStaging:
         if self._event is not None:
             self._event.synchronize()
             self._event = None
-            self.valid_step = self.staged_step
+            if self.target is not None:
+                self.target.step = self.staged_step
 
     def invalidate(self) -> None:
-        """After a fault while staging: the buffer may hold a torn snapshot."""
-        self.valid_step = self.staged_step = None
+        """After a fault while staging: the bank being staged may hold a torn snapshot."""
+        self._event = None
+        if self.target is not None and self.target is not self.committed:
+            self.target.step = None
+        self.staged_step = None
 
-    def keys(self) -> set[str]:
-        """The flattened keys of the snapshot held (as a DCP checkpoint's metadata lists them)."""
-        return set(self.slots) | set(self._objects)
+    def commit(self, step: int, identity: str | None) -> None:
+        """Save ``step`` is committed (marker ``identity``): its bank is the one kept, and described.
+
+        Called on every rank after the commit; the manifest is what a restarted worker trusts.
+        """
+        bank = self._holding(step)
+        if bank is None:
+            return
+        self.committed = bank
+        if identity is not None:
+            self.home.publish(step=step, identity=identity, bank=bank.index, nbytes=self.nbytes,
+                              slots=_slot_rows(self.slots), objects=bank.objects)
+
+    # ------------------------------------------------------------------ restore
+    def keys(self, step: int | None = None) -> set[str]:
+        """The flattened keys of the snapshot of ``step`` (as a DCP checkpoint's metadata lists)."""
+        bank = self._holding(step if step is not None else self.valid_step)
+        return set(self.slots) | set(bank.objects if bank is not None else {})
 
     def can_restore(self, flat: dict[str, Any], step: int) -> bool:
-        """Whether ``flat`` can be filled from the buffer holding ``step`` (same layout)."""
-        if self.buffer is None or self.valid_step != step:
+        """Whether ``flat`` can be filled from the bank holding ``step`` (same layout)."""
+        bank = self._holding(step)
+        if bank is None or bank.buffer is None:
             return False
         want = layout_of({k: v for k, v in flat.items() if isinstance(v, torch.Tensor)})
         return (all(self.slots.get(k) is not None and self.slots[k].shape == s.shape
                     and self.slots[k].dtype == s.dtype for k, s in want.items())
-                and all(k in self._objects or k in self.slots for k in flat))
+                and all(k in bank.objects or k in self.slots for k in flat))
 
-    def restore(self, flat: dict[str, Any]) -> dict[str, Any]:
-        """Copies the buffer into ``flat``'s tensors (in place); returns the non-tensor leaves."""
-        with torch.no_grad():
-            for key, value in flat.items():
-                if isinstance(value, torch.Tensor):
-                    dst = _local(value)
-                    dst.copy_(self.view(key), non_blocking=dst.is_cuda)
-        if self.cuda:
-            torch.cuda.current_stream(self.device).synchronize()
-        return {k: copy.deepcopy(v) for k, v in self._objects.items() if k in flat}
+    def restore(self, flat: dict[str, Any], step: int | None = None) -> dict[str, Any]:
+        """Copies the bank of ``step`` into ``flat``'s tensors (in place); returns the other leaves."""
+        bank = self._holding(step if step is not None else self.valid_step)
+        if self.cuda and not bank.pinned:  # adopted, not pinned yet: through bounce buffers
+            restore_bounced(bank.buffer, self.slots, self.nbytes, flat)
+        else:
+            with torch.no_grad():
+                for key, value in flat.items():
+                    if isinstance(value, torch.Tensor):
+                        dst = _local(value)
+                        dst.copy_(self.view(key, bank), non_blocking=dst.is_cuda)
+            if self.cuda:
+                torch.cuda.current_stream(self.device).synchronize()
+        return {k: copy.deepcopy(v) for k, v in bank.objects.items() if k in flat}
 
+    def adopt(self, step: int, identity: str | None, flat: dict[str, Any]) -> bool:
+        """Takes over an earlier worker's bank holding committed ``step`` (in-job restart).
 
-def _split(items: list[tuple[Any, Slot]], n: int) -> list[list[tuple[Any, Slot]]]:
-    """Greedy split into ``n`` buckets of similar byte size (largest items first)."""
-    buckets: list[list[tuple[Any, Slot]]] = [[] for _ in range(max(1, n))]
-    sizes = [0] * len(buckets)
-    for entry in sorted(items, key=lambda e: -e[1].nbytes):
-        i = sizes.index(min(sizes))
-        buckets[i].append(entry)
-        sizes[i] += entry[1].nbytes
-    return [b for b in buckets if b] or [[]]
+        Only when this rank's manifest describes exactly that commit (``identity``) and ``flat``'s
+        layout; the bank is mapped (and pinned) as this process's committed bank.
+        """
+        if self.banks or not self.home.persistent:
+            return False
+        manifest = self.home.manifest(step, identity)
+        if manifest is None:
+            return False
+        slots = layout_of(flat)
+        if _slot_rows(slots) != manifest["slots"]:
+            return False
+        try:  # mapped, not pinned: restore() copies through bounce buffers, prepare() pins
+            self.home.ensure()
+            bank = _Bank(int(manifest["bank"]), self.home.bank_path(int(manifest["bank"])))
+            bank.map(int(manifest["nbytes"]), create=False)
+        except (OSError, StagingUnavailable, HostCopyUnavailable):
+            return False
+        self.generation += 1
+        digest = hashlib.sha1(repr(manifest["slots"]).encode()).hexdigest()
+        self.layout_key = f"{os.getpid()}-{self.generation}-{digest[:16]}"
+        bank.key = f"{self.layout_key}-{bank.index}"
+        bank.step, bank.objects = step, manifest["objects"]
+        self.slots, self.nbytes = slots, int(manifest["nbytes"])
+        self.banks = [bank]
+        self.committed = self.target = bank
+        self.adopted_step = step
+        return True
 
-
-def staged_writer(path: str, staging: HostStaging, threads: int = 1) -> Any:
-    """An NVRx ``FileSystemWriterAsync`` whose data comes from ``staging``'s buffer.
-
-    DCP plans with the live state (so the metadata, e.g. DTensor shards, is the real one); instead
-    of resolving (and, NVRx >= 0.6, cloning) tensors, ``prepare_write_data`` records which buffer
-    slot each write item reads, split into ``threads`` files written in parallel. ``request`` then
-    describes the write for :func:`write_staged`.
-    """
-    # FT: NVRx's async DCP writer (planning, results queue, finish/metadata) with our staging.
-    from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async as fsa
-    from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
-    from torch.distributed.checkpoint.planner import WriteItemType
-
-    class StagedWriter(fsa.FileSystemWriterAsync):
-        def prepare_write_data(self, plan: Any, planner: Any) -> None:
-            items, byte_data = [], []
-            for item in plan.items:
-                if item.type == WriteItemType.BYTE_IO:
-                    byte_data.append((item, planner.resolve_data(item)))
-                    continue
-                slot = staging.slots.get(item.index.fqn)
-                chunk = tuple(item.tensor_data.chunk.sizes) if item.tensor_data else None
-                if slot is None or chunk != slot.shape:
-                    raise RuntimeError(f"staged save: {item.index.fqn} is not one whole local "
-                                       f"tensor (chunk {chunk}, staged {slot})")
-                items.append((item, slot))
-            prefix = plan.storage_data.prefix
-            self.central_plan = plan  # reused by the next saves of the same layout
-            self.staged = [(os.path.join(str(self.checkpoint_dir), f"{prefix}{i}{DEFAULT_SUFFIX}"),
-                            f"{prefix}{i}{DEFAULT_SUFFIX}", byte_data if i == 0 else [], bucket)
-                           for i, bucket in enumerate(_split(items, threads))]
-            self.has_data_to_write = bool(plan.items)
-            self.write_buckets = self.staged if plan.items else []  # NVRx 0.4 counts results
-            self.consistent_data_identifier = None
-            queue_fn = getattr(fsa, "get_write_results_queue", None) or fsa._get_write_results_queue
-            self.results_queue = queue_fn() if plan.items else None
-
-        def request(self, send_buffer: bool) -> dict[str, Any]:
-            req = {"key": staging.key, "buffer": staging.buffer if send_buffer else None,
-                   "buckets": self.staged}
-            # torch >= 2.6 passes its stream transforms to _write_item (as NVRx itself does)
-            req["transforms"] = [self.transforms] if hasattr(self, "transforms") else []
-            return req
-
-    return StagedWriter(path, thread_count=max(1, threads))
-
-
-# ---------------------------------------------------------------------- writer process side
-# The buffers this writer process has mapped, by staging key. NVRx runs write_staged as a plain
-# function in its persistent child process, which holds no object of ours: the mapping has to
-# outlive one request (the buffer is sent with the first request only) in the process itself.
-_WORKER_BUFFERS: dict[str, torch.Tensor] = {}
-
-
-def _region(base: torch.Tensor, slot: Slot) -> torch.Tensor:
-    """A tensor whose storage is exactly ``slot``'s bytes of ``base`` (zero copy)."""
-    if slot.nbytes == 0:
-        return torch.empty(slot.shape, dtype=slot.dtype)
-    raw = (ctypes.c_char * slot.nbytes).from_address(base.data_ptr() + slot.offset)
-    return torch.frombuffer(raw, dtype=slot.dtype).view(slot.shape)
-
-
-def write_staged(rank: int, request: dict[str, Any], results_queue: Any) -> None:
-    """Runs in NVRx's writer process: writes this rank's files from the shared buffer, then CRCs.
-
-    The writing itself is NVRx's (``FileSystemWriterAsync`` bucket writer, which puts the
-    DCP write results on ``results_queue``).
-    """
-    import warnings
-
-    if request["buffer"] is not None:
-        _WORKER_BUFFERS.clear()  # one buffer per training process: an older one is dead
-        _WORKER_BUFFERS[request["key"]] = request["buffer"]
-    base = _WORKER_BUFFERS.get(request["key"])
-    if base is None:
-        raise RuntimeError("the checkpoint writer lost its staging buffer (restarted?)")
-    with warnings.catch_warnings():  # frombuffer on a ctypes array: "not writable" is fine here
-        warnings.simplefilter("ignore", UserWarning)
-        buckets = [(path, name, (byte_data, [(item, _region(base, slot)) for item, slot in tensors]))
-                   for path, name, byte_data, tensors in request["buckets"]]
-    nvrx_write_buckets(rank, buckets, results_queue, request.get("transforms", []))
-    write_checksums([b[0] for b in buckets], rank)
-
-
-def nvrx_write_buckets(rank: int, buckets: list, results_queue: Any, transforms: list) -> None:
-    """NVRx's bucket writer, whichever this version has (0.4: multiproc, 0.6+: multithread)."""
-    # FT: NVRx writes the DCP files (threads or processes per bucket) and reports WriteResults.
-    from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import (
-        FileSystemWriterAsync,
-    )
-
-    fn = getattr(FileSystemWriterAsync, "write_preloaded_data_multithread", None)
-    if fn is None:
-        fn = FileSystemWriterAsync.write_preloaded_data_multiproc
-    if "open_file" in inspect.signature(fn).parameters:
-        fn(transforms, False, open, rank, buckets, results_queue)
-    else:
-        fn(transforms, False, rank, buckets, results_queue)

@@ -77,6 +77,10 @@ class NvrxWriter:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        # Whether the writer process needs CUDA: only NVRx's own staging (D2H in the worker
+        # from CUDA IPC handles). Writing from our host banks needs none, and a CUDA context
+        # there holds GPU memory that ft_launcher waits to see freed before every restart.
+        self.worker_cuda = device.type == "cuda"
         self._caller: Any = None  # the running Caller, None until the first request
         self._warming = False  # the warm-up request may still be running
         self._mapped_key: str | None = None  # staging buffer the running process has mapped
@@ -134,7 +138,7 @@ class NvrxWriter:
         if self._caller is None:
             # FT: NVRx persistent async checkpoint worker (spawned once, reused by every save).
             caller_cls = _caller_class()
-            cpu = self.device.type != "cuda"
+            cpu = self.device.type != "cuda" or not self.worker_cuda
             if cpu and "cpu_shm_mode" in inspect.signature(caller_cls).parameters:
                 self._caller = caller_cls(cpu_shm_mode=True)
             else:
@@ -142,6 +146,17 @@ class NvrxWriter:
             self._mapped_key = None
         self._caller.schedule_async_call(request)
         self.track(self._caller.process)
+
+    def use_cuda(self, wanted: bool) -> None:
+        """Sets whether the writer process gets a CUDA context.
+
+        A running writer of the other kind is replaced (killed now; the next request starts one).
+        """
+        wanted = wanted and self.device.type == "cuda"
+        if wanted != self.worker_cuda:
+            self.worker_cuda = wanted
+            if self.started:
+                self.abort()
 
     def needs_buffer(self, key: str) -> bool:
         """Whether the running process has not mapped the staging buffer ``key`` yet."""

@@ -1,0 +1,94 @@
+"""The recovery part of the benchmark report: 1b and 125m side by side, and the p5 projection."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench.projection import best_interval, fsx_gb_per_s, job_mtbf_s, recovery_paths
+
+NODE_MTBF_DAYS = 30.0
+PROJECTION_NODES = (16, 128)
+PARTS = (("detection_s", "detection"), ("launcher_s", "restart"), ("start_s", "start"),
+         ("load_s", "load"), ("first_step_s", "first step"))
+
+
+def _cell(x: dict[str, Any], key: str) -> str:
+    v = x.get(key)
+    return "—" if v is None else f"{v:.2f}"
+
+
+def recovery_lines(by_preset: dict[str, dict[str, Any]]) -> list[str]:
+    """Markdown: one row per (fault, preset), the total split into its parts."""
+    if not any(r.get("scenarios") for r in by_preset.values()):
+        return []
+    lines = ["", "## Recovery (fault → end of the first step of the next incarnation)", "",
+             "Restart: the launcher (stop, rendezvous, spawn; in-process: NVRx's wrapper). Start: "
+             "the new worker's interpreter, imports, checks, CUDA context, process group and "
+             "model build. Load: from the node-local host copy (`memory`) or the files (`disk`).",
+             "", "| fault | preset | kind | total s | " + " | ".join(p for _, p in PARTS)
+             + " | loaded from | resumed from |", "|---" * (7 + len(PARTS)) + "|"]
+    names = []
+    for r in by_preset.values():
+        names += [n for n in r.get("scenarios", {}) if n not in names]
+    for name in names:
+        for preset, r in by_preset.items():
+            x = r.get("scenarios", {}).get(name)
+            if x is None:
+                continue
+            if "total_s" not in x:
+                lines.append(f"| {name} | {preset} | {x.get('kind')} | "
+                             f"{str(x.get('error', x.get('state')))[:80]} |" + " |" * 7)
+                continue
+            src = {True: "memory", False: "disk"}.get(x.get("from_memory"), "—")
+            lines.append(f"| {name} | {preset} | {x['kind']} | **{x['total_s']:.2f}** | "
+                         + " | ".join(_cell(x, k) for k, _ in PARTS)
+                         + f" | {src} | {x.get('resumed_from')} |")
+    boots = [(f"{name} ({preset})", x["boot"]) for preset, r in by_preset.items()
+             for name, x in r.get("scenarios", {}).items() if x.get("boot")]
+    if boots:
+        lines += ["", "The new incarnation's start in parts (seconds, the trainer's `boot`):", ""]
+        lines += [f"- {n}: " + ", ".join(f"{k} {v:.2f}" for k, v in b.items()) for n, b in boots]
+    return lines
+
+
+def projection(kill: dict[str, Any] | None, state_gb_per_gpu: float | None,
+               save_cost_s: float | None) -> dict[str, Any]:
+    """Goodput at 16 and 128 p5 nodes by recovery path (FSx SCRATCH_2 for the file path)."""
+    if not kill or "total_s" not in kill or not state_gb_per_gpu or not save_cost_s:
+        return {}
+    out: dict[str, Any] = {"node_mtbf_days": NODE_MTBF_DAYS, "save_cost_s": save_cost_s,
+                           "state_gb_per_gpu": state_gb_per_gpu,
+                           "fsx_gb_per_s": {"burst": fsx_gb_per_s(True),
+                                            "baseline": fsx_gb_per_s(False)},
+                           "nodes": {}}
+    for nodes in PROJECTION_NODES:
+        mtbf = job_mtbf_s(nodes, NODE_MTBF_DAYS)
+        rows = {}
+        for path, rec in recovery_paths(nodes, kill["total_s"], kill["load_s"],
+                                        state_gb_per_gpu).items():
+            tau, g = best_interval(save_cost_s, rec, mtbf)
+            rows[path] = {"recovery_s": rec, "best_interval_s": tau, "best_goodput": g}
+        out["nodes"][str(nodes)] = {"job_mtbf_s": mtbf, "paths": rows}
+    return out
+
+
+def projection_lines(p: dict[str, Any]) -> list[str]:
+    """Markdown of :func:`projection`."""
+    if not p:
+        return []
+    fsx = p["fsx_gb_per_s"]
+    lines = ["", f"## Goodput projection on p5 nodes (one failure per node per "
+             f"{p['node_mtbf_days']:.0f} days; 8 GPUs x {p['state_gb_per_gpu']:.2f} GB of state "
+             f"per node; cost per save {p['save_cost_s']:.3f} s, the visible overlapped save; FSx "
+             f"for Lustre SCRATCH_2 1.2 TiB: {fsx['burst']:.2f} GB/s burst, {fsx['baseline']:.2f} "
+             "GB/s baseline for all nodes together)", "",
+             "Recovery = the measured 1b in-job restart (kill), its load replaced where the state "
+             "comes from FSx.", "",
+             "| nodes | job MTBF h | recovery path | recovery s | Young/Daly interval s | "
+             "best goodput |", "|---|---|---|---|---|---|"]
+    for nodes, n in p["nodes"].items():
+        for path, row in n["paths"].items():
+            lines.append(f"| {nodes} | {n['job_mtbf_s'] / 3600:.1f} | {path} | "
+                         f"{row['recovery_s']:.1f} | {row['best_interval_s']:.0f} | "
+                         f"{row['best_goodput']:.4%} |")
+    return lines
