@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib
+import math
 import os
 import signal
 import sys
@@ -17,6 +18,7 @@ import threading
 import warnings
 from collections.abc import Sequence
 
+from kfp_nvrx.components.core.disk import disk_full, disk_full_line
 from kfp_nvrx.components.errors import UserError, redact
 from kfp_nvrx.components.redaction import redacted_output
 from kfp_nvrx.components.redaction import register as register_secrets
@@ -100,6 +102,8 @@ def _report(args: argparse.Namespace, err: BaseException) -> int:
     """One line on stderr for any error escaping a command; returns the exit code."""
     if isinstance(err, UserError):
         line, rc = err.one_line(), UserError.exit_code
+    elif disk_full(err):  # the run dir's marker, lock or a temp file on a full disk
+        line, rc = disk_full_line(getattr(err, "filename", None) or "."), 1
     elif isinstance(err, OSError) and err.errno in _INPUT_ERRNOS:
         field = _field_of(args, err.filename)
         line = f"{field}: {err.strerror} ({err.filename})"
@@ -126,15 +130,20 @@ def _terminate(signum: int, _frame: object) -> None:
 INT_FLAG_RANGE = (-(2**31), 2**31 - 1)
 
 
-def _check_int_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Refuses, in argparse's one line, any int flag value outside :data:`INT_FLAG_RANGE`."""
+def _check_number_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuses bad numbers in argparse's one line, for every command at once.
+
+    An int flag outside :data:`INT_FLAG_RANGE`, or a float flag that is not finite (``nan``
+    compares false with every bound a command checks, so it passed them all).
+    """
     lo, hi = INT_FLAG_RANGE
     for dest, value in vars(args).items():
-        values = value if isinstance(value, list) else [value]
-        for v in values:
+        flag = f"--{dest.replace('_', '-')}"
+        for v in value if isinstance(value, list) else [value]:
             if isinstance(v, int) and not isinstance(v, bool) and not lo <= v <= hi:
-                parser.error(f"argument --{dest.replace('_', '-')}: {v} is out of range "
-                             f"({lo} to {hi})")
+                parser.error(f"argument {flag}: {v} is out of range ({lo} to {hi})")
+            if isinstance(v, float) and not math.isfinite(v):
+                parser.error(f"argument {flag}: must be a finite number, got {v}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -143,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message="The pynvml package is deprecated")
     parser = build_parser()
     args = parser.parse_args(argv)
-    _check_int_flags(parser, args)
+    _check_number_flags(parser, args)
     register_secrets(*_secrets(args))
     with redacted_output():  # no credential reaches stdout/stderr, whoever prints it
         return _run(args)

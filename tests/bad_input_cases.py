@@ -315,6 +315,8 @@ CASES = [
     _c("local-deadline-inf", "--deadline", *LAUNCH, "--deadline", "inf"),
     _c("launch-deadline-nan", "--deadline", "launch", "--backend", "kubernetes", "--image", "i:1",
        "--pvc", "shared", "--deadline", "nan"),
+    _c("launch-poll-interval-nan", "--poll-interval", "launch", "--backend", "kubernetes",
+       "--image", "i:1", "--pvc", "shared", "--poll-interval", "nan"),
     _c("local-run-dir-empty", "--run-dir", "launch-local", "--run-dir", "", "--set",
        "data.path={data}"),
     _c("local-run-dir-blank", "--run-dir", "launch-local", "--run-dir", "  ", "--set",
