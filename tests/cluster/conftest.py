@@ -40,6 +40,8 @@ class Cluster:
         state = read_state(self.root) or {}
         if state.get("failed"):
             pytest.fail(f"test cluster broke: {state['failed']}", pytrace=False)
+        if state.get("components"):  # a restarted component has a new pid (SIGUSR1: apiserver)
+            self.state = state
         for name, c in self.state["components"].items():
             if not alive(c["pid"]):
                 pytest.fail(f"test cluster component {name} died; log {c['log']}:\n"

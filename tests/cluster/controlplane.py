@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import base64
 import json
-import shutil
 import os
+import shutil
 import ssl
 import urllib.request
 from dataclasses import dataclass, field
@@ -175,9 +175,55 @@ class ControlPlane:
             "--requestheader-username-headers", "X-Remote-User",
             "--requestheader-group-headers", "X-Remote-Group",
             "--requestheader-extra-headers-prefix", "X-Remote-Extra-",
+            # Requests of the user namespace's service accounts (the launcher's, in the tests
+            # that run as it) land in logs/audit.log: the tests count what our code asks.
+            "--audit-policy-file", str(self._audit_policy()),
+            "--audit-log-path", str(self.audit_log), "--audit-log-format", "json",
+            "--audit-log-maxsize", "100", "--audit-log-maxbackup", "1",
             "--v", "1"])
         wait_until("kube-apiserver", lambda: self._https_ok(ep.apiserver, "/readyz"),
                    READY_S, [p])
+
+    @property
+    def audit_log(self) -> Path:
+        """The API server's audit log (requests of the user namespace's service accounts)."""
+        return self.logs / "audit.log"
+
+    def _audit_policy(self) -> Path:
+        policy = {"apiVersion": "audit.k8s.io/v1", "kind": "Policy",
+                  "omitStages": ["RequestReceived"],
+                  "rules": [{"level": "Metadata",
+                             "userGroups": [f"system:serviceaccounts:{USER_NAMESPACE}"]},
+                            {"level": "None"}]}
+        path = self.root / "audit-policy.yaml"
+        path.write_text(yaml.safe_dump(policy))
+        return path
+
+    def restart_apiserver(self, compact: bool = False) -> None:
+        """Stop kube-apiserver and start it again on the same port with the same flags.
+
+        etcd keeps every object; clients see what a control-plane restart does to them: open
+        watches and connections cut, refused connections for a while, then a fresh watch cache.
+        With ``compact``, etcd moves on and is compacted while the API server is down, so every
+        resourceVersion a client saw before is gone for certain: its next watch gets 410 Gone.
+        """
+        old = next(p for p in self.procs if p.name == "kube-apiserver")
+        old.stop()
+        if compact:
+            put = self._etcd("/v3/kv/put", {"key": base64.b64encode(b"/kfp-nvrx-test/restart")
+                                            .decode(), "value": ""})
+            self._etcd("/v3/kv/compaction", {"revision": put["header"]["revision"]})
+        new = Proc(old.name, old.argv, self.logs, env=old.env).start()
+        self.procs[self.procs.index(old)] = new
+        wait_until("kube-apiserver", lambda: self._https_ok(self.ep.apiserver, "/readyz"),
+                   READY_S, [new])
+
+    def _etcd(self, path: str, body: dict) -> dict:
+        """One call to etcd's v3 HTTP gateway."""
+        req = urllib.request.Request(f"http://127.0.0.1:{self.ep.etcd}{path}", method="POST",
+                                     data=json.dumps(body).encode())
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return json.load(r)
 
     def start_kube_controllers(self) -> None:
         ep, kc = self.ep, str(self.kubeconfig)

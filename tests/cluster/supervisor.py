@@ -60,6 +60,13 @@ def serve(root: Path, bins: Path, nodes: int = 0) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, on_signal)
+    # SIGUSR1: restart kube-apiserver (tests of clients that must survive it); SIGUSR2: the same,
+    # with etcd compacted while it is down. Done in the loop below, where a component's exit is
+    # not mistaken for a death.
+    restart = threading.Event()
+    compact = threading.Event()
+    signal.signal(signal.SIGUSR1, lambda *_: restart.set())
+    signal.signal(signal.SIGUSR2, lambda *_: (compact.set(), restart.set()))
     (root / "state.json").unlink(missing_ok=True)
     cp = ControlPlane(root, bins)
     status = 0
@@ -80,13 +87,20 @@ def serve(root: Path, bins: Path, nodes: int = 0) -> int:
             from .agent import start_agent
 
             agent = start_agent(cp, nodes)
-        cp.write_state({"ready": True, "supervisor": os.getpid(),
-                        "startup_s": round(time.monotonic() - t0, 1),
-                        **(agent.state() if agent else {})})
+        ready = {"ready": True, "supervisor": os.getpid(),
+                 "startup_s": round(time.monotonic() - t0, 1), "apiserver_restarts": 0,
+                 **(agent.state() if agent else {})}
+        cp.write_state(ready)
         print(f"cluster: ready in {time.monotonic() - t0:.0f} s; KUBECONFIG={cp.kubeconfig}",
               flush=True)
         starting = False
-        while not stop.wait(1.0):
+        while not stop.wait(0.2 if restart.is_set() else 1.0):
+            if restart.is_set():
+                restart.clear()
+                cp.restart_apiserver(compact=compact.is_set())
+                compact.clear()
+                ready["apiserver_restarts"] += 1
+                cp.write_state(ready)
             for p in cp.procs:
                 if (msg := p.died()) is not None:
                     # A dead component is a broken cluster: say which and stop the rest.

@@ -28,8 +28,10 @@ from kfp_nvrx.components.train_fsdp.launcher.result import LaunchResult
 #: Extra time past ``activeDeadlineSeconds`` before the launcher itself gives up, so the
 #: operator's own deadline (with its reason) normally ends the job first.
 DEADLINE_MARGIN_S = 600.0
-#: Consecutive failed status reads before the launcher stops retrying.
+#: Consecutive failed status reads before the launcher stops retrying, and the least time they
+#: must span: an API server restart (tens of seconds) must not end a run polled every 0.5 s.
 MAX_READ_ERRORS = 10
+MIN_OUTAGE_S = 120.0
 #: Seconds the launcher waits for a deleted job to be gone (foreground: its pods go first);
 #: below KFP's 30 s termination grace, so a cancelled step still exits on its own.
 DELETE_WAIT_S = 20.0
@@ -318,6 +320,7 @@ class JobRun:
         result = LaunchResult(name=jobs.name, backend="kubernetes", state="Running",
                               run_dir=run_dir, started_at=created)
         last_state, last_progress, last_summary, errors = "", 0.0, "", 0
+        failing_since, last_error = 0.0, ""
         while True:
             if signals.event.is_set():
                 name = signal.Signals(signals.signum).name if signals.signum else "signal"
@@ -327,12 +330,17 @@ class JobRun:
                 break
             try:
                 current = jobs.get()
-                errors = 0
+                if errors:
+                    say(f"{jobs.where}: the API server answers again")
+                errors, last_error = 0, ""
             except ClusterError as err:
                 errors += 1
-                if errors >= MAX_READ_ERRORS:
+                failing_since = failing_since if errors > 1 else time.monotonic()
+                if errors >= MAX_READ_ERRORS and time.monotonic() - failing_since >= MIN_OUTAGE_S:
                     raise
-                say(f"warning: {err} (retrying)")
+                if str(err) != last_error:  # once per distinct error, not every poll
+                    say(f"warning: {err} (retrying)")
+                    last_error = str(err)
                 current = job
             if current is None:
                 result.state = "Failed"

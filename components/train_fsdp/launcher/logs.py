@@ -276,7 +276,8 @@ class PodLogFollower:
             if phase != state.phase:
                 state.phase = phase
                 self._note(state, f"pod {phase}")
-            self._note_unschedulable(state, pod)
+            if phase == "Pending":  # a finished pod keeps its old PodScheduled condition
+                self._note_unschedulable(state, pod)
             if status is None:
                 return
             state.restart_count = status.restart_count or 0

@@ -227,7 +227,9 @@ def _state(job: dict[str, Any]) -> str:
     if final:
         return final["type"]
     jobs = (job.get("status") or {}).get("jobsStatus") or []
-    if any((j.get("active") or 0) > 0 for j in jobs):
+    # ``ready`` counts the Jobs whose pods are all ready; ``active`` counts pending pods too
+    # (pods no node has taken yet), which is not running.
+    if any((j.get("ready") or 0) > 0 for j in jobs):
         return "Running"
     conds = [c for c in (job.get("status") or {}).get("conditions") or [] if c.get("status") ==
              "True"]

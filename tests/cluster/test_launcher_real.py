@@ -1,0 +1,204 @@
+"""``kfp-nvrx launch --backend kubernetes`` against the real control plane (issue 20, item 3).
+
+The API server, etcd, the Trainer v2.3, JobSet and Training Operator v1.9 controllers and their
+webhooks are real. The job's pods are kept off every node (a node selector no node has), and the
+test plays the kubelet where a pod must run or end, by patching the pod's status through the API.
+"""
+
+from __future__ import annotations
+
+import copy
+import signal
+
+import pytest
+from kubernetes import client
+
+from cluster.launch_real import (
+    PODS,
+    Background,
+    Cli,
+    admin_configuration,
+    cli_args,
+    configuration_from,
+    job_pods,
+    job_spec,
+    kubelet_exit,
+    kubelet_run,
+    leftovers,
+    sa_kubeconfig,
+    wait_for,
+)
+from kfp_nvrx.components.train_fsdp.jobspec import runtime as rt
+from kfp_nvrx.components.train_fsdp.launcher import trainjob
+
+#: No node carries this label: the scheduler never binds our pods, so no node agent runs them and
+#: the test is the only one writing their status.
+NO_NODE = "kfp-nvrx.test/no-node=true"
+
+
+def _spec(name: str, **kw):
+    spec = job_spec(name, **kw)
+    spec.node_selector = dict([NO_NODE.split("=")])
+    return spec
+
+
+def _args(name: str, job_api: str, *extra: str) -> list[str]:
+    return cli_args(name, job_api, "run-real", "--node-selector", NO_NODE, *extra)
+
+
+def _two_pods(kube, job_api: str, name: str) -> list[client.V1Pod]:
+    core = client.CoreV1Api(kube.client())
+    return wait_for(f"2 pods of {name}", lambda: (p := job_pods(core, kube.namespace, job_api,
+                                                                    name)) and len(p) == 2 and p)
+
+
+def _finish(kube, job_api: str, name: str, codes: tuple[int | None, int | None]) -> None:
+    """Exit the two pods' containers with ``codes`` (None: leave that pod as it is)."""
+    core = client.CoreV1Api(kube.client())
+    for pod, code in zip(_two_pods(kube, job_api, name), codes, strict=True):
+        if code is not None:
+            kubelet_exit(core, pod, PODS[job_api][1], code)
+
+
+def _set_served(api: client.ApiClient, crd: str, served: bool) -> None:
+    client.ApiextensionsV1Api(api).patch_custom_resource_definition(
+        crd, [{"op": "replace", "path": "/spec/versions/0/served", "value": served}])
+
+
+def test_auto_reads_the_real_servers_api_groups(kube) -> None:
+    """Both APIs served: TrainJob. The TrainJob CRD unserved (one-API cluster): PyTorchJob."""
+    api = kube.client()
+    assert trainjob.served_job_apis(api) == {"trainjob", "pytorchjob"}
+    assert trainjob.resolve_job_api("auto", api) == "trainjob"
+    crd = "trainjobs.trainer.kubeflow.org"
+    try:
+        _set_served(api, crd, False)
+        wait_for("discovery without trainjobs", lambda: trainjob.served_job_apis(api)
+                 == {"pytorchjob"})
+        assert trainjob.resolve_job_api("auto", api) == "pytorchjob"
+    finally:
+        _set_served(api, crd, True)
+        wait_for("trainjobs served again", lambda: "trainjob" in trainjob.served_job_apis(api))
+
+
+def test_pytorchjob_failure_names_operator_reason_and_replica(kube) -> None:
+    name = "real-pj-fail"
+    run = Background(_spec(name), admin_configuration(kube), kube.namespace,
+                     job_api="pytorchjob")
+    # worker-1 exits 1: permanent under restartPolicy ExitCode. (worker-0 stays pending: the
+    # operator counts a PyTorchJob without a master as Succeeded when worker-0 succeeds.)
+    _finish(kube, "pytorchjob", name, (None, 1))
+    result = run.join()
+    assert result.state == "Failed"
+    # The Training Operator's own condition reason, then the replica from the pod status.
+    assert result.reason.startswith("PyTorchJobFailed: ")
+    assert "(worker-1 exited with code 1, Error)" in result.reason
+    assert result.extra["failed_replica"] == "worker-1"
+    # on_success keeps a failed job for inspection.
+    assert leftovers(kube.client(), kube.namespace, name).get("PyTorchJob") == [name]
+    client.CustomObjectsApi(kube.client()).delete_namespaced_custom_object(
+        "kubeflow.org", "v1", kube.namespace, "pytorchjobs", name)
+
+
+def test_trainjob_by_auto_runs_to_complete_and_leaves_nothing(kube) -> None:
+    name = "real-tj-ok"
+    run = Background(_spec(name), admin_configuration(kube), kube.namespace, job_api="auto")
+    core = client.CoreV1Api(kube.client())
+    pods = _two_pods(kube, "trainjob", name)
+    assert {p.metadata.labels["batch.kubernetes.io/job-completion-index"] for p in pods} == \
+        {"0", "1"}
+    for pod in pods:
+        kubelet_run(core, pod, rt.CONTAINER_NAME)
+    wait_for("TrainJob Running", lambda: run.saw(f"TrainJob {name}: Running"))
+    _finish(kube, "trainjob", name, (0, 0))
+    result = run.join()
+    assert result.state == "Succeeded", result.reason
+    assert result.extra["job_api"] == "trainjob" and run.saw("--job-api auto: the cluster "
+                                                             "serves trainjob")
+    assert run.saw(f"deleted TrainJob {kube.namespace}/{name}")
+    assert leftovers(kube.client(), kube.namespace, name) == {}
+
+
+def test_trainjob_whose_jobset_is_refused_fails_in_one_line(kube, tmp_path) -> None:
+    """A runtime whose JobSet the real JobSet webhook refuses: one line, exit 1, not a wait.
+
+    Run as the launcher's ServiceAccount: reading the TrainJob's Events is within its Role.
+    """
+    api = client.CustomObjectsApi(kube.client())
+    runtime = copy.deepcopy(api.get_namespaced_custom_object(
+        rt.GROUP, "v1alpha1", kube.namespace, "trainingruntimes", rt.RUNTIME_NAME))
+    runtime["metadata"] = {"name": "real-bad-rules", "namespace": kube.namespace}
+    rules = runtime["spec"]["template"]["spec"]["failurePolicy"]["rules"]
+    rules[0]["name"] = "ft-launcher-gave-up"  # JobSet v0.12 refuses '-' in rule names
+    api.create_namespaced_custom_object(rt.GROUP, "v1alpha1", kube.namespace,
+                                        "trainingruntimes", runtime)
+    name = "real-tj-refused"
+    try:
+        cli = Cli(_args(name, "trainjob", "--runtime", "real-bad-rules"),
+                  sa_kubeconfig(kube, tmp_path), tmp_path)
+        assert cli.wait() == 1
+        err = cli.stderr()
+        assert "Traceback" not in err and "WARNING" not in err
+        lines = err.splitlines()
+        assert len(lines) == 1, err
+        assert lines[0].startswith("kfp-nvrx launch: Failed: TrainJobResourcesCreationFailed: ")
+        assert 'admission webhook "vjobset.kb.io" denied the request' in lines[0]
+        assert "TrainingRuntime real-bad-rules" in lines[0]
+    finally:
+        api.delete_namespaced_custom_object(rt.GROUP, "v1alpha1", kube.namespace,
+                                            "trainjobs", name)
+        api.delete_namespaced_custom_object(rt.GROUP, "v1alpha1", kube.namespace,
+                                            "trainingruntimes", "real-bad-rules")
+
+
+@pytest.mark.parametrize("job_api", ["pytorchjob", "trainjob"])
+def test_sigterm_deletes_the_job_and_all_it_made(kube, tmp_path, job_api: str) -> None:
+    name = f"real-term-{job_api[:2]}"
+    cli = Cli(_args(name, job_api), kube.kubeconfig, tmp_path)
+    cli.wait_line(f"created {'PyTorchJob' if job_api == 'pytorchjob' else 'TrainJob'}")
+    # What the controllers built, so "nothing left" below means something.
+    expected = {"pytorchjob": {"PyTorchJob", "Pod", "Service"},
+                "trainjob": {"TrainJob", "JobSet", "Job", "Pod", "Service"}}[job_api]
+    wait_for(f"{expected} of {name}", lambda: expected <= set(
+        leftovers(kube.client(), kube.namespace, name)))
+    cli.proc.send_signal(signal.SIGTERM)
+    assert cli.wait() == 128 + signal.SIGTERM
+    assert any(line.startswith("deleted ") for line in cli.out), cli.out
+    assert leftovers(kube.client(), kube.namespace, name) == {}
+
+
+def test_reattaches_after_the_launcher_is_killed(kube, tmp_path) -> None:
+    name = "real-reattach"
+    first = Cli(_args(name, "pytorchjob"), kube.kubeconfig, tmp_path)
+    first.wait_line("created PyTorchJob")
+    first.proc.kill()  # no cleanup: what a node loss or OOM kill of the KFP step does
+    first.wait()
+    second = Cli(_args(name, "pytorchjob"), kube.kubeconfig, tmp_path)
+    second.wait_line(f"re-attaching to PyTorchJob {kube.namespace}/{name} (run run-real)")
+    _finish(kube, "pytorchjob", name, (0, None))  # worker-0 done: the operator's Succeeded
+    assert second.wait() == 0, second.stderr()
+    assert not any(line.startswith("created ") for line in second.out)
+    assert leftovers(kube.client(), kube.namespace, name) == {}
+
+
+def test_deadline_ends_following_and_deletes(kube) -> None:
+    name = "real-deadline"
+    run = Background(_spec(name), admin_configuration(kube), kube.namespace,
+                     job_api="pytorchjob", deadline_s=3.0)
+    result = run.join()
+    assert result.state == "DeadlineExceeded"
+    assert result.reason == "launcher deadline of 3s after job creation passed"
+    assert leftovers(kube.client(), kube.namespace, name) == {}
+
+
+def test_service_account_role_is_enough_for_a_whole_run(kube, tmp_path) -> None:
+    """Create, follow, succeed and delete a PyTorchJob as ``kfp-nvrx-launcher`` (TokenRequest)."""
+    name = "real-sa-run"
+    cfg = configuration_from(sa_kubeconfig(kube, tmp_path))
+    run = Background(_spec(name), cfg, kube.namespace, job_api="auto")
+    _two_pods(kube, "trainjob", name)
+    _finish(kube, "trainjob", name, (0, 0))
+    result = run.join()
+    assert result.state == "Succeeded", (result.reason, run.lines)
+    assert not any("403" in line or "Forbidden" in line for line in run.lines), run.lines
+    assert leftovers(kube.client(), kube.namespace, name) == {}
