@@ -69,13 +69,21 @@ _ConfigLoader.add_implicit_resolver(_FLOAT_TAG, re.compile(
 
 
 def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> YamlInt:
-    value = YamlInt(int(node.value))
+    try:  # an explicit `!!int 0x1F` reaches here too: decimal only, as for plain scalars
+        value = YamlInt(int(node.value))
+    except ValueError:
+        raise yaml.constructor.ConstructorError(None, None, f"{node.value!r} is no decimal int",
+                                                node.start_mark) from None
     value.text = node.value
     return value
 
 
 def _construct_float(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> YamlFloat:
-    value = YamlFloat(yaml.SafeLoader.construct_yaml_float(loader, node))
+    try:
+        value = YamlFloat(yaml.SafeLoader.construct_yaml_float(loader, node))
+    except ValueError:
+        raise yaml.constructor.ConstructorError(None, None, f"{node.value!r} is no number",
+                                                node.start_mark) from None
     value.text = node.value
     return value
 
