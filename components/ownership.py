@@ -18,6 +18,7 @@ import shutil
 from collections.abc import Collection, Iterable
 from pathlib import Path
 
+from kfp_nvrx.components.core.atomic import write_atomic
 from kfp_nvrx.components.errors import UserError
 
 #: Written into every run dir we create; proves the folder is a kfp-nvrx run dir.
@@ -75,10 +76,8 @@ def refuse_foreign(directory: str | os.PathLike[str], ours: Collection[str], fie
 
 def _write_marker(path: Path, kind: str) -> None:
     if not path.exists():
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"kind": kind, "created": dt.datetime.now(
+        write_atomic(path, json.dumps({"kind": kind, "created": dt.datetime.now(
             dt.timezone.utc).isoformat(timespec="seconds")}) + "\n")
-        os.replace(tmp, path)
 
 
 def is_run_dir(run_dir: str | os.PathLike[str], sections: Collection[str] = ()) -> bool:

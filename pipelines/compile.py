@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import importlib
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from kfp_nvrx.components.core.atomic import AtomicFile
 from kfp_nvrx.components.errors import UserError
 
 #: Pipeline name -> ``module:function``.
@@ -83,15 +83,10 @@ def compile_pipelines(out_dir: str | os.PathLike[str] = COMPILED_DIR,
     written = []
     for name in names:
         target = compiled_path(name, out)
-        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".yaml", dir=out)
-        os.close(fd)
-        try:
-            compiler.Compiler().compile(load_pipeline(name), package_path=tmp)
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, target)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        # KFP's compiler writes by name: it fills our temporary file, which then replaces target.
+        with AtomicFile(target, suffix=".yaml") as staged:
+            compiler.Compiler().compile(load_pipeline(name), package_path=str(staged.tmp))
+            os.chmod(staged.tmp, 0o644)  # exactly 0644, whatever the umask
         written.append(target)
     return written
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from kfp_nvrx.components.core.atomic import write_atomic
 from kfp_nvrx.components.core.rundir import (
     CONFIG_FILE,
     RESUMED_CONFIG_FILE,
@@ -150,12 +151,4 @@ def record_config(cfg: Config, run_dir: Path) -> None:
             return
         target = run_dir / RESUMED_CONFIG_FILE
     refuse_link(target, run_dir)
-    tmp = run_dir / f".{target.name}.{os.getpid()}.tmp"
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        os.replace(tmp, target)
-    finally:
-        if os.path.lexists(tmp):  # a full disk: no empty temp file left behind
-            os.unlink(tmp)
+    write_atomic(target, text)  # a full disk leaves no temp file behind

@@ -35,6 +35,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+# link_in and write_atomic live in .atomic; they are imported from here too (one run-dir API).
+from kfp_nvrx.components.core.atomic import link_in, write_atomic
 from kfp_nvrx.components.core.bounded import read_json
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.ownership import check_run_dir_owned
@@ -56,24 +58,6 @@ DCP_METADATA = ".metadata"
 STEP_PREFIX = "step_"
 #: Per-rank CRC32 sidecars the writer leaves next to its files; rank 0 folds them into the marker.
 CRC_SIDECAR_PREFIX = ".crc32_rank"
-
-
-def link_in(path: str | os.PathLike[str], top: str | os.PathLike[str]) -> Path | None:
-    """The first symbolic link among ``path`` and its parents below ``top``; None when none is.
-
-    ``top`` itself (the run dir the user named) may be a link; nothing inside it may.
-    """
-    path, top = Path(path), Path(top)
-    try:
-        rel = path.relative_to(top)
-    except ValueError:
-        rel = Path(os.path.relpath(path, top))
-    cur = top
-    for part in rel.parts:
-        cur = cur / part
-        if part == ".." or cur.is_symlink():
-            return cur
-    return None
 
 
 def refuse_link(path: str | os.PathLike[str], top: str | os.PathLike[str],
@@ -177,22 +161,6 @@ def crc32_file(path: Path) -> int:
         while chunk := fh.read(1 << 24):
             crc = zlib.crc32(chunk, crc)
     return crc
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Writes ``path`` so a reader sees the old bytes or the new ones (tmp + fsync + rename)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW  # never through a link
-    with os.fdopen(os.open(tmp, flags, 0o644), "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def _dir_files(path: Path) -> dict[str, int]:

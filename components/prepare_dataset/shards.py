@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from kfp_nvrx.components.core.atomic import AtomicFile, write_atomic
 from kfp_nvrx.components.core.bounded import read_json
 from kfp_nvrx.components.errors import UserError
 
@@ -35,19 +36,6 @@ _SHARD_NAME = re.compile(r"(train|val)_\d{5,}\.bin")
 #: Splits up to this size are checksummed before training and evaluation (reading 2 GiB takes
 #: seconds); larger ones are checked for presence and size only.
 VERIFY_BYTES = 2 << 30
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file and a rename (fsync'd)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
@@ -69,8 +57,7 @@ class ShardWriter:
     shard_bytes: int = SHARD_BYTES
     shards: list[dict[str, Any]] = field(default_factory=list)
     tokens: int = 0
-    _fh: Any = None
-    _tmp: Path | None = None
+    _out: AtomicFile | None = None
     _hash: Any = None
     _count: int = 0
 
@@ -82,11 +69,11 @@ class ShardWriter:
         """Append ``ids`` (any integer array; values must fit ``dtype``)."""
         arr = np.ascontiguousarray(ids, dtype=np.dtype(self.dtype).newbyteorder("<"))
         while arr.size:
-            if self._fh is None:
+            if self._out is None:
                 self._open()
             take = min(arr.size, self._cap - self._count)
             chunk = arr[:take].tobytes()
-            self._fh.write(chunk)
+            self._out.write(chunk)
             self._hash.update(chunk)
             self._count += take
             self.tokens += take
@@ -95,34 +82,27 @@ class ShardWriter:
                 self._close()
 
     def _open(self) -> None:
-        self._tmp = self.out_dir / f".{self.split}_{len(self.shards):05d}.bin.tmp"
-        self._fh = open(self._tmp, "wb")  # noqa: SIM115 - closed in _close
+        self._out = AtomicFile(self.out_dir / f"{self.split}_{len(self.shards):05d}.bin")
         self._hash = hashlib.sha256()
         self._count = 0
 
     def _close(self) -> None:
-        name = f"{self.split}_{len(self.shards):05d}.bin"
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
-        self._fh.close()
-        os.replace(self._tmp, self.out_dir / name)
+        name = self._out.commit().name
         self.shards.append({"file": name, "tokens": self._count, "sha256": self._hash.hexdigest()})
-        self._fh = self._tmp = self._hash = None
+        self._out = self._hash = None
         self._count = 0
 
     def finish(self) -> dict[str, Any]:
         """Close the open shard; return the split's index entry ``{"tokens", "shards"}``."""
-        if self._fh is not None:
+        if self._out is not None:
             self._close()
         return {"tokens": self.tokens, "shards": list(self.shards)}
 
     def abort(self) -> None:
         """Close and remove a half-written shard (the caller removes the directory)."""
-        if self._fh is not None:
-            self._fh.close()
-            if self._tmp is not None:
-                self._tmp.unlink(missing_ok=True)
-            self._fh = None
+        if self._out is not None:
+            self._out.abort()
+            self._out = None
 
 
 def read_index(data_dir: str | os.PathLike[str], field_name: str = "data") -> dict[str, Any]:

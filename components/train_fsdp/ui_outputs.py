@@ -297,14 +297,12 @@ def render_timeline(events: list[dict[str, Any]], summary: dict[str, Any], title
 def write_timeline(run_dir: str | os.PathLike, out_path: str | os.PathLike,
                    summary: dict[str, Any], title: str = "") -> Path:
     """Read ``<run_dir>/events.jsonl`` and writes the timeline page to ``out_path``."""
+    from kfp_nvrx.components.core.atomic import write_atomic
     from kfp_nvrx.components.core.events import read_events
 
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(render_timeline(read_events(run_dir), summary, title))
-    os.replace(tmp, out)
-    return out
+    return write_atomic(out, render_timeline(read_events(run_dir), summary, title))
 
 
 def publish(run_dir: str | os.PathLike, result: Any, *, run: Any, metrics: Any, timeline: Any,

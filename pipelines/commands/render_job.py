@@ -10,10 +10,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 from typing import Any
 
 from kfp_nvrx.components.core import argtypes
+from kfp_nvrx.components.core.atomic import write_atomic as core_write_atomic
 
 
 def add_job_arguments(p: argparse.ArgumentParser) -> None:
@@ -118,17 +118,9 @@ def spec_from_args(args: argparse.Namespace) -> Any:
 
 
 def write_atomic(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file and rename (never a partial file)."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".render-", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    """Writes ``text`` to ``path``, creating its directory (never a partial file, mode 0600)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    core_write_atomic(path, text, perms=0o600)  # 0600 as mkstemp made it: a job may hold secrets
 
 
 def register(sub: argparse._SubParsersAction) -> None:

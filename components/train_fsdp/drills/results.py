@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from kfp_nvrx.components.core.atomic import write_atomic
 
 JSON_FILE, MD_FILE = "drill.json", "drill.md"
 
@@ -92,8 +93,5 @@ def write(out_dir: Path, rows: list[Row], meta: dict[str, Any]) -> tuple[Path, P
     paths = []
     for name, text in ((JSON_FILE, json.dumps(payload, indent=2) + "\n"),
                        (MD_FILE, markdown(rows, meta))):
-        tmp = out_dir / f".{name}.tmp"
-        tmp.write_text(text)
-        os.replace(tmp, out_dir / name)
-        paths.append(out_dir / name)
+        paths.append(write_atomic(out_dir / name, text))
     return paths[0], paths[1]

@@ -1,0 +1,136 @@
+"""Replacing a file so that a reader sees the old bytes or the new ones, never a part.
+
+Every file kfp-nvrx writes over (commit markers, the run's config record, the dataset index and
+shards, rendered jobs, compiled pipelines, reports) goes through :class:`AtomicFile`: a temporary
+file in the target's own directory (a rename is atomic only within one file system), fsync'd,
+renamed over the target with ``os.replace``, then the directory fsync'd so the rename itself
+survives a power cut. A crash at any point leaves the old file (or none) under the target's name;
+any other failure (a full disk, an exception while writing) also removes the temporary file.
+
+Links: the temporary file gets a fresh name and is created exclusively (``O_EXCL | O_NOFOLLOW``),
+so a link planted under its name is never written through, and ``os.replace`` replaces a link at
+the target instead of following it. ``inside=`` asks for more: no link may lie between that
+directory and the target (the run dir's rule, see :func:`.rundir.refuse_link`). Imports no torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import secrets
+from pathlib import Path
+from types import TracebackType
+
+StrPath = str | os.PathLike[str]
+
+
+def link_in(path: StrPath, top: StrPath) -> Path | None:
+    """The first symbolic link among ``path`` and its parents below ``top``; None when none is.
+
+    ``top`` itself (the run dir the user named) may be a link; nothing inside it may.
+    """
+    path, top = Path(path), Path(top)
+    try:
+        rel = path.relative_to(top)
+    except ValueError:
+        rel = Path(os.path.relpath(path, top))
+    cur = top
+    for part in rel.parts:
+        cur = cur / part
+        if part == ".." or cur.is_symlink():
+            return cur
+    return None
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Makes a rename in ``directory`` durable.
+
+    A file system that cannot fsync a directory (some FUSE and network mounts answer EINVAL)
+    has the rename done all the same, so that answer is not an error.
+    """
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as err:
+        if err.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise
+    finally:
+        os.close(fd)
+
+
+class AtomicFile:
+    """A binary file written under a temporary name that :meth:`commit` renames to ``path``.
+
+    As a context manager it commits when the block ends normally and aborts when it raises::
+
+        with AtomicFile(path) as out:
+            out.write(data)
+
+    Args:
+        path: The file to create or replace.
+        perms: Permission bits of the new file (the umask applies, as for any created file).
+        inside: A directory no link may lie below on the way to ``path``.
+        suffix: How the temporary file's name ends (a writer that picks its format by the
+            name, such as KFP's compiler, wants ``.yaml``).
+
+    Raises:
+        OSError: ``ELOOP`` when ``inside`` is given and a link lies between it and ``path``;
+            whatever creating the temporary file raises (``ENOENT`` for a missing directory).
+    """
+
+    def __init__(self, path: StrPath, *, perms: int = 0o644, inside: StrPath | None = None,
+                 suffix: str = ".tmp") -> None:
+        self.path = Path(path)
+        if inside is not None:
+            link = link_in(self.path, inside)
+            if link is not None:
+                raise OSError(errno.ELOOP, f"a symbolic link inside {inside} is on the way; "
+                              "nothing is written through it", str(link))
+        # pid + random: ranks and retried pods writing the same target never share a temp file.
+        name = f".{self.path.name[:200]}.{os.getpid()}.{secrets.token_hex(4)}{suffix}"
+        self.tmp = self.path.with_name(name)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        self.file = os.fdopen(os.open(self.tmp, flags, perms), "wb")
+
+    def write(self, data: bytes) -> int:
+        """Appends ``data`` to the temporary file."""
+        return self.file.write(data)
+
+    def commit(self) -> Path:
+        """Flushes and fsyncs the temporary file and renames it to ``path`` (aborts on failure)."""
+        try:
+            self.file.flush()
+            os.fsync(self.file.fileno())
+            self.file.close()
+            os.replace(self.tmp, self.path)
+        except BaseException:
+            self.abort()
+            raise
+        _fsync_dir(self.path.parent)
+        return self.path
+
+    def abort(self) -> None:
+        """Closes and removes the temporary file; ``path`` keeps what it held."""
+        with contextlib.suppress(OSError):  # a full disk can fail the close's flush
+            self.file.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.tmp)
+
+    def __enter__(self) -> AtomicFile:
+        return self
+
+    def __exit__(self, typ: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if typ is None:
+            self.commit()
+        else:
+            self.abort()
+
+
+def write_atomic(path: StrPath, data: bytes | str, *, perms: int = 0o644,
+                 inside: StrPath | None = None) -> Path:
+    """Writes ``data`` (a str as UTF-8) to ``path`` with :class:`AtomicFile`; returns ``path``."""
+    with AtomicFile(path, perms=perms, inside=inside) as out:
+        out.write(data.encode("utf-8") if isinstance(data, str) else data)
+    return out.path

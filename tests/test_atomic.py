@@ -1,0 +1,101 @@
+"""The one atomic-write helper: a reader sees the old file or the new one, never a part."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kfp_nvrx.components.core.atomic import AtomicFile, write_atomic
+
+
+def _temps(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.name.endswith(".tmp"))
+
+
+def test_writes_bytes_and_text_and_replaces_the_old_file(tmp_path: Path) -> None:
+    target = tmp_path / "index.json"
+    assert write_atomic(target, b"old") == target
+    write_atomic(target, "nouveau é")
+    assert target.read_text(encoding="utf-8") == "nouveau é" and _temps(tmp_path) == []
+    assert target.stat().st_mode & 0o777 == 0o644 & ~_umask()
+    write_atomic(target, "secret", perms=0o600)
+    assert target.stat().st_mode & 0o777 == 0o600
+
+
+def test_a_process_killed_while_writing_leaves_the_old_file(tmp_path: Path) -> None:
+    target = tmp_path / "COMMITTED"
+    target.write_bytes(b"old marker")
+    script = ("import os, signal, sys\n"
+              "from kfp_nvrx.components.core.atomic import AtomicFile\n"
+              "out = AtomicFile(sys.argv[1])\n"
+              "out.write(b'half of a new')\n"
+              "out.file.flush()\n"
+              "os.kill(os.getpid(), signal.SIGKILL)\n")
+    proc = subprocess.run([sys.executable, "-c", script, str(target)], timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert target.read_bytes() == b"old marker"
+    # What a crash leaves is a hidden *.tmp beside it (the drills and tests look for those).
+    assert [n.startswith(".COMMITTED.") for n in _temps(tmp_path)] == [True]
+
+
+def test_an_exception_or_a_full_disk_leaves_the_old_file_and_no_temp(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    target = tmp_path / "config.yaml"
+    target.write_text("old")
+    with pytest.raises(RuntimeError), AtomicFile(target) as out:
+        out.write(b"partial")
+        raise RuntimeError("the writer failed")
+    assert target.read_text() == "old" and _temps(tmp_path) == []
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError) as err:
+        write_atomic(target, "new")
+    assert err.value.errno == errno.ENOSPC
+    assert target.read_text() == "old" and _temps(tmp_path) == []
+
+
+def test_a_link_is_replaced_never_written_through(tmp_path: Path) -> None:
+    precious = tmp_path / "precious"
+    precious.write_text("keep me")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "events.jsonl").symlink_to(precious)
+    write_atomic(run / "events.jsonl", "ours")
+    assert precious.read_text() == "keep me" and not (run / "events.jsonl").is_symlink()
+
+
+def test_inside_refuses_a_linked_directory_on_the_way(tmp_path: Path) -> None:
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoints").symlink_to(foreign)
+    with pytest.raises(OSError) as err:
+        write_atomic(run / "checkpoints" / "COMMITTED", "x", inside=run)
+    assert err.value.errno == errno.ELOOP and err.value.filename == str(run / "checkpoints")
+    assert list(foreign.iterdir()) == []
+    write_atomic(run / "checkpoints" / "COMMITTED", "x")  # not asked: the caller's choice
+    assert (foreign / "COMMITTED").read_text() == "x"
+
+
+def test_a_writer_that_takes_a_file_name(tmp_path: Path) -> None:
+    target = tmp_path / "fsdp-train.yaml"
+    with AtomicFile(target, suffix=".yaml") as out:
+        assert out.tmp.name.endswith(".yaml") and out.tmp.parent == tmp_path
+        out.tmp.write_text("a: 1\n")  # what KFP's compiler does with package_path
+    assert target.read_text() == "a: 1\n" and list(tmp_path.iterdir()) == [target]
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
