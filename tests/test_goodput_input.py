@@ -51,6 +51,9 @@ def test_every_bad_line_is_one_warning_and_the_report_stays_sane(tmp_path: Path)
         json.dumps({"type": "step", "time": T0 + 9, "step": 6, "start": "soon", "end": T0 + 9}),
         json.dumps({"type": "step", "time": T0 + 9, "step": 6, "start": -1e18, "end": T0 + 9}),
         json.dumps({"type": "step", "time": 1e300, "step": 6, "start": T0, "end": T0 + 9}),
+        json.dumps({"type": "step", "time": T0 + 9, "step": 1e300, "start": T0, "end": T0 + 9}),
+        json.dumps({"type": "step", "time": T0 + 9, "step": 6.5, "start": T0, "end": T0 + 9}),
+        json.dumps({"type": "step", "time": T0 + 9, "step": 7, "start": T0 + 9, "end": T0}),
         json.dumps({"type": "start", "time": T0, "incarnation": "two"}),
         json.dumps({"type": "restart", "time": T0 + 3}),  # no kind
         '{"type": "step", "time": 17900000',  # torn by a killed writer

@@ -64,6 +64,8 @@ _OPTIONAL_NUMERIC = ("incarnation", "iteration", "world_size", "blocking_s", "to
                      "tokens", "load_s")
 #: Fields that may also be null.
 _NULLABLE_NUMERIC = ("resumed_from", "rank", "loss")
+#: Fields that count (steps, restarts, ranks): whole numbers; -1 is "no rank" (a drill's fault).
+_COUNTS = ("step", "incarnation", "iteration", "world_size", "resumed_from", "rank")
 #: Fields that are Unix times: 0 .. 2100-01-01 (a time of -1e18 or 1e300 is damage, not a run).
 _TIMES = ("time", "start", "end")
 _LATEST = 4_102_444_800.0
@@ -100,6 +102,10 @@ def event_problem(event: Any) -> str | None:
     for key in _TIMES:
         if key in event and not 0 <= event[key] <= _LATEST:
             return f"{key} {event[key]:g} is no time of a run (Unix seconds up to 2100)"
+    for key in _COUNTS:
+        value = event.get(key)
+        if value is not None and (value != int(value) or not -1 <= value <= 2**31 - 1):
+            return f"{key} {value:g} is no count of a run (a whole number below 2^31)"
     if event["type"] == "step" and event["end"] < event["start"]:
         return "step ends before it starts"
     if event["type"] in ("restart", "fault") and not isinstance(event.get("kind"), str):
