@@ -17,6 +17,7 @@ from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.train_fsdp.jobspec.runtime import RUNTIME_NAME, build_runtime
 from kfp_nvrx.components.train_fsdp.jobspec.validate import validate_job
 from kfp_nvrx.components.train_fsdp.jobspec.validate_jobset import (
+    RULE_NAME,
     validate_jobset_names,
     validate_runtime,
 )
@@ -63,7 +64,8 @@ def test_the_good_objects_of_the_table_pass() -> None:
 def test_rule_names_are_what_the_jobset_webhook_allows() -> None:
     runtime = build_runtime()
     names = [r["name"] for r in runtime["spec"]["template"]["spec"]["failurePolicy"]["rules"]]
-    assert names == ["ft_launcher_gave_up", "anything_else"]
+    assert names and all(RULE_NAME.match(n) for n in names), names
+    assert "ft_launcher_gave_up" in names
     for bad in ("ft-launcher-gave-up", "1rule", "rule:", "x" * 129):
         broken = copy.deepcopy(runtime)
         broken["spec"]["template"]["spec"]["failurePolicy"]["rules"][0]["name"] = bad
@@ -81,5 +83,5 @@ def test_built_runtimes_share_no_lists() -> None:
     one, two = build_runtime(), build_runtime(RUNTIME_NAME)
     rules = one["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"][
         "podFailurePolicy"]["rules"]
-    rules[0]["onExitCodes"]["values"].append(999)
+    next(r for r in rules if "onExitCodes" in r)["onExitCodes"]["values"].append(999)
     assert two == build_runtime() and one != two

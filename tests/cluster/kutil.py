@@ -18,6 +18,7 @@ SETTLE_S = 120.0
 TRAINER_FAILED = "TrainJobResourcesCreationFailed"
 JOB_CREATION_FAILED = "JobCreationFailed"
 POD_CREATION_FAILED = "FailedCreatePod"
+SERVICE_CREATION_FAILED = "FailedCreateService"
 
 
 @dataclass
@@ -127,13 +128,16 @@ def trainjob_outcome(dyn, namespace: str, name: str) -> Verdict:
 
 
 def pytorchjob_outcome(dyn, namespace: str, name: str) -> Verdict:
-    """Wait until the operator created a worker Pod or said why it could not."""
+    """Wait until the operator created a worker Pod and its Service, or said why it could not."""
     def probe() -> Verdict | None:
-        notes = warnings_about(dyn, namespace, "PyTorchJob", name, POD_CREATION_FAILED)
-        if notes:
-            return Verdict(False, notes[0])
-        pods = items(dyn, "v1", "Pod", namespace,
-                     label_selector=f"training.kubeflow.org/job-name={name}")
-        return Verdict(True) if pods else None
+        for reason in (POD_CREATION_FAILED, SERVICE_CREATION_FAILED):
+            notes = warnings_about(dyn, namespace, "PyTorchJob", name, reason)
+            if notes:
+                return Verdict(False, notes[0])
+        selector = f"training.kubeflow.org/job-name={name}"
+        made = [items(dyn, "v1", kind, namespace, label_selector=selector)
+                for kind in ("Pod", "Service")]
+        return Verdict(True) if all(made) else None
 
-    return wait_for(f"PyTorchJob {namespace}/{name} to get a Pod or a Warning", probe)
+    return wait_for(f"PyTorchJob {namespace}/{name} to get a Pod and a Service, or a Warning",
+                    probe)

@@ -140,8 +140,9 @@ def test_trainjob_becomes_one_jobset_one_indexed_job_and_a_headless_service(
     ours = runtime["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]
     assert spec["backoffLimit"] == ours["backoffLimit"] == 0
     want_rules = [dict(r) for r in ours["podFailurePolicy"]["rules"]]
-    want_rules[2] = {**want_rules[2], "onPodConditions": [{"type": "DisruptionTarget",
-                                                           "status": "True"}]}  # defaulted
+    for rule in want_rules:  # the API server defaults a pod-condition pattern's status
+        if "onPodConditions" in rule:
+            rule["onPodConditions"] = [{"status": "True", **c} for c in rule["onPodConditions"]]
     assert spec["podFailurePolicy"]["rules"] == want_rules
     svc = service["spec"]
     assert svc["clusterIP"] == "None" and svc["publishNotReadyAddresses"] is True

@@ -91,6 +91,16 @@ def _pfp(r: dict) -> list:
     return _rjob(r)["template"]["spec"]["podFailurePolicy"]["rules"]
 
 
+def _exit_rule(r: dict) -> dict:
+    """The podFailurePolicy rule on exit codes (after the DisruptionTarget rule)."""
+    return next(rule for rule in _pfp(r) if "onExitCodes" in rule)
+
+
+def _codes(r: dict) -> dict:
+    """The first exit-code rule of the node Job's podFailurePolicy."""
+    return next(rule for rule in _pfp(r) if "onExitCodes" in rule)["onExitCodes"]
+
+
 def _fp(r: dict) -> dict:
     return r["spec"]["template"]["spec"]["failurePolicy"]
 
@@ -149,6 +159,8 @@ ROWS: list[Row] = [
         lambda j: _wc(j)["volumeMounts"].append({"name": "shared", "mountPath": "/dev/shm"})),
     Row("pj-hugepages-without-cpu-memory", "pytorchjob", "controller",
         lambda j: [_wc(j)["resources"]["requests"].pop(k) for k in ("cpu", "memory")]),
+    Row("pj-name-60-service-too-long", "pytorchjob", "controller",
+        lambda j: _set(j["metadata"], name="a" * 60)),  # Service a..-worker-0: 69 characters
     Row("pj-env-twice", "pytorchjob", "admission",  # the CRD's list-map key
         lambda j: _wc(j)["env"].append({"name": "NCCL_DEBUG", "value": "INFO"})),
     # -- TrainJob: the CRD schema, CEL and the Trainer webhook -----------------------------------
@@ -201,11 +213,11 @@ ROWS: list[Row] = [
     Row("rt-restart-job-gated", "trainjob", "controller",
         runtime=lambda r: _set(_fp(r)["rules"][0], action="RestartJob")),
     Row("rt-pfp-in-zero", "trainjob", "controller",
-        runtime=lambda r: _pfp(r)[0]["onExitCodes"]["values"].insert(0, 0)),
+        runtime=lambda r: _exit_rule(r)["onExitCodes"]["values"].insert(0, 0)),
     Row("rt-pfp-unordered", "trainjob", "controller",
-        runtime=lambda r: _pfp(r)[0]["onExitCodes"]["values"].reverse()),
+        runtime=lambda r: _exit_rule(r)["onExitCodes"]["values"].reverse()),
     Row("rt-pfp-unknown-container", "trainjob", "controller",
-        runtime=lambda r: _set(_pfp(r)[0]["onExitCodes"], containerName="trainer")),
+        runtime=lambda r: _set(_exit_rule(r)["onExitCodes"], containerName="trainer")),
     Row("rt-pfp-on-failure-restarts", "trainjob", "controller",
         runtime=lambda r: _set(_rpod(r), restartPolicy="OnFailure")),
     # -- the runtime itself: CRD schema, CEL and the TrainingRuntime webhook -------------------

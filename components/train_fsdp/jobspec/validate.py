@@ -101,6 +101,13 @@ def validate_webhook(manifest: dict[str, Any]) -> None:
             raise UserError(f"{path}.template.spec.containers",
                             f"must have a container named {CONTAINER_NAME!r}")
         count = rspec.get("replicas")
+        # Not the webhook's rule: the operator's Services <job>-<type>-<index> must be DNS-1035
+        # labels, and it finds out only when it creates them (FailedCreateService).
+        last = count - 1 if isinstance(count, int) and count > 0 else 0
+        service = f"{name}-{rtype.lower()}-{last}"
+        if len(service) > MAX_LABEL or not DNS1035.match(service):
+            raise UserError("metadata.name", f"the operator's Service {service!r} would not be a "
+                            f"DNS-1035 label of at most {MAX_LABEL} characters")
         if rtype == "Master" and count != 1:
             raise UserError(f"{path}.replicas", "must be 1 for Master")
         if count is not None and count < 1:
