@@ -1,7 +1,8 @@
 """``JobSpec``: the typed description of one training job, shared by every launcher backend.
 
-The Kubernetes backend turns it into a PyTorchJob (``pytorchjob.build_pytorchjob``); the local
-backend uses only the trainer part (nodes, processes, run dir, config, overrides, faults, env).
+The Kubernetes backend turns it into a PyTorchJob (:mod:`.pytorchjob`) or a TrainJob
+(:mod:`.trainjob`); the local backend uses only the trainer part (nodes, processes, run dir,
+config, overrides, faults, env).
 Parsing helpers here turn CLI strings (``--nodes 2:4``, ``--extra-pvc claim:/path:ro``) into
 values and raise :class:`UserError` naming the flag.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import posixpath
 import re
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
 from kfp_nvrx.components.errors import UserError
@@ -226,6 +228,28 @@ def check_quantity(flag: str, value: str) -> str:
     if not _QUANTITY.match(value):
         raise UserError(flag, f"expected a Kubernetes quantity like 64Gi, 500m or 8, got {value!r}")
     return value
+
+
+def quantity(value: str) -> Decimal:
+    """The amount a Kubernetes quantity stands for: ``1Gi`` and ``1024Mi`` are one amount.
+
+    Parsed by the Kubernetes client's own ``parse_quantity``, so we compare as the API server
+    does, never the text.
+
+    Raises:
+        ValueError: ``value`` is not a quantity.
+    """
+    from kubernetes.utils.quantity import parse_quantity  # the client's import is not free
+
+    return parse_quantity(value)
+
+
+def same_quantity(a: Any, b: Any) -> bool:
+    """Whether two values are one amount (``1Gi``, ``1024Mi``); non-quantities: the same text."""
+    try:
+        return quantity(a) == quantity(b)
+    except ValueError:
+        return str(a) == str(b)
 
 
 def check_resource_name(flag: str, value: str) -> str:
