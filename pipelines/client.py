@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from kfp_nvrx.components.core.argtypes import parse_bool
 from kfp_nvrx.components.core.bounded import PACKAGE_LIMIT, TOKEN_LIMIT, read_bytes, read_text
 from kfp_nvrx.components.errors import UserError, redact
 from kfp_nvrx.components.redaction import register as register_secret
@@ -75,12 +76,10 @@ def _convert(name: str, raw: str, ptype: str) -> Any:
         except ValueError:
             raise UserError(field, f"expected a number, got {raw!r}") from None
     if ptype == "BOOLEAN":
-        low = raw.strip().lower()
-        if low in ("true", "1", "yes"):
-            return True
-        if low in ("false", "0", "no"):
-            return False
-        raise UserError(field, f"expected true or false, got {raw!r}")
+        value = parse_bool(raw.strip(), digits=True)
+        if value is None:
+            raise UserError(field, f"expected true or false, got {raw!r}")
+        return value
     if ptype == "LIST":
         if not raw.strip().startswith("["):
             return [item.strip() for item in raw.split(",") if item.strip()]

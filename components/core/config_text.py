@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from kfp_nvrx.components.core.argtypes import parse_bool
 from kfp_nvrx.components.core.bounded import CONFIG_LIMIT, MAX_DEPTH, read_text
 from kfp_nvrx.components.errors import UserError
 
@@ -214,7 +215,6 @@ def read_config_file(path: Path) -> Any:
     return load_yaml(text, "--config", path, typed=True)
 
 
-_BOOLS = {"true": True, "yes": True, "on": True, "false": False, "no": False, "off": False}
 _INT = re.compile(r"[-+]?[0-9]+(?:_[0-9]+)*")
 
 
@@ -232,8 +232,8 @@ def parse_set_value(key: str, text: str, typ: Any) -> Any:
         if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
             return text[1:-1]
         return text
-    if typ is bool and text.lower() in _BOOLS:
-        return _BOOLS[text.lower()]
+    if typ is bool and (flag := parse_bool(text)) is not None:
+        return flag
     if typ is int and _INT.fullmatch(text):
         return int(text)
     if typ is float:
