@@ -48,7 +48,8 @@ class _Job:
     def __init__(self, tc: TrainingClient, name: str, namespace: str) -> None:
         self.tc, self.name, self.namespace = tc, name, namespace
         self.where = f"PyTorchJob {namespace}/{name}"
-        self.host = k8s_api.host_of(tc.api_client)
+        # tc.api_client is the SDK's own (a default localhost one, used for its models only).
+        self.host = k8s_api.host_of(tc.custom_api.api_client)
         self._hints = k8s_job.hints(CRD)
 
     def _call(self, action: str, fn: Any, *args: Any, ok: tuple[int, ...] = (),
