@@ -30,6 +30,7 @@ from cluster.kutil import (
     trainjob_outcome,
 )
 from cluster.truth_rows import (
+    EXPECT,
     NODES,
     OPTIONS,
     PROFILES,
@@ -172,6 +173,7 @@ def test_render_job_cli_output_is_accepted(kube, truth) -> None:
 
 def test_the_table_is_big_enough() -> None:
     assert len(ROWS) >= 30 and len({r.id for r in ROWS}) == len(ROWS)
+    assert set(EXPECT) == {r.id for r in ROWS if not r.lenient}
 
 
 def _server(dyn, ns: str, row: Row, obj: dict[str, Any], runtime: dict[str, Any]) -> Verdict:
@@ -218,3 +220,4 @@ def test_bad_object_verdicts_agree(kube, truth, row: Row) -> None:
                                 "lenient note"
     else:
         assert not server.accepted, f"{row.id}: the server accepted at {row.stage}; ours: {ours}"
+        assert EXPECT[row.id] in server.message, f"{row.id}: refused for another reason: {server}"

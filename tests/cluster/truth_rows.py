@@ -263,3 +263,62 @@ def shape_spec(nodes: int | str, profile: str, option: str, api: str) -> JobSpec
             extra.update(priority_class="training-high", scheduler_name="default-scheduler")
     return JobSpec(image=IMAGE, pvc="fsx", run_id=f"{api}-{nodes}-{profile}-{option}",
                    task="train-fsdp", nodes=str(nodes), instance_type=profile, **extra)
+
+
+#: What the real server's refusal says, per row: the row is refused for the reason it is about.
+EXPECT = {
+    "pj-name-not-dns1035": "a DNS-1035 label must consist of",
+    "pj-name-64": "must be no more than 63 characters",
+    "pj-unknown-field": 'unknown field "spec.elasticPolicy.rdzvBackendd"',
+    "pj-replica-type-chief": 'Unsupported value: "Chief"',
+    "pj-no-pytorch-container": "must have at least one container with name pytorch",
+    "pj-container-without-image": "containers[0].image: Required value",
+    "pj-two-masters": "pytorchReplicaSpecs[Master].replicas: Forbidden: must be 1",
+    "pj-restart-policy-unknown": 'spec.restartPolicy: Unsupported value: "Sometimes"',
+    "pj-elastic-nproc-twice": "must not be used with spec.nprocPerNode",
+    "pj-replicas-not-int": "replicas in body must be of type integer",
+    "pj-managed-by-unknown": 'managedBy: Unsupported value: "example.com/other"',
+    # The webhook sees the Worker spec gone before the empty map.
+    "pj-no-replica-specs": "must be configured if elastic policy is used",
+    "pj-gpu-limit-not-request": "must be equal to nvidia.com/gpu limit of 4",
+    "pj-mount-without-volume": 'volumeMounts[2].name: Not found: "nope"',
+    "pj-mount-path-twice": 'Duplicate value: {"mountPath":"/dev/shm"}',
+    "pj-hugepages-without-cpu-memory": "HugePages require cpu or memory",
+    "pj-name-60-service-too-long": "-worker-0\": must be no more than 63 characters",
+    "pj-env-twice": 'Duplicate value: {"name":"NCCL_DEBUG"}',
+    "tj-name-not-dns1035": "metadata.name must match RFC 1035 DNS label format",
+    "tj-name-64": "metadata.name must be no more than 63 characters",
+    "tj-env-pet-nnodes": "must not have reserved envs, invalid envs configured: [PET_NNODES]",
+    "tj-env-pet-master-addr": "invalid envs configured: [PET_MASTER_ADDR]",
+    "tj-runtime-missing": "specified trainingRuntime must be created before the TrainJob",
+    "tj-runtime-kind-unknown": "unsupported runtime: Runtime.trainer.kubeflow.org",
+    "tj-runtime-group-unknown": "unsupported runtime: TrainingRuntime.example.com",
+    # The webhook's own "doesn't exist in the runtime" checks do not fire (it validates the
+    # merged template): the Job API refuses the image-less job or container instead.
+    "tj-patch-unknown-job": '"tj-patch-unknown-job-worker-0" is invalid: spec.template.spec.'
+                            'containers[0].image: Required value',
+    "tj-patch-unknown-container": "containers[1].image: Required value",
+    "tj-patch-node-env": "must not have envs for the dataset-initializer, model-initializer, node",
+    "tj-patch-manager-not-a-path": "must be a domain-prefixed path",
+    "tj-unknown-field": 'unknown field "spec.trainer.numNodess"',
+    "tj-managed-by-unknown": "ManagedBy must be trainer.kubeflow.org/trainjob-controller",
+    "tj-deadline-zero": "activeDeadlineSeconds in body should be greater than or equal to 1",
+    "tj-name-49-pod-names-too-long": "pod names generated for this JobSet will exceed 63",
+    "tj-gpu-limit-not-request": "must be equal to nvidia.com/gpu limit of 4",
+    "tj-mount-without-volume": 'volumeMounts[2].name: Not found: "nope"',
+    "rt-rule-name-dash": "invalid failure policy rule name 'gave-up'",
+    "rt-rule-names-twice": "rule names are not unique",
+    "rt-failure-reason-unknown": "invalid job failure reason 'PodFailed'",
+    "rt-in-place-restart-gated": "InPlaceRestart feature gate is disabled",
+    "rt-restart-job-gated": "when RestartJob feature gate is disabled",
+    "rt-pfp-in-zero": "must not be 0 for the In operator",
+    "rt-pfp-unordered": "must be ordered",
+    "rt-pfp-unknown-container": "must be one of the container or initContainer names",
+    "rt-pfp-on-failure-restarts": 'only "Never" is supported when podFailurePolicy is specified',
+    "rt-trainer-replicas-2": "replicas: Invalid value: 2: always must be 1",
+    "rt-no-node-container": "must contain the required container for the ancestor: trainer",
+    "rt-two-ml-policies": "Only one of the policy can be configured",
+    "rt-env-injection-node": "containerNames must not include the main node container",
+    "rt-unknown-field": 'unknown field "spec.mlPolicy.elastic"',
+    "rt-restart-strategy-unknown": 'restartStrategy: Unsupported value: "Sometimes"',
+}
