@@ -18,6 +18,7 @@ from kfp_nvrx.components.core.config import load_config
 from kfp_nvrx.components.core.launch_command import TrainerArgs, ft_launcher_argv
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.train_fsdp.jobspec import naming
+from kfp_nvrx.components.train_fsdp.jobspec.pod import POD_ENTRY
 from kfp_nvrx.components.train_fsdp.jobspec.profiles import PROFILES
 from kfp_nvrx.components.train_fsdp.jobspec.pytorchjob import render
 from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
@@ -88,7 +89,8 @@ def test_p5_manifest_has_what_p5_needs() -> None:
 
 
 def test_container_command_is_the_launch_local_builder() -> None:
-    """One builder: the pod command is exactly ft_launcher_argv with $(POD_IP)."""
+    """One builder: the pod command is exactly ft_launcher_argv with $(POD_IP), behind the
+    entrypoint that reports a SIGTERM stop as 143 (core/pod_entry.py)."""
     for spec in GOLDEN_SPECS.values():
         rendered = render(spec)
         res = load_config(spec.config, spec.overrides).resilience
@@ -96,7 +98,7 @@ def test_container_command_is_the_launch_local_builder() -> None:
             res, TrainerArgs(spec.config, rendered.run_dir, list(spec.overrides), spec.faults),
             local_addr="$(POD_IP)", nic_monitor=spec.profile.nic_monitor)
         command = _container(rendered.to_dict())["command"]
-        assert command == expected
+        assert command == [*POD_ENTRY, *expected]
         assert "--local-addr=$(POD_IP)" in command
         assert f"--max-restarts={res.max_restarts}" in command
         # No profile watches link_downed: EFA has no such counter (profiles.py).

@@ -23,6 +23,7 @@ from kfp_nvrx.components.core.config import load_config
 from kfp_nvrx.components.core.launch_command import TrainerArgs, ft_launcher_argv
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.train_fsdp.jobspec import pytorchjob, trainjob
+from kfp_nvrx.components.train_fsdp.jobspec.pod import POD_ENTRY
 from kfp_nvrx.components.train_fsdp.jobspec.runtime import build_runtime
 from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
 from kfp_nvrx.components.train_fsdp.jobspec.validate_trainjob import (
@@ -119,7 +120,7 @@ def test_command_is_the_one_builder_with_v2_rendezvous() -> None:
         res, TrainerArgs(spec.config, rendered.run_dir, list(spec.overrides), spec.faults),
         local_addr="$(POD_IP)", nic_monitor=spec.profile.nic_monitor,
         rdzv_endpoint="$(PET_MASTER_ADDR):$(PET_MASTER_PORT)", rdzv_id=rendered.name)
-    assert rendered.job["spec"]["trainer"]["command"] == expected
+    assert rendered.job["spec"]["trainer"]["command"] == [*POD_ENTRY, *expected]
 
 
 def _expand(arg: str, env: dict[str, str]) -> str:
@@ -137,7 +138,9 @@ def test_nvrx_parser_accepts_the_command_under_v2_env(filename: str) -> None:
     env = {e["name"]: e["value"] for e in c["env"] if "value" in e}
     env.update(PET_NODE_RANK="1", POD_IP="10.0.0.7")
     assert env["PET_MASTER_ADDR"] == f"{name}-node-0-0.{name}"
-    argv = [_expand(a, env) for a in c["command"][1:]]
+    assert c["command"][:len(POD_ENTRY)] == POD_ENTRY
+    assert c["command"][len(POD_ENTRY)] == "ft_launcher"
+    argv = [_expand(a, env) for a in c["command"][len(POD_ENTRY) + 1:]]
     probe = (
         "import json, sys\n"
         "from nvidia_resiliency_ext.fault_tolerance import launcher\n"

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from kfp_nvrx.components.train_fsdp.jobspec.pod import POD_ENTRY
 from kfp_nvrx.components.train_fsdp.jobspec.pytorchjob import render
 from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
 from kfp_nvrx.components.train_fsdp.launcher.backends import launch
@@ -48,5 +49,8 @@ def test_local_backend_runs_a_tiny_job(tmp_path: Path) -> None:
     def strip(cmd: list[str]) -> list[str]:
         return [a for a in cmd[1:] if not a.startswith("--local-addr=")]
 
+    # Pods run ft_launcher under the entrypoint that reports a SIGTERM stop as 143.
+    assert pod_cmd[:3] == POD_ENTRY
+    pod_cmd = pod_cmd[len(POD_ENTRY):]
     assert Path(local_cmd[0]).name == pod_cmd[0] == "ft_launcher"
     assert strip(local_cmd) == strip(pod_cmd)

@@ -168,6 +168,12 @@ def annotations(spec: JobSpec, run_dir: str) -> dict[str, str]:
     }
 
 
+#: The container's entrypoint in front of ft_launcher: a pod stopped by SIGTERM (deleted, drained,
+#: its JobSet recreated) exits 143 instead of ft_launcher's 1, which the failure policies read as
+#: "gave up" (:mod:`kfp_nvrx.components.core.pod_entry`; the table in docs/eks.md).
+POD_ENTRY = ["python", "-m", "kfp_nvrx.components.core.pod_entry"]
+
+
 def trainer_command(spec: JobSpec, cfg: Config, run_dir: str, procs: int, *,
                     rdzv_endpoint: str = "", rdzv_id: str = "") -> list[str]:
     """The worker container's ft_launcher command, the same for a PyTorchJob and a TrainJob.
@@ -187,9 +193,9 @@ def trainer_command(spec: JobSpec, cfg: Config, run_dir: str, procs: int, *,
                           faults=[escape_expansion(f) for f in spec.checked_faults(
                               cfg, spec.node_range()[1] * procs)])
     # FT: one builder for pods and launch-local; $(POD_IP) is expanded by the kubelet from the env.
-    return ft_launcher_argv(cfg.resilience, trainer, local_addr="$(POD_IP)",
+    return [*POD_ENTRY, *ft_launcher_argv(cfg.resilience, trainer, local_addr="$(POD_IP)",
                             nic_monitor=spec.profile.nic_monitor, rdzv_endpoint=rdzv_endpoint,
-                            rdzv_id=rdzv_id)
+                            rdzv_id=rdzv_id)]
 
 
 def pod_spec(spec: JobSpec, cfg: Config, run_dir: str, procs: int, *, container_name: str,

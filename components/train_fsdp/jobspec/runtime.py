@@ -4,18 +4,21 @@
 applied with the rest of the deploy kustomization. It holds only what is the same for every job;
 each TrainJob patches in its own volumes, placement and security settings (:mod:`.trainjob`).
 
-Failure handling, the counterpart of the PyTorchJob's ``restartPolicy: ExitCode``:
+Failure handling, the counterpart of the PyTorchJob's ``restartPolicy: ExitCode`` (the table in
+docs/eks.md, each row shown on the real controllers by tests/cluster/test_train_e2e.py):
 
-* In-job restarts belong to ft_launcher inside each pod.
-* The ``node`` Job's ``podFailurePolicy``: a container killed by a signal (exit code >= 128: OOM
-  kill, SIGKILL) or a pod disrupted (node drain, preemption) is *ignored*: the Job controller
-  recreates that pod with the same index and its ft_launcher agent re-joins the rendezvous, as
-  the operator does for an ExitCode worker. An exit code 1..127 means ft_launcher gave up (its
-  restarts are used up, or the config is bad): ``FailJob`` at once, no pod-level retry.
-* The JobSet ``failurePolicy`` then recreates the whole JobSet (all pods, possibly on other nodes)
-  at most :data:`MAX_RESTARTS` times for that reason (``PodFailurePolicy``), and fails the
-  TrainJob for any other Job failure (e.g. an exhausted ``backoffLimit``), so the whole job is
-  restarted only after ft_launcher's in-job restarts are used up.
+* In-job restarts belong to ft_launcher inside each pod; Kubernetes sees nothing.
+* The ``node`` Job's ``podFailurePolicy`` (``backoffLimit: 0``), first match wins: a pod with a
+  ``DisruptionTarget`` condition (eviction, drain, preemption, node lost) *counts*: the Job fails
+  with ``BackoffLimitExceeded``, whatever the exit code (ft_launcher exits 1 on SIGTERM too). An
+  exit code 1..127 means ft_launcher decided: it gave up (1: restarts used up), saw no progress
+  (93, NVRx 0.7 ``--ft-max-no-progress-cycles``) or the config is bad: ``FailJob``
+  (``PodFailurePolicy``). A container killed by a signal (>= 128: OOM kill, SIGKILL, a lost
+  machine) matches no rule and counts: ``BackoffLimitExceeded``.
+* The JobSet ``failurePolicy``: ``PodFailurePolicy`` fails the JobSet (and the TrainJob) at once,
+  no pointless recreation of a job that already used its in-job restarts; ``BackoffLimitExceeded``
+  (infrastructure) recreates every pod, at most :data:`MAX_RESTARTS` times, and the run resumes
+  from the newest committed checkpoint; anything else (a deadline) fails it.
 """
 
 from __future__ import annotations
@@ -33,9 +36,9 @@ RUNTIME_NAME = "kfp-nvrx-ft"
 REPLICATED_JOB = "node"
 CONTAINER_NAME = "node"
 IMAGE_PULL_POLICY = "IfNotPresent"
-#: Whole-JobSet recreations after ft_launcher gave up (each starts from the last checkpoint).
+#: Whole-JobSet recreations after infrastructure failures (each resumes from the last checkpoint).
 MAX_RESTARTS = 2
-#: ft_launcher's own exit codes when it gives up; >= 128 is a signal (retry the pod).
+#: ft_launcher's own exit codes (gave up 1, no progress 93, bad config); >= 128 is a signal.
 GAVE_UP_EXIT_CODES = list(range(1, 128))
 #: Kubeflow profile namespaces inject Istio sidecars; they break c10d/NCCL bootstrap traffic.
 POD_ANNOTATIONS = {"sidecar.istio.io/inject": "false"}
@@ -72,18 +75,17 @@ def build_runtime(name: str = RUNTIME_NAME, namespace: str = "",
         "template": {
             "metadata": {"labels": {"trainer.kubeflow.org/trainjob-ancestor-step": "trainer"}},
             "spec": {
-                # Failures the policy below does not ignore or fail fast end the Job at once.
+                # Every counted failure ends the Job at once: the JobSet decides what follows.
                 "backoffLimit": 0,
                 "podFailurePolicy": {"rules": [
-                    # FT: ft_launcher gave up (in-job restarts used up): fail, let JobSet decide.
+                    # Evicted, drained, preempted, node gone: infrastructure, whatever the exit
+                    # code (ft_launcher exits 1 on the SIGTERM that precedes an eviction).
+                    {"action": "Count", "onPodConditions": [{"type": "DisruptionTarget"}]},
+                    # FT: ft_launcher gave up (in-job restarts used up) or saw no progress: final.
                     {"action": "FailJob", "onExitCodes": {
                         "containerName": CONTAINER_NAME, "operator": "In",
                         "values": list(GAVE_UP_EXIT_CODES)}},
-                    # Killed by a signal (OOM, SIGKILL): a new pod re-joins the rendezvous.
-                    {"action": "Ignore", "onExitCodes": {
-                        "containerName": CONTAINER_NAME, "operator": "NotIn",
-                        "values": [0, *GAVE_UP_EXIT_CODES]}},
-                    {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]},
+                    # Killed by a signal (OOM, SIGKILL): no rule, counted -> BackoffLimitExceeded.
                 ]},
                 "template": pod,
             },
@@ -104,8 +106,10 @@ def build_runtime(name: str = RUNTIME_NAME, namespace: str = "",
                     # only (no '-'); it checks them when the Trainer creates the JobSet, long
                     # after the runtime and the TrainJob were accepted.
                     "rules": [
-                        {"name": "ft_launcher_gave_up", "action": "RestartJobSet",
+                        {"name": "ft_launcher_gave_up", "action": "FailJobSet",
                          "onJobFailureReasons": ["PodFailurePolicy"]},
+                        {"name": "infrastructure", "action": "RestartJobSet",
+                         "onJobFailureReasons": ["BackoffLimitExceeded"]},
                         {"name": "anything_else", "action": "FailJobSet"},
                     ],
                 },
