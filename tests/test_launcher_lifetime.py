@@ -24,6 +24,7 @@ from kfp_nvrx.components.train_fsdp.launcher.lifetime import (
     RunDirLock,
     Watchdog,
     die_with_parent,
+    processes_with_env,
 )
 
 TAG = "KFP_NVRX_LIFETIME_TEST"
@@ -52,6 +53,20 @@ def _wait_until(cond, timeout: float, what: str) -> None:
 
 def _gone(token: str, timeout: float = 90) -> None:
     _wait_until(lambda: not _alive(token), timeout, "every process of the run to exit")
+
+
+def test_processes_with_env_finds_exactly_the_marked_ones() -> None:
+    """psutil's scan agrees with a plain read of /proc: the marked process, not a near miss."""
+    token = uuid.uuid4().hex
+    marked = subprocess.Popen(["sleep", "60"], env={**os.environ, TAG: token})
+    other = subprocess.Popen(["sleep", "60"], env={**os.environ, TAG: token + "x"})
+    try:
+        assert processes_with_env(TAG, token) == _alive(token) == [marked.pid]
+    finally:
+        for proc in (marked, other):
+            proc.kill()
+            proc.wait()
+    assert processes_with_env(TAG, token) == []
 
 
 # -- the lock ------------------------------------------------------------------------------------

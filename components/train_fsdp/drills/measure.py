@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -69,15 +68,3 @@ def bitwise_equal(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
     return all(torch.equal(a[k], b[k]) for k in a)
 
 
-def processes_with_env(key: str, value: str) -> list[int]:
-    """PIDs whose environment holds ``key=value`` (Linux ``/proc``), this process excluded."""
-    needle = f"{key}={value}".encode()
-    found = []
-    for pid_dir in Path("/proc").glob("[0-9]*"):
-        try:
-            if int(pid_dir.name) != os.getpid() and \
-                    needle in (pid_dir / "environ").read_bytes().split(b"\0"):
-                found.append(int(pid_dir.name))
-        except (OSError, ValueError):
-            continue
-    return found

@@ -42,6 +42,7 @@ from kfp_nvrx.components.train_fsdp.drills.scenarios import (
     Scenario,
     select,
 )
+from kfp_nvrx.components.train_fsdp.launcher.lifetime import processes_with_env
 
 #: Environment variable every process of a drill run inherits (finds anything left running).
 DRILL_ENV = "KFP_NVRX_DRILL"
@@ -108,7 +109,7 @@ def _common(row: Row, sc: Scenario, ctx: _Ctx, run_dir: Path, res: Any, token: s
     reaped = int(res.extra.get("leftover_processes_killed", 0))
     if reaped:
         row.notes.append(f"launcher reaped {reaped} straggler process(es) after the agents stopped")
-    left = measure.processes_with_env(DRILL_ENV, token)
+    left = processes_with_env(DRILL_ENV, token)
     row.check(not left, f"processes still running after the launcher returned: {left}")
     for problem in measure.run_dir_problems(run_dir):
         row.check(False, problem)
@@ -220,7 +221,7 @@ def _sigterm(sc: Scenario, ctx: _Ctx, relaunch: bool) -> Row:
             rc = proc.wait()
             row.check(False, "launch-local did not stop within 120 s of SIGTERM")
     stop_s = time.time() - t_sig
-    left = measure.processes_with_env(DRILL_ENV, token)
+    left = processes_with_env(DRILL_ENV, token)
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     row.check(not left, f"{len(left)} process(es) still running after launch-local exited")

@@ -81,22 +81,33 @@ class RunDirLock:
             self.fd = None
 
 
+def processes_with_env(key: str, value: str) -> list[int]:
+    """PIDs of the processes whose environment holds ``key=value``, this process excluded.
+
+    Every process of a run inherits the run's marker (agents, workers, the checkpoint writer's
+    processes), also one that left its session or was reparented to init, so the marker finds
+    what a walk of the process tree would miss. Processes we may not read are skipped.
+    """
+    import psutil  # imported by the scan only: the launcher may never need it
+
+    me, found = os.getpid(), []
+    for proc in psutil.process_iter():
+        try:
+            if proc.pid != me and proc.environ().get(key) == value:
+                found.append(proc.pid)
+        except psutil.Error:  # gone, a zombie, or another user's
+            continue
+    return found
+
+
 _WATCHDOG = r"""
 import os, signal, sys, time
-marker, grace = sys.argv[1].encode(), float(sys.argv[2])
+from kfp_nvrx.components.train_fsdp.launcher.lifetime import processes_with_env
+key, _, value = sys.argv[1].partition("=")
+grace = float(sys.argv[2])
 sys.stdin.buffer.read()  # returns at EOF: the launcher is gone
-me = os.getpid()
 def alive():
-    pids = []
-    for d in os.listdir("/proc"):
-        if d.isdigit() and int(d) != me:
-            try:
-                with open(f"/proc/{d}/environ", "rb") as fh:
-                    if marker in fh.read().split(b"\0"):
-                        pids.append(int(d))
-            except OSError:
-                pass
-    return pids
+    return processes_with_env(key, value)
 for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
     pids = alive()
     for pid in pids:

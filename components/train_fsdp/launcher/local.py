@@ -40,7 +40,12 @@ from kfp_nvrx.components.ownership import claim_run_dir
 from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec, check_procs
 from kfp_nvrx.components.train_fsdp.launcher.agent_log import AgentLog, DiskFullNotice
 from kfp_nvrx.components.train_fsdp.launcher.gpus import slice_gpus
-from kfp_nvrx.components.train_fsdp.launcher.lifetime import RunDirLock, Watchdog, die_with_parent
+from kfp_nvrx.components.train_fsdp.launcher.lifetime import (
+    RunDirLock,
+    Watchdog,
+    die_with_parent,
+    processes_with_env,
+)
 from kfp_nvrx.components.train_fsdp.launcher.result import LaunchResult
 
 _MARKER = "KFP_NVRX_LOCAL_RUN"
@@ -100,15 +105,13 @@ def _ft_launcher() -> str:
 
 
 def _reap(marker: str) -> int:
-    """Kills any process still carrying this run's marker in its environment (Linux /proc)."""
+    """Kills any process still carrying this run's marker in its environment."""
     killed = 0
-    needle = f"{_MARKER}={marker}".encode()
-    for pid_dir in Path("/proc").glob("[0-9]*"):
+    for pid in processes_with_env(_MARKER, marker):
         try:
-            if needle in (pid_dir / "environ").read_bytes().split(b"\0"):
-                os.kill(int(pid_dir.name), signal.SIGKILL)
-                killed += 1
-        except (OSError, ValueError):
+            os.kill(pid, signal.SIGKILL)
+            killed += 1
+        except OSError:  # gone meanwhile
             continue
     return killed
 
