@@ -83,8 +83,9 @@ def _sample_source(source: str, stack: ExitStack) -> str:
                         f"got {source!r}")
     n_docs = int(arg) if arg else 1600
     if not 2 <= n_docs <= MAX_SAMPLE_DOCS:
-        raise UserError("source", f"the sample corpus takes 2 to {MAX_SAMPLE_DOCS:,} documents "
-                        f"(about 400 bytes each), got {n_docs:,}; use your own files for more")
+        raise UserError("source", f"the sample corpus needs at least 2 documents and at most "
+                        f"{MAX_SAMPLE_DOCS:,} (about 400 bytes each), got {n_docs:,}; use your "
+                        "own files for more")
     tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="kfp-nvrx-sample-"))
     write_sample_corpus(tmp, n_docs=n_docs, seed=0)
     return tmp
