@@ -1,9 +1,10 @@
 """KFP component: run one resilient FSDP training job and report goodput.
 
 The job runs through the launcher library: ``backend="local"`` (the embedded default: ft_launcher
-agents in this task's own container or machine) or ``backend="kubernetes"`` (a PyTorchJob the task
-creates, follows and cleans up). The run directory is ``<workspace>/runs/<job name>`` on the shared
-volume, named from the KFP run id and task name, so a retried task resumes the same run.
+agents in this task's own container or machine) or ``backend="kubernetes"`` (a PyTorchJob or a
+TrainJob, as ``job_api`` picks, that the task creates, follows and cleans up). The run directory
+is ``<workspace>/runs/<job name>`` on the shared volume, named from the KFP run id and task name,
+so a retried task resumes the same run.
 Caching must stay off for this task (the pipelines do that): its cache key covers only its inputs.
 """
 
@@ -48,12 +49,12 @@ def train_fsdp(
         mount_path: Where that PVC is mounted (the same path in this task and in the workers).
         config: Trainer preset (tiny, 125m, 1b, 8b) or a YAML path on the shared volume.
         overrides: Trainer ``section.key=value`` overrides.
-        faults: Fault drills ``KIND@STEP[/RANK]`` (kill, raise, hang, kill-in-ckpt).
+        faults: Fault drills ``KIND@STEP[/RANK]`` (kill, raise, hang, kill-in-ckpt, stall).
         nodes: ``N`` or ``MIN:MAX`` nodes (pods, or local ft_launcher agents).
         nproc_per_node: Processes per node; 0 = the instance profile's (its GPUs; 1 locally).
         instance_type: Instance profile of the worker pods (p5.48xlarge, p4d.24xlarge, cpu).
         trainer_image: Trainer image of the worker pods ('' = the image of this package version).
-        backend: ``kubernetes`` (a PyTorchJob) or ``local`` (in this task's container, which
+        backend: ``kubernetes`` (a job of ``job_api``) or ``local`` (in this task's container, which
             then needs torch and NVRx: ``kfp-nvrx run-local``, or a custom image).
         job_api: ``kubernetes``: ``pytorchjob`` (Training Operator v1), ``trainjob`` (Kubeflow
             Trainer v2) or ``auto`` (ask the cluster; TrainJob when it serves both).

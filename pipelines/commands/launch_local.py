@@ -8,19 +8,21 @@ import signal
 import sys
 
 from kfp_nvrx.components.core import argtypes
+from kfp_nvrx.components.core.faults import KINDS as FAULT_KINDS
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Adds the subcommand."""
     p = sub.add_parser("launch-local", help="run the trainer under N local ft_launcher agents",
                        description="Starts N ft_launcher agents on localhost with the PET_* "
-                       "environment a PyTorchJob gets, streams their output and waits.")
+                       "environment a PyTorchJob or TrainJob pod gets, streams their output and waits.")
     p.add_argument("--nodes", default="1", help="N or MIN:MAX local nodes (default 1)")
     p.add_argument("--nproc-per-node", type=int, default=1, help="workers per node (default 1)")
     p.add_argument("--run-dir", required=True, type=argtypes.path, help="run directory")
     p.add_argument("--config", default="tiny", help="preset or YAML (default tiny)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    p.add_argument("--fault", action="append", default=[], metavar="KIND@STEP[/RANK]")
+    p.add_argument("--fault", action="append", default=[], metavar="KIND@STEP[/RANK]",
+                   help=f"inject a fault once per run (repeatable): {', '.join(FAULT_KINDS)}")
     p.add_argument("--deadline", type=argtypes.seconds, default=None,
                    help="wall-clock limit in seconds")
     p.add_argument("--verbose", action="store_true", help="stream every launcher log line")
