@@ -1,6 +1,6 @@
 """The one place image references come from: the tag is always the package version.
 
-Components (``base_image=``), the PyTorchJob spec (the trainer container) and the build commands in
+Components (``base_image=``), the job specs (the trainer container) and the build commands in
 ``images/README.md`` all call these functions, so a pipeline compiled from version X can only name
 images tagged X: definitions and images cannot drift apart.
 
@@ -167,7 +167,7 @@ def components_image(registry_value: str | None = None) -> str:
 
 
 def trainer_image(registry_value: str | None = None) -> str:
-    """Return the training image: the ``pytorch`` container of the PyTorchJob."""
+    """Return the training image: the trainer container of the worker pods."""
     return image_ref("trainer", registry_value)
 
 

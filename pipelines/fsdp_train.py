@@ -15,7 +15,7 @@ from kfp_nvrx.components.export_checkpoint.component import export_checkpoint, s
 from kfp_nvrx.components.prepare_dataset.component import prepare_dataset
 from kfp_nvrx.components.train_fsdp.component import train_fsdp
 
-#: Mount path of the shared volume in every task (and in the PyTorchJob's worker pods).
+#: Mount path of the shared volume in every task (and in the training job's worker pods).
 MOUNT_PATH = "/fsx"
 #: Pod-level limits (activeDeadlineSeconds) of each task.
 PREPARE_TIMEOUT_S = 4 * 3600
@@ -124,7 +124,7 @@ def fsdp_train(
         nproc_per_node: Processes per node; 0 = the instance profile's GPUs (1 on cpu).
         instance_type: Worker instance profile (p5.48xlarge, p4d.24xlarge, cpu).
         trainer_image: Trainer image of the worker pods (default: this version's image).
-        backend: 'kubernetes' (a PyTorchJob) or 'local' (in the task's pod: needs an image
+        backend: 'kubernetes' (a job of job_api) or 'local' (in the task's pod: needs an image
             with torch and NVRx; 'kfp-nvrx run-local' uses it).
         job_api: 'pytorchjob', 'trainjob' or 'auto' (the cluster's; TrainJob when both).
         deadline_s: Training wall-clock limit in seconds (0 = none).

@@ -86,7 +86,7 @@ def scheduled_retrain(
         nproc_per_node: Processes per node; 0 = the instance profile's GPUs (1 on cpu).
         instance_type: Worker instance profile.
         trainer_image: Trainer image of the worker pods (default: this version's image).
-        backend: 'kubernetes' (a PyTorchJob) or 'local' (in the task's pod: needs an image
+        backend: 'kubernetes' (a job of job_api) or 'local' (in the task's pod: needs an image
             with torch and NVRx; 'kfp-nvrx run-local' uses it).
         job_api: 'pytorchjob', 'trainjob' or 'auto' (the cluster's; TrainJob when both).
         deadline_s: Training wall-clock limit in seconds (0 = none).

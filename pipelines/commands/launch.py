@@ -19,7 +19,7 @@ from kfp_nvrx.pipelines.commands.render_job import add_job_arguments, spec_from_
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``launch`` subcommand."""
-    p = sub.add_parser("launch", help="run a training job (local or PyTorchJob) and follow it",
+    p = sub.add_parser("launch", help="run a training job (local, PyTorchJob or TrainJob) and follow it",
                        description=__doc__.splitlines()[0])
     p.add_argument("--backend", choices=("local", "kubernetes"), default="local",
                    help="local (default: ft_launcher agents on this machine) or kubernetes")

@@ -1,4 +1,4 @@
-"""Instance profiles: what one PyTorchJob worker pod asks for on a given EC2 instance type.
+"""Instance profiles: what one worker pod (PyTorchJob or TrainJob) asks for on an EC2 instance type.
 
 A profile is a starting point; every value can be overridden per job (see ``JobSpec``). The numbers
 follow the aws-samples EKS manifests for p5/p4d: all GPUs and all EFA interfaces of the node go to

@@ -1,4 +1,4 @@
-"""Which GPUs each local "node" gets: a PyTorchJob pod sees only its own GPUs, so do local agents.
+"""Which GPUs each local "node" gets: a worker pod sees only its own GPUs, so do local agents.
 
 Torch-free: the GPUs are read from ``CUDA_VISIBLE_DEVICES`` when set, else from the NVIDIA
 driver's ``/proc/driver/nvidia/gpus`` (one entry per GPU), the way the device plugin would

@@ -12,7 +12,7 @@ class LaunchResult:
     """What happened to one training job.
 
     Attributes:
-        name: Job name (PyTorchJob name, or the local run's name).
+        name: Job name (the PyTorchJob's or TrainJob's, or the local run's).
         backend: ``kubernetes`` or ``local``.
         state: Final state: ``Succeeded``, ``Failed``, ``Cancelled`` or ``DeadlineExceeded``.
         reason: Operator/launcher reason for a non-success state ('' on success).

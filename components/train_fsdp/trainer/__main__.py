@@ -23,7 +23,7 @@ from kfp_nvrx.components.errors import UserError  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The trainer's flags (the same ones ``launch-local`` and the PyTorchJob pass)."""
+    """The trainer's flags (the same ones ``launch-local`` and the worker pods pass)."""
     p = argparse.ArgumentParser(prog="python -m kfp_nvrx.components.train_fsdp.trainer",
                                 description="FSDP2 trainer with NVRx fault tolerance.")
     p.add_argument("--config", required=True, help="preset (tiny, 125m, 1b, 8b) or YAML path")
