@@ -152,3 +152,12 @@ def test_sweep_removes_copies_whose_agent_is_gone_and_keeps_live_ones(tmp_path):
     record.write_text(json.dumps({"agent_pid": dead_pid}))
     assert ours.sweep() == [other_dead.path]
     assert ours.path.is_dir() and other_live.path.is_dir() and not other_dead.path.exists()
+
+
+def test_the_pinning_call_is_the_runtime_library_this_process_loaded():
+    from kfp_nvrx.components.train_fsdp.trainer.checkpoint.bank import cudart_path
+
+    maps = ("7f00-7f10 r-xp 0 08:01 1 /usr/lib/libc.so.6\n"
+            "7f20-7f30 r-xp 0 08:01 2 /venv/nvidia/cu13/lib/libcudart.so.13\n")
+    assert cudart_path(maps) == "/venv/nvidia/cu13/lib/libcudart.so.13"
+    assert cudart_path("7f00-7f10 r-xp 0 08:01 1 /usr/lib/libc.so.6\n") is None
