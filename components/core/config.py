@@ -191,7 +191,7 @@ class ResilienceConfig(Section):
     pg_timeout: float = positive(600.0)  # collective timeout (gloo/NCCL); must exceed hard_timeout
     # Seconds the in-process wrapper waits after the first fault report for other ranks' reports
     # before it restarts. Those only enrich the logged attribution, and every second here is a
-    # second of recovery (NVRx's default of 1 s was half of its restart time on an H200).
+    # second of recovery (NVRx's default of 1 s: the figures in docs/benchmarks/NOTES.md).
     last_call_wait: float = non_negative(0.1)
     # ft_launcher polling period, seconds: --monitor-interval (how soon a failed worker is seen;
     # every agent also polls the rendezvous store at this rate) and, with NVRx >= 0.7,
