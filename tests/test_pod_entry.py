@@ -47,3 +47,11 @@ def test_a_left_behind_grandchild_does_not_hold_it() -> None:
                          timeout=60, capture_output=True, text=True)
     os.kill(int(out.stdout.strip()), signal.SIGKILL)  # leave nothing running
     assert out.returncode == 4
+
+
+def test_exit_codes_have_one_phrase_for_the_launcher() -> None:
+    from kfp_nvrx.components.core.pod_entry import exit_meaning
+
+    assert "gave up" in exit_meaning(1) and "no training progress" in exit_meaning(93)
+    assert "SIGKILL" in exit_meaning(137) and "SIGTERM" in exit_meaning(143)
+    assert exit_meaning(0) == exit_meaning(None) == exit_meaning(42) == ""

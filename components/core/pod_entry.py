@@ -23,6 +23,19 @@ import sys
 #: The exit code of a container stopped on request (128 + SIGTERM).
 TERMINATED = 128 + signal.SIGTERM
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+#: What a training container's exit code says (the failure-policy table in docs/eks.md).
+MEANINGS = {
+    1: "ft_launcher gave up: in-job restarts used up (resilience.max_restarts) or no start",
+    2: "bad command line or config",
+    93: "ft_launcher saw no training progress",
+    137: "killed (SIGKILL: OOM kill, lost node)",
+    TERMINATED: "stopped (SIGTERM: deleted, drained or recreated)",
+}
+
+
+def exit_meaning(code: int | None) -> str:
+    """One phrase for a training container's exit code ('' when it has none)."""
+    return MEANINGS.get(code, "") if code is not None else ""
 
 
 def main(argv: list[str] | None = None) -> int:

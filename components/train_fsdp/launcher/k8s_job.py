@@ -19,6 +19,7 @@ from typing import Any, NamedTuple, Protocol
 
 from kubernetes.client.rest import ApiException
 
+from kfp_nvrx.components.core.pod_entry import exit_meaning
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.train_fsdp.jobspec.spec import DELETE_AFTER, JobSpec
 from kfp_nvrx.components.train_fsdp.launcher.k8s_api import ClusterError, describe
@@ -174,8 +175,10 @@ def fill_failure(result: LaunchResult, follower: PodLogFollower, lines: int) -> 
     if pod is None:
         return
     result.extra["failed_replica"] = pod.replica
+    meaning = exit_meaning(pod.exit_code)
     result.reason += f" ({pod.replica} exited with code {pod.exit_code}" + (
-        f", {pod.exit_reason})" if pod.exit_reason else ")")
+        f", {pod.exit_reason}" if pod.exit_reason else "") + (
+        f": {meaning})" if meaning else ")")
     tail = follower.tail(pod.name, lines)
     if not tail:
         try:
