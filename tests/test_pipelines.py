@@ -295,7 +295,7 @@ def test_summary_rows_for_scheduled_retrain():
     }
     table = dict(summary_rows("scheduled-retrain", outputs, 12.0))
     assert table["goodput"] == "50.0%" and table["steps"] == "8 final, 2 redone"
-    assert table["restarts"] == "1 (in-job 1, in-process 0)"
+    assert table["restarts"] == "1 (in-job 1, in-process 0, pod 0)"
     assert table["recovery"] == "mean 3.25 s, max 3.25 s"
     assert table["decision"] == "keep" and table["promoted eval loss"] == "2.0000"
     assert table["model"] == "/x/model/model.safetensors" and table["timeline"] == "/x/timeline"

@@ -1,9 +1,11 @@
 """Run events: one JSON object per line in ``<run_dir>/events.jsonl``.
 
 Types and their fields (every line also has ``type`` and ``time``, Unix seconds):
-``start`` (incarnation, iteration, world_size, resumed_from, load_s), ``step`` (step, start, end,
+``start`` (incarnation, iteration, world_size, resumed_from, load_s; ``layer`` = the restart's
+kind when it is one), ``step`` (step, start, end,
 incarnation, iteration, loss, tokens), ``checkpoint`` (step, blocking_s, total_s, bytes),
-``fault`` (kind, step, rank), ``restart`` (kind ``in-job``/``in-process``, incarnation, iteration),
+``fault`` (kind, step, rank), ``restart`` (kind ``in-job``/``in-process``/``pod``, incarnation,
+iteration),
 ``end`` (step, status). Rank 0 writes everything except ``fault``, which the faulting rank writes.
 """
 

@@ -154,6 +154,8 @@ def narrate(events: list[dict[str, Any]], sess: list[int] | None = None) -> list
                     rank = f"rank {fault['rank']}" if fault.get("rank") is not None else "a rank"
                     what = (f"{rank} {_FAULT_VERBS.get(fault['kind'], fault['kind'] + ' fault')}"
                             f" at step {fault['step']}")
+                elif e.get("layer") == "pod":  # the start says which layer restarted
+                    what = f"pods recreated after step {max(done, default=0)}"
                 else:
                     what = f"workers failed after step {max(done, default=0)}"
                 base = e.get("resumed_from")

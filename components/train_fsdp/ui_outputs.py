@@ -43,8 +43,8 @@ def metrics_from_summary(summary: dict[str, Any]) -> dict[str, float]:
         summary: ``GoodputReport.to_dict()`` (keys ``goodput``, ``restarts`` by kind, ...).
 
     Returns:
-        Metric name -> number. Restarts appear per kind (``restarts_in_job``,
-        ``restarts_in_process``) and in total; ``final_loss`` only when a step was logged.
+        Metric name -> number. Restarts appear per layer (``restarts_in_process``,
+        ``restarts_in_job``, ``restarts_pod``) and in total; ``final_loss`` only when a step was logged.
 
     """
     restarts = dict(summary.get("restarts") or {})
@@ -52,6 +52,8 @@ def metrics_from_summary(summary: dict[str, Any]) -> dict[str, float]:
     out["restarts_total"] = int(sum(restarts.values()))
     out["restarts_in_job"] = int(restarts.pop("in-job", 0))
     out["restarts_in_process"] = int(restarts.pop("in-process", 0))
+    # Pod level: a JobSet restart or a recreated pod (a fresh ft_launcher on a resumed run).
+    out["restarts_pod"] = int(restarts.pop("pod", 0))
     out.update({key: kind(summary.get(key, 0)) for key, kind in _TAIL_METRICS})
     for kind, count in restarts.items():  # kinds added later still show up
         out["restarts_" + "".join(c if c.isalnum() else "_" for c in kind)] = int(count)

@@ -178,7 +178,8 @@ def summary_rows(name: str, outputs: dict[str, Any], wall_s: float) -> list[tupl
                       f"{int(train.get('steps_redone', 0))} redone"),
             ("restarts", f"{int(train.get('restarts_total', 0))} (in-job "
                          f"{int(train.get('restarts_in_job', 0))}, in-process "
-                         f"{int(train.get('restarts_in_process', 0))})"),
+                         f"{int(train.get('restarts_in_process', 0))}, pod "
+                         f"{int(train.get('restarts_pod', 0))})"),
             ("recovery", f"mean {float(train.get('recovery_mean_s', 0)):.2f} s, "
                          f"max {float(train.get('recovery_max_s', 0)):.2f} s"),
             ("checkpoint stall", f"{float(train.get('checkpoint_stall_s', 0)):.3f} s"),

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from kfp_nvrx.components.core.config import Config
 from kfp_nvrx.components.core.events import EventLog, read_events
 from kfp_nvrx.components.core.faults import Fault
+from kfp_nvrx.components.train_fsdp.trainer.bootstrap import env_restart_count
 from kfp_nvrx.components.train_fsdp.trainer.build import (
     TrainState,
     apply_state,
@@ -33,6 +34,21 @@ from kfp_nvrx.components.train_fsdp.trainer.resilience import Monitor, in_proces
 #: is the start-up (allocations, autotuning, compilation), the second may still compile.
 STEADY_AFTER = 2
 
+
+
+def restart_kind(iteration: int, agent_restarts: int) -> str:
+    """Which layer restarted this incarnation (the ``restart`` event's kind).
+
+    ``in-process``: NVRx's Wrapper re-entered the training function (iteration > 0).
+    ``in-job``: ft_launcher restarted its worker group (``TORCHELASTIC_RESTART_COUNT`` > 0).
+    ``pod``: a fresh ft_launcher on a run that ran before: the pods were recreated (JobSet
+    restart, a pod the Job controller or the operator replaced) or the job was launched again.
+    Seen from rank 0's agent: in a PyTorchJob whose worker-1 was recreated, rank 0's agent
+    restarted its workers, so that reads ``in-job``.
+    """
+    if iteration:
+        return "in-process"
+    return "in-job" if agent_restarts else "pod"
 
 @dataclass
 class Job:
@@ -194,14 +210,14 @@ def incarnation(job: Job, base_store: Any = None, call_wrapper: Any = None) -> N
             # Agents count restarts per node; the job-wide count is what rank 0 has logged.
             job.restart_count = sum(1 for e in read_events(job.run_dir) if e["type"] == "start"
                                     and e.get("run_id") == job.run_id and e["iteration"] == 0)
+        layer = restart_kind(iteration, env_restart_count())
         if job.restart_count or iteration:
-            events.emit("restart", kind="in-process" if iteration else "in-job",
-                        incarnation=job.restart_count, iteration=iteration)
+            events.emit("restart", kind=layer, incarnation=job.restart_count, iteration=iteration)
         boot = boot_record(job, iteration, marks, t_start, time.time())
         events.emit("start", time=t_start, incarnation=job.restart_count, iteration=iteration,
                     world_size=world, resumed_from=resumed, load_s=round(load_s, 4),
                     from_memory=ckpt.restored_from_memory, pid=os.getpid(), run_id=job.run_id,
-                    boot=boot)
+                    boot=boot, **({"layer": layer} if job.restart_count or iteration else {}))
         log0(boot_line(boot))
         source = " (from host memory)" if ckpt.restored_from_memory else ""
         log0(f"start: world_size={world} incarnation={job.restart_count}.{iteration} "
