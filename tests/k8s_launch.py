@@ -71,8 +71,12 @@ def assert_reattached(result: LaunchResult, double: K8sDouble) -> None:
     assert_untouched(double)
 
 
-def assert_deleted_foreground(double: K8sDouble) -> dict[str, Any]:
-    """The launcher deleted the job once, pods first; returns the DELETE request."""
+def assert_deleted_foreground(double: K8sDouble, policy: str = "Foreground") -> dict[str, Any]:
+    """The launcher deleted the job once (pods first, unless ``policy`` says otherwise).
+
+    Returns:
+        The DELETE request.
+    """
     deletes = double.calls("DELETE")
-    assert len(deletes) == 1 and deletes[0]["body"]["propagationPolicy"] == "Foreground"
+    assert len(deletes) == 1 and deletes[0]["body"]["propagationPolicy"] == policy
     return deletes[0]

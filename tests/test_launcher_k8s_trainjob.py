@@ -68,7 +68,9 @@ def test_create_follow_every_node_pod_then_delete(double: K8sDouble) -> None:
     assert "[node-1] agent 1 up" in text
     assert "[node-1] agent 1 back" in text  # the replacement pod (new name) is streamed too
     assert result.restarts == 1
-    assert k8s_launch.assert_deleted_foreground(double)["path"] == f"{TRAINJOBS}/{spec.job_name()}"
+    # Background: Trainer v2.3 re-applies the JobSet of a TrainJob in foreground deletion.
+    delete = k8s_launch.assert_deleted_foreground(double, "Background")
+    assert delete["path"] == f"{TRAINJOBS}/{spec.job_name()}"
 
 
 def test_reattach_by_name_never_creates_a_second(double: K8sDouble) -> None:
@@ -133,7 +135,7 @@ def test_sigterm_deletes_the_trainjob(double: K8sDouble) -> None:
 
     result, _ = _run(double, spec, running_then_sigterm, handle_signals=True)
     assert result.state == "Cancelled" and result.extra["signal"] == signal.SIGTERM
-    k8s_launch.assert_deleted_foreground(double)
+    k8s_launch.assert_deleted_foreground(double, "Background")
     assert ("default", spec.job_name()) not in double.jobs
     assert signal.getsignal(signal.SIGTERM) is before
 

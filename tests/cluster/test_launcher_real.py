@@ -92,7 +92,7 @@ def test_pytorchjob_failure_names_operator_reason_and_replica(kube) -> None:
     assert result.state == "Failed"
     # The Training Operator's own condition reason, then the replica from the pod status.
     assert result.reason.startswith("PyTorchJobFailed: ")
-    assert "(worker-1 exited with code 1, Error)" in result.reason
+    assert "(worker-1 exited with code 1, Error: ft_launcher gave up" in result.reason
     assert result.extra["failed_replica"] == "worker-1"
     # on_success keeps a failed job for inspection.
     assert leftovers(kube.client(), kube.namespace, name).get("PyTorchJob") == [name]

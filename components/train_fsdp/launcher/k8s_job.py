@@ -33,7 +33,7 @@ DEADLINE_MARGIN_S = 600.0
 #: must span: an API server restart (tens of seconds) must not end a run polled every 0.5 s.
 MAX_READ_ERRORS = 10
 MIN_OUTAGE_S = 120.0
-#: Seconds the launcher waits for a deleted job to be gone (foreground: its pods go first);
+#: Seconds the launcher waits for a deleted job and its pods to be gone;
 #: below KFP's 30 s termination grace, so a cancelled step still exits on its own.
 DELETE_WAIT_S = 20.0
 #: Attempts at the delete call itself (a job must not be left behind by one dropped connection).
@@ -98,8 +98,14 @@ class JobAPI(Protocol):
     def create(self, body: Any) -> bool:
         """Create the job; False when one with this name appeared meanwhile (HTTP 409)."""
 
+    #: The deletion's ``propagationPolicy``.
+    propagation: str
+
     def delete(self) -> None:
-        """Delete with foreground propagation (pods go before the job object)."""
+        """Delete the job and, through the garbage collector, what its controller made."""
+
+    def gone(self) -> bool:
+        """True once the job and the pods of it are gone."""
 
     def created_at(self, job: Any) -> float:
         """Unix time of the job's creation (0.0: unknown)."""
@@ -273,15 +279,16 @@ class JobRun:
         deadline = time.monotonic() + DELETE_WAIT_S
         while True:
             try:
-                gone = jobs.get() is None
+                gone = jobs.gone()
             except ClusterError:
                 gone = False
             if gone:
-                self.say(f"deleted {jobs.where} (propagationPolicy=Foreground)")
+                self.say(f"deleted {jobs.where} and its pods "
+                         f"(propagationPolicy={jobs.propagation})")
                 return
             if time.monotonic() > deadline:
-                self.say(f"deleting {jobs.where} (propagationPolicy=Foreground): still in "
-                         "progress, its pods are stopping")
+                self.say(f"deleting {jobs.where} (propagationPolicy={jobs.propagation}): "
+                         "still in progress, its pods are stopping")
                 return
             time.sleep(1.0)
 

@@ -44,6 +44,7 @@ class _Job:
     """
 
     kind = "PyTorchJob"
+    propagation = "Foreground"
 
     def __init__(self, tc: TrainingClient, name: str, namespace: str) -> None:
         self.tc, self.name, self.namespace = tc, name, namespace
@@ -84,9 +85,13 @@ class _Job:
         try:
             self._call("deleting", self.tc.custom_api.delete_namespaced_custom_object,
                        self.name,
-                       body=k8s.V1DeleteOptions(propagation_policy="Foreground"), ok=(404,))
+                       body=k8s.V1DeleteOptions(propagation_policy=self.propagation), ok=(404,))
         except ApiException:
             return
+
+    def gone(self) -> bool:
+        """Foreground: the job object goes last, after its pods."""
+        return self.get() is None
 
     def created_at(self, job: models.KubeflowOrgV1PyTorchJob) -> float:
         return _ts(job.metadata.creation_timestamp)

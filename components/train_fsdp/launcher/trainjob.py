@@ -5,9 +5,10 @@ from the KFP run and task, so a restarted launcher follows the TrainJob it creat
 ends at ``Complete`` or ``Failed`` or at the real deadline (``activeDeadlineSeconds`` + a margin);
 every node pod's log is streamed, also pods that the Job controller recreates (new names, same
 completion index) and pods of a whole-JobSet restart; SIGTERM/SIGINT deletes the TrainJob with
-foreground propagation. The objects are plain dicts validated against the vendored CRDs (the
-``kubeflow`` SDK and ``kubeflow-trainer-api`` models are not installable here); the calls go
-through the Kubernetes client's ``CustomObjectsApi``.
+background propagation (``_TrainJobs.propagation`` says why) and waits for its pods to go. The
+objects are plain dicts validated against the vendored CRDs (the ``kubeflow`` SDK and
+``kubeflow-trainer-api`` models are not installable here); the calls go through the Kubernetes
+client's ``CustomObjectsApi``.
 
 :func:`served_job_apis` answers ``--job-api auto``: it asks the API server's discovery endpoints
 which of ``trainjobs.trainer.kubeflow.org`` and ``pytorchjobs.kubeflow.org`` it serves.
@@ -106,6 +107,12 @@ class _TrainJobs:
     """The CustomObjectsApi calls on one TrainJob and the readings of its dict (a :class:`JobAPI`)."""
 
     kind = "TrainJob"
+    #: Not Foreground: Trainer v2.3 reconciles a TrainJob that is being deleted and applies its
+    #: JobSet again each time the garbage collector deleted it, so a foreground deletion (which
+    #: waits for that JobSet) does not end (seen on the real controllers: over a minute and
+    #: counting). In the background the TrainJob goes at once and the collector then deletes
+    #: the JobSet, its Jobs, Pods and Service; :meth:`gone` waits for the pods.
+    propagation = "Background"
 
     def __init__(self, api: k8s.ApiClient, name: str, namespace: str) -> None:
         self.api, self.core = k8s.CustomObjectsApi(api), k8s.CoreV1Api(api)
@@ -142,9 +149,19 @@ class _TrainJobs:
     def delete(self) -> None:
         try:
             self._call("deleting", self.api.delete_namespaced_custom_object, self.name,
-                       body=k8s.V1DeleteOptions(propagation_policy="Foreground"), ok=(404,))
+                       body=k8s.V1DeleteOptions(propagation_policy=self.propagation),
+                       ok=(404,))
         except ApiException:
             return
+
+    def gone(self) -> bool:
+        """The TrainJob is gone and so are its pods (the garbage collector's work)."""
+        if self.get() is not None:
+            return False
+        pods = k8s_api.call(f"listing the pods of {self.where}", self.host,
+                            self.core.list_namespaced_pod, self.namespace,
+                            label_selector=f"{JOBSET_NAME_LABEL}={self.name}")
+        return not pods.items
 
     def created_at(self, job: dict[str, Any]) -> float:
         return _ts(job["metadata"].get("creationTimestamp"))
