@@ -34,6 +34,7 @@ from kfp_nvrx.components.train_fsdp.launcher import trainjob
 #: No node carries this label: the scheduler never binds our pods, so no node agent runs them and
 #: the test is the only one writing their status.
 NO_NODE = "kfp-nvrx.test/no-node=true"
+KINDS = {"pytorchjob": "PyTorchJob", "trainjob": "TrainJob"}
 
 
 def _spec(name: str, **kw):
@@ -76,6 +77,13 @@ def test_auto_reads_the_real_servers_api_groups(kube) -> None:
         wait_for("discovery without trainjobs", lambda: trainjob.served_job_apis(api)
                  == {"pytorchjob"})
         assert trainjob.resolve_job_api("auto", api) == "pytorchjob"
+        # And the launcher, asked for auto, creates a PyTorchJob there.
+        name = "real-auto-v1"
+        run = Background(_spec(name), admin_configuration(kube), kube.namespace,
+                         job_api="auto", deadline_s=2.0)
+        assert run.join().state == "DeadlineExceeded"
+        assert run.saw("--job-api auto: the cluster serves pytorchjob")
+        assert run.saw(f"created PyTorchJob {kube.namespace}/{name}")
     finally:
         _set_served(api, crd, True)
         wait_for("trainjobs served again", lambda: "trainjob" in trainjob.served_job_apis(api))
@@ -119,6 +127,28 @@ def test_trainjob_by_auto_runs_to_complete_and_leaves_nothing(kube) -> None:
     assert leftovers(kube.client(), kube.namespace, name) == {}
 
 
+@pytest.mark.parametrize("how", ["exit-1", "active-deadline"])
+def test_trainjob_failure_carries_the_trainers_reason(kube, how: str) -> None:
+    """A node exiting 1 (ft_launcher gave up) or the TrainJob's activeDeadlineSeconds passing."""
+    name = f"real-tj-{how}"
+    spec = _spec(name)
+    if how == "active-deadline":
+        spec.active_deadline_s = 2  # the Trainer's own deadline, well before the launcher's
+    run = Background(spec, admin_configuration(kube), kube.namespace, job_api="trainjob")
+    if how == "exit-1":
+        _finish(kube, "trainjob", name, (None, 1))
+    result = run.join()
+    assert result.state == "Failed"
+    if how == "exit-1":  # JobSet's reason, passed on by the Trainer; then the pod's exit
+        assert result.reason.startswith("FailJobSetFailurePolicyAction: ")
+        assert "(node-1 exited with code 1, Error: ft_launcher gave up" in result.reason
+        assert result.extra["failed_replica"] == "node-1"
+    else:
+        assert result.reason == "DeadlineExceeded: TrainJob exceeded its active deadline"
+    client.CustomObjectsApi(kube.client()).delete_namespaced_custom_object(
+        rt.GROUP, "v1alpha1", kube.namespace, "trainjobs", name)
+
+
 def test_trainjob_whose_jobset_is_refused_fails_in_one_line(kube, tmp_path) -> None:
     """A runtime whose JobSet the real JobSet webhook refuses: one line, exit 1, not a wait.
 
@@ -155,7 +185,7 @@ def test_trainjob_whose_jobset_is_refused_fails_in_one_line(kube, tmp_path) -> N
 def test_sigterm_deletes_the_job_and_all_it_made(kube, tmp_path, job_api: str) -> None:
     name = f"real-term-{job_api[:2]}"
     cli = Cli(_args(name, job_api), kube.kubeconfig, tmp_path)
-    cli.wait_line(f"created {'PyTorchJob' if job_api == 'pytorchjob' else 'TrainJob'}")
+    cli.wait_line(f"created {KINDS[job_api]}")
     # What the controllers built, so "nothing left" below means something.
     expected = {"pytorchjob": {"PyTorchJob", "Pod", "Service"},
                 "trainjob": {"TrainJob", "JobSet", "Job", "Pod", "Service"}}[job_api]
@@ -167,15 +197,17 @@ def test_sigterm_deletes_the_job_and_all_it_made(kube, tmp_path, job_api: str) -
     assert leftovers(kube.client(), kube.namespace, name) == {}
 
 
-def test_reattaches_after_the_launcher_is_killed(kube, tmp_path) -> None:
-    name = "real-reattach"
-    first = Cli(_args(name, "pytorchjob"), kube.kubeconfig, tmp_path)
-    first.wait_line("created PyTorchJob")
+@pytest.mark.parametrize("job_api", ["pytorchjob", "trainjob"])
+def test_reattaches_after_the_launcher_is_killed(kube, tmp_path, job_api: str) -> None:
+    name, kind = f"real-reattach-{job_api[:2]}", KINDS[job_api]
+    first = Cli(_args(name, job_api), kube.kubeconfig, tmp_path)
+    first.wait_line(f"created {kind}")
     first.proc.kill()  # no cleanup: what a node loss or OOM kill of the KFP step does
     first.wait()
-    second = Cli(_args(name, "pytorchjob"), kube.kubeconfig, tmp_path)
-    second.wait_line(f"re-attaching to PyTorchJob {kube.namespace}/{name} (run run-real)")
-    _finish(kube, "pytorchjob", name, (0, None))  # worker-0 done: the operator's Succeeded
+    second = Cli(_args(name, job_api), kube.kubeconfig, tmp_path)
+    second.wait_line(f"re-attaching to {kind} {kube.namespace}/{name} (run run-real)")
+    # A PyTorchJob without a master succeeds when worker-0 does; a TrainJob when all nodes do.
+    _finish(kube, job_api, name, (0, None) if job_api == "pytorchjob" else (0, 0))
     assert second.wait() == 0, second.stderr()
     assert not any(line.startswith("created ") for line in second.out)
     assert leftovers(kube.client(), kube.namespace, name) == {}
