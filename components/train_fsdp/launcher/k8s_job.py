@@ -191,7 +191,7 @@ def fill_failure(result: LaunchResult, follower: PodLogFollower, lines: int) -> 
             text = follower.core.read_namespaced_pod_log(
                 pod.name, follower.namespace, container=follower.container, tail_lines=lines)
             tail = [t for t in (text or "").splitlines() if t]
-        except ApiException:
+        except Exception:  # noqa: BLE001 - no log to show (gone, API unreachable): no tail
             tail = []
     result.last_log_lines = tail
 

@@ -321,8 +321,8 @@ class PodLogFollower:
         try:
             text = self.core.read_namespaced_pod_log(
                 state.name, self.namespace, container=self.container, previous=True)
-        except ApiException:
-            return  # already garbage-collected by the kubelet
+        except Exception:  # noqa: BLE001 - gone (kubelet GC) or the API unreachable: skip it
+            return
         for line in filter(None, (text or "").splitlines()):
             self._line(state, prefix, line)
 
@@ -348,8 +348,9 @@ class PodLogFollower:
             resp = self.core.read_namespaced_pod_log(
                 state.name, self.namespace, container=self.container, follow=True,
                 _preload_content=False)
-        except ApiException:
-            # Not ready to serve logs yet (or gone): let the next pod event retry.
+        except Exception:  # noqa: BLE001 - not a traceback from a log thread, whatever it is
+            # Not ready to serve logs yet, gone, or the API server unreachable (restarting): let
+            # the next pod event retry.
             with self._lock:
                 self._streamed.discard(key)
             return

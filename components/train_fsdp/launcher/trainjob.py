@@ -280,7 +280,8 @@ def launch_trainjob(spec: JobSpec, opts: K8sOptions | None = None, *,
     """
     run = JobRun(opts, log)
     rendered = render(spec, runtime, runtime_kind)
-    api = api_client or k8s.ApiClient(k8s_api.configure(client_configuration))
+    api = api_client or k8s.ApiClient(client_configuration)
+    k8s_api.configure(api.configuration)
     namespace = run.opts.namespace or spec.namespace or current_namespace()
     rendered.job["metadata"]["namespace"] = namespace
     follower = PodLogFollower(k8s.CoreV1Api(api), namespace, rendered.name, emit=run.say,
