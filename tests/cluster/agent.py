@@ -198,16 +198,25 @@ class Agent:
             self.coord.create_namespaced_lease(LEASE_NAMESPACE, body)
 
     def _read_control(self) -> None:
+        """``control/<node>`` = ``lost``: stop that node (ack: ``<node>.lost``); file removed:
+        register it again (a replacement machine with the same name)."""
         for name in self.nodes:
-            f = self.root / "control" / name
-            if name not in self.lost and f.is_file() and f.read_text().strip() == "lost":
+            f, ack = self.root / "control" / name, self.root / "control" / f"{name}.lost"
+            lost = f.is_file() and f.read_text().strip() == "lost"
+            if lost and name not in self.lost:
                 self.lost.add(name)
-                print(f"agent: node {name} lost (no more heartbeats; its processes die)",
-                      flush=True)
                 with self.lock:
                     doomed = [r for r in self.runners.values() if r.node == name]
                 for r in doomed:
                     r.kill(report=False)
+                print(f"agent: node {name} lost (no heartbeats; {len(doomed)} pods killed)",
+                      flush=True)
+                ack.write_text("lost")
+            elif not lost and name in self.lost:
+                self._retry(f"registering node {name}", lambda n=name: self._register(n), 3)
+                self.lost.discard(name)
+                ack.unlink(missing_ok=True)
+                print(f"agent: node {name} back", flush=True)
 
     # -- pods ----------------------------------------------------------------------------------
 
