@@ -125,6 +125,10 @@ def test_follows_through_an_apiserver_restart_and_410_gone(kube, tmp_path) -> No
     kubelet_exit(core, pods[0], "pytorch", 0)  # worker-0 done: the operator's Succeeded
     result = run.join()
     assert result.state == "Succeeded", (result.reason, run.lines[-10:])
+    # The outage was reported once per distinct error (not once per 0.5 s poll), and its end.
+    warnings = [line for line in run.lines if line.startswith("warning: ")]
+    assert 1 <= len(warnings) <= 8, warnings
+    assert run.saw(f"PyTorchJob {kube.namespace}/{name}: the API server answers again")
     # It listed again (after 410) instead of giving up or watching a stale resourceVersion.
     # While it starts, a restarted API server answers 503 (not ready) and, until its RBAC
     # informers have synced, 403 with an empty reason: the launcher must sit both out.
