@@ -234,3 +234,25 @@ def test_service_account_role_is_enough_for_a_whole_run(kube, tmp_path) -> None:
     assert result.state == "Succeeded", (result.reason, run.lines)
     assert not any("403" in line or "Forbidden" in line for line in run.lines), run.lines
     assert leftovers(kube.client(), kube.namespace, name) == {}
+
+
+def test_refusals_are_one_line_and_say_whose(kube, tmp_path) -> None:
+    """The Trainer's webhook refusing a missing runtime is not called RBAC; RBAC's own 403 is.
+
+    The second run is the namespace's ``default`` ServiceAccount, which no Role binds.
+    """
+    cases = [(kube.kubeconfig, "no-such-runtime", 'admission webhook "validator.trainjob.'
+              'trainer.kubeflow.org" denied the request', 'TrainingRuntime.trainer.kubeflow.org '
+              '"no-such-runtime" not found'),
+             (sa_kubeconfig(kube, tmp_path, "default"), rt.RUNTIME_NAME,
+              "answered HTTP 403 Forbidden. RBAC forbids it (see docs/eks.md).",
+              'cannot get resource "trainjobs"')]
+    for kubeconfig, runtime, *says in cases:
+        cli = Cli(_args("real-refused", "trainjob", "--runtime", runtime), kubeconfig, tmp_path)
+        assert cli.wait() == 1
+        lines = cli.stderr().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("kfp-nvrx launch: cluster error: ")
+        assert all(s in lines[0] for s in says), lines[0]
+        assert ("RBAC" in lines[0]) == ("admission" not in lines[0]), lines[0]
+        assert '{"kind":"Status"' not in lines[0]  # the server's message, not its JSON
+    assert leftovers(kube.client(), kube.namespace, "real-refused") == {}

@@ -19,6 +19,7 @@ say so once).
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from typing import Any
@@ -26,7 +27,7 @@ from typing import Any
 from kubernetes.client.rest import ApiException
 
 #: Longest part of an API server's error body quoted in a message.
-MAX_BODY = 300
+MAX_BODY = 400
 _HTML = re.compile(r"<\s*(!doctype\s+html|html|head|body|title)\b", re.IGNORECASE)
 _OBJ_REPR = re.compile(r"<[\w.]+ object at 0x[0-9a-f]+>:?\s*")
 
@@ -69,13 +70,23 @@ def looks_like_html(text: Any) -> bool:
 
 
 def body_text(body: Any) -> str:
-    """What an error body says, in at most :data:`MAX_BODY` characters on one line."""
+    """What an error body says, in at most :data:`MAX_BODY` characters on one line.
+
+    A Kubernetes ``Status`` body is reduced to its ``message`` (what the server or an admission
+    webhook says), not quoted as JSON.
+    """
     if not body:
         return ""
     if looks_like_html(body):
         return "(an HTML page: a login page or a proxy in front of the API server?)"
     if isinstance(body, bytes):
         body = body.decode("utf-8", errors="replace")
+    try:
+        status = json.loads(body)
+    except ValueError:
+        status = None
+    if isinstance(status, dict) and status.get("kind") == "Status" and status.get("message"):
+        body = str(status["message"])
     return _one_line(body)[:MAX_BODY]
 
 
@@ -104,9 +115,11 @@ def describe(action: str, err: BaseException, host: str, hints: dict[int, str] |
     if isinstance(err, ApiException):
         if not err.status:  # the client's TLS failure (status 0, reason "SSLError\n...")
             return ClusterError(f"{action}: TLS with {host} failed: {_one_line(err.reason)}")
-        hint = (hints or {}).get(err.status, "")
+        said = body_text(err.body)
+        # An admission webhook's refusal is a 403 too, but not RBAC's: the hint would mislead.
+        hint = "" if "admission webhook" in said else (hints or {}).get(err.status, "")
         text = f"{action}: {host} answered HTTP {err.status} {err.reason}."
-        return ClusterError(" ".join(p for p in (text, hint, body_text(err.body)) if p))
+        return ClusterError(" ".join(p for p in (text, hint, said) if p))
     if isinstance(err, UnicodeDecodeError):
         return ClusterError(f"{action}: {host} answered with bytes that are not UTF-8: not a "
                             "Kubernetes API server (a proxy in the way, or the wrong port?)")
