@@ -8,12 +8,15 @@ from kfp_nvrx.components.train_fsdp.ui_outputs import metrics_from_summary
 
 
 def test_the_layer_is_read_from_the_agent_and_the_wrapper() -> None:
-    from kfp_nvrx.components.train_fsdp.trainer.train import restart_kind
+    from kfp_nvrx.components.train_fsdp.trainer.train import agent_identity, restart_kind
 
-    assert restart_kind(iteration=2, agent_restarts=1) == "in-process"
-    assert restart_kind(iteration=0, agent_restarts=1) == "in-job"
-    # A fresh ft_launcher (TORCHELASTIC_RESTART_COUNT 0) on a run that ran before: new pods.
-    assert restart_kind(iteration=0, agent_restarts=0) == "pod"
+    me = agent_identity()  # this test's parent process stands in for the agent
+    assert me and me == agent_identity() and me.count("/") == 2
+    assert restart_kind(iteration=2, previous_agent=me, agent=me) == "in-process"
+    assert restart_kind(iteration=0, previous_agent=me, agent=me) == "in-job"
+    # Another agent on a run that ran before: the pods were recreated.
+    assert restart_kind(iteration=0, previous_agent="b/12/999", agent=me) == "pod"
+    assert restart_kind(iteration=0, previous_agent=None, agent=me) == "in-job"  # older events
 
 
 def _run(layers: list[str]) -> list[dict]:

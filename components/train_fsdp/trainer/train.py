@@ -15,7 +15,6 @@ import torch.distributed as dist
 from kfp_nvrx.components.core.config import Config
 from kfp_nvrx.components.core.events import EventLog, read_events
 from kfp_nvrx.components.core.faults import Fault
-from kfp_nvrx.components.train_fsdp.trainer.bootstrap import env_restart_count
 from kfp_nvrx.components.train_fsdp.trainer.build import (
     TrainState,
     apply_state,
@@ -36,19 +35,37 @@ STEADY_AFTER = 2
 
 
 
-def restart_kind(iteration: int, agent_restarts: int) -> str:
+def agent_identity() -> str:
+    """The agent (ft_launcher, torchrun) that started this worker, named for good.
+
+    The machine's boot id, the agent's pid and its start time: a pid alone repeats across
+    containers (ft_launcher is pid 12 in every pod here).
+    """
+    ppid = os.getppid()
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        started = Path(f"/proc/{ppid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
+    return f"{boot}/{ppid}/{started}"
+
+
+def restart_kind(iteration: int, previous_agent: str | None, agent: str) -> str:
     """Which layer restarted this incarnation (the ``restart`` event's kind).
 
     ``in-process``: NVRx's Wrapper re-entered the training function (iteration > 0).
-    ``in-job``: ft_launcher restarted its worker group (``TORCHELASTIC_RESTART_COUNT`` > 0).
-    ``pod``: a fresh ft_launcher on a run that ran before: the pods were recreated (JobSet
-    restart, a pod the Job controller or the operator replaced) or the job was launched again.
-    Seen from rank 0's agent: in a PyTorchJob whose worker-1 was recreated, rank 0's agent
-    restarted its workers, so that reads ``in-job``.
+    ``in-job``: the agent that started rank 0 before started it again (ft_launcher restarted its
+    worker group; ``TORCHELASTIC_RESTART_COUNT`` cannot tell: NVRx leaves it at 0).
+    ``pod``: another agent: the pods were recreated (JobSet restart, a pod the Job controller or
+    the operator replaced) or the job was launched again. Seen from rank 0: in a PyTorchJob whose
+    worker-1 was recreated, rank 0's agent only restarted its workers, so that reads ``in-job``.
     """
     if iteration:
         return "in-process"
-    return "in-job" if agent_restarts else "pod"
+    if not previous_agent or not agent or previous_agent == agent:
+        return "in-job"
+    return "pod"
+
 
 @dataclass
 class Job:
@@ -206,18 +223,22 @@ def incarnation(job: Job, base_store: Any = None, call_wrapper: Any = None) -> N
             resumed = trainer.resume()
             load_s = time.perf_counter() - t_load
             marks.append(("load", time.time()))
+        agent, previous = agent_identity(), None
         if iteration == 0 and rank == 0:
             # Agents count restarts per node; the job-wide count is what rank 0 has logged.
-            job.restart_count = sum(1 for e in read_events(job.run_dir) if e["type"] == "start"
-                                    and e.get("run_id") == job.run_id and e["iteration"] == 0)
-        layer = restart_kind(iteration, env_restart_count())
+            starts = [e for e in read_events(job.run_dir) if e["type"] == "start"
+                      and e.get("run_id") == job.run_id and e["iteration"] == 0]
+            job.restart_count = len(starts)
+            previous = starts[-1].get("agent") if starts else None
+        layer = restart_kind(iteration, previous, agent)
         if job.restart_count or iteration:
             events.emit("restart", kind=layer, incarnation=job.restart_count, iteration=iteration)
         boot = boot_record(job, iteration, marks, t_start, time.time())
         events.emit("start", time=t_start, incarnation=job.restart_count, iteration=iteration,
                     world_size=world, resumed_from=resumed, load_s=round(load_s, 4),
                     from_memory=ckpt.restored_from_memory, pid=os.getpid(), run_id=job.run_id,
-                    boot=boot, **({"layer": layer} if job.restart_count or iteration else {}))
+                    boot=boot, agent=agent,
+                    **({"layer": layer} if job.restart_count or iteration else {}))
         log0(boot_line(boot))
         source = " (from host memory)" if ckpt.restored_from_memory else ""
         log0(f"start: world_size={world} incarnation={job.restart_count}.{iteration} "
