@@ -26,7 +26,7 @@ def recovery_lines(by_preset: dict[str, dict[str, Any]]) -> list[str]:
              "the new worker's interpreter, imports, checks, CUDA context, process group and "
              "model build. Load: from the node-local host copy (`memory`) or the files (`disk`).",
              "", "| fault | preset | kind | total s | " + " | ".join(p for _, p in PARTS)
-             + " | loaded from | resumed from |", "|---" * (7 + len(PARTS)) + "|"]
+             + " | loaded from | resumed from |", "|---" * (6 + len(PARTS)) + "|"]
     names = []
     for r in by_preset.values():
         names += [n for n in r.get("scenarios", {}) if n not in names]
@@ -40,9 +40,14 @@ def recovery_lines(by_preset: dict[str, dict[str, Any]]) -> list[str]:
                              f"{str(x.get('error', x.get('state')))[:80]} |" + " |" * 7)
                 continue
             src = {True: "memory", False: "disk"}.get(x.get("from_memory"), "—")
-            lines.append(f"| {name} | {preset} | {x['kind']} | **{x['total_s']:.2f}** | "
+            mark = " †" if x.get("bytecode") is False else ""
+            lines.append(f"| {name}{mark} | {preset} | {x['kind']} | **{x['total_s']:.2f}** | "
                          + " | ".join(_cell(x, k) for k, _ in PARTS)
                          + f" | {src} | {x.get('resumed_from')} |")
+    if any(x.get("bytecode") is False for r in by_preset.values()
+           for x in r.get("scenarios", {}).values()):
+        lines += ["", "† a new worker on an image without bytecode (PYTHONDONTWRITEBYTECODE=1, no .pyc "
+                  "shipped): it compiles torch and sympy from source, +3 to +5 s of imports."]
     boots = [(f"{name} ({preset})", x["boot"]) for preset, r in by_preset.items()
              for name, x in r.get("scenarios", {}).items() if x.get("boot")]
     if boots:

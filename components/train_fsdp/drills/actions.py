@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kfp_nvrx.components.core.events import EventLog, read_events
+from kfp_nvrx.components.core.host_copy import host_copy_dir
 from kfp_nvrx.components.core.rundir import checkpoints_dir, committed_steps, step_dir
 
 
@@ -109,7 +110,11 @@ class DamageNewest(Action):
                 data = fh.read(64)
                 fh.seek(size // 10)
                 fh.write(bytes(b ^ 0xFF for b in data))
-        self.notes.append(f"{self.mode} {target.name} of committed step {steps[0]}")
+        # A restart on the same node would load the newest commit from its host copy and never
+        # read the damaged files; the drill is about the files, as on a replaced node: drop it.
+        shutil.rmtree(host_copy_dir(self.run_dir), ignore_errors=True)
+        self.notes.append(f"{self.mode} {target.name} of committed step {steps[0]}; "
+                          "node-local host copy dropped")
         return True
 
     def on_line(self, line: str) -> None:  # noqa: D102

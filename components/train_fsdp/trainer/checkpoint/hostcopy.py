@@ -38,9 +38,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kfp_nvrx.components.core.host_copy import SHM_ROOT, host_copy_base, host_copy_dir
 from kfp_nvrx.components.core.rundir import COMMIT_MARKER
 
-SHM_ROOT = Path("/dev/shm")
 MANIFEST_VERSION = 1
 
 
@@ -101,14 +101,13 @@ class HostCopyDir:
     def __init__(self, run_dir: str | os.PathLike | None, rank: int, world_size: int,
                  root: Path = SHM_ROOT) -> None:
         self.root = Path(root)
-        self.base = self.root / f"kfp-nvrx-{os.getuid()}"
+        self.base = host_copy_base(self.root)
         self.run_dir = str(Path(run_dir).resolve()) if run_dir is not None else None
         self.persistent = run_dir is not None
         if self.persistent:
-            name = hashlib.sha256(self.run_dir.encode()).hexdigest()[:16]
+            self.path = host_copy_dir(self.run_dir, self.root)
         else:
-            name = f"private-{os.getpid()}-{time.monotonic_ns()}"
-        self.path = self.base / name
+            self.path = self.base / f"private-{os.getpid()}-{time.monotonic_ns()}"
         self.rank = rank
         self.world_size = world_size
 

@@ -1,0 +1,75 @@
+"""Learned NVRx timeouts come from steady steps only, with the floor, sent through the state API."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from kfp_nvrx.components.core.config import load_config
+from kfp_nvrx.components.train_fsdp.trainer.resilience import Monitor
+
+
+class _Client:
+    """Stands in for NVRx's RankMonitorClient: its current timeouts and what it was sent."""
+
+    CURRENT_TIMEOUTS_STATE_KEY = "current_timeouts"
+
+    def __init__(self) -> None:
+        self.hb_timeouts = SimpleNamespace(initial=600.0, subsequent=300.0)
+        self.section_timeouts = SimpleNamespace(
+            section={"setup": 600.0, "step": 300.0, "checkpoint": 600.0}, out_of_section=300.0,
+            calculated_sections=set(), is_out_of_section_calculated=False)
+        self.loaded: list[dict] = []
+        self.is_initialized = True
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loaded.append(state)
+
+
+def _monitor(*sets: str) -> tuple[Monitor, _Client]:
+    cfg = load_config("tiny", ["resilience.learn_after=3", "resilience.safety_factor=5",
+                               *sets]).resilience
+    m = Monitor(cfg, "nccl")
+    m.enabled, m.client = True, _Client()
+    return m, m.client
+
+
+def test_only_steady_steps_count_and_the_floor_holds() -> None:
+    m, client = _monitor("resilience.safety_factor=5", "resilience.min_learned_timeout=4")
+    m.observe(9.0, None, steady=False)  # first step: compile, allocations
+    m.observe(3.0, 3.1, steady=False)  # pinning the staging buffer in the background
+    for _ in range(2):
+        m.observe(0.30, 0.31, steady=True)
+    assert not m.maybe_learn(lambda v: v)  # two steady steps: not yet
+    m.observe(1.0, 1.02, steady=True)
+    assert m.maybe_learn(lambda v: v) and m.learned
+    state = client.loaded[-1]["current_timeouts"]
+    assert state["heartbeat"] == {"initial": 600.0, "subsequent": 5 * 1.02, "were_calculated": True}
+    assert state["section"]["section"] == {"setup": 600.0, "step": 5.0, "checkpoint": 600.0}
+    assert state["section"]["calculated_sections"] == ["step"]
+    m.observe(50.0, 50.0, steady=True)  # after learning nothing moves them
+    assert not m.maybe_learn(lambda v: v) and len(client.loaded) == 1
+
+
+def test_fast_steps_get_the_floor_and_other_ranks_count() -> None:
+    m, client = _monitor("resilience.min_learned_timeout=4")
+    for _ in range(3):
+        m.observe(0.05, 0.06, steady=True)
+    # Another rank saw a 1.2 s steady step: the element-wise maximum over ranks decides.
+    assert m.maybe_learn(lambda v: [max(a, b) for a, b in zip(v, [0.0, 1.2, 1.3], strict=True)])
+    state = client.loaded[-1]["current_timeouts"]
+    assert state["section"]["section"]["step"] == 5 * 1.2
+    assert state["heartbeat"]["subsequent"] == 5 * 1.3
+    m2, client2 = _monitor("resilience.min_learned_timeout=4")
+    for _ in range(3):
+        m2.observe(0.05, 0.06, steady=True)
+    assert m2.maybe_learn(lambda v: v)
+    got = client2.loaded[-1]["current_timeouts"]
+    assert got["section"]["section"]["step"] == 4.0 and got["heartbeat"]["subsequent"] == 4.0
+
+
+def test_a_rank_that_is_not_ready_holds_every_rank_back() -> None:
+    m, client = _monitor()
+    for _ in range(3):
+        m.observe(0.1, 0.1, steady=True)
+    assert not m.maybe_learn(lambda v: [1.0, *v[1:]])  # the reduced "not ready" flag is set
+    assert client.loaded == [] and not m.learned
