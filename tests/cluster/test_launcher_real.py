@@ -256,3 +256,36 @@ def test_refusals_are_one_line_and_say_whose(kube, tmp_path) -> None:
         assert ("RBAC" in lines[0]) == ("admission" not in lines[0]), lines[0]
         assert '{"kind":"Status"' not in lines[0]  # the server's message, not its JSON
     assert leftovers(kube.client(), kube.namespace, "real-refused") == {}
+
+
+@pytest.fixture(scope="module")
+def quota_namespace(cluster):
+    """A namespace whose ResourceQuota admits no pod (deleted after this module's tests)."""
+    core = client.CoreV1Api(cluster.client())
+    ns = "kfp-nvrx-no-pods"
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=ns)))
+    core.create_namespaced_resource_quota(ns, client.V1ResourceQuota(
+        metadata=client.V1ObjectMeta(name="no-pods"), spec=client.V1ResourceQuotaSpec(
+            hard={"pods": "0"})))
+    yield ns
+    core.delete_namespace(ns)
+
+
+@pytest.mark.parametrize(("job_api", "says"), [
+    ("pytorchjob", "(FailedCreatePod on PyTorchJob kfp-nvrx-no-pods/real-quota-py)"),
+    ("trainjob", "(FailedCreate on Job kfp-nvrx-no-pods/real-quota-tr-node-0)")])
+def test_pods_refused_by_quota_are_said_once_not_just_pending(kube, tmp_path, quota_namespace,
+                                                              job_api: str, says: str) -> None:
+    """The controller's FailedCreate(Pod) event is shown: 'Pending' alone would hide it."""
+    name = f"real-quota-{job_api[:2]}"
+    cli = Cli(_args(name, job_api, "--namespace", quota_namespace, "--runtime",
+                    "torch-distributed", "--runtime-kind", "ClusterTrainingRuntime"),
+              kube.kubeconfig, tmp_path)
+    cli.wait_line("warning: pods cannot be created: ")
+    cli.proc.send_signal(signal.SIGTERM)
+    assert cli.wait() == 128 + signal.SIGTERM
+    warnings = [line for line in cli.out if line.startswith("warning: pods cannot be created: ")]
+    # One line, however often the controller retried (each retry names a new pod).
+    assert len(warnings) == 1 and warnings[0].endswith(says), cli.out
+    assert "pods is forbidden: exceeded quota: no-pods, requested: pods=1" in warnings[0]
+    assert leftovers(kube.client(), quota_namespace, name) == {}

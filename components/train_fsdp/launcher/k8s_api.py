@@ -30,6 +30,8 @@ from kubernetes.client.rest import ApiException
 MAX_BODY = 400
 _HTML = re.compile(r"<\s*(!doctype\s+html|html|head|body|title)\b", re.IGNORECASE)
 _OBJ_REPR = re.compile(r"<[\w.]+ object at 0x[0-9a-f]+>:?\s*")
+#: A generated pod name in an event message ('pods "job-node-0-0-t2jzt" is forbidden').
+_POD_NAME = re.compile(r'pods "[^"]*"')
 
 
 class ClusterError(RuntimeError):
@@ -94,6 +96,12 @@ def _reason(err: BaseException) -> str:
     """The innermost useful text of a urllib3 connection error."""
     inner = getattr(err, "reason", None) or err
     return _OBJ_REPR.sub("", _one_line(str(inner))) or type(inner).__name__
+
+
+def hints(crd: str) -> dict[int, str]:
+    """Advice for the usual HTTP statuses of a call on ``crd``'s objects."""
+    return {401: "The credentials were rejected.", 403: "RBAC forbids it (see docs/eks.md).",
+            404: f"Is {crd} installed?"}
 
 
 def describe(action: str, err: BaseException, host: str, hints: dict[int, str] | None = None
@@ -165,3 +173,27 @@ def call(action: str, host: str, fn: Any, *args: Any, ok: tuple[int, ...] = (),
         raise describe(action, err, host, hints) from None
     except Exception as err:  # noqa: BLE001 - every other way a call fails: one line
         raise describe(action, err, host, hints) from None
+
+
+def warning_events(core: Any, namespace: str, host: str, kind: str, name: str,
+                   reason: str) -> list[str]:
+    """Distinct messages of the Warning Events ``reason`` on object ``kind``/``name``.
+
+    Generated pod names are cut out, so the Job controller's retries (a new name each time)
+    read as one message.
+
+    Raises:
+        ClusterError: The events could not be read.
+
+    """
+    events = call(f"reading the events of {kind} {namespace}/{name}", host,
+                  core.list_namespaced_event, namespace,
+                  field_selector=f"involvedObject.kind={kind},involvedObject.name={name},"
+                  f"reason={reason},type=Warning")
+    out: list[str] = []
+    for event in events.items:
+        message = _POD_NAME.sub("pods", _one_line(event.message or ""))
+        message = message.removeprefix("Error creating: ")[:MAX_BODY]
+        if message and message not in out:
+            out.append(message)
+    return out

@@ -17,12 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
-from kubernetes.client.rest import ApiException
-
 from kfp_nvrx.components.core.pod_entry import exit_meaning
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.train_fsdp.jobspec.spec import DELETE_AFTER, JobSpec
-from kfp_nvrx.components.train_fsdp.launcher.k8s_api import ClusterError, describe
+from kfp_nvrx.components.train_fsdp.launcher.k8s_api import ClusterError, hints
 from kfp_nvrx.components.train_fsdp.launcher.logs import PodLogFollower
 from kfp_nvrx.components.train_fsdp.launcher.result import LaunchResult
 
@@ -36,10 +34,12 @@ MIN_OUTAGE_S = 120.0
 #: Seconds the launcher waits for a deleted job and its pods to be gone;
 #: below KFP's 30 s termination grace, so a cancelled step still exits on its own.
 DELETE_WAIT_S = 20.0
+#: Least seconds between two reads of the events that say why no pod could be created.
+EVENTS_EVERY_S = 10.0
 #: Attempts at the delete call itself (a job must not be left behind by one dropped connection).
 DELETE_ATTEMPTS = 3
 
-__all__ = ["ClusterError", "JobAPI", "JobRun", "K8sOptions", "Outcome"]
+__all__ = ["ClusterError", "JobAPI", "JobRun", "K8sOptions", "Outcome", "hints"]
 
 
 @dataclass
@@ -125,17 +125,8 @@ class JobAPI(Protocol):
     def blocked(self, job: Any) -> Outcome | None:
         """A failure the controller only reports in Events (the job never gets a condition)."""
 
-
-def hints(crd: str) -> dict[int, str]:
-    """Advice for the usual HTTP statuses of a call on ``crd``'s objects."""
-    return {401: "The credentials were rejected.", 403: "RBAC forbids it (see docs/eks.md).",
-            404: f"Is {crd} installed?"}
-
-
-def api_error(action: str, err: ApiException, crd: str, host: str = "the API server"
-              ) -> ClusterError:
-    """One line for a refused call, with a hint for the usual HTTP statuses."""
-    return describe(action, err, host, hints(crd))
+    def creation_warnings(self) -> list[str]:
+        """Why the job's pods could not be created (quota, admission), from Warning Events."""
 
 
 class StopSignals:
@@ -194,6 +185,15 @@ def fill_failure(result: LaunchResult, follower: PodLogFollower, lines: int) -> 
         except Exception:  # noqa: BLE001 - no log to show (gone, API unreachable): no tail
             tail = []
     result.last_log_lines = tail
+
+
+def _creation_warnings(jobs: JobAPI) -> list[str]:
+    """``jobs.creation_warnings()`` where the backend has it; nothing when events fail."""
+    check = getattr(jobs, "creation_warnings", None)
+    try:
+        return check() if check is not None else []
+    except ClusterError:
+        return []  # only an explanation: the status reads report the API's trouble
 
 
 def _blocked(jobs: JobAPI, job: Any) -> Outcome | None:
@@ -331,6 +331,7 @@ class JobRun:
                               run_dir=run_dir, started_at=created)
         last_state, last_progress, last_summary, errors = "", 0.0, "", 0
         failing_since, last_error = 0.0, ""
+        next_events, warned = time.monotonic() + 1.0, set()
         while True:
             if signals.event.is_set():
                 name = signal.Signals(signals.signum).name if signals.signum else "signal"
@@ -372,8 +373,16 @@ class JobRun:
                 result.state = "DeadlineExceeded"
                 result.reason = f"launcher deadline of {deadline_s:g}s after job creation passed"
                 break
-            summary = follower.progress.summary()
             now = time.monotonic()
+            if not follower.pods and now >= next_events:
+                # No pod exists: say why, if a controller said (a quota, an admission policy).
+                # Not a failure: quota can free up. Read at most every EVENTS_EVERY_S.
+                next_events = now + EVENTS_EVERY_S
+                for line in _creation_warnings(jobs):
+                    if line not in warned:
+                        warned.add(line)
+                        say(f"warning: pods cannot be created: {line}")
+            summary = follower.progress.summary()
             moved = follower.progress.step or follower.progress.restarts
             if moved and summary != last_summary and now - last_progress >= opts.progress_s:
                 say(f"progress: {summary}, pod restarts {follower.pod_restarts()}")

@@ -115,6 +115,12 @@ class _Job:
                                        or _ts(cond.last_transition_time))
         return None
 
+    def creation_warnings(self) -> list[str]:
+        """Why the operator could not create pods (quota, admission): its FailedCreatePod."""
+        return [f"{m} (FailedCreatePod on {self.where})" for m in k8s_api.warning_events(
+            self.tc.core_api, self.namespace, self.host, self.kind, self.name,
+            "FailedCreatePod")]
+
     def blocked(self, job: models.KubeflowOrgV1PyTorchJob) -> k8s_job.Outcome | None:
         """Never: the Training Operator reports its failures as job conditions."""
         return None

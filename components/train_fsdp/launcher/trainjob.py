@@ -216,6 +216,13 @@ class _TrainJobs:
             self._warn(f"warning: {self.where}: {CREATION_FAILED}: {message[:300]}")
         return None
 
+    def creation_warnings(self) -> list[str]:
+        """Why the Job controller could not create node pods (quota, admission): FailedCreate."""
+        job = f"{self.name}-{rt.REPLICATED_JOB}-0"
+        return [f"{m} (FailedCreate on Job {self.namespace}/{job})" for m in
+                k8s_api.warning_events(self.core, self.namespace, self.host, "Job", job,
+                                       "FailedCreate")]
+
     def _warn(self, line: str) -> None:
         if line not in self._warned:
             self._warned.add(line)
