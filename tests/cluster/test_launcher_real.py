@@ -289,3 +289,29 @@ def test_pods_refused_by_quota_are_said_once_not_just_pending(kube, tmp_path, qu
     assert len(warnings) == 1 and warnings[0].endswith(says), cli.out
     assert "pods is forbidden: exceeded quota: no-pods, requested: pods=1" in warnings[0]
     assert leftovers(kube.client(), quota_namespace, name) == {}
+
+
+def test_a_job_no_controller_takes_up_is_said(kube) -> None:
+    """A TrainJob the real Trainer skips (``managedBy`` Kueue, which is not installed)."""
+    from kfp_nvrx.components.train_fsdp.jobspec.trainjob import render
+    from kfp_nvrx.components.train_fsdp.launcher.k8s_job import K8sOptions
+    from kfp_nvrx.components.train_fsdp.launcher.trainjob import launch_trainjob
+
+    name = "real-unmanaged"
+    spec = _spec(name)
+    body = render(spec, rt.RUNTIME_NAME, rt.RUNTIME_KIND).job
+    body["metadata"]["namespace"] = kube.namespace
+    body["spec"]["managedBy"] = "kueue.x-k8s.io/multikueue"
+    api = client.CustomObjectsApi(kube.client())
+    api.create_namespaced_custom_object(rt.GROUP, "v1alpha1", kube.namespace, "trainjobs", body)
+    lines: list[str] = []
+    result = launch_trainjob(spec, K8sOptions(namespace=kube.namespace, poll_s=0.5,
+                                              deadline_s=14.0, no_controller_s=2.0,
+                                              handle_signals=False),
+                             log=lines.append, api_client=kube.client())
+    assert result.state == "DeadlineExceeded" and result.extra["attached"] is True
+    said = [line for line in lines if "has no status" in line]
+    assert said == [f"warning: TrainJob {kube.namespace}/{name} has no status 2s after its "
+                    "creation: is the Kubeflow Trainer controller manager (and Kueue, for a "
+                    "TrainJob with spec.managedBy) running?"], lines
+    assert leftovers(kube.client(), kube.namespace, name) == {}

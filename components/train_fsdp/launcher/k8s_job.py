@@ -57,6 +57,8 @@ class K8sOptions:
         watch_timeout_s: Length of one pod watch request.
         handle_signals: Install SIGTERM/SIGINT handlers (main thread only) that delete the job.
         drain_s: Seconds open log streams may run on after the end (last lines of the pods).
+        no_controller_s: Seconds without any job status before the launcher asks whether the
+            job's controller runs (a CRD installed without its controller).
 
     """
 
@@ -69,6 +71,7 @@ class K8sOptions:
     watch_timeout_s: int = 30
     handle_signals: bool = True
     drain_s: float = 5.0
+    no_controller_s: float = 120.0
 
 
 class Outcome(NamedTuple):
@@ -128,6 +131,12 @@ class JobAPI(Protocol):
     def creation_warnings(self) -> list[str]:
         """Why the job's pods could not be created (quota, admission), from Warning Events."""
 
+    #: Who should have set the job's status ("the Training Operator").
+    controller: str
+
+    def has_status(self, job: Any) -> bool:
+        """Whether a controller has written the job's status."""
+
 
 class StopSignals:
     """SIGTERM/SIGINT -> an Event, while inside the ``with`` block (main thread only)."""
@@ -185,21 +194,6 @@ def fill_failure(result: LaunchResult, follower: PodLogFollower, lines: int) -> 
         except Exception:  # noqa: BLE001 - no log to show (gone, API unreachable): no tail
             tail = []
     result.last_log_lines = tail
-
-
-def _creation_warnings(jobs: JobAPI) -> list[str]:
-    """``jobs.creation_warnings()`` where the backend has it; nothing when events fail."""
-    check = getattr(jobs, "creation_warnings", None)
-    try:
-        return check() if check is not None else []
-    except ClusterError:
-        return []  # only an explanation: the status reads report the API's trouble
-
-
-def _blocked(jobs: JobAPI, job: Any) -> Outcome | None:
-    """``jobs.blocked(job)`` where the backend has it (test doubles may not)."""
-    check = getattr(jobs, "blocked", None)
-    return check(job) if check is not None else None
 
 
 class JobRun:
@@ -319,6 +313,20 @@ class JobRun:
                     return created, False
         raise ClusterError(f"{jobs.where} could not be created or read")
 
+    def _why_no_pods(self, jobs: JobAPI, job: Any, created: float) -> list[str]:
+        """Why the job has no pod: a controller's refused pods (quota, admission), or no status.
+
+        Warnings, not failures: quota frees up, a controller may yet start.
+        """
+        try:
+            lines = [f"warning: pods cannot be created: {m}" for m in jobs.creation_warnings()]
+        except ClusterError:
+            lines = []  # only an explanation: the status reads report the API's trouble
+        if not jobs.has_status(job) and time.time() - created > self.opts.no_controller_s:
+            lines.append(f"warning: {jobs.where} has no status {self.opts.no_controller_s:g}s "
+                         f"after its creation: is {jobs.controller} running?")
+        return lines
+
     def _follow(self, jobs: JobAPI, job: Any, run_dir: str, active_deadline_s: float | None,
                 follower: PodLogFollower, signals: StopSignals) -> LaunchResult:
         """Poll the job until it ends, the deadline passes or a signal arrives."""
@@ -364,7 +372,7 @@ class JobRun:
                 last_state = state
                 if state == "Running" and "time_to_running_s" not in result.extra:
                     result.extra["time_to_running_s"] = round(time.time() - created, 1)
-            outcome = jobs.outcome(job) or _blocked(jobs, job)
+            outcome = jobs.outcome(job) or jobs.blocked(job)
             if outcome is not None:
                 result.state, result.reason = outcome.state, outcome.reason
                 result.finished_at = outcome.finished_at or time.time()
@@ -374,14 +382,12 @@ class JobRun:
                 result.reason = f"launcher deadline of {deadline_s:g}s after job creation passed"
                 break
             now = time.monotonic()
-            if not follower.pods and now >= next_events:
-                # No pod exists: say why, if a controller said (a quota, an admission policy).
-                # Not a failure: quota can free up. Read at most every EVENTS_EVERY_S.
+            if not follower.pods and now >= next_events:  # events: every EVENTS_EVERY_S
                 next_events = now + EVENTS_EVERY_S
-                for line in _creation_warnings(jobs):
+                for line in self._why_no_pods(jobs, job, created):
                     if line not in warned:
                         warned.add(line)
-                        say(f"warning: pods cannot be created: {line}")
+                        say(line)
             summary = follower.progress.summary()
             moved = follower.progress.step or follower.progress.restarts
             if moved and summary != last_summary and now - last_progress >= opts.progress_s:

@@ -45,6 +45,7 @@ class _Job:
 
     kind = "PyTorchJob"
     propagation = "Foreground"
+    controller = "the Training Operator (kubectl -n kubeflow get deploy training-operator)"
 
     def __init__(self, tc: TrainingClient, name: str, namespace: str) -> None:
         self.tc, self.name, self.namespace = tc, name, namespace
@@ -120,6 +121,9 @@ class _Job:
         return [f"{m} (FailedCreatePod on {self.where})" for m in k8s_api.warning_events(
             self.tc.core_api, self.namespace, self.host, self.kind, self.name,
             "FailedCreatePod")]
+
+    def has_status(self, job: models.KubeflowOrgV1PyTorchJob) -> bool:
+        return bool(job.status and job.status.conditions)
 
     def blocked(self, job: models.KubeflowOrgV1PyTorchJob) -> k8s_job.Outcome | None:
         """Never: the Training Operator reports its failures as job conditions."""

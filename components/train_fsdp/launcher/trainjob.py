@@ -113,6 +113,8 @@ class _TrainJobs:
     #: counting). In the background the TrainJob goes at once and the collector then deletes
     #: the JobSet, its Jobs, Pods and Service; :meth:`gone` waits for the pods.
     propagation = "Background"
+    controller = ("the Kubeflow Trainer controller manager (and Kueue, for a TrainJob with "
+                  "spec.managedBy)")
 
     def __init__(self, api: k8s.ApiClient, name: str, namespace: str) -> None:
         self.api, self.core = k8s.CustomObjectsApi(api), k8s.CoreV1Api(api)
@@ -183,6 +185,9 @@ class _TrainJobs:
             return Outcome("Succeeded", "", _ts(final.get("lastTransitionTime")))
         return Outcome("Failed", failure_reason(final.get("reason"), final.get("message")),
                        _ts(final.get("lastTransitionTime")))
+
+    def has_status(self, job: dict[str, Any]) -> bool:
+        return bool(job.get("status"))
 
     def blocked(self, job: dict[str, Any]) -> Outcome | None:
         """The Trainer could not build the job's JobSet and will not be able to.
