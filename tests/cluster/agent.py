@@ -9,7 +9,7 @@ controller keeps them), and watches the Pods the kube-scheduler binds to them; e
   bind-mounted on ``/etc/hosts`` inside each container's private mount namespace only;
 * backs every PersistentVolumeClaim with a folder ``<root>/volumes/<namespace>/<claim>`` (claims
   that no PersistentVolume serves get a hostPath PV made for them, so "create a claim, get a
-  folder");
+  folder"; ``<root>/agent/volumes.json`` lists them all);
 * serves container logs to the API server (:mod:`.agent_kubelet`).
 
 Drills reach it through files: ``<root>/agent/pods/<uid>/pids.json`` names each container's
@@ -23,10 +23,12 @@ import json
 import os
 import threading
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .agent_env import decode_secret
+from .agent_hosts import Hosts, dns_names
 from .agent_kubelet import KubeletServer
 from .agent_pod import PodRunner, now
 
@@ -40,40 +42,6 @@ LEASE_NAMESPACE = "kube-node-lease"
 LEASE_S = 40
 HEARTBEAT_S = 5.0
 KUBELET_VERSION = "v1.35.4"
-
-
-class Hosts:
-    """The cluster hosts file: the machine's own entries, then one line per DNS name.
-
-    It is rewritten in place (never replaced): bind mounts pin the inode. Names only get added or
-    re-pointed, and addresses are stable per name, so the file rarely changes under a reader.
-    """
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.lock = threading.Lock()
-        self.names: dict[str, str] = {}
-        try:
-            self.base = Path("/etc/hosts").read_text()
-        except OSError:
-            self.base = "127.0.0.1 localhost\n"
-        path.write_text(self.base)
-
-    def set(self, entries: dict[str, str]) -> None:
-        """Point each name at its address (one write when anything changed)."""
-        with self.lock:
-            if all(self.names.get(n) == ip for n, ip in entries.items()):
-                return
-            self.names.update(entries)
-            text = self.base + "".join(f"{ip} {n}\n" for n, ip in self.names.items())
-            with open(self.path, "r+") as f:
-                f.write(text)
-                f.truncate()
-
-
-def _names(host: str, sub: str, ns: str) -> list[str]:
-    base = f"{host}.{sub}" if sub else host
-    return [base, f"{base}.{ns}", f"{base}.{ns}.svc", f"{base}.{ns}.svc.cluster.local"]
 
 
 class Agent:
@@ -186,7 +154,7 @@ class Agent:
     def _renew(self, name: str) -> None:
         from kubernetes.client.rest import ApiException
 
-        ts = datetime_now()
+        ts = datetime.now(timezone.utc)  # MicroTime: the client keeps the microseconds
         body = {"metadata": {"name": name, "namespace": LEASE_NAMESPACE},
                 "spec": {"holderIdentity": name, "leaseDurationSeconds": LEASE_S,
                          "renewTime": ts}}
@@ -240,7 +208,7 @@ class Agent:
     def pod_started(self, r: PodRunner) -> None:
         """A pod got its address: its names go into the hosts file before any process starts."""
         spec = r.pod["spec"]
-        entries = {n: r.ip for n in _names(r.hostname, spec.get("subdomain", ""), r.ns)}
+        entries = {n: r.ip for n in dns_names(r.hostname, spec.get("subdomain", ""), r.ns)}
         entries.setdefault(r.hostname, r.ip)
         self.hosts.set(entries)
         self._services(r.ns)
@@ -257,7 +225,7 @@ class Agent:
             match = [r for r in pods if sel and all(
                 (r.pod["metadata"].get("labels") or {}).get(k) == v for k, v in sel.items())]
             if match:
-                entries.update({n: match[0].ip for n in _names(svc.metadata.name, "", ns)})
+                entries.update({n: match[0].ip for n in dns_names(svc.metadata.name, "", ns)})
         if entries:
             self.hosts.set(entries)
 
@@ -329,7 +297,13 @@ class Agent:
         """The folder backing PVC ``ns/claim`` (created on first use)."""
         folder = self.volumes / ns / claim
         folder.mkdir(parents=True, exist_ok=True)
-        self.claims[f"{ns}/{claim}"] = str(folder)
+        with self.lock:
+            if self.claims.get(f"{ns}/{claim}") != str(folder):
+                self.claims[f"{ns}/{claim}"] = str(folder)
+                # Claims made after `up` printed its list: <root>/agent/volumes.json has all.
+                tmp = self.root / "volumes.json.tmp"
+                tmp.write_text(json.dumps(dict(sorted(self.claims.items())), indent=1))
+                os.replace(tmp, self.root / "volumes.json")
         return folder
 
     def _on_claim(self, kind: str, pvc: dict[str, Any]) -> None:
@@ -430,13 +404,6 @@ class Agent:
             r.finished.wait(max(0.0, deadline - time.monotonic()))
             r.kill(report=False)
         self.kubelet.stop()
-
-
-def datetime_now():
-    """Lease times are MicroTime: a datetime the client serialises with microseconds."""
-    from datetime import datetime, timezone
-
-    return datetime.now(timezone.utc)
 
 
 def start_agent(cp: ControlPlane, nodes: int) -> Agent:

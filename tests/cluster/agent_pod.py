@@ -176,17 +176,21 @@ class PodRunner:
                 return code
 
     def _run_once(self, c: Container) -> int:
-        try:
-            env = container_env(self.pod, c.spec, self.agent.lookup, self.agent.allocatable,
-                                self.hostname)
-            argv = container_argv(c.spec, env)
-            script = self._setup_script(c)
-        except ConfigError as e:
-            with self.lock:
-                c.state = {"waiting": {"reason": "CreateContainerConfigError", "message": str(e)}}
-            self._report()
-            # The kubelet retries until the reference appears; so do we (or the pod is deleted).
-            return 0 if self.deleting.wait(2.0) else self._run_once(c)
+        while True:
+            try:
+                env = container_env(self.pod, c.spec, self.agent.lookup, self.agent.allocatable,
+                                    self.hostname)
+                argv = container_argv(c.spec, env)
+                script = self._setup_script(c)
+                break
+            except ConfigError as e:
+                with self.lock:
+                    c.state = {"waiting": {"reason": "CreateContainerConfigError",
+                                           "message": str(e)}}
+                self._report()
+                # The kubelet retries until the reference appears (or the pod is deleted).
+                if self.deleting.wait(2.0):
+                    return 0
         env.setdefault("TMPDIR", "/tmp")
         log = self.log_path(c.name, c.restarts)
         log.parent.mkdir(parents=True, exist_ok=True)

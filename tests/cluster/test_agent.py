@@ -241,4 +241,26 @@ def test_new_claim_gets_a_folder(kube):
         mounts=[{"name": "v", "mountPath": "/v"}]))
     assert _phase(core, ns, name).status.phase == "Succeeded"
     assert (kube.root / "volumes" / ns / claim / "file").read_text() == "data\n"
+    listed = json.loads((kube.root / "agent" / "volumes.json").read_text())
+    assert listed[f"{ns}/{claim}"] == str(kube.root / "volumes" / ns / claim)
+    core.delete_namespaced_pod(name, ns)
+
+
+def test_missing_secret_waits_like_a_kubelet(kube):
+    """A pod whose secretKeyRef does not resolve waits (CreateContainerConfigError) and starts
+    once the Secret exists."""
+    core, ns, tag = _core(kube), kube.namespace, uuid.uuid4().hex[:6]
+    name = f"late-{tag}"
+    env = [{"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": f"late-{tag}",
+                                                            "key": "t"}}}]
+    core.create_namespaced_pod(ns, _pod(name, "echo token=$TOKEN", env=env))
+
+    def waiting():
+        cs = core.read_namespaced_pod(name, ns).status.container_statuses
+        return cs and cs[0].state.waiting and cs[0].state.waiting.reason
+    assert _wait("config error", waiting) == "CreateContainerConfigError"
+    core.create_namespaced_secret(ns, {"metadata": {"name": f"late-{tag}"},
+                                       "stringData": {"t": "now"}})
+    assert _phase(core, ns, name).status.phase == "Succeeded"
+    assert _log(core, name, ns).strip() == "token=now"
     core.delete_namespaced_pod(name, ns)
