@@ -48,6 +48,9 @@ class _Proxy(http.server.BaseHTTPRequestHandler):
             return self._send(403, LOGIN, "text/html")
         if mode == "binary":
             return self._send(200, b"\xff\xfe\x00\x81binary\xc3\x28", "application/octet-stream")
+        if mode == "hang":  # accepts, reads the request, never answers (a dead LB backend)
+            time.sleep(5.0)
+            return None
         if mode == "watch-ends":  # lists fine; every watch closes at once with no event
             if "watch=" in self.path:
                 return self._send(200, b"", "application/json")
@@ -161,3 +164,23 @@ def test_watch_that_ends_at_once_backs_off(proxy) -> None:
     # 0.8 + 1.6 + 3.2 s of pauses fit in 4 s: at most 4 watches, and one LIST (no relisting).
     assert lists == 1 and 1 <= watches <= 4, proxy.requests
     assert follower.requests["watch"] == watches
+
+
+def test_a_server_that_never_answers_is_a_one_line_timeout(proxy, monkeypatch) -> None:
+    """Every call has a read timeout: a silent server must not hold the launcher forever."""
+    from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
+    from kfp_nvrx.components.train_fsdp.launcher import k8s_api
+    from kfp_nvrx.components.train_fsdp.launcher.k8s_job import ClusterError, K8sOptions
+    from kfp_nvrx.components.train_fsdp.launcher.kubernetes import launch_kubernetes
+
+    proxy.mode = "hang"
+    monkeypatch.setattr(k8s_api, "REQUEST_TIMEOUT", (1.0, 1.0))
+    host = f"http://127.0.0.1:{proxy.server_address[1]}"
+    spec = JobSpec(image="img:1", pvc="fsx", instance_type="cpu", nodes="1", run_id="run-hang",
+                   task="train")
+    with pytest.raises(ClusterError) as err:
+        launch_kubernetes(spec, K8sOptions(namespace="team-a", handle_signals=False),
+                          log=lambda _: None, client_configuration=client.Configuration(host))
+    text = str(err.value)
+    assert f"cannot reach the Kubernetes API server at {host}" in text and "timed out" in text
+    assert "\n" not in text

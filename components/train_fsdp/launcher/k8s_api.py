@@ -26,6 +26,9 @@ from typing import Any
 
 from kubernetes.client.rest import ApiException
 
+#: (connect, read) seconds of one call: a connection that a load balancer dropped without a
+#: word must end in an error the loops retry, not block the launcher (and its SIGTERM) forever.
+REQUEST_TIMEOUT = (10.0, 60.0)
 #: Longest part of an API server's error body quoted in a message.
 MAX_BODY = 400
 _HTML = re.compile(r"<\s*(!doctype\s+html|html|head|body|title)\b", re.IGNORECASE)
@@ -165,6 +168,7 @@ def call(action: str, host: str, fn: Any, *args: Any, ok: tuple[int, ...] = (),
         ClusterError: Any other failure, in one line.
 
     """
+    kwargs.setdefault("_request_timeout", REQUEST_TIMEOUT)
     try:
         return fn(*args, **kwargs)
     except ApiException as err:

@@ -219,8 +219,9 @@ class PodLogFollower:
             try:
                 if not rv:
                     self.requests["list"] += 1
-                    pods = self.core.list_namespaced_pod(self.namespace,
-                                                         label_selector=self.selector)
+                    pods = self.core.list_namespaced_pod(
+                        self.namespace, label_selector=self.selector,
+                        _request_timeout=k8s_api.REQUEST_TIMEOUT)
                     for pod in pods.items:
                         self._on_pod(pod)
                     rv = pods.metadata.resource_version or ""
@@ -229,7 +230,10 @@ class PodLogFollower:
                 for event in w.stream(self.core.list_namespaced_pod, self.namespace,
                                       label_selector=self.selector, resource_version=rv,
                                       allow_watch_bookmarks=True,
-                                      timeout_seconds=self.watch_timeout_s):
+                                      timeout_seconds=self.watch_timeout_s,
+                                      # silence past the server's own end: a dead connection
+                                      _request_timeout=(k8s_api.REQUEST_TIMEOUT[0],
+                                                        self.watch_timeout_s + 30)):
                     delivered = True
                     raw = event.get("raw_object") or {}
                     rv = (raw.get("metadata") or {}).get("resourceVersion") or rv
