@@ -83,7 +83,6 @@ class NvrxWriter:
         self.worker_cuda = device.type == "cuda"
         self._caller: Any = None  # the running Caller, None until the first request
         self._warming = False  # the warm-up request may still be running
-        self._mapped_key: str | None = None  # staging buffer the running process has mapped
         self._procs: list[Any] = []  # processes started here and not yet seen reaped
         # Registered after multiprocessing's own exit hook (imported with torch), so it runs first.
         atexit.register(self.kill)
@@ -132,8 +131,9 @@ class NvrxWriter:
     def schedule(self, request: Any) -> None:
         """Hands ``request`` (an NVRx ``AsyncRequest``) to the writer process, starting it if needed.
 
-        On CPU the worker skips its CUDA setup where NVRx has that switch (NVRx >= 0.6 makes it
-        call ``torch.cuda.set_device`` unless ``cpu_shm_mode``).
+        On CPU, and on CUDA when our staging banks feed the writer (:meth:`use_cuda`), the worker
+        skips its CUDA setup where NVRx has that switch (NVRx >= 0.6 makes it call
+        ``torch.cuda.set_device`` unless ``cpu_shm_mode``).
         """
         if self._caller is None:
             # FT: NVRx persistent async checkpoint worker (spawned once, reused by every save).
@@ -143,7 +143,6 @@ class NvrxWriter:
                 self._caller = caller_cls(cpu_shm_mode=True)
             else:
                 self._caller = caller_cls()
-            self._mapped_key = None
         self._caller.schedule_async_call(request)
         self.track(self._caller.process)
 
@@ -157,14 +156,6 @@ class NvrxWriter:
             self.worker_cuda = wanted
             if self.started:
                 self.abort()
-
-    def needs_buffer(self, key: str) -> bool:
-        """Whether the running process has not mapped the staging buffer ``key`` yet."""
-        return self._mapped_key != key
-
-    def buffer_sent(self, key: str) -> None:
-        """Records that the running process maps the staging buffer ``key`` from now on."""
-        self._mapped_key = key
 
     def done(self, wait_s: float, what: str) -> bool:
         """Whether the current request finished, waiting at most ``wait_s`` seconds.
