@@ -198,5 +198,5 @@ def test_boot_record_splits_the_worker_start() -> None:
     assert list(again) == ["pg_init", "monitor_connect", "load", "total"]
     assert again["total"] == 2.25
     line = boot_line(boot)
-    assert line.startswith("[trainer] boot: interpreter ") and line.endswith("; total 10.25s")
+    assert line.startswith("boot: interpreter ") and line.endswith("; total 10.25s")
     assert "cuda_context 1.00s" in line

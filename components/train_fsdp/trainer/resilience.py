@@ -18,6 +18,7 @@ from typing import Any
 
 from kfp_nvrx.components.core.config import ResilienceConfig
 from kfp_nvrx.components.train_fsdp.trainer.restart_clock import RestartClock, clock_hooks
+from kfp_nvrx.components.train_fsdp.trainer.timeouts_text import describe_timeouts
 
 __all__ = ["Monitor", "RestartClock", "in_process_wrapper", "under_ft_launcher"]
 
@@ -223,11 +224,11 @@ class Monitor:
         with self._lock:
             self.client.load_state_dict(state)
 
-    def timeouts(self) -> dict[str, Any]:
-        """Current timeouts, for logs."""
+    def timeouts(self) -> str:
+        """Current timeouts in words, for the log ("hang detection after 4.0 s without a step")."""
         if not self.enabled:
-            return {}
-        return {"heartbeat": str(self.client.hb_timeouts), "sections": str(self.client.section_timeouts)}
+            return "no rank monitor"
+        return describe_timeouts(self.client.hb_timeouts, getattr(self.client, "section_timeouts", None))
 
     def state_dict(self) -> dict[str, Any]:
         """Learned timeouts to persist in checkpoints."""
@@ -254,7 +255,8 @@ def in_process_wrapper(cfg: ResilienceConfig, store_port: int) -> Callable[[Call
     every time it is entered.
 
     Restart latency: NVRx waits ``last_call_wait`` (its default, 1 s, was half of the wrapper's
-    2.15 s on the H200) after the first fault report before it aborts and restarts, only so that
+    time on the H200; docs/benchmarks/NOTES.md) after the first fault report before it aborts
+    and restarts, only so that
     concurrent faults of other ranks appear in the logged attribution; ``resilience.last_call_wait``
     (0.1 s) keeps that for faults within 0.1 s. The monitor-thread, monitor-process and progress
     watchdog intervals are ``WRAPPER_POLL_S`` (NVRx: 1 s); the heartbeat interval keeps its default.
@@ -311,10 +313,10 @@ def in_process_wrapper(cfg: ResilienceConfig, store_port: int) -> Callable[[Call
 
         def start(*args: Any) -> Any:
             # Before every re-entry NVRx runs `gc.collect()` until nothing is left to free, which
-            # walks the whole heap (torch, DTensor, sympy, dynamo: ~75 ms a pass on the CPU box,
-            # at least two passes). Freezing what exists now (modules, the Job) leaves those
-            # passes only the objects created since, among them every incarnation's model and
-            # optimizer, which are still collected.
+            # walks the whole heap (torch, DTensor, sympy, dynamo; at least two passes, each
+            # a noticeable part of an in-process restart). Freezing what exists now (modules,
+            # the Job) leaves those passes only the objects created since, among them every
+            # incarnation's model and optimizer, which are still collected.
             gc.collect()
             gc.freeze()
             return wrapped(*args)

@@ -153,7 +153,7 @@ def run(job: Job) -> None:
 def boot_line(parts: dict[str, float]) -> str:
     """The start-up in parts on one line (an in-job restart's share of the recovery)."""
     body = ", ".join(f"{k} {v:.2f}s" for k, v in parts.items() if k != "total")
-    return f"[trainer] boot: {body}; total {parts['total']:.2f}s"
+    return f"boot: {body}; total {parts['total']:.2f}s"  # log0 adds the [trainer] tag
 
 
 def boot_record(job: Job, iteration: int, marks: list[tuple[str, float]], t_start: float,
