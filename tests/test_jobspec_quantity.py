@@ -6,6 +6,7 @@ from decimal import Decimal
 
 import pytest
 
+from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.train_fsdp.jobspec.spec import quantity, same_quantity
 
 
@@ -21,3 +22,16 @@ def test_different_amounts_and_non_quantities() -> None:
     with pytest.raises(ValueError):
         quantity("lots")
 
+
+
+def test_request_and_limit_compare_as_amounts_and_zero_hugepages_mean_none():
+    """The offline pod check compares 1Gi with 1024Mi as the server does; 0Mi is no hugepages."""
+    from kfp_nvrx.components.train_fsdp.jobspec import validate
+
+    pod = {"spec": {"containers": [{"name": "pytorch", "image": "x", "resources": {
+        "requests": {"hugepages-2Mi": "1Gi", "memory": "1Gi"},
+        "limits": {"hugepages-2Mi": "1024Mi"}}}]}}
+    validate._resource_rules(pod)  # equal amounts: accepted
+    pod["spec"]["containers"][0]["resources"]["limits"]["hugepages-2Mi"] = "2Gi"
+    with pytest.raises(UserError, match="request and limit must be equal"):
+        validate._resource_rules(pod)

@@ -37,6 +37,7 @@ from kfp_nvrx.components.train_fsdp.jobspec.spec import (
     check_quantity,
     check_resource_name,
     parse_extra_pvc,
+    quantity,
 )
 
 SHM_VOLUME = "dshm"
@@ -71,11 +72,10 @@ def resources(spec: JobSpec, procs: int) -> k8s.V1ResourceRequirements:
     if efa:
         requests[EFA_RESOURCE] = limits[EFA_RESOURCE] = str(efa)
     hugepages = spec.hugepages or prof.hugepages
-    if hugepages and hugepages != "0":
+    # "0", "0Mi" and "0Gi" all mean no hugepages (an amount, not a text).
+    if hugepages and quantity(check_quantity("--hugepages", hugepages)) != 0:
         # Hugepages must have limit == request (and a cpu/memory request, set above).
-        requests[HUGEPAGES_RESOURCE] = limits[HUGEPAGES_RESOURCE] = check_quantity(
-            "--hugepages", hugepages
-        )
+        requests[HUGEPAGES_RESOURCE] = limits[HUGEPAGES_RESOURCE] = hugepages
     # No cpu/memory limit: the pod owns its node; a memory limit would also count /dev/shm
     # (memory-backed) against the container and OOM-kill it under DataLoader load.
     return k8s.V1ResourceRequirements(requests=requests, limits=limits or None)

@@ -25,6 +25,7 @@ import yaml
 
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.train_fsdp.jobspec.naming import DNS1035, MAX_LABEL
+from kfp_nvrx.components.train_fsdp.jobspec.spec import same_quantity
 
 SCHEMA_PATH = Path(__file__).parent / "schemas" / "kubeflow.org_pytorchjobs.yaml"
 #: Kubernetes minor version the pod template is validated against (EKS standard support).
@@ -160,7 +161,8 @@ def _resource_rules(pod: dict[str, Any]) -> None:
         for key in set(req) | set(lim):
             extended = "/" in key and not key.startswith("kubernetes.io/")
             paired = extended or key.startswith("hugepages-")
-            if paired and str(req.get(key)) != str(lim.get(key)):
+            # As amounts, the way the API server compares them: 1Gi equals 1024Mi.
+            if paired and not same_quantity(req.get(key), lim.get(key)):
                 raise UserError(f"{base}.resources", f"{key}: request and limit must be equal")
         if any(k.startswith("hugepages-") for k in req) and not ({"cpu", "memory"} & set(req)):
             raise UserError(f"{base}.resources", "hugepages need a cpu or memory request")
