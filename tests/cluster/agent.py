@@ -5,6 +5,7 @@ keeps them Ready (node status and Lease heartbeats, so kube-controller-manager's
 controller keeps them), and watches the Pods the kube-scheduler binds to them; each runs in a
 :class:`.agent_pod.PodRunner`. It also
 
+* runs every pod in one network namespace of the cluster's own (:class:`.agent_hosts.Netns`);
 * keeps one cluster hosts file (``<root>/agent/hosts``) with every pod's and Service's DNS names,
   bind-mounted on ``/etc/hosts`` inside each container's private mount namespace only;
 * backs every PersistentVolumeClaim with a folder ``<root>/volumes/<namespace>/<claim>`` (claims
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .agent_env import decode_secret
-from .agent_hosts import Hosts, dns_names
+from .agent_hosts import Hosts, Netns, dns_names
 from .agent_kubelet import KubeletServer
 from .agent_pod import PodRunner, now
 
@@ -66,6 +67,7 @@ class Agent:
         self.lost: set[str] = set()
         self.allocatable = dict(CAPACITY)
         self.hosts = Hosts(self.root / "hosts")
+        self.netns = Netns()
         self.stopping = threading.Event()
         self.lock = threading.Lock()
         self.runners: dict[str, PodRunner] = {}  # by uid
@@ -404,6 +406,7 @@ class Agent:
             r.finished.wait(max(0.0, deadline - time.monotonic()))
             r.kill(report=False)
         self.kubelet.stop()
+        self.netns.stop()
 
 
 def start_agent(cp: ControlPlane, nodes: int) -> Agent:

@@ -1,13 +1,51 @@
-"""The test cluster's DNS, as a hosts file the node agent bind-mounts on each pod's /etc/hosts.
+"""The test cluster's network: one network namespace for its pods, and its DNS as a hosts file
+the node agent bind-mounts on each pod's /etc/hosts.
 
-Only processes the agent starts see it (their private mount namespace); name resolution on the
-rest of the machine is untouched.
+Only processes the agent starts see either: name resolution and ports on the rest of the machine
+are untouched. The namespace matters because every TrainJob's rendezvous store listens on
+``0.0.0.0:29500`` (the torch plugin's fixed ``PET_MASTER_PORT``): two test clusters on one
+machine (two engineers, a CI run) would otherwise reach each other's stores through 127.0.0.x.
+The pods of one cluster share it (loopback, 127.0.0.0/8, one address per pod), as pods of a
+cluster share a pod network.
 """
 
 from __future__ import annotations
 
+import subprocess
 import threading
+import time
 from pathlib import Path
+
+from .procs import _die_with_parent
+
+
+class Netns:
+    """A network namespace kept alive by a sleeping holder process (dies with the agent)."""
+
+    def __init__(self) -> None:
+        # Started from the supervisor's main thread: PR_SET_PDEATHSIG follows that thread.
+        self.holder = subprocess.Popen(
+            ["unshare", "--net", "/bin/sh", "-c", "ip link set lo up && exec sleep infinity"],
+            stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
+        deadline = time.monotonic() + 30
+        while b"sleep" not in self._cmdline():  # lo is up once the shell exec'd sleep
+            if self.holder.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("agent: could not make the pods' network namespace")
+            time.sleep(0.05)
+
+    def _cmdline(self) -> bytes:
+        try:
+            return Path(f"/proc/{self.holder.pid}/cmdline").read_bytes()
+        except OSError:
+            return b""
+
+    def enter(self) -> list[str]:
+        """The argv prefix that runs a command inside the namespace."""
+        return ["nsenter", f"--net=/proc/{self.holder.pid}/ns/net"]
+
+    def stop(self) -> None:
+        self.holder.kill()
+        self.holder.wait(10)
 
 
 class Hosts:

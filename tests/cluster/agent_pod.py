@@ -6,7 +6,8 @@ A pod's life here, as a kubelet would live it:
 2. The runner gives the pod an address (``127.0.0.x``, stable per hostname or pod name, so a
    recreated pod keeps its DNS entry) and reports ``Pending`` with ``podIP``; init containers run
    one after the other, then every container starts (``Running``).
-3. Each container is ``unshare --pid --fork --kill-child --mount-proc --mount --uts``: its own PID
+3. Each container is ``unshare --pid --fork --kill-child --mount-proc --mount --uts`` inside the
+   cluster's network namespace (``nsenter --net``, :mod:`.agent_hosts`): its own PID
    namespace (nothing it starts outlives it), a private mount namespace in which the cluster hosts
    file covers ``/etc/hosts``, volumes are bind-mounted at their paths and ``/tmp`` and
    ``/dev/shm`` are per container, and the pod's hostname. :mod:`.pod_init` is its PID 1.
@@ -199,7 +200,8 @@ class PodRunner:
             if self.deleting.is_set():
                 return 0
             c.popen = subprocess.Popen(
-                ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "--mount",
+                [*self.agent.netns.enter(),
+                 "unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "--mount",
                  "--uts", "--propagation", "private", "/bin/sh", "-c", script, "sh",
                  sys.executable, str(POD_INIT), *argv],
                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,

@@ -95,7 +95,8 @@ def test_nodes_are_ready_and_heartbeat(kube):
 
 def test_pod_gets_kubelet_env_volumes_hostname_and_names(kube):
     """fieldRef, secretKeyRef, configMapKeyRef, $(VAR)/$$ expansion, workingDir, the PVC and an
-    emptyDir, hostname/subdomain and Service names resolving only inside the pod."""
+    emptyDir, hostname/subdomain and Service names resolving only inside the pod, and the
+    cluster's own network namespace."""
     core, ns, tag = _core(kube), kube.namespace, uuid.uuid4().hex[:6]
     core.create_namespaced_secret(ns, {"metadata": {"name": f"s-{tag}"},
                                        "stringData": {"token": "s3cret"}})
@@ -113,6 +114,8 @@ def test_pod_gets_kubelet_env_volumes_hostname_and_names(kube):
               "'LEVEL', 'JOINED', 'LITERAL', 'INDEX')}\n"
               "out['hostname'] = socket.gethostname(); out['cwd'] = os.getcwd()\n"
               "out['resolved'] = {n: socket.gethostbyname(n) for n in names}\n"
+              "s = socket.socket(); s.settimeout(5)\n"
+              f"out['apiserver'] = s.connect_ex(('127.0.0.1', {kube.state['apiserver']}))\n"
               "open('/fsx/agent-" + tag + "', 'w').write('hi')\n"
               "open('/scratch/x', 'w').write('x'); open('/dev/shm/y', 'w').write('y')\n"
               "print(json.dumps(out))\nEOF")
@@ -145,6 +148,8 @@ def test_pod_gets_kubelet_env_volumes_hostname_and_names(kube):
     assert out["resolved"] == {f"{probe}-h.sub-{tag}": ip, f"svc-{tag}": tip,
                                f"svc-{tag}.{ns}.svc.cluster.local": tip}
     assert (_claim_folder(kube) / f"agent-{tag}").read_text() == "hi"
+    # The cluster's own network namespace: this machine's ports (the API server's) are not there.
+    assert out["apiserver"] != 0
     # The names exist only inside the pods: this machine's resolution is unchanged.
     import socket
 
