@@ -35,7 +35,10 @@ def _no_kfp_context(tmp_path, monkeypatch):
 
 def _run(argv, capsys, caplog) -> tuple[int, str]:
     with caplog.at_level(logging.DEBUG):
-        rc = main(argv)
+        try:
+            rc = main(argv)
+        except SystemExit as e:  # argparse's own one-line refusals (nan, out of range) exit 2
+            rc = e.code
     out = capsys.readouterr()
     everything = out.out + out.err + "\n".join(r.getMessage() for r in caplog.records)
     for secret in (SECRET, PASSWORD, SECRET.split("-")[1], PASSWORD.split("-")[1]):
