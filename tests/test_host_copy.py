@@ -17,10 +17,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from kfp_nvrx.components.core.config import load_config
 from kfp_nvrx.components.core.launch_command import iteration_file
 from kfp_nvrx.components.core.rundir import COMMIT_MARKER, step_dir
-from kfp_nvrx.components.train_fsdp.trainer.build import TrainState, build, full_state
+from kfp_nvrx.components.train_fsdp.trainer.build import full_state
 from kfp_nvrx.components.train_fsdp.trainer.checkpoint import Checkpointer
 from kfp_nvrx.components.train_fsdp.trainer.checkpoint.hostcopy import HostCopyDir
 from kfp_nvrx.components.train_fsdp.trainer.checkpoint.staging import flat_state
@@ -34,18 +33,10 @@ def pg(one_rank_env):
 
 
 def _trainer():
-    cfg = load_config("tiny", ["train.device=cpu", "checkpoint.staging=blocking"])
-    model, opt, sched = build(cfg, torch.device("cpu"))
-    train = TrainState()
+    # test_staging's tiny CPU trainer (tests/ is on sys.path), as (config, state(), step()).
+    from test_staging import _trainer as staging_trainer
 
-    def step():
-        tokens = torch.randint(0, cfg.model.vocab_size, (2, 16))
-        model(tokens).float().logsumexp(-1).mean().backward()
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        train.step += 1
-
+    cfg, model, opt, sched, train, step = staging_trainer(["checkpoint.staging=blocking"])
     return cfg, (lambda: full_state(model, opt, sched, train, {"note": "ft"}, 0)), step
 
 

@@ -28,6 +28,20 @@ def pg(one_rank_env):
     dist.destroy_process_group()
 
 
+def _fail_staging_after(monkeypatch, views: int) -> None:
+    """Make staging raise after ``views`` tensors were staged (a fault in the middle of a save)."""
+    original = staging_mod.HostStaging.view
+    calls = []
+
+    def failing_view(self, key, bank=None):
+        calls.append(key)
+        if len(calls) > views:
+            raise RuntimeError("fault while staging")
+        return original(self, key, bank)
+
+    monkeypatch.setattr(staging_mod.HostStaging, "view", failing_view)
+
+
 def _trainer(overrides=()):
     cfg = load_config("tiny", ["train.device=cpu", *overrides])
     model, opt, sched = build(cfg, torch.device("cpu"))
@@ -136,16 +150,7 @@ def test_reused_buffer_second_save_and_in_memory_restore(tmp_path, pg, monkeypat
 
     # A fault while staging tears only the bank being staged: the other still holds committed
     # step 3, which the restart restores from memory (equal to the files).
-    original = staging_mod.HostStaging.view
-    calls = []
-
-    def failing_view(self, key, bank=None):
-        calls.append(key)
-        if len(calls) > 3:
-            raise RuntimeError("fault while staging")
-        return original(self, key, bank)
-
-    monkeypatch.setattr(staging_mod.HostStaging, "view", failing_view)
+    _fail_staging_after(monkeypatch, 3)
     with pytest.raises(RuntimeError, match="fault while staging"):
         ckpt3.save(5, _state(model2, opt2, sched2, train2))
     ckpt3.abort()
@@ -167,16 +172,7 @@ def test_one_bank_torn_by_a_fault_while_staging_falls_back_to_the_files(tmp_path
     ckpt.save(train.step, _state(model, opt, sched, train))
     ckpt.finalize(blocking=True)
     assert len(staging.banks) == 1 and staging.valid_step == 1
-    original = staging_mod.HostStaging.view
-    calls = []
-
-    def failing_view(self, key, bank=None):
-        calls.append(key)
-        if len(calls) > 3:
-            raise RuntimeError("fault while staging")
-        return original(self, key, bank)
-
-    monkeypatch.setattr(staging_mod.HostStaging, "view", failing_view)
+    _fail_staging_after(monkeypatch, 3)
     step()
     with pytest.raises(RuntimeError, match="fault while staging"):
         ckpt.save(train.step, _state(model, opt, sched, train))
