@@ -236,10 +236,19 @@ class PodRunner:
         later = [m for m in mounts if m[1] == "/tmp" or m[1].startswith("/tmp/")]
         if not any(m[1] == "/tmp" for m in later):
             later.insert(0, (cdir / "tmp", "/tmp", False))
+        if any(str(src).startswith("/tmp/") for src, dst, _ in later if dst != "/tmp"):
+            # The pod's own /tmp covers the real one, where these sources live (a cluster dir
+            # under /tmp): keep the real /tmp reachable at /mnt, inside this pod only.
+            lines.append("/bin/mount --rbind /tmp /mnt")
+        tmp_mounted = False
         for src, dst, ro in [m for m in mounts if m not in later] + later:
             Path(src).mkdir(parents=True, exist_ok=True) if not Path(src).is_file() else None
+            source = str(src)
+            if tmp_mounted and source.startswith("/tmp/"):
+                source = "/mnt" + source[len("/tmp"):]
             lines.append(f"/bin/mkdir -p {q(dst)}")
-            lines.append(f"/bin/mount --bind {q(str(src))} {q(dst)}")
+            lines.append(f"/bin/mount --bind {q(source)} {q(dst)}")
+            tmp_mounted = tmp_mounted or dst == "/tmp"
             if ro:
                 lines.append(f"/bin/mount -o remount,bind,ro {q(dst)}")
         lines.append(f"cd {q(c.spec.get('workingDir') or '/')}")

@@ -201,3 +201,28 @@ def warning_events(core: Any, namespace: str, host: str, kind: str, name: str,
         if message and message not in out:
             out.append(message)
     return out
+
+
+#: Where a pod finds its own namespace (the KFP step runs in the profile's namespace).
+SA_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+
+
+def current_namespace() -> str:
+    """The namespace a job goes to when none is given, the way kubectl picks it.
+
+    Inside a pod: the service account's namespace. Elsewhere: the kubeconfig's current context's
+    namespace (``kubectl config set-context --current --namespace=...``), else ``default``.
+    """
+    try:
+        with open(SA_NAMESPACE) as fh:
+            if ns := fh.read(256).strip():
+                return ns
+    except OSError:
+        pass
+    try:
+        from kubernetes import config
+
+        _, active = config.list_kube_config_contexts()
+        return (active or {}).get("context", {}).get("namespace") or "default"
+    except Exception:  # noqa: BLE001 - no kubeconfig: the API default
+        return "default"

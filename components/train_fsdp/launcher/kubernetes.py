@@ -155,9 +155,11 @@ def launch_kubernetes(spec: JobSpec, opts: k8s_job.K8sOptions | None = None, *,
     rendered = render(spec)
     k8s_api.configure(client_configuration)
     if training_client is None:
-        kwargs: dict[str, Any] = {"client_configuration": client_configuration}
-        if run.opts.namespace:
-            kwargs["namespace"] = run.opts.namespace
+        # The SDK's own default is the service account's namespace or "default"; a user
+        # outside a pod means the kubeconfig context's namespace, as kubectl does.
+        kwargs: dict[str, Any] = {"client_configuration": client_configuration,
+                                  "namespace": run.opts.namespace or spec.namespace
+                                  or k8s_api.current_namespace()}
         try:
             training_client = TrainingClient(**kwargs)
         except Exception as err:  # noqa: BLE001 - no kubeconfig / not in a cluster

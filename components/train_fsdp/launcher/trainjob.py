@@ -47,7 +47,6 @@ COMPLETION_INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
 RESTART_ATTEMPT_LABEL = "jobset.sigs.k8s.io/restart-attempt"
 FINAL = ("Complete", "Failed")
 JOB_APIS = ("pytorchjob", "trainjob")
-SA_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 CRD = "Kubeflow Trainer v2 (trainer.kubeflow.org TrainJob CRD)"
 #: The Event reason of a TrainJob whose JobSet (or other objects) could not be applied.
 CREATION_FAILED = "TrainJobResourcesCreationFailed"
@@ -86,15 +85,6 @@ def resolve_job_api(job_api: str, api: k8s.ApiClient | None) -> str:
         return "pytorchjob"
     raise ClusterError("--job-api auto: the cluster serves neither trainjobs.trainer.kubeflow.org "
                        "(Kubeflow Trainer v2) nor pytorchjobs.kubeflow.org (Training Operator v1)")
-
-
-def current_namespace() -> str:
-    """The service account's namespace inside a pod, else ``default``."""
-    try:
-        with open(SA_NAMESPACE) as fh:
-            return fh.read().strip() or "default"
-    except OSError:
-        return "default"
 
 
 def _ts(text: str | None) -> float:
@@ -294,7 +284,7 @@ def launch_trainjob(spec: JobSpec, opts: K8sOptions | None = None, *,
     rendered = render(spec, runtime, runtime_kind)
     api = api_client or k8s.ApiClient(client_configuration)
     k8s_api.configure(api.configuration)
-    namespace = run.opts.namespace or spec.namespace or current_namespace()
+    namespace = run.opts.namespace or spec.namespace or k8s_api.current_namespace()
     rendered.job["metadata"]["namespace"] = namespace
     follower = PodLogFollower(k8s.CoreV1Api(api), namespace, rendered.name, emit=run.say,
                               container=rt.CONTAINER_NAME,
