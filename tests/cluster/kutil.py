@@ -75,7 +75,8 @@ def wait_for(what: str, probe: Callable[[], Any], timeout_s: float = SETTLE_S) -
         if got:
             return got
         if time.monotonic() > deadline:
-            raise AssertionError(f"gave up waiting for {what}")
+            raise AssertionError(f"gave up waiting for {what} after {timeout_s:.0f} s "
+                                 f"(last: {got!r})")
         time.sleep(0.25)
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from cluster.kutil import wait_for
 from cluster.procs import alive
 
 pytestmark = pytest.mark.timeout(300)
@@ -23,15 +24,8 @@ def _core(kube):
     return client.CoreV1Api(kube.client())
 
 
-def _wait(what, check, timeout_s=WAIT_S, interval_s=0.5):
-    deadline = time.monotonic() + timeout_s
-    last = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(interval_s)
-    raise AssertionError(f"{what} not reached in {timeout_s:.0f} s (last: {last!r})")
+def _wait(what, check, timeout_s=WAIT_S):
+    return wait_for(what, check, timeout_s)
 
 
 def _pod(name, script, *, policy="Never", volumes=(), mounts=(), env=(), grace=None, **spec):

@@ -11,11 +11,11 @@ succeed, so "restarted" and "failed" are told apart by the outcome, not by timin
 
 from __future__ import annotations
 
-import time
 import uuid
 
 import pytest
 
+from cluster.kutil import wait_for
 from kfp_nvrx.components.train_fsdp.jobspec import pytorchjob, trainjob
 from kfp_nvrx.components.train_fsdp.jobspec.pod import POD_ENTRY
 from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
@@ -60,14 +60,7 @@ ONCE = "[ -e $m ] && exit 0; touch $m; "
 
 
 def _wait(what, check, timeout_s=WAIT_S):
-    deadline = time.monotonic() + timeout_s
-    last = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(0.5)
-    raise AssertionError(f"{what} not reached in {timeout_s:.0f} s (last: {last!r})")
+    return wait_for(what, check, timeout_s)
 
 
 def _custom(kube):
