@@ -18,6 +18,7 @@ from pathlib import Path
 
 from . import install
 from .controlplane import SYSTEM_NAMESPACE, USER_NAMESPACE, ControlPlane
+from .procs import wait_until
 
 
 class Lock:
@@ -87,6 +88,7 @@ def serve(root: Path, bins: Path, nodes: int = 0) -> int:
             from .agent import start_agent
 
             agent = start_agent(cp, nodes)
+            _wait_nodes_schedulable(cp, nodes)
         ready = {"ready": True, "supervisor": os.getpid(),
                  "startup_s": round(time.monotonic() - t0, 1), "apiserver_restarts": 0,
                  **(agent.state() if agent else {})}
@@ -123,6 +125,25 @@ def serve(root: Path, bins: Path, nodes: int = 0) -> int:
         if status == 0:
             (root / "state.json").unlink(missing_ok=True)
     return status
+
+
+def _wait_nodes_schedulable(cp: ControlPlane, nodes: int, timeout_s: float = 120.0) -> None:
+    """Ready means pods can land: every test node Ready and without the not-ready taint.
+
+    The node lifecycle controller taints a node it saw before its first Ready status and lifts
+    the taint on its next pass; a cluster called ready before that refuses to schedule.
+    """
+    from kubernetes import client, config
+
+    core = client.CoreV1Api(config.new_client_from_config(config_file=str(cp.kubeconfig)))
+
+    def schedulable() -> bool:
+        items = core.list_node(_request_timeout=10).items
+        return len(items) >= nodes and all(
+            {c.type: c.status for c in n.status.conditions or []}.get("Ready") == "True"
+            and not n.spec.taints for n in items)
+
+    wait_until("test nodes schedulable", schedulable, timeout_s, cp.procs)
 
 
 def read_state(root: Path) -> dict | None:
