@@ -254,38 +254,36 @@ class ControlPlane:
                        folder=folder, cert_file="tls.crt", key_file="tls.key")
         return folder
 
-    def start_trainer(self) -> Proc:
-        ports = self.ep.controller("trainer")
-        certs = self._webhook_certs("trainer")
+    def _manager_config(self, name: str, api_version: str, webhook: dict, **extra) -> Path:
+        """A controller-runtime manager's Configuration file: probes and webhooks on loopback
+        ports of this run, no metrics server, no leader election (one replica)."""
+        ports = self.ep.controller(name)
         config = {
-            "apiVersion": "config.trainer.kubeflow.org/v1alpha1", "kind": "Configuration",
-            "health": {"healthProbeBindAddress": f"127.0.0.1:{ports['health']}",
-                       "readinessEndpointName": "readyz", "livenessEndpointName": "healthz"},
+            "apiVersion": api_version, "kind": "Configuration",
+            "health": {"healthProbeBindAddress": f"127.0.0.1:{ports['health']}"},
             "metrics": {"bindAddress": "0"},
-            "webhook": {"port": ports["webhook"], "host": "127.0.0.1"},
-            "leaderElection": {"leaderElect": False},
-            # Certificates come from this run's CA (below), not the controller's own rotation.
-            "certManagement": {"enable": False},
+            "webhook": {"port": ports["webhook"], "host": "127.0.0.1", **webhook},
+            "leaderElection": {"leaderElect": False}, **extra,
         }
-        cfg = self.root / "trainer" / "config.yaml"
-        cfg.write_text(yaml.safe_dump(config))
+        path = self.root / name / "config.yaml"
+        path.write_text(yaml.safe_dump(config))
+        return path
+
+    def start_trainer(self) -> Proc:
+        certs = self._webhook_certs("trainer")
+        cfg = self._manager_config("trainer", "config.trainer.kubeflow.org/v1alpha1", {},
+                                   # Certificates come from this run's CA, not the controller's
+                                   # own rotation.
+                                   certManagement={"enable": False})
         return self._proc("trainer-controller-manager", [
             str(self.bins / "trainer-controller-manager"), "--config", str(cfg)],
             env={"KUBECONFIG": str(self.kubeconfig), "TMPDIR": str(certs.parents[1])})
 
     def start_jobset(self) -> Proc:
-        ports = self.ep.controller("jobset")
         certs = self._webhook_certs("jobset")
-        config = {
-            "apiVersion": "config.jobset.x-k8s.io/v1alpha1", "kind": "Configuration",
-            "health": {"healthProbeBindAddress": f"127.0.0.1:{ports['health']}"},
-            "metrics": {"bindAddress": "0"},
-            "webhook": {"port": ports["webhook"], "host": "127.0.0.1", "certDir": str(certs)},
-            "leaderElection": {"leaderElect": False},
-            "internalCertManagement": {"enable": False},
-        }
-        cfg = self.root / "jobset" / "config.yaml"
-        cfg.write_text(yaml.safe_dump(config))
+        cfg = self._manager_config("jobset", "config.jobset.x-k8s.io/v1alpha1",
+                                   {"certDir": str(certs)},
+                                   internalCertManagement={"enable": False})
         return self._proc("jobset-controller", [
             str(self.bins / "jobset-controller"), "--config", str(cfg)],
             env={"KUBECONFIG": str(self.kubeconfig)})

@@ -70,6 +70,7 @@ def serve(root: Path, bins: Path, nodes: int = 0) -> int:
     signal.signal(signal.SIGUSR2, lambda *_: (compact.set(), restart.set()))
     (root / "state.json").unlink(missing_ok=True)
     cp = ControlPlane(root, bins)
+    agent = None
     status = 0
     try:
         t0 = time.monotonic()
@@ -83,7 +84,6 @@ def serve(root: Path, bins: Path, nodes: int = 0) -> int:
         cp.wait_controllers(controllers)
         install.upstream_runtimes(cp)
         install.ours(cp, USER_NAMESPACE)
-        agent = None
         if nodes:
             from .agent import start_agent
 
@@ -119,7 +119,7 @@ def serve(root: Path, bins: Path, nodes: int = 0) -> int:
         print(f"cluster: start-up failed: {msg}", flush=True)
         status = 1
     finally:
-        if "agent" in locals() and agent is not None:
+        if agent is not None:
             agent.stop()
         cp.stop()
         if status == 0:
