@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import resource
 import shutil
 import time
 from pathlib import Path
@@ -24,6 +25,8 @@ from typing import Any
 from bench.ckpt_load import cold_load
 from bench.ckpt_peers import _tensors, torch_async, torch_sync
 from bench.common import init_single_gpu, log, machine_info, median, write_json
+
+RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
 
 
 def _trainer(config: str, device):
@@ -108,19 +111,36 @@ def shipped_async(cfg, fwd_bwd, opt_step, state_fn, root: Path, device, mode: st
     ckpt.warm_up()
     warm_up_s = time.perf_counter() - t0
     ckpt.prepare(lambda: state_fn(0))  # as the trainer does after its first step
-    blocking, after, quiet, busy, trace = [], [], [], [], []
+    blocking, after, quiet, busy, trace, split = [], [], [], [], [], []
     since, done, saved_at = 0, 0, -1
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
     for s in range(1, max_steps + 1):
         inflight = ckpt.inflight is not None
         torch.cuda.synchronize()
+        ru0, cpu0 = resource.getrusage(RUSAGE_THREAD), time.thread_time()
         t0 = time.perf_counter()
+        ev[0].record()
         loss = fwd_bwd()
+        ev[1].record()
         ckpt.wait_before_update()  # as the trainer's loop: the optimizer waits for staging
         opt_step()
+        ev[2].record()
+        t_launch = time.perf_counter() - t0
         loss.item()
+        t1 = time.perf_counter()
         ckpt.finalize(blocking=False)
         dt = time.perf_counter() - t0
         trace.append((s, round(dt, 5), inflight, ckpt.commits))
+        ru1 = resource.getrusage(RUSAGE_THREAD)
+        # Where a slow step's time went: GPU time of forward/backward and of the optimizer
+        # (CUDA events), the loop thread's CPU time and its involuntary context switches (a
+        # descheduled launcher thread), the CPU time to queue the step, and finalize().
+        split.append({"step": s, "wall_s": round(dt, 5), "inflight": inflight,
+                      "gpu_fwd_bwd_s": round(ev[0].elapsed_time(ev[1]) / 1e3, 5),
+                      "gpu_opt_s": round(ev[1].elapsed_time(ev[2]) / 1e3, 5),
+                      "launch_s": round(t_launch, 5), "finalize_s": round(dt - (t1 - t0), 5),
+                      "thread_cpu_s": round(time.thread_time() - cpu0, 5),
+                      "nivcsw": ru1.ru_nivcsw - ru0.ru_nivcsw, "nvcsw": ru1.ru_nvcsw - ru0.ru_nvcsw})
         if s == saved_at + 1:
             after.append(dt)
         elif s > 2:  # the first steps after building still warm caches
@@ -148,6 +168,7 @@ def shipped_async(cfg, fwd_bwd, opt_step, state_fn, root: Path, device, mode: st
         "next_step_slowdown_max": max(after[1:] or after or [base]) / base - 1 if base else 0.0,
         "commit_s": ckpt.commit_s, "save_steps": [c["step"] for c in commits],
         "trace": trace,  # (step, seconds, write in flight, commits so far)
+        "split": split,
     }
 
 

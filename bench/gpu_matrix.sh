@@ -4,7 +4,7 @@
 # (bitwise) steps and their cost, and the drill matrix on CUDA. Every run's log and result go to
 # OUT_DIR; summary.txt has one line per run.
 #
-#   bash bench/gpu_matrix.sh OUT_DIR [PART ...]     PART: healthy inproc nodes2 determ drill1 drill2
+#   bash bench/gpu_matrix.sh OUT_DIR [PART ...]     PART: healthy healthyc inproc nodes2 determ drill1 drill2
 #
 # Needs kfp-nvrx[trainer] installed (see README "Offline install") and 1 or 2 visible GPUs.
 set -uo pipefail
@@ -62,6 +62,9 @@ for part in $PARTS; do
   healthy)  # a 1b run with sub-second steps and no checkpoints: learned timeouts must not kill it
     run healthy-1b 240 -- --config 1b --set data.path="$DATA" --set data.seq_len=1024 \
       --set train.steps=30 --set checkpoint.interval=0 --set checkpoint.save_final=false ;;
+  healthyc)  # 1b compiled (slow first steps), saves after the timeouts were learned, final wait
+    run healthy-1b-compile 420 -- --config 1b --set data.path="$DATA" --set train.compile=true \
+      --set train.steps=45 --set checkpoint.interval=20 --set checkpoint.keep=1 ;;
   inproc)   # in-process restart over NCCL on 2 GPUs (1 node x 2)
     [ "$GPUS" -ge 2 ] || { note "inproc: skipped (needs 2 GPUs)"; continue; }
     run inproc-raise 240 -- --nproc-per-node 2 "${SMALL[@]}" --set train.steps=40 \

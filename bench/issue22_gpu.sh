@@ -2,13 +2,16 @@
 # The issue-22 GPU runs on one H200 (recovery at 1b and 125m, the host copy probe), as run for
 # docs/benchmarks: install offline, record versions, run the named parts, leave results in OUT.
 #
-#   OUT=DIR bash bench/issue22_gpu.sh PART...     PART: compile probe imports rec1b rec125m
+#   OUT=DIR bash bench/issue22_gpu.sh PART...
+#   PART: compile probe imports rec1b rec125m tests stall profile healthyc throughput
 set -uo pipefail
 OUT=${OUT:?set OUT}
 mkdir -p "$OUT/logs"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 python3 -m pip install -q --no-index --no-deps .whl/nvidia_resiliency_ext-*.whl .whl/defusedxml-*.whl
 python3 -m pip install -q --no-index --no-deps --no-build-isolation . >/dev/null
+python3 -c 'import pytest' 2>/dev/null ||
+  python3 -m pip install -q --no-index --no-deps .whl/pytest-*.whl .whl/pluggy-*.whl .whl/iniconfig-*.whl
 export PATH=$(dirname "$(python3 -c 'import sys; print(sys.executable)')"):$PATH
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -34,6 +37,17 @@ for part in "$@"; do
            --run-timeout 150 ${ONLY1B:+--only $ONLY1B} ;;
   rec125m) python3 -m bench.recovery --preset 125m --out "$OUT/recovery.json" --keep-logs "$OUT/logs" \
            --run-timeout 120 ;;
+  tests) python3 -m pytest -q -ra -p no:cacheprovider tests/gpu 2>&1 | tail -15 ;;
+  stall)  # the shipped overlap and blocking saves with the per-step split, and the cold load
+    python3 -m bench.ckpt_stall --config 1b --saves ${SAVES:-4} --modes overlap,blocking \
+      --skip ${STALL_SKIP:-torch_save,dcp_save,dcp_async,stager} --out "$OUT/ckpt_stall.json" ;;
+  profile) python3 -m bench.step_profile --config 1b --out "$OUT/step_profile.json" \
+             ${VARIANTS:+--variants "$VARIANTS"} ;;
+  healthyc)  # 1b, train.compile=true, learned timeouts at the 4 s floor, saves: never killed
+    bash bench/gpu_matrix.sh "$OUT/matrix" healthyc; cp "$OUT/matrix/summary.txt" "$OUT/logs/matrix.txt"
+    grep -h "learned NVRx timeouts\|Did not get\|has been open" "$OUT"/matrix/*.log | head -5
+    rm -rf "$OUT/matrix/runs" "$OUT/matrix/data" ;;
+  throughput) python3 -m bench.throughput --out "$OUT/throughput.json" ${TP_ONLY:+--only "$TP_ONLY"} ;;
   *) echo "unknown part $part" ;;
   esac
   echo "== $part: rc=$? $((SECONDS - t0))s"
