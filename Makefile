@@ -58,7 +58,7 @@ wheelhouse:
 
 install-offline:
 	$(PYTHON) -m pip install -q --no-index --no-deps --no-build-isolation $(WHEELHOUSE)/*.whl
-	$(PYTHON) -c "import nvidia_resiliency_ext, kfp_nvrx.components.train_fsdp.trainer; print('kfp-nvrx installed offline')"
+	$(PYTHON) -c "import nvidia_resiliency_ext, kfp_nvrx.components.training.trainer; print('kfp-nvrx installed offline')"
 
 # On 1-2 GPUs after install-offline: the GPU acceptance runs and the drill matrix on CUDA.
 GPU_OUT ?= runs/gpu

@@ -134,7 +134,7 @@ def reader_vs_stock(path: str | os.PathLike, state_dict: dict[str, Any], process
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
 
-    from kfp_nvrx.components.train_fsdp.trainer.checkpoint.reader import load
+    from kfp_nvrx.components.training.checkpoint.reader import load
 
     files = sorted(p for p in Path(path).iterdir() if p.is_file())
     nbytes = sum(f.stat().st_size for f in files)

@@ -35,7 +35,7 @@ def _trainer(config: str, device):
     import torch.nn.functional as F
 
     from kfp_nvrx.components.core.config import load_config
-    from kfp_nvrx.components.train_fsdp.trainer.build import TrainState, build
+    from kfp_nvrx.components.training.trainer.build import TrainState, build
 
     cfg = load_config(config)
     model, opt, sched = build(cfg, device)
@@ -97,7 +97,7 @@ def shipped_async(cfg, fwd_bwd, opt_step, state_fn, root: Path, device, mode: st
     """
     import torch
 
-    from kfp_nvrx.components.train_fsdp.trainer.checkpoint import Checkpointer
+    from kfp_nvrx.components.training.checkpoint import Checkpointer
 
     commits: list[dict[str, float]] = []
 
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from kfp_nvrx.components.train_fsdp.trainer.build import full_state
+    from kfp_nvrx.components.training.trainer.build import full_state
 
     device = init_single_gpu()
     root = Path(args.dir)

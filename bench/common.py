@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kfp_nvrx.components.train_fsdp.launcher.local import free_port
+from kfp_nvrx.components.launch.local import free_port
 
 #: NVLink multicast stays off everywhere (it can take a shared host's GPUs out of service).
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -102,7 +102,7 @@ def log(msg: str) -> None:
 
 def make_dataset(root: str | os.PathLike, seq_len: int) -> str:
     """The bundled sample corpus, byte-tokenized, for trainer runs (no download)."""
-    from kfp_nvrx.components.prepare_dataset.prepare import prepare_dataset
+    from kfp_nvrx.components.data.prepare import prepare_dataset
 
     out = Path(root) / f"sample_{seq_len}"
     prepare_dataset("sample:", out, seq_len=seq_len)

@@ -24,7 +24,7 @@ import zlib
 import torch
 
 from bench.common import machine_info, write_json
-from kfp_nvrx.components.train_fsdp.trainer.checkpoint.bank import PIN_CHUNK
+from kfp_nvrx.components.training.checkpoint.bank import PIN_CHUNK
 
 
 def _ranges(nbytes: int, chunk: int) -> list[tuple[int, int]]:
@@ -103,8 +103,8 @@ def child(path: str, nbytes: int) -> None:
     gbps = _h2d(buf, dev, pinned=True, step=PIN_CHUNK)
     _unpin(buf, PIN_CHUNK)
     # What the trainer does instead: bounce buffers, the bank pinned later.
-    from kfp_nvrx.components.train_fsdp.trainer.checkpoint.bank import Slot
-    from kfp_nvrx.components.train_fsdp.trainer.checkpoint.restore import restore_bounced
+    from kfp_nvrx.components.training.checkpoint.bank import Slot
+    from kfp_nvrx.components.training.checkpoint.restore import restore_bounced
 
     n = 64 << 20
     slots = {str(i): Slot(o, n, (n,), torch.uint8) for i, o in enumerate(range(0, nbytes - n, n))}

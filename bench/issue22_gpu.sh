@@ -31,7 +31,7 @@ for part in "$@"; do
     python3 -c 'import sympy, os; print("sympy pyc cached:", os.path.exists(sympy.__cached__))' ;;
   probe) python3 -m bench.hostcopy_probe --out "$OUT/hostcopy_probe.json" > /dev/null ;;
   imports)
-    python3 -X importtime -c "import kfp_nvrx.components.train_fsdp.trainer.train" 2>"$OUT/logs/importtime.txt"
+    python3 -X importtime -c "import kfp_nvrx.components.training.trainer.train" 2>"$OUT/logs/importtime.txt"
     sort -t'|' -k2 -n "$OUT/logs/importtime.txt" | tail -25 ;;
   rec1b) python3 -m bench.recovery --preset 1b --out "$OUT/recovery_1b.json" --keep-logs "$OUT/logs" \
            --run-timeout 150 ${ONLY1B:+--only $ONLY1B} ;;

@@ -1,6 +1,6 @@
 """Running the shipped trainer as a user would, and reading its ``events.jsonl`` back.
 
-Two ways: ``direct`` (one ``python -m kfp_nvrx.components.train_fsdp.trainer`` process with the
+Two ways: ``direct`` (one ``python -m kfp_nvrx.components.training.trainer`` process with the
 torchrun environment, no NVRx launcher) and ``ft`` (``launch-local``'s :func:`run_local`: one
 ``ft_launcher`` agent per local node, the same command line a PyTorchJob pod runs; ``nodes``
 agents of one GPU each, ``CUDA_VISIBLE_DEVICES`` sliced per node as pods see theirs). A
@@ -20,7 +20,7 @@ from typing import Any
 
 from bench.common import SAFE_ENV, log, median, single_process_env
 
-TRAINER = "kfp_nvrx.components.train_fsdp.trainer"
+TRAINER = "kfp_nvrx.components.training.trainer"
 
 
 def run_trainer(mode: str, preset: str, run_dir: Path, overrides: list[str],
@@ -48,8 +48,8 @@ def run_trainer(mode: str, preset: str, run_dir: Path, overrides: list[str],
             state = "DeadlineExceeded"
             lines = [(time.time(), ln) for ln in str(err.stdout or "").splitlines()]
     else:
-        from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
-        from kfp_nvrx.components.train_fsdp.launcher.local import run_local
+        from kfp_nvrx.components.launch.jobspec.spec import JobSpec
+        from kfp_nvrx.components.launch.local import run_local
 
         spec = JobSpec(run_dir=str(run_dir), config=preset, overrides=list(overrides),
                        faults=list(faults), env=dict(SAFE_ENV), nodes=str(nodes),

@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from kfp_nvrx.components.core.config import load_config
-    from kfp_nvrx.components.train_fsdp.trainer.model import flops_per_token
+    from kfp_nvrx.components.training.model import flops_per_token
 
     res: dict[str, Any] = {"bench": "throughput", "machine": machine_info(), "gpus": args.gpus,
                            "peak_bf16_flops": PEAK_BF16_FLOPS, "runs": []}

@@ -6,7 +6,7 @@ that their golden files can be read side by side.
 
 from __future__ import annotations
 
-from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
+from kfp_nvrx.components.launch.jobspec.spec import JobSpec
 
 IMAGE = "123456789012.dkr.ecr.us-west-2.amazonaws.com/kfp-nvrx-trainer:0.1.0"
 RUN_ID = "9b1c2d3e-4f50-4a6b-8c7d-0e1f2a3b4c5d"

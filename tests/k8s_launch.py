@@ -14,9 +14,9 @@ from typing import Any
 
 from k8s_double import K8sDouble
 
-from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
-from kfp_nvrx.components.train_fsdp.launcher.k8s_job import K8sOptions
-from kfp_nvrx.components.train_fsdp.launcher.result import LaunchResult
+from kfp_nvrx.components.launch.jobspec.spec import JobSpec
+from kfp_nvrx.components.launch.k8s_job import K8sOptions
+from kfp_nvrx.components.launch.result import LaunchResult
 
 RUN_ID = "run-0001"
 SPEC = dict(image="img:1", pvc="fsx", instance_type="cpu", nodes="2", run_id=RUN_ID,

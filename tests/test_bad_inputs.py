@@ -1,6 +1,6 @@
 """Bad-input sweep: every bad input is one line naming the field, exit code 2, and nothing behind.
 
-CLI and trainer cases run as real processes (``python -m kfp_nvrx.pipelines.cli ...``), three at
+CLI and trainer cases run as real processes (``python -m kfp_nvrx.components.cli ...``), three at
 a time, each in its own empty working directory: afterwards that directory and the shared
 fixtures must be byte-for-byte unchanged (no run dir, out dir, YAML or partial file) and no
 process carrying the case's environment marker may be alive. Kubernetes/KFP cases point at an
@@ -30,7 +30,7 @@ from bad_input_cases import CASES as BASE_CASES
 from bad_input_cases import SECRET, TWO_TO_THE_70, Case
 
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.train_fsdp.trainer.bootstrap import LAUNCHER_ENV
+from kfp_nvrx.components.training.trainer.bootstrap import LAUNCHER_ENV
 
 SWEEP_ENV = "KFP_NVRX_SWEEP"
 
@@ -78,7 +78,7 @@ def _other_model_run(run_dir: Path) -> None:
 
     from kfp_nvrx.components.core.config import load_config
     from kfp_nvrx.components.core.rundir import COMMIT_MARKER, step_dir
-    from kfp_nvrx.components.train_fsdp.trainer.model import build_model
+    from kfp_nvrx.components.training.model import build_model
 
     cfg = load_config("tiny", ["model.dim=32"])
     path = step_dir(run_dir / "checkpoints", 4)
@@ -96,7 +96,7 @@ def _recorded_run(run_dir: Path, data: Path, damaged: bool = False) -> None:
 
     from kfp_nvrx.components.core.config import load_config
     from kfp_nvrx.components.core.rundir import step_dir, write_commit_marker, write_config
-    from kfp_nvrx.components.train_fsdp.trainer.model import build_model
+    from kfp_nvrx.components.training.model import build_model
 
     cfg = load_config("tiny", [f"data.path={data}"])
     write_config(cfg, run_dir)
@@ -176,7 +176,7 @@ def _safetensors(path: Path, tensors: dict[str, tuple], body: int) -> None:
 
 @pytest.fixture(scope="module")
 def fixtures(tmp_path_factory) -> dict[str, str]:
-    from kfp_nvrx.components.prepare_dataset.prepare import prepare_dataset
+    from kfp_nvrx.components.data.prepare import prepare_dataset
 
     fx = tmp_path_factory.mktemp("fixtures")
     data = fx / "data"
@@ -224,8 +224,8 @@ def _run_case(case: Case, fixtures: dict[str, str], root: Path) -> dict:
     ws = root / case.id
     ws.mkdir()
     argv = [a.format(ws=ws, **fixtures) for a in case.argv]
-    module = ("kfp_nvrx.pipelines.cli" if case.program == "cli"
-              else "kfp_nvrx.components.train_fsdp.trainer")
+    module = ("kfp_nvrx.components.cli" if case.program == "cli"
+              else "kfp_nvrx.components.training.trainer")
     token = uuid.uuid4().hex
     env = {**os.environ, SWEEP_ENV: token, "KUBECONFIG": str(Path(fixtures["fx"], "kubeconfig")),
            **dict(case.env)}

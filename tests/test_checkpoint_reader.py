@@ -15,8 +15,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from kfp_nvrx.components.train_fsdp.launcher.local import free_port
-from kfp_nvrx.components.train_fsdp.trainer.checkpoint import reader as cr
+from kfp_nvrx.components.launch.local import free_port
+from kfp_nvrx.components.training.checkpoint import reader as cr
 
 
 @dataclasses.dataclass
@@ -184,7 +184,7 @@ _TWO_RANKS = textwrap.dedent("""
     import torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-    from kfp_nvrx.components.train_fsdp.trainer.checkpoint import reader as cr
+    from kfp_nvrx.components.training.checkpoint import reader as cr
 
     def full():
         g = torch.Generator().manual_seed(0)

@@ -13,7 +13,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from kfp_nvrx.components.train_fsdp.trainer.checkpoint import NvrxWriter
+from kfp_nvrx.components.training.checkpoint import NvrxWriter
 
 
 def _writer_with_forked_child(pid_file: str) -> None:
@@ -111,7 +111,7 @@ def test_priming_the_results_queue_leaves_its_items_alone():
     """The warm-up probe must never take or add a result, even if the writer's came first."""
     import multiprocessing as mp
 
-    from kfp_nvrx.components.train_fsdp.trainer.checkpoint.writer import _prime_results_queue
+    from kfp_nvrx.components.training.checkpoint.writer import _prime_results_queue
 
     manager = mp.get_context("spawn").Manager()
     try:

@@ -15,8 +15,8 @@ from kfp import dsl
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.evaluate_promote.component import compare_models, promote_model
 from kfp_nvrx.components.export_checkpoint.component import export_checkpoint
+from kfp_nvrx.components.launch import ui_outputs
 from kfp_nvrx.components.prepare_dataset.component import prepare_dataset
-from kfp_nvrx.components.train_fsdp import ui_outputs
 from kfp_nvrx.components.train_fsdp.component import train_fsdp
 
 TINY = ["train.steps=6", "checkpoint.interval=3", "train.log_every=3"]
@@ -102,14 +102,14 @@ def test_train_fsdp_init_from_checks(work, dataset):
         train_fsdp.python_func(dataset=dataset, workspace=str(work / "ws"), overrides=TINY,
                                nodes="1", backend="local", init_from=str(work / "no-such-model"),
                                kfp_run_id="run-init", kfp_task="train-fsdp", **arts)
-    from kfp_nvrx.components.train_fsdp.jobspec.naming import derive_name
+    from kfp_nvrx.components.launch.jobspec.naming import derive_name
 
     assert not (work / "ws" / "runs" / derive_name("run-init", "train-fsdp")).exists()
     assert not (work / "art-init").exists()  # no output written either
 
 
 def test_export_checkpoint(exported, trained):
-    from kfp_nvrx.components.export_checkpoint.evaluate import load_exported_model
+    from kfp_nvrx.components.training.export.evaluate import load_exported_model
 
     model, metrics = exported
     assert {"model.safetensors", "config.json", "export.json"} <= set(os.listdir(model.path))

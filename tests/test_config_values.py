@@ -19,9 +19,9 @@ from kfp_nvrx.components.core.config_text import parse_set_value, read_config_fi
 from kfp_nvrx.components.core.faults import check_faults
 from kfp_nvrx.components.core.safetensors_header import read_header
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
-from kfp_nvrx.components.train_fsdp.trainer.bootstrap import check_init_from
-from kfp_nvrx.components.train_fsdp.trainer.model import build_model
+from kfp_nvrx.components.launch.jobspec.spec import JobSpec
+from kfp_nvrx.components.training.model import build_model
+from kfp_nvrx.components.training.trainer.bootstrap import check_init_from
 
 
 @pytest.mark.parametrize("item, field", [

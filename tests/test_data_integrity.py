@@ -8,17 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.export_checkpoint.evaluate import check_dataset
-from kfp_nvrx.components.prepare_dataset.prepare import prepare_dataset
-from kfp_nvrx.components.prepare_dataset.shards import (
+from kfp_nvrx.components.data.prepare import prepare_dataset
+from kfp_nvrx.components.data.shards import (
     SplitTokens,
     check_checksums,
     read_index,
     verify_checksums,
 )
-from kfp_nvrx.components.train_fsdp.trainer.bootstrap import validate_inputs
-from kfp_nvrx.components.train_fsdp.trainer.data import TokenDataset
+from kfp_nvrx.components.errors import UserError
+from kfp_nvrx.components.training.export.evaluate import check_dataset
+from kfp_nvrx.components.training.trainer.bootstrap import validate_inputs
+from kfp_nvrx.components.training.trainer.data import TokenDataset
 
 
 @pytest.fixture()

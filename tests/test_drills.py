@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 
 from kfp_nvrx.components.core.rundir import COMMIT_MARKER, verify
+from kfp_nvrx.components.drills import measure
+from kfp_nvrx.components.drills.results import Row, markdown, table
+from kfp_nvrx.components.drills.scenarios import SCENARIOS, select
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.train_fsdp.drills import measure
-from kfp_nvrx.components.train_fsdp.drills.results import Row, markdown, table
-from kfp_nvrx.components.train_fsdp.drills.scenarios import SCENARIOS, select
 
 QUICK = {"corrupt-newest", "launcher-sigterm", "max-restarts"}
 
@@ -98,7 +98,7 @@ def test_report_table_and_markdown() -> None:
 @pytest.mark.timeout(900)
 def test_drill_quick_end_to_end(tmp_path) -> None:
     out = tmp_path / "drill"
-    proc = subprocess.run([sys.executable, "-m", "kfp_nvrx.pipelines.cli", "drill", "--quick",
+    proc = subprocess.run([sys.executable, "-m", "kfp_nvrx.components.cli", "drill", "--quick",
                            "--out", str(out)], capture_output=True, text=True, timeout=880)
     print(proc.stdout)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])

@@ -17,23 +17,23 @@ import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from kfp_nvrx.components.cli import main as cli
 from kfp_nvrx.components.core.config import load_config
+from kfp_nvrx.components.data.prepare import prepare_dataset
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.export_checkpoint.consolidate import (
+from kfp_nvrx.components.launch.local import free_port
+from kfp_nvrx.components.training.export.consolidate import (
     export_checkpoint,
     list_checkpoints,
     select_checkpoint,
 )
-from kfp_nvrx.components.export_checkpoint.evaluate import (
+from kfp_nvrx.components.training.export.evaluate import (
     eval_loss,
     evaluate_export,
     load_exported_model,
     window_starts,
 )
-from kfp_nvrx.components.prepare_dataset.prepare import prepare_dataset
-from kfp_nvrx.components.train_fsdp.launcher.local import free_port
-from kfp_nvrx.components.train_fsdp.trainer.model import build_model
-from kfp_nvrx.pipelines import cli
+from kfp_nvrx.components.training.model import build_model
 
 # dcp.save(no_dist=True) in the fixtures warns that it assumes a single process: it does.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -162,7 +162,7 @@ def test_eval_loss_is_deterministic_and_tracks_the_weights(run: tuple[Path, dict
     again = evaluate_export(tmp_path / "e5", dataset, batch_size=cfg.data.batch_size, batches=3)
     assert again["loss"] == info["eval_loss"]
     # Independent computation on the same windows with the original model.
-    from kfp_nvrx.components.prepare_dataset.shards import SplitTokens
+    from kfp_nvrx.components.data.shards import SplitTokens
 
     split = SplitTokens(dataset, "val")
     starts = window_starts(len(split), 64, 12)
@@ -247,7 +247,7 @@ def test_checkpoint_not_matching_config(run: tuple[Path, dict], tmp_path: Path) 
 @pytest.fixture()
 def only_export_cli(monkeypatch: pytest.MonkeyPatch) -> None:
     """The real CLI entry point with just this command registered (others are tested apart)."""
-    monkeypatch.setattr(cli, "COMMAND_MODULES", ("kfp_nvrx.pipelines.commands.export",))
+    monkeypatch.setattr(cli, "COMMAND_MODULES", ("kfp_nvrx.components.cli.commands.export",))
 
 
 def test_cli_export(only_export_cli: None, run: tuple[Path, dict], tmp_path: Path,
@@ -274,7 +274,7 @@ _FSDP_SCRIPT = textwrap.dedent("""
         get_model_state_dict, get_optimizer_state_dict)
     from torch.distributed.fsdp import fully_shard
     from kfp_nvrx.components.core.config import load_config
-    from kfp_nvrx.components.train_fsdp.trainer.model import build_model
+    from kfp_nvrx.components.training.model import build_model
 
     def main(rank, world, ckpt, port):
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from kfp_nvrx.components.cli.main import main
 from kfp_nvrx.components.core.faults import KINDS
-from kfp_nvrx.pipelines.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Text that cannot import KINDS (KFP docstrings become the UI's parameter descriptions).
@@ -25,7 +25,7 @@ def test_written_lists_name_every_kind(rel: str) -> None:
 
 
 def test_the_help_of_launch_local_and_the_trainer_derive_them(capsys, monkeypatch) -> None:
-    from kfp_nvrx.components.train_fsdp.trainer.__main__ import parse_args
+    from kfp_nvrx.components.training.trainer.__main__ import parse_args
 
     monkeypatch.setenv("COLUMNS", "300")  # argparse wraps at a hyphen (kill-in-ckpt)
 

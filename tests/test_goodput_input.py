@@ -32,7 +32,7 @@ def _write(run_dir: Path, lines: list[str]) -> None:
 
 
 def _goodput(run_dir: Path) -> tuple[dict, list[str]]:
-    proc = subprocess.run([sys.executable, "-m", "kfp_nvrx.pipelines.cli", "goodput", "--run-dir",
+    proc = subprocess.run([sys.executable, "-m", "kfp_nvrx.components.cli", "goodput", "--run-dir",
                            str(run_dir), "--json"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr

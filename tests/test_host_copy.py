@@ -19,10 +19,10 @@ import torch.distributed.checkpoint as dcp
 
 from kfp_nvrx.components.core.launch_command import iteration_file
 from kfp_nvrx.components.core.rundir import COMMIT_MARKER, step_dir
-from kfp_nvrx.components.train_fsdp.trainer.build import full_state
-from kfp_nvrx.components.train_fsdp.trainer.checkpoint import Checkpointer
-from kfp_nvrx.components.train_fsdp.trainer.checkpoint.hostcopy import HostCopyDir
-from kfp_nvrx.components.train_fsdp.trainer.checkpoint.staging import flat_state
+from kfp_nvrx.components.training.checkpoint import Checkpointer
+from kfp_nvrx.components.training.checkpoint.hostcopy import HostCopyDir
+from kfp_nvrx.components.training.checkpoint.staging import flat_state
+from kfp_nvrx.components.training.trainer.build import full_state
 
 
 @pytest.fixture()
@@ -81,7 +81,7 @@ def test_restarted_worker_loads_the_committed_bank_and_skips_the_files(tmp_path,
     assert manifest["step"] == newest and oct(home.path.stat().st_mode & 0o777) == "0o700"
 
     # No CRC pass over the files on this path: verify() must not be called.
-    import kfp_nvrx.components.train_fsdp.trainer.checkpoint.checkpointer as ckpt_mod
+    import kfp_nvrx.components.training.checkpoint.checkpointer as ckpt_mod
 
     monkeypatch.setattr(ckpt_mod, "verify", lambda *a, **k: pytest.fail("files verified"))
     again, resumed, target, _ = _restart(tmp_path, cfg)
@@ -146,7 +146,7 @@ def test_sweep_removes_copies_whose_agent_is_gone_and_keeps_live_ones(tmp_path):
 
 
 def test_the_pinning_call_is_the_runtime_library_this_process_loaded():
-    from kfp_nvrx.components.train_fsdp.trainer.checkpoint.bank import cudart_path
+    from kfp_nvrx.components.training.checkpoint.bank import cudart_path
 
     maps = ("7f00-7f10 r-xp 0 08:01 1 /usr/lib/libc.so.6\n"
             "7f20-7f30 r-xp 0 08:01 2 /venv/nvidia/cu13/lib/libcudart.so.13\n")

@@ -26,7 +26,7 @@ import pytest
 from k8s_double import K8sDouble
 from test_images import DOCKERFILES, ROOT, replay_wheel_stage
 
-from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
+from kfp_nvrx.components.launch.jobspec.spec import JobSpec
 
 pytestmark = pytest.mark.slow
 
@@ -38,13 +38,13 @@ LAUNCHER_SIDE = [
     "kfp_nvrx.components.ownership",
     "kfp_nvrx.components.core",
     "kfp_nvrx.components.train_fsdp.component",
-    "kfp_nvrx.components.train_fsdp.ui_outputs",
-    "kfp_nvrx.components.train_fsdp.jobspec",
-    "kfp_nvrx.components.train_fsdp.launcher",
+    "kfp_nvrx.components.launch.ui_outputs",
+    "kfp_nvrx.components.launch.jobspec",
+    "kfp_nvrx.components.launch",
     "kfp_nvrx.components.prepare_dataset",
     "kfp_nvrx.components.export_checkpoint.component",
     "kfp_nvrx.components.evaluate_promote.component",
-    "kfp_nvrx.components.evaluate_promote.promote",
+    "kfp_nvrx.components.training.export.promote",
     "kfp_nvrx.pipelines",
 ]
 

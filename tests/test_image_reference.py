@@ -10,7 +10,7 @@ import pytest
 
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.images import check_reference
-from kfp_nvrx.components.train_fsdp.jobspec.spec import check_image
+from kfp_nvrx.components.launch.jobspec.spec import check_image
 
 HEX64 = "0123456789abcdef" * 4
 

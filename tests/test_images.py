@@ -6,7 +6,7 @@ pinned bases and versions, every ``COPY`` source exists and survives the Dockerf
 ``.dockerignore``, no build tools installed in the final stage. The wheel stage is then replayed on
 the host (exactly the files its ``COPY`` lines send, the same ``pip wheel``), and that wheel is
 installed with the trainer and launcher extras into a fresh venv, where ``ft_launcher --help`` and
-``python -m kfp_nvrx.components.train_fsdp.trainer --help`` must run.
+``python -m kfp_nvrx.components.training.trainer --help`` must run.
 """
 
 from __future__ import annotations
@@ -379,6 +379,6 @@ def test_ft_launcher_on_path_knows_every_flag_we_pass(venv: Path) -> None:
 
 @pytest.mark.slow
 def test_trainer_module_help_runs(venv: Path) -> None:
-    helped = _run(venv, "python", "-m", "kfp_nvrx.components.train_fsdp.trainer", "--help")
+    helped = _run(venv, "python", "-m", "kfp_nvrx.components.training.trainer", "--help")
     assert helped.returncode == 0, helped.stderr[-2000:]
     assert "usage" in helped.stdout.lower() and "--config" in helped.stdout

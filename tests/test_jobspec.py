@@ -17,11 +17,11 @@ from golden_specs import IMAGE, RUN_ID, golden_specs
 from kfp_nvrx.components.core.config import load_config
 from kfp_nvrx.components.core.launch_command import TrainerArgs, ft_launcher_argv
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.train_fsdp.jobspec import naming
-from kfp_nvrx.components.train_fsdp.jobspec.pod import POD_ENTRY
-from kfp_nvrx.components.train_fsdp.jobspec.profiles import PROFILES
-from kfp_nvrx.components.train_fsdp.jobspec.pytorchjob import render
-from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
+from kfp_nvrx.components.launch.jobspec import naming
+from kfp_nvrx.components.launch.jobspec.pod import POD_ENTRY
+from kfp_nvrx.components.launch.jobspec.profiles import PROFILES
+from kfp_nvrx.components.launch.jobspec.pytorchjob import render
+from kfp_nvrx.components.launch.jobspec.spec import JobSpec
 
 GOLDEN = Path(__file__).parent / "golden"
 OBSOLETE = ("FI_PROVIDER", "NCCL_PROTO", "FI_EFA_FORK_SAFE", "NCCL_BUFFSIZE")

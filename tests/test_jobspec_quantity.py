@@ -7,7 +7,7 @@ from decimal import Decimal
 import pytest
 
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.train_fsdp.jobspec.spec import quantity, same_quantity
+from kfp_nvrx.components.launch.jobspec.spec import quantity, same_quantity
 
 
 @pytest.mark.parametrize("a,b", [("1Gi", "1024Mi"), ("1", "1000m"), ("1k", "1000"),
@@ -26,7 +26,7 @@ def test_different_amounts_and_non_quantities() -> None:
 
 def test_request_and_limit_compare_as_amounts_and_zero_hugepages_mean_none():
     """The offline pod check compares 1Gi with 1024Mi as the server does; 0Mi is no hugepages."""
-    from kfp_nvrx.components.train_fsdp.jobspec import validate
+    from kfp_nvrx.components.launch.jobspec import validate
 
     pod = {"spec": {"containers": [{"name": "pytorch", "image": "x", "resources": {
         "requests": {"hugepages-2Mi": "1Gi", "memory": "1Gi"},

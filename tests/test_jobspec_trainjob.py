@@ -22,11 +22,11 @@ from golden_specs import IMAGE, golden_specs
 from kfp_nvrx.components.core.config import load_config
 from kfp_nvrx.components.core.launch_command import TrainerArgs, ft_launcher_argv
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.train_fsdp.jobspec import pytorchjob, trainjob
-from kfp_nvrx.components.train_fsdp.jobspec.pod import POD_ENTRY
-from kfp_nvrx.components.train_fsdp.jobspec.runtime import build_runtime
-from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
-from kfp_nvrx.components.train_fsdp.jobspec.validate_trainjob import (
+from kfp_nvrx.components.launch.jobspec import pytorchjob, trainjob
+from kfp_nvrx.components.launch.jobspec.pod import POD_ENTRY
+from kfp_nvrx.components.launch.jobspec.runtime import build_runtime
+from kfp_nvrx.components.launch.jobspec.spec import JobSpec
+from kfp_nvrx.components.launch.jobspec.validate_trainjob import (
     CLUSTER_RUNTIME_CRD,
     RUNTIME_CRD,
     TRAINJOB_CRD,
@@ -162,7 +162,7 @@ def test_nvrx_parser_accepts_the_command_under_v2_env(filename: str) -> None:
     assert got["id"] == name and got["backend"] == "c10d"
     assert got["nnodes"] == spec.nodes and str(got["nproc"]) == str(spec.procs_per_node())
     assert str(got["rank"]) == "1" and got["local_addr"] == "10.0.0.7"
-    assert got["module"] and got["script"] == "kfp_nvrx.components.train_fsdp.trainer"
+    assert got["module"] and got["script"] == "kfp_nvrx.components.training.trainer"
     assert got["script_args"][:2] == ["--config", spec.config]
 
 
@@ -227,7 +227,7 @@ def test_validation_is_strict(mutate, field: str) -> None:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kfp_nvrx.pipelines.cli", "render-job", *args],
+    return subprocess.run([sys.executable, "-m", "kfp_nvrx.components.cli", "render-job", *args],
                           capture_output=True, text=True, timeout=120)
 
 

@@ -6,11 +6,11 @@ import copy
 
 import pytest
 
+from kfp_nvrx.components.cli import main as cli
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.train_fsdp.jobspec import validate
-from kfp_nvrx.components.train_fsdp.jobspec.pytorchjob import build_pytorchjob, render
-from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
-from kfp_nvrx.pipelines import cli
+from kfp_nvrx.components.launch.jobspec import validate
+from kfp_nvrx.components.launch.jobspec.pytorchjob import build_pytorchjob, render
+from kfp_nvrx.components.launch.jobspec.spec import JobSpec
 
 IMAGE = "registry.example/kfp-nvrx-trainer:0.1.0"
 OK = dict(image=IMAGE, pvc="fsx", name="job")

@@ -24,12 +24,12 @@ from k8s_launch import (
 )
 
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.train_fsdp.jobspec import naming
-from kfp_nvrx.components.train_fsdp.jobspec.pytorchjob import render
-from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
-from kfp_nvrx.components.train_fsdp.launcher import backends
-from kfp_nvrx.components.train_fsdp.launcher.k8s_job import ClusterError
-from kfp_nvrx.components.train_fsdp.launcher.kubernetes import launch_kubernetes
+from kfp_nvrx.components.launch import backends
+from kfp_nvrx.components.launch.jobspec import naming
+from kfp_nvrx.components.launch.jobspec.pytorchjob import render
+from kfp_nvrx.components.launch.jobspec.spec import JobSpec
+from kfp_nvrx.components.launch.k8s_job import ClusterError
+from kfp_nvrx.components.launch.kubernetes import launch_kubernetes
 
 
 def _run(double: K8sDouble, spec: JobSpec, script: Script, **opts):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from k8s_double import K8sDouble
 
-from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
+from kfp_nvrx.components.launch.jobspec.spec import JobSpec
 
 ARGS = ["--instance-type", "cpu", "--image", "img:1", "--pvc", "fsx", "--nodes", "1",
         "--run-id", "run-cli", "--task", "train", "--set", "train.steps=6",
@@ -26,7 +26,7 @@ NAME = JobSpec(run_id="run-cli", task="train").job_name()
 
 def _launch(tmp_path: Path, double: K8sDouble, *extra: str) -> subprocess.Popen:
     kubeconfig = double.write_kubeconfig(tmp_path / "kubeconfig", namespace="team-a")
-    cmd = [sys.executable, "-m", "kfp_nvrx.pipelines.cli", "launch", "--backend", "kubernetes",
+    cmd = [sys.executable, "-m", "kfp_nvrx.components.cli", "launch", "--backend", "kubernetes",
            "--kubeconfig", str(kubeconfig), *ARGS, *extra]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -78,14 +78,14 @@ def test_cli_cluster_errors_are_one_line(tmp_path, double) -> None:
     assert proc.returncode == 1
     assert err.strip().count("\n") == 0 and "cluster error" in err and "403" in err
     missing = tmp_path / "missing" / "kubeconfig"
-    proc = subprocess.run([sys.executable, "-m", "kfp_nvrx.pipelines.cli", "launch", "--backend",
+    proc = subprocess.run([sys.executable, "-m", "kfp_nvrx.components.cli", "launch", "--backend",
                            "kubernetes", "--kubeconfig", str(missing), *ARGS],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "cannot load Kubernetes credentials" in proc.stderr
 
 
 def test_cli_bad_input_exit_2_before_credentials(tmp_path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "kfp_nvrx.pipelines.cli", "launch", "--backend",
+    proc = subprocess.run([sys.executable, "-m", "kfp_nvrx.components.cli", "launch", "--backend",
                            "kubernetes", "--kubeconfig", str(tmp_path / "nope"), *ARGS,
                            "--nodes", "0"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1

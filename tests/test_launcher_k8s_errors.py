@@ -25,7 +25,7 @@ import pytest
 import yaml
 from kubernetes import client
 
-from kfp_nvrx.components.train_fsdp.launcher.logs import PodLogFollower
+from kfp_nvrx.components.launch.logs import PodLogFollower
 
 TOKEN = "sso-9f8e7d6c5b4a"  # noqa: S105 - a test credential that must never be printed
 LOGIN = (b"<!DOCTYPE html><html><head><title>Sign in</title></head><body><form action=/login>"
@@ -97,7 +97,7 @@ def _kubeconfig(tmp_path: Path, server: str) -> Path:
 
 
 def _launch(tmp_path: Path, server: str, job_api: str) -> tuple[int, str, str]:
-    cmd = [sys.executable, "-m", "kfp_nvrx.pipelines.cli", "launch", "--backend", "kubernetes",
+    cmd = [sys.executable, "-m", "kfp_nvrx.components.cli", "launch", "--backend", "kubernetes",
            "--job-api", job_api, "--kubeconfig", str(_kubeconfig(tmp_path, server)), *ARGS]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     return proc.returncode, proc.stdout, proc.stderr
@@ -168,10 +168,10 @@ def test_watch_that_ends_at_once_backs_off(proxy) -> None:
 
 def test_a_server_that_never_answers_is_a_one_line_timeout(proxy, monkeypatch) -> None:
     """Every call has a read timeout: a silent server must not hold the launcher forever."""
-    from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
-    from kfp_nvrx.components.train_fsdp.launcher import k8s_api
-    from kfp_nvrx.components.train_fsdp.launcher.k8s_job import ClusterError, K8sOptions
-    from kfp_nvrx.components.train_fsdp.launcher.kubernetes import launch_kubernetes
+    from kfp_nvrx.components.launch import k8s_api
+    from kfp_nvrx.components.launch.jobspec.spec import JobSpec
+    from kfp_nvrx.components.launch.k8s_job import ClusterError, K8sOptions
+    from kfp_nvrx.components.launch.kubernetes import launch_kubernetes
 
     proxy.mode = "hang"
     monkeypatch.setattr(k8s_api, "REQUEST_TIMEOUT", (1.0, 1.0))

@@ -12,17 +12,17 @@ from pathlib import Path
 
 import pytest
 
-from kfp_nvrx.components.train_fsdp.jobspec.pod import POD_ENTRY
-from kfp_nvrx.components.train_fsdp.jobspec.pytorchjob import render
-from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
-from kfp_nvrx.components.train_fsdp.launcher.backends import launch
-from kfp_nvrx.components.train_fsdp.launcher.result import LaunchResult
+from kfp_nvrx.components.launch.backends import launch
+from kfp_nvrx.components.launch.jobspec.pod import POD_ENTRY
+from kfp_nvrx.components.launch.jobspec.pytorchjob import render
+from kfp_nvrx.components.launch.jobspec.spec import JobSpec
+from kfp_nvrx.components.launch.result import LaunchResult
 
 
 @pytest.mark.slow
 def test_local_backend_runs_a_tiny_job(tmp_path: Path) -> None:
     data = tmp_path / "data"
-    subprocess.run([sys.executable, "-m", "kfp_nvrx.pipelines.cli", "prepare-data", "--source",
+    subprocess.run([sys.executable, "-m", "kfp_nvrx.components.cli", "prepare-data", "--source",
                     "sample:", "--out", str(data), "--quiet"], check=True, timeout=300)
     run_dir = tmp_path / "run"
     spec = JobSpec(config="tiny", nodes="1", name="local-e2e", run_dir=str(run_dir),

@@ -17,11 +17,11 @@ from k8s_double import K8sDouble
 from k8s_launch import SPEC, Script, fast_opts, playing
 
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
-from kfp_nvrx.components.train_fsdp.jobspec.trainjob import render
-from kfp_nvrx.components.train_fsdp.launcher import backends
-from kfp_nvrx.components.train_fsdp.launcher.k8s_job import ClusterError
-from kfp_nvrx.components.train_fsdp.launcher.trainjob import launch_trainjob, resolve_job_api
+from kfp_nvrx.components.launch import backends
+from kfp_nvrx.components.launch.jobspec.spec import JobSpec
+from kfp_nvrx.components.launch.jobspec.trainjob import render
+from kfp_nvrx.components.launch.k8s_job import ClusterError
+from kfp_nvrx.components.launch.trainjob import launch_trainjob, resolve_job_api
 
 TRAINJOBS = "/apis/trainer.kubeflow.org/v1alpha1/namespaces/default/trainjobs"
 

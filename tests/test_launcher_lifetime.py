@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from kfp_nvrx.components.data.prepare import prepare_dataset
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.prepare_dataset.prepare import prepare_dataset
-from kfp_nvrx.components.train_fsdp.launcher.lifetime import (
+from kfp_nvrx.components.launch.lifetime import (
     LOCK_FILE,
     RunDirLock,
     Watchdog,
@@ -81,7 +81,7 @@ def test_second_holder_is_refused_with_the_first_ones_pid(tmp_path: Path) -> Non
 
 
 def test_a_lock_left_by_a_killed_run_is_taken(tmp_path: Path) -> None:
-    code = ("import sys, time; from kfp_nvrx.components.train_fsdp.launcher.lifetime import "
+    code = ("import sys, time; from kfp_nvrx.components.launch.lifetime import "
             "RunDirLock; RunDirLock(sys.argv[1]).acquire(); print('locked', flush=True); "
             "time.sleep(600)")
     holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)],
@@ -102,7 +102,7 @@ def test_watchdog_kills_the_run_when_the_launcher_is_killed(tmp_path: Path) -> N
     # A "launcher" that starts a watchdog and a child that ignores SIGTERM, then waits forever.
     code = f"""
 import os, subprocess, sys, time
-from kfp_nvrx.components.train_fsdp.launcher.lifetime import RunDirLock, Watchdog
+from kfp_nvrx.components.launch.lifetime import RunDirLock, Watchdog
 lock = RunDirLock(sys.argv[1]).acquire()
 wd = Watchdog("{TAG}={token}", grace=1.0, keep_fds=(lock.fd,))
 child = subprocess.Popen([sys.executable, "-c",
@@ -172,7 +172,7 @@ def test_a_child_dies_with_its_parent_by_sigterm_and_holds_the_lock_until_then(t
              f"signal.signal(signal.SIGTERM, stop)\nprint('up', flush=True)\ntime.sleep(600)\n")
     parent = f"""
 import os, subprocess, sys, time
-from kfp_nvrx.components.train_fsdp.launcher.lifetime import RunDirLock, die_with_parent
+from kfp_nvrx.components.launch.lifetime import RunDirLock, die_with_parent
 lock = RunDirLock(sys.argv[1]).acquire()
 p = subprocess.Popen(die_with_parent([sys.executable, "-c", {child!r}]), pass_fds=(lock.fd,),
                      env={{**os.environ, "{TAG}": "{token}"}}, stdout=subprocess.PIPE, text=True,
@@ -219,7 +219,7 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _launch(run_dir: Path, data: Path, token: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "kfp_nvrx.pipelines.cli", "launch-local", "--run-dir",
+        [sys.executable, "-m", "kfp_nvrx.components.cli", "launch-local", "--run-dir",
          str(run_dir), "--nodes", "2", "--set", f"data.path={data}", "--set",
          "train.steps=100000", "--set", "train.step_sleep=0.05"],
         env={**os.environ, TAG: token}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -239,7 +239,7 @@ def test_nothing_outlives_launch_local(sig: signal.Signals, data: Path, tmp_path
     try:
         _wait_until(lambda: _training(run_dir), 180, "the first training step")
         second = subprocess.run(
-            [sys.executable, "-m", "kfp_nvrx.pipelines.cli", "launch-local", "--run-dir",
+            [sys.executable, "-m", "kfp_nvrx.components.cli", "launch-local", "--run-dir",
              str(run_dir), "--set", f"data.path={data}", "--set", "train.steps=100000"],
             capture_output=True, text=True, timeout=180)
         assert second.returncode == 2, second.stderr
@@ -279,7 +279,7 @@ def _launch_logged(run_dir: Path, data: Path, token: str, out: Path) -> subproce
     """launch-local as in :func:`_launch`, its output in a file (a pipe nobody reads fills up)."""
     with open(out, "w") as fh:
         return subprocess.Popen(
-            [sys.executable, "-m", "kfp_nvrx.pipelines.cli", "launch-local", "--run-dir",
+            [sys.executable, "-m", "kfp_nvrx.components.cli", "launch-local", "--run-dir",
              str(run_dir), "--nodes", "2", "--set", f"data.path={data}", "--set",
              "train.steps=100000", "--set", "train.step_sleep=0.05"],
             env={**os.environ, TAG: token}, stdout=fh, stderr=subprocess.STDOUT, text=True)
@@ -339,7 +339,7 @@ def test_agents_die_with_the_launcher_when_the_watchdog_cannot_act(data, tmp_pat
 
 def test_agent_stream_shows_what_matters_and_logs_everything(tmp_path):
     """Non-verbose: NVRx chatter and a survivor's peer-reset traceback are hidden, not lost."""
-    from kfp_nvrx.components.train_fsdp.launcher.local import _Agent
+    from kfp_nvrx.components.launch.local import _Agent
 
     lines = [
         "  max_restarts     : 3",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from kfp_nvrx.components.core.config import load_config
-from kfp_nvrx.components.train_fsdp.trainer.resilience import Monitor
+from kfp_nvrx.components.training.trainer.resilience import Monitor
 
 
 class _Client:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-CLI = [sys.executable, "-m", "kfp_nvrx.pipelines.cli"]
+CLI = [sys.executable, "-m", "kfp_nvrx.components.cli"]
 
 
 def _mount(path: Path, *options: str) -> None:
@@ -37,7 +37,7 @@ def mounts() -> Iterator[list[Path]]:
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> Path:
-    from kfp_nvrx.components.prepare_dataset.prepare import prepare_dataset
+    from kfp_nvrx.components.data.prepare import prepare_dataset
 
     out = tmp_path_factory.mktemp("data") / "sample"
     prepare_dataset("sample:200", out, seq_len=64)
@@ -85,7 +85,7 @@ def _small_run(run_dir: Path) -> None:
 
     from kfp_nvrx.components.core.config import load_config
     from kfp_nvrx.components.core.rundir import COMMIT_MARKER, step_dir, write_commit_marker
-    from kfp_nvrx.components.train_fsdp.trainer.model import build_model
+    from kfp_nvrx.components.training.model import build_model
 
     cfg = load_config("tiny")
     path = step_dir(run_dir / "checkpoints", 2)
@@ -114,7 +114,7 @@ def test_export_to_a_read_only_mount_fails_before_reading_the_checkpoint(tmp_pat
 
 
 def test_a_log_file_on_a_full_device_is_given_up_once_and_the_stream_goes_on(tmp_path) -> None:
-    from kfp_nvrx.components.train_fsdp.launcher.agent_log import AgentLog
+    from kfp_nvrx.components.launch.agent_log import AgentLog
 
     said: list[str] = []
     full = AgentLog(Path("/dev/full"), "[node0]", said.append)  # every write: ENOSPC
@@ -132,7 +132,7 @@ def test_a_log_file_on_a_full_device_is_given_up_once_and_the_stream_goes_on(tmp
 
 def test_the_disk_full_notice_is_said_once_per_incarnation_and_only_for_a_full_disk(
         tmp_path) -> None:
-    from kfp_nvrx.components.train_fsdp.launcher.agent_log import DiskFullNotice
+    from kfp_nvrx.components.launch.agent_log import DiskFullNotice
 
     torn = "RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"
     roomy = DiskFullNotice(tmp_path)  # a file system with space: a torn write of another cause

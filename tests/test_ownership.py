@@ -19,11 +19,11 @@ import torch.distributed.checkpoint as dcp
 import yaml
 
 from kfp_nvrx.components.core.config import load_config
+from kfp_nvrx.components.data.prepare import prepare_dataset
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.export_checkpoint.consolidate import export_checkpoint
 from kfp_nvrx.components.ownership import RUN_MARKER, check_run_dir_owned, is_run_dir
-from kfp_nvrx.components.prepare_dataset.prepare import prepare_dataset
-from kfp_nvrx.components.train_fsdp.trainer.model import build_model
+from kfp_nvrx.components.training.export.consolidate import export_checkpoint
+from kfp_nvrx.components.training.model import build_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -42,7 +42,7 @@ def corpus(tmp_path: Path) -> Path:
 
 
 def _cli(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kfp_nvrx.pipelines.cli", *argv], cwd=cwd,
+    return subprocess.run([sys.executable, "-m", "kfp_nvrx.components.cli", *argv], cwd=cwd,
                           capture_output=True, text=True, timeout=180)
 
 
@@ -174,7 +174,7 @@ def test_prepare_data_stopped_by_sigterm_leaves_nothing(tmp_path: Path) -> None:
     tmp.mkdir()
     work_parent = tmp_path / "out"
     work_parent.mkdir()
-    proc = subprocess.Popen([sys.executable, "-m", "kfp_nvrx.pipelines.cli", "prepare-data",
+    proc = subprocess.Popen([sys.executable, "-m", "kfp_nvrx.components.cli", "prepare-data",
                              "--source", "sample:400000", "--out", str(work_parent / "ds"),
                              "--quiet"], env={**os.environ, "TMPDIR": str(tmp)},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from kfp_nvrx.components import __version__
-from kfp_nvrx.pipelines.cli import main
+from kfp_nvrx.components.cli.main import main
 from kfp_nvrx.pipelines.compile import COMPILED_DIR, PIPELINES
 
 FAST = ["train.steps=8", "checkpoint.interval=4", "train.log_every=4"]
@@ -76,7 +76,7 @@ def test_platform_spec(name):
 
 def _compile(tmp_path, *args):
     env = {k: v for k, v in os.environ.items() if k != "KFP_NVRX_REGISTRY"}
-    return subprocess.run([sys.executable, "-m", "kfp_nvrx.pipelines.cli", "compile", "--out",
+    return subprocess.run([sys.executable, "-m", "kfp_nvrx.components.cli", "compile", "--out",
                            str(tmp_path), *args], env=env, capture_output=True, text=True)
 
 
@@ -198,7 +198,7 @@ def test_run_local_scheduled_retrain_needs_a_source(tmp_path, capsys):
 
 
 def test_run_local_drops_retries_only_in_its_copy():
-    from kfp_nvrx.pipelines.commands.run_local import without_retries
+    from kfp_nvrx.components.cli.commands.run_local import without_retries
     from kfp_nvrx.pipelines.compile import load_pipeline
 
     pipeline = load_pipeline("scheduled-retrain")
@@ -236,7 +236,7 @@ def test_fsdp_train_end_to_end_with_fault(tmp_path, capsys):
     (run_root,) = (tmp_path / "pipeline_root").iterdir()
     model_dir = run_root / "export-checkpoint" / "model"
     assert f"{model_dir}/model.safetensors" in table
-    from kfp_nvrx.components.export_checkpoint.evaluate import load_exported_model
+    from kfp_nvrx.components.training.export.evaluate import load_exported_model
 
     assert load_exported_model(model_dir) is not None
     train = json.loads((run_root / "train-fsdp" / "executor_output.json").read_text())
@@ -282,7 +282,7 @@ def test_scheduled_retrain_twice(tmp_path, kfp_local):
 def test_summary_rows_for_scheduled_retrain():
     from kfp import dsl
 
-    from kfp_nvrx.pipelines.commands.run_local import format_table, summary_rows
+    from kfp_nvrx.components.cli.commands.run_local import format_table, summary_rows
 
     outputs = {
         "train_metrics": dsl.Metrics(uri="/x/m", metadata={

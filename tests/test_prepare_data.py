@@ -11,13 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kfp_nvrx.components.cli import main as cli
+from kfp_nvrx.components.data.prepare import prepare_dataset
+from kfp_nvrx.components.data.sample import sample_documents, write_sample_corpus
+from kfp_nvrx.components.data.shards import SplitTokens, read_index, verify_checksums
+from kfp_nvrx.components.data.sources import iter_documents
+from kfp_nvrx.components.data.tokenize import ByteTokenizer, dtype_for_vocab
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.prepare_dataset.prepare import prepare_dataset
-from kfp_nvrx.components.prepare_dataset.sample import sample_documents, write_sample_corpus
-from kfp_nvrx.components.prepare_dataset.shards import SplitTokens, read_index, verify_checksums
-from kfp_nvrx.components.prepare_dataset.sources import iter_documents
-from kfp_nvrx.components.prepare_dataset.tokenize import ByteTokenizer, dtype_for_vocab
-from kfp_nvrx.pipelines import cli
 
 
 def _docs_of(split: SplitTokens, eos: int = 0) -> list[bytes]:
@@ -310,7 +310,7 @@ def test_tokenizers_package_missing_is_a_user_error(corpus: Path, tmp_path: Path
 @pytest.fixture()
 def only_prepare_cli(monkeypatch: pytest.MonkeyPatch) -> None:
     """The real CLI entry point with just this command registered (others are tested apart)."""
-    monkeypatch.setattr(cli, "COMMAND_MODULES", ("kfp_nvrx.pipelines.commands.prepare_data",))
+    monkeypatch.setattr(cli, "COMMAND_MODULES", ("kfp_nvrx.components.cli.commands.prepare_data",))
 
 
 def test_cli_prepare_data(only_prepare_cli: None, tmp_path: Path,

@@ -60,7 +60,7 @@ def test_bad_value_in_python_and_yaml(tmp_path: Path) -> None:
 
 def test_trainer_cli_bad_value_is_one_line_exit_2(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "kfp_nvrx.components.train_fsdp.trainer", "--config", "tiny",
+        [sys.executable, "-m", "kfp_nvrx.components.training.trainer", "--config", "tiny",
          "--run-dir", str(tmp_path / "run"), "--set", "resilience.launcher_poll_interval=0"],
         capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
@@ -140,7 +140,7 @@ def test_in_process_wrapper_settings_and_frozen_heap(monkeypatch) -> None:
 
     from nvidia_resiliency_ext import inprocess
 
-    from kfp_nvrx.components.train_fsdp.trainer import resilience
+    from kfp_nvrx.components.training.trainer import resilience
 
     monkeypatch.setattr(inprocess, "Wrapper", _FakeWrapper)
     frozen = []
@@ -159,7 +159,7 @@ def test_in_process_wrapper_settings_and_frozen_heap(monkeypatch) -> None:
 
 
 def test_restart_clock_prints_the_split_on_rank_0(monkeypatch, capsys) -> None:
-    from kfp_nvrx.components.train_fsdp.trainer.resilience import RestartClock
+    from kfp_nvrx.components.training.trainer.resilience import RestartClock
 
     monkeypatch.setenv("RANK", "0")
     clock = RestartClock()
@@ -181,8 +181,8 @@ def test_boot_record_splits_the_worker_start() -> None:
     import time
     from types import SimpleNamespace
 
-    from kfp_nvrx.components.train_fsdp.trainer.__main__ import boot_parts, process_start_time
-    from kfp_nvrx.components.train_fsdp.trainer.train import boot_line, boot_record
+    from kfp_nvrx.components.training.trainer.__main__ import boot_parts, process_start_time
+    from kfp_nvrx.components.training.trainer.train import boot_line, boot_record
 
     started = process_start_time()
     assert started is not None and 0 <= time.time() - started < 3600

@@ -167,7 +167,7 @@ def test_an_api_server_echoing_our_credential_prints_none_of_it(kind, tmp_path):
     with _EchoingApiServer() as api:
         kc = _kubeconfig(tmp_path / "kubeconfig", api.url, user)
         proc = subprocess.run(
-            [sys.executable, "-m", "kfp_nvrx.pipelines.cli", "launch", "--backend", "kubernetes",
+            [sys.executable, "-m", "kfp_nvrx.components.cli", "launch", "--backend", "kubernetes",
              "--image", "img:1", "--pvc", "shared", "--kubeconfig", str(kc), "--deadline", "60",
              "--result", str(result)],
             capture_output=True, text=True, timeout=180, cwd=tmp_path,
@@ -185,7 +185,7 @@ def test_kfp_api_echoing_a_short_token_is_redacted_whole(tmp_path):
     token.write_text(f"{SHORT}\n")
     fail = {("POST", "/apis/v2beta1/runs"): (500, f"Bearer {SHORT} not valid for q7zebra")}
     with KfpApiDouble(token=SHORT, fail=fail) as api:
-        proc = subprocess.run([sys.executable, "-m", "kfp_nvrx.pipelines.cli", "submit", "--host",
+        proc = subprocess.run([sys.executable, "-m", "kfp_nvrx.components.cli", "submit", "--host",
                                api.url, "--token-file", str(token)], capture_output=True,
                               text=True, timeout=120, env={**os.environ, "KFP_NVRX_REGISTRY": ""})
     assert proc.returncode == 2, proc.stderr

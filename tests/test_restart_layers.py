@@ -4,11 +4,11 @@ recreated pod) from the events on the run's volume, in goodput, the KFP Metrics 
 from __future__ import annotations
 
 from kfp_nvrx.components.core.goodput import summarize_events
-from kfp_nvrx.components.train_fsdp.ui_outputs import metrics_from_summary
+from kfp_nvrx.components.launch.ui_outputs import metrics_from_summary
 
 
 def test_the_layer_is_read_from_the_agent_and_the_wrapper() -> None:
-    from kfp_nvrx.components.train_fsdp.trainer.train import agent_identity, restart_kind
+    from kfp_nvrx.components.training.trainer.train import agent_identity, restart_kind
 
     me = agent_identity()  # this test's parent process stands in for the agent
     assert me and me == agent_identity() and me.count("/") == 2

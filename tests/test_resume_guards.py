@@ -30,7 +30,7 @@ from kfp_nvrx.components.core.rundir import (
 )
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.ownership import claim_run_dir
-from kfp_nvrx.components.train_fsdp.trainer.checkpoint.files import prune
+from kfp_nvrx.components.training.checkpoint.files import prune
 
 
 def _commit(root: Path, step: int, payload: bytes = b"x" * 16) -> Path:

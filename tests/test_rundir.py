@@ -57,8 +57,8 @@ def test_forged_or_incomplete_marker_is_not_committed(tmp_path: Path, marker) ->
 
 
 def test_forged_marker_is_skipped_by_export_and_reported_by_drills(tmp_path: Path) -> None:
-    from kfp_nvrx.components.export_checkpoint.consolidate import list_checkpoints
-    from kfp_nvrx.components.train_fsdp.drills.measure import run_dir_problems
+    from kfp_nvrx.components.drills.measure import run_dir_problems
+    from kfp_nvrx.components.training.export.consolidate import list_checkpoints
 
     run = tmp_path / "run"
     _checkpoint(run, 4)

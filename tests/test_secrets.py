@@ -16,8 +16,8 @@ import time
 import pytest
 from kfp_api_double import KfpApiDouble
 
+from kfp_nvrx.components.cli.main import main
 from kfp_nvrx.components.errors import REDACTED, UserError, redact
-from kfp_nvrx.pipelines.cli import main
 from kfp_nvrx.pipelines.client import validate_cron
 
 SECRET = "tok-6f1d93b2a7c4e5-SECRET"
@@ -111,7 +111,7 @@ def test_a_subprocess_never_prints_the_secret(tmp_path):
     with KfpApiDouble(token=SECRET) as api:
         for argv in (["--token-file", token, "--host", api.url],
                      ["--host", api.url.replace("//", f"//u:{PASSWORD}@")]):
-            proc = subprocess.run([sys.executable, "-m", "kfp_nvrx.pipelines.cli", "submit",
+            proc = subprocess.run([sys.executable, "-m", "kfp_nvrx.components.cli", "submit",
                                    *argv], capture_output=True, text=True, timeout=120,
                                   env={**os.environ, "KFP_NVRX_REGISTRY": ""})
             assert proc.returncode == 2, proc.stderr

@@ -16,9 +16,9 @@ import torch.distributed.checkpoint as dcp
 
 from kfp_nvrx.components.core.config import load_config
 from kfp_nvrx.components.core.rundir import step_dir
-from kfp_nvrx.components.train_fsdp.trainer.build import TrainState, build, full_state
-from kfp_nvrx.components.train_fsdp.trainer.checkpoint import Checkpointer, staged_write
-from kfp_nvrx.components.train_fsdp.trainer.checkpoint import staging as staging_mod
+from kfp_nvrx.components.training.checkpoint import Checkpointer, staged_write
+from kfp_nvrx.components.training.checkpoint import staging as staging_mod
+from kfp_nvrx.components.training.trainer.build import TrainState, build, full_state
 
 
 @pytest.fixture()

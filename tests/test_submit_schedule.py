@@ -13,9 +13,9 @@ import pytest
 from kfp_api_double import KfpApiDouble
 
 from kfp_nvrx.components import __version__
+from kfp_nvrx.components.cli.main import main
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.train_fsdp.launcher.local import free_port
-from kfp_nvrx.pipelines.cli import main
+from kfp_nvrx.components.launch.local import free_port
 from kfp_nvrx.pipelines.client import parse_params, validate_cron
 
 
@@ -93,7 +93,7 @@ def test_submit_with_registry_compiles_for_it(api):
     # a fresh process: the component modules read the registry when first imported
     reg = "123456789012.dkr.ecr.us-west-2.amazonaws.com/kfp-nvrx"
     env = {k: v for k, v in os.environ.items() if k != "KFP_NVRX_REGISTRY"}
-    done = subprocess.run([sys.executable, "-m", "kfp_nvrx.pipelines.cli", "submit", "--host",
+    done = subprocess.run([sys.executable, "-m", "kfp_nvrx.components.cli", "submit", "--host",
                            api.url, "--registry", reg], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     (run,) = api.calls("POST", "/apis/v2beta1/runs")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kfp_nvrx.components.train_fsdp.trainer.timeouts_text import describe_timeouts
+from kfp_nvrx.components.training.trainer.timeouts_text import describe_timeouts
 
 data = pytest.importorskip("nvidia_resiliency_ext.fault_tolerance.data")
 

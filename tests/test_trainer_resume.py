@@ -16,9 +16,9 @@ import torch
 
 from kfp_nvrx.components.core.events import read_events
 from kfp_nvrx.components.core.rundir import COMMIT_MARKER, committed_steps, step_dir
-from kfp_nvrx.components.export_checkpoint.consolidate import load_model_state
-from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
-from kfp_nvrx.components.train_fsdp.launcher.local import run_local
+from kfp_nvrx.components.launch.jobspec.spec import JobSpec
+from kfp_nvrx.components.launch.local import run_local
+from kfp_nvrx.components.training.export.consolidate import load_model_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -28,7 +28,7 @@ BASE = [f"train.steps={STEPS}", "checkpoint.interval=6", "checkpoint.keep=5"]
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> str:
-    from kfp_nvrx.components.prepare_dataset.prepare import prepare_dataset
+    from kfp_nvrx.components.data.prepare import prepare_dataset
 
     out = tmp_path_factory.mktemp("data") / "sample"
     prepare_dataset("sample:400", out, seq_len=64)
@@ -193,7 +193,7 @@ def test_resume_on_a_different_world_size(tmp_path, dataset):
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, dataset, args, field):
     run_dir = tmp_path / "run"
     argv = ["launch-local", "--run-dir", str(run_dir), "--set", f"data.path={dataset}", *args]
-    proc = subprocess.run([sys.executable, "-m", "kfp_nvrx.pipelines.cli", *argv],
+    proc = subprocess.run([sys.executable, "-m", "kfp_nvrx.components.cli", *argv],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()

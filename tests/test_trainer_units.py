@@ -18,8 +18,8 @@ from kfp_nvrx.components.core.launch_command import (
     pod_grace_period_s,
 )
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.train_fsdp.trainer.fault_injector import FaultInjector
-from kfp_nvrx.components.train_fsdp.trainer.model import build_model, num_params
+from kfp_nvrx.components.training.model import build_model, num_params
+from kfp_nvrx.components.training.trainer.fault_injector import FaultInjector
 
 
 def tiny_factory(cfg):  # used through model.factory below
@@ -147,7 +147,7 @@ def test_one_builder_for_pod_and_local_commands():
 def test_fsdp2_build_with_activation_checkpointing_single_rank(one_rank_env):
     import torch.distributed as dist
 
-    from kfp_nvrx.components.train_fsdp.trainer.build import build
+    from kfp_nvrx.components.training.trainer.build import build
 
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
@@ -173,8 +173,8 @@ def test_one_stop_timeout_for_restarts_sigterm_and_the_pod():
 
 
 def test_trainer_creates_the_flight_recorder_folder_the_pod_env_names(tmp_path, monkeypatch):
-    from kfp_nvrx.components.train_fsdp.jobspec.env import gpu_env
-    from kfp_nvrx.components.train_fsdp.trainer.__main__ import make_nccl_trace_dir
+    from kfp_nvrx.components.launch.jobspec.env import gpu_env
+    from kfp_nvrx.components.training.trainer.__main__ import make_nccl_trace_dir
 
     run_dir = tmp_path / "run"
     prefix = gpu_env(str(run_dir))["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]
@@ -190,7 +190,7 @@ def test_trainer_creates_the_flight_recorder_folder_the_pod_env_names(tmp_path, 
 def test_checkpoint_policy_saves_every_interval_and_the_final_step(one_rank_env, tmp_path):
     import torch.distributed as dist
 
-    from kfp_nvrx.components.train_fsdp.trainer.checkpoint import Checkpointer
+    from kfp_nvrx.components.training.checkpoint import Checkpointer
 
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:

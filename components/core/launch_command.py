@@ -19,7 +19,7 @@ from kfp_nvrx.components.core.config import ResilienceConfig
 from kfp_nvrx.components.errors import UserError
 
 #: The module ft_launcher runs in every worker process.
-TRAINER_MODULE = "kfp_nvrx.components.train_fsdp.trainer"
+TRAINER_MODULE = "kfp_nvrx.components.training.trainer"
 #: Rendezvous backend: ft_launcher requires c10d.
 RDZV_BACKEND = "c10d"
 #: First NVRx release known to accept ``--ft-gpu-memory-poll-interval`` (0.4.1 rejects it).

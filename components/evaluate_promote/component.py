@@ -40,7 +40,7 @@ def compare_models(
 
     # torch imports pynvml, which warns on every import; nothing here uses NVML.
     warnings.filterwarnings("ignore", message="The pynvml package is deprecated")
-    from kfp_nvrx.components.evaluate_promote.promote import PROMOTE, compare
+    from kfp_nvrx.components.training.export.promote import PROMOTE, compare
 
     result = compare(candidate.path, dataset.metadata["path"], promoted_dir,
                      min_improvement=min_improvement, eval_batches=eval_batches)
@@ -70,7 +70,7 @@ def promote_model(
         The new version directory.
 
     """
-    from kfp_nvrx.components.evaluate_promote.promote import promote
+    from kfp_nvrx.components.training.export.promote import promote
 
     version = promote(candidate.path, promoted_dir,
                       record={"kfp_run_id": kfp_run_id, **dict(candidate.metadata)})

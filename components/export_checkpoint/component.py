@@ -31,8 +31,8 @@ def export_checkpoint(
 
     # torch imports pynvml, which warns on every import; nothing here uses NVML.
     warnings.filterwarnings("ignore", message="The pynvml package is deprecated")
-    from kfp_nvrx.components.export_checkpoint.consolidate import export_checkpoint as export
-    from kfp_nvrx.components.export_checkpoint.consolidate import summary
+    from kfp_nvrx.components.training.export.consolidate import export_checkpoint as export
+    from kfp_nvrx.components.training.export.consolidate import summary
 
     info = export(run.metadata["path"], model.path, step=None if step < 0 else step,
                   eval_batches=eval_batches, log=print)

@@ -40,8 +40,8 @@ def prepare_dataset(
     import json
     import os
 
-    from kfp_nvrx.components.prepare_dataset.prepare import prepare_dataset as prepare
-    from kfp_nvrx.components.prepare_dataset.prepare import summary
+    from kfp_nvrx.components.data.prepare import prepare_dataset as prepare
+    from kfp_nvrx.components.data.prepare import summary
 
     out_dir = os.path.join(workspace, "datasets", dataset_name)
     index = prepare(source, out_dir, tokenizer=tokenizer, seq_len=seq_len,

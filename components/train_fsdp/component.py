@@ -70,10 +70,10 @@ def train_fsdp(
 
     from kfp_nvrx.components import images
     from kfp_nvrx.components.errors import UserError
+    from kfp_nvrx.components.launch import ui_outputs
+    from kfp_nvrx.components.launch.backends import launch
+    from kfp_nvrx.components.launch.jobspec.spec import JobSpec
     from kfp_nvrx.components.redaction import redact, redacted_output
-    from kfp_nvrx.components.train_fsdp import ui_outputs
-    from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
-    from kfp_nvrx.components.train_fsdp.launcher.backends import launch
 
     if backend == "local" and importlib.util.find_spec("torch") is None:
         raise UserError("backend", "'local' trains inside this task's container, which has no "

@@ -23,9 +23,9 @@ import pytest
 import yaml
 from kubernetes import client
 
-from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
-from kfp_nvrx.components.train_fsdp.launcher import backends
-from kfp_nvrx.components.train_fsdp.launcher.result import LaunchResult
+from kfp_nvrx.components.launch import backends
+from kfp_nvrx.components.launch.jobspec.spec import JobSpec
+from kfp_nvrx.components.launch.result import LaunchResult
 
 PVC = "kfp-nvrx-shared"
 SA = "kfp-nvrx-launcher"
@@ -141,7 +141,7 @@ class Cli:
         self.out: list[str] = []
         self.err_path = tmp / f"stderr-{time.monotonic_ns()}.txt"
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", "import sys; from kfp_nvrx.pipelines.cli import main; "
+            [sys.executable, "-c", "import sys; from kfp_nvrx.components.cli.main import main; "
              "sys.exit(main())", *args], stdout=subprocess.PIPE,
             stderr=open(self.err_path, "wb"), env=env, text=True)
         self._reader = threading.Thread(target=self._read, daemon=True)

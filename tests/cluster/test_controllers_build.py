@@ -24,9 +24,9 @@ from cluster.kutil import (
     wait_for,
 )
 from cluster.truth_rows import shape_spec
-from kfp_nvrx.components.train_fsdp.jobspec import pytorchjob, trainjob
-from kfp_nvrx.components.train_fsdp.jobspec.runtime import build_runtime
-from kfp_nvrx.components.train_fsdp.jobspec.validate_trainjob import node_pod
+from kfp_nvrx.components.launch.jobspec import pytorchjob, trainjob
+from kfp_nvrx.components.launch.jobspec.runtime import build_runtime
+from kfp_nvrx.components.launch.jobspec.validate_trainjob import node_pod
 
 NODES = 2
 #: What the kubelet would take for the pod's IP when it expands $(POD_IP).

@@ -16,9 +16,9 @@ import uuid
 import pytest
 
 from cluster.kutil import wait_for
-from kfp_nvrx.components.train_fsdp.jobspec import pytorchjob, trainjob
-from kfp_nvrx.components.train_fsdp.jobspec.pod import POD_ENTRY
-from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
+from kfp_nvrx.components.launch.jobspec import pytorchjob, trainjob
+from kfp_nvrx.components.launch.jobspec.pod import POD_ENTRY
+from kfp_nvrx.components.launch.jobspec.spec import JobSpec
 
 pytestmark = [pytest.mark.timeout(600)]
 
@@ -127,7 +127,7 @@ def test_killed_pod_recreates_the_jobset(kube):
 
 
 def test_restarts_stop_at_max_restarts(kube):
-    from kfp_nvrx.components.train_fsdp.jobspec.runtime import MAX_RESTARTS
+    from kfp_nvrx.components.launch.jobspec.runtime import MAX_RESTARTS
 
     name = f"pol-always-{uuid.uuid4().hex[:4]}"
     _trainjob(kube, name, "kill -9 $$$$")

@@ -28,8 +28,8 @@ from cluster.launch_real import (
     sa_kubeconfig,
     wait_for,
 )
-from kfp_nvrx.components.train_fsdp.jobspec import runtime as rt
-from kfp_nvrx.components.train_fsdp.launcher import trainjob
+from kfp_nvrx.components.launch import trainjob
+from kfp_nvrx.components.launch.jobspec import runtime as rt
 
 #: No node carries this label: the scheduler never binds our pods, so no node agent runs them and
 #: the test is the only one writing their status.
@@ -293,9 +293,9 @@ def test_pods_refused_by_quota_are_said_once_not_just_pending(kube, tmp_path, qu
 
 def test_a_job_no_controller_takes_up_is_said(kube) -> None:
     """A TrainJob the real Trainer skips (``managedBy`` Kueue, which is not installed)."""
-    from kfp_nvrx.components.train_fsdp.jobspec.trainjob import render
-    from kfp_nvrx.components.train_fsdp.launcher.k8s_job import K8sOptions
-    from kfp_nvrx.components.train_fsdp.launcher.trainjob import launch_trainjob
+    from kfp_nvrx.components.launch.jobspec.trainjob import render
+    from kfp_nvrx.components.launch.k8s_job import K8sOptions
+    from kfp_nvrx.components.launch.trainjob import launch_trainjob
 
     name = "real-unmanaged"
     spec = _spec(name)

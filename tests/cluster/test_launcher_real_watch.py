@@ -29,7 +29,7 @@ from cluster.launch_real import (
     wait_for,
 )
 from cluster.supervisor import read_state
-from kfp_nvrx.components.train_fsdp.launcher.logs import PodLogFollower
+from kfp_nvrx.components.launch.logs import PodLogFollower
 
 NO_NODE = {"kfp-nvrx.test/no-node": "true"}
 USER = "system:serviceaccount:{ns}:" + SA

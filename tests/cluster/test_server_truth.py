@@ -42,15 +42,15 @@ from cluster.truth_rows import (
     shape_spec,
 )
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.train_fsdp.jobspec import pytorchjob, trainjob
-from kfp_nvrx.components.train_fsdp.jobspec.runtime import (
+from kfp_nvrx.components.launch.jobspec import pytorchjob, trainjob
+from kfp_nvrx.components.launch.jobspec.runtime import (
     CLUSTER_RUNTIME_KIND,
     RUNTIME_NAME,
     build_runtime,
 )
-from kfp_nvrx.components.train_fsdp.jobspec.validate import validate_job
-from kfp_nvrx.components.train_fsdp.jobspec.validate_jobset import validate_runtime
-from kfp_nvrx.components.train_fsdp.jobspec.validate_trainjob import (
+from kfp_nvrx.components.launch.jobspec.validate import validate_job
+from kfp_nvrx.components.launch.jobspec.validate_jobset import validate_runtime
+from kfp_nvrx.components.launch.jobspec.validate_trainjob import (
     RUNTIME_CRDS,
     validate_schema,
     validate_trainjob,
@@ -152,7 +152,7 @@ def test_every_trainjob_shape_is_built(kube, truth, nodes, profile, option, kind
 
 
 def _cli(*args: str) -> list[dict[str, Any]]:
-    out = subprocess.run([sys.executable, "-m", "kfp_nvrx.pipelines.cli", "render-job",
+    out = subprocess.run([sys.executable, "-m", "kfp_nvrx.components.cli", "render-job",
                           "--image", IMAGE, "--pvc", "fsx", "--nodes", "2", *args],
                          capture_output=True, text=True, timeout=300, check=True)
     return list(yaml.safe_load_all(out.stdout))

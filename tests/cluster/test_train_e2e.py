@@ -53,7 +53,7 @@ def _claim(kube) -> Path:
 
 @pytest.fixture(scope="module")
 def dataset(cluster) -> str:
-    from kfp_nvrx.components.prepare_dataset.prepare import prepare_dataset
+    from kfp_nvrx.components.data.prepare import prepare_dataset
 
     prepare_dataset("sample:400", _claim(cluster) / DATA, seq_len=64)
     return f"/fsx/{DATA}"
@@ -110,7 +110,7 @@ class Launch:
 
     def weights(self):
         from kfp_nvrx.components.core.rundir import step_dir
-        from kfp_nvrx.components.export_checkpoint.consolidate import load_model_state
+        from kfp_nvrx.components.training.export.consolidate import load_model_state
 
         assert self.committed()[0] == STEPS
         return load_model_state(step_dir(self.run_dir / "checkpoints", STEPS))

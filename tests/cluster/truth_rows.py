@@ -22,9 +22,9 @@ from typing import Any
 
 from golden_specs import IMAGE, golden_specs
 
-from kfp_nvrx.components.train_fsdp.jobspec import pytorchjob, trainjob
-from kfp_nvrx.components.train_fsdp.jobspec.runtime import build_runtime
-from kfp_nvrx.components.train_fsdp.jobspec.spec import JobSpec
+from kfp_nvrx.components.launch.jobspec import pytorchjob, trainjob
+from kfp_nvrx.components.launch.jobspec.runtime import build_runtime
+from kfp_nvrx.components.launch.jobspec.spec import JobSpec
 
 Mutation = Callable[[dict[str, Any]], Any]
 

@@ -29,7 +29,7 @@ def pg(one_rank_env):
 
 def _trainer(extra=()):
     from kfp_nvrx.components.core.config import load_config
-    from kfp_nvrx.components.train_fsdp.trainer.build import TrainState, build
+    from kfp_nvrx.components.training.trainer.build import TrainState, build
 
     cfg = load_config("tiny", [*SETS, *extra])
     device = torch.device("cuda", 0)
@@ -52,7 +52,7 @@ def _trainer(extra=()):
 
 
 def _snapshot(state):
-    from kfp_nvrx.components.train_fsdp.trainer.checkpoint.staging import flat_state
+    from kfp_nvrx.components.training.checkpoint.staging import flat_state
 
     return {k: (v.to_local() if hasattr(v, "to_local") else v).detach().cpu().clone()
             for k, v in flat_state(state).items() if isinstance(v, torch.Tensor)}
@@ -60,8 +60,8 @@ def _snapshot(state):
 
 def test_overlapped_staging_saves_the_state_at_save_time(tmp_path, pg):
     from kfp_nvrx.components.core.rundir import step_dir
-    from kfp_nvrx.components.train_fsdp.trainer.build import full_state
-    from kfp_nvrx.components.train_fsdp.trainer.checkpoint import Checkpointer
+    from kfp_nvrx.components.training.checkpoint import Checkpointer
+    from kfp_nvrx.components.training.trainer.build import full_state
 
     cfg, model, opt, sched, train, step, device = _trainer(["checkpoint.staging=overlap"])
     ckpt = Checkpointer(tmp_path, cfg.checkpoint, device)
@@ -93,8 +93,8 @@ def test_overlapped_staging_saves_the_state_at_save_time(tmp_path, pg):
 
 def test_in_memory_restore_equals_the_files(tmp_path, pg):
     from kfp_nvrx.components.core.rundir import step_dir
-    from kfp_nvrx.components.train_fsdp.trainer.build import full_state
-    from kfp_nvrx.components.train_fsdp.trainer.checkpoint import Checkpointer
+    from kfp_nvrx.components.training.checkpoint import Checkpointer
+    from kfp_nvrx.components.training.trainer.build import full_state
 
     cfg, model, opt, sched, train, step, device = _trainer(["checkpoint.staging=overlap"])
     ckpt = Checkpointer(tmp_path, cfg.checkpoint, device)

@@ -1,0 +1,1 @@
+"""The ``kfp-nvrx`` command line: one module per subcommand under ``commands``."""

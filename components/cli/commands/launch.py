@@ -1,0 +1,124 @@
+"""``kfp-nvrx launch``: run a training job on a backend (``local`` or ``kubernetes``) and wait.
+
+Kubernetes: creates the PyTorchJob or TrainJob (``--job-api``), or re-attaches to this run's
+existing one, streams the worker logs with a replica prefix, prints progress, and on
+SIGTERM/SIGINT deletes the job. Exit code 0 on Succeeded, 1 on Failed/DeadlineExceeded or a
+cluster error, 130/143 when cancelled by a signal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+
+from kfp_nvrx.components.cli.commands.render_job import add_job_arguments, spec_from_args, write_atomic
+from kfp_nvrx.components.core import argtypes
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the ``launch`` subcommand."""
+    p = sub.add_parser("launch", help="run a training job (local, PyTorchJob or TrainJob) and follow it",
+                       description=__doc__.splitlines()[0])
+    p.add_argument("--backend", choices=("local", "kubernetes"), default="local",
+                   help="local (default: ft_launcher agents on this machine) or kubernetes")
+    add_job_arguments(p)
+    p.add_argument("--job-api", choices=("pytorchjob", "trainjob", "auto"), default="pytorchjob",
+                   help="kubernetes: pytorchjob (Training Operator v1, default), trainjob "
+                   "(Kubeflow Trainer v2) or auto (ask the cluster; TrainJob when it serves both)")
+    f = p.add_argument_group("follow")
+    f.add_argument("--deadline", type=argtypes.seconds, default=None,
+                   help="give up after SECONDS (kubernetes: from job creation; default: "
+                   "active deadline + 10 min)")
+    f.add_argument("--delete-after", choices=("always", "on_success", "never"),
+                   default="on_success", help="delete the PyTorchJob/TrainJob when it ends")
+    f.add_argument("--poll-interval", type=float, default=5.0, help="seconds between reads")
+    f.add_argument("--kubeconfig", default="", help="kubeconfig file (default: $KUBECONFIG, "
+                   "~/.kube/config, or in-cluster)")
+    f.add_argument("--context", default="", help="kubeconfig context")
+    f.add_argument("--result", default="", metavar="FILE", help="write the result as JSON")
+    p.set_defaults(handler=_run)
+
+
+def _cluster(args: argparse.Namespace) -> tuple[object, str]:
+    """Return (client configuration, namespace): in-cluster service account or kubeconfig."""
+    import os
+
+    from kubernetes import client, config
+
+    from kfp_nvrx.components.launch.k8s_job import ClusterError
+    from kfp_nvrx.components.redaction import register_kube_configuration, register_kubeconfig
+
+    cfg = client.Configuration()
+    # Whatever authenticates us is cut out of every line printed from here on (the CLI's
+    # redacting stdout/stderr), the file's values before the loader can quote them in an error.
+    register_kube_configuration(cfg)
+    in_cluster = "KUBERNETES_SERVICE_HOST" in os.environ and not (args.kubeconfig or args.context)
+    if not in_cluster:
+        register_kubeconfig(args.kubeconfig or None)
+    try:
+        if in_cluster:
+            config.load_incluster_config(client_configuration=cfg)
+            sa_ns = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+            with open(sa_ns) as fh:
+                return cfg, fh.read().strip()
+        config.load_kube_config(config_file=args.kubeconfig or None,
+                                context=args.context or None, client_configuration=cfg)
+        _, active = config.list_kube_config_contexts(config_file=args.kubeconfig or None)
+        if args.context:
+            contexts, _ = config.list_kube_config_contexts(config_file=args.kubeconfig or None)
+            active = next(c for c in contexts if c["name"] == args.context)
+        return cfg, (active.get("context") or {}).get("namespace", "default")
+    except Exception as err:  # noqa: BLE001 - no/bad kubeconfig: one line
+        raise ClusterError(f"cannot load Kubernetes credentials: {' '.join(str(err).split())}") \
+            from None
+
+
+def _run(args: argparse.Namespace) -> int:
+    from kfp_nvrx.components.errors import UserError
+    from kfp_nvrx.components.launch.backends import launch
+    from kfp_nvrx.components.launch.k8s_job import ClusterError
+
+    if args.deadline is not None and args.deadline <= 0:
+        raise UserError("--deadline", f"must be > 0 seconds, got {args.deadline:g}")
+    if args.poll_interval <= 0:
+        raise UserError("--poll-interval", f"must be > 0 seconds, got {args.poll_interval:g}")
+    spec = spec_from_args(args)
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+
+    cfg, namespace = None, ""
+    try:
+        if args.backend == "kubernetes":
+            from kfp_nvrx.components.cli.commands.render_job import render_for
+
+            if args.job_api != "auto":  # bad input is reported before credentials are looked at
+                render_for(spec, args.job_api, args.runtime, args.runtime_kind)
+            cfg, namespace = _cluster(args)
+        result = launch(spec, args.backend, log=log, deadline_s=args.deadline,
+                        namespace=args.namespace or namespace, delete_after=args.delete_after,
+                        poll_s=args.poll_interval, client_configuration=cfg,
+                        job_api=args.job_api, runtime=args.runtime,
+                        runtime_kind=args.runtime_kind)
+    except ClusterError as err:
+        sys.stderr.write(f"kfp-nvrx launch: cluster error: {err}\n")
+        return 1
+    if args.result:  # reasons and log lines came from the cluster: redacted like the terminal
+        from kfp_nvrx.components.redaction import redact
+
+        write_atomic(args.result, redact(json.dumps(result.to_dict(), indent=2)) + "\n")
+    print(f"{result.state}: {result.name} ({result.backend}) in {result.duration_s:.0f}s, "
+          f"restarts {result.restarts}, pod restarts {result.pod_restarts}, "
+          f"run dir {result.run_dir}", flush=True)
+    if result.succeeded:
+        return 0
+    sys.stderr.write(f"kfp-nvrx launch: {result.state}: {result.reason}\n")
+    if result.last_log_lines:
+        sys.stderr.write(f"last lines of {result.extra.get('failed_replica', 'the job')}:\n")
+        for line in result.last_log_lines:
+            sys.stderr.write(f"  {line}\n")
+    if result.state == "Cancelled":
+        return 128 + int(result.extra.get("signal", signal.SIGTERM))
+    return 1

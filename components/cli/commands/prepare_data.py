@@ -1,0 +1,62 @@
+"""``kfp-nvrx prepare-data``: tokenize text into train/val token shards."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``prepare-data`` subcommand."""
+    p = subparsers.add_parser(
+        "prepare-data",
+        help="tokenize .txt/.jsonl text into train/val token shards",
+        description="Tokenize a file, glob or directory of .txt / .jsonl / .json (JSON lines) into "
+        "train/val token shards plus index.json. Reuses the directory when its fingerprint "
+        "matches. --source sample: uses the bundled sample corpus (no input needed).",
+    )
+    p.add_argument("--source", required=True,
+                   help="file, glob or directory of .txt/.jsonl/.json; or 'sample:' / 'sample:N'")
+    p.add_argument("--out", required=True, help="dataset directory to create")
+    p.add_argument("--tokenizer", default="byte", help="'byte' (default) or a tokenizer.json path")
+    p.add_argument("--eos-token", default=None,
+                   help="end-of-document token of a tokenizer.json (default: a known one)")
+    p.add_argument("--seq-len", type=int, default=64,
+                   help="sequence length the data is for (default 64)")
+    p.add_argument("--val-fraction", type=float, default=0.05,
+                   help="share of documents held out for validation (default 0.05)")
+    p.add_argument("--text-field", default="text",
+                   help="JSON field holding the text (default text)")
+    p.add_argument("--seed", type=int, default=0, help="chooses the val documents (default 0)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace --out when it holds another prepare-data dataset (a folder "
+                   "holding anything else is never replaced)")
+    p.add_argument("--quiet", action="store_true", help="print only the summary line")
+    p.set_defaults(handler=run)
+
+
+#: Library parameter names -> this command's flags (errors name the flag the user typed).
+FLAGS = {"source": "--source", "out_dir": "--out", "tokenizer": "--tokenizer",
+         "eos_token": "--eos-token", "seq_len": "--seq-len", "val_fraction": "--val-fraction",
+         "text_field": "--text-field", "seed": "--seed"}
+
+
+def run(args: argparse.Namespace) -> int:
+    """Prepare the dataset and print a one-line summary."""
+    from kfp_nvrx.components.data.prepare import prepare_dataset, summary
+    from kfp_nvrx.components.errors import UserError
+
+    def log(msg: str) -> None:
+        if not args.quiet:
+            print(f"prepare-data: {msg}", file=sys.stderr, flush=True)
+
+    try:
+        result = prepare_dataset(
+            args.source, args.out, tokenizer=args.tokenizer, seq_len=args.seq_len,
+            val_fraction=args.val_fraction, text_field=args.text_field, seed=args.seed,
+            eos_token=args.eos_token, overwrite=args.overwrite, log=log,
+        )
+    except UserError as err:
+        raise UserError(FLAGS.get(err.field, err.field), err.message) from None
+    print(summary(result), flush=True)
+    return 0

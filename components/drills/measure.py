@@ -1,0 +1,70 @@
+"""Figures and checks of one drill run, from its run directory and events."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kfp_nvrx.components.core.rundir import checkpoints_dir, committed_steps, step_dir, verify
+
+
+def starts(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ``start`` events (one per incarnation / in-process iteration)."""
+    return [e for e in events if e["type"] == "start"]
+
+
+def committed_steps_lost(events: list[dict[str, Any]]) -> int:
+    """Committed progress thrown away: for every restart, newest commit so far - step resumed.
+
+    0 when each restart resumed from the newest committed checkpoint; positive when it had to
+    fall back (a damaged checkpoint) or started over.
+    """
+    lost, newest = 0, 0
+    seen_start = False
+    for e in events:
+        if e["type"] == "checkpoint":
+            newest = max(newest, int(e["step"]))
+        elif e["type"] == "start":
+            if seen_start:
+                lost += max(0, newest - int(e.get("resumed_from") or 0))
+            seen_start = True
+    return lost
+
+
+def completed(events: list[dict[str, Any]]) -> bool:
+    """Whether the trainer logged a completed end."""
+    return any(e["type"] == "end" and e.get("status") == "completed" for e in events)
+
+
+def run_dir_problems(run_dir: Path) -> list[str]:
+    """What is inconsistent: committed checkpoints that fail verification, leftover temp files."""
+    problems = []
+    root = checkpoints_dir(run_dir)
+    for step in committed_steps(root):
+        problem = verify(step_dir(root, step))
+        if problem:
+            problems.append(f"committed step {step}: {problem}")
+    for tmp in run_dir.rglob("*.tmp"):
+        problems.append(f"temporary file left: {tmp.relative_to(run_dir)}")
+    return problems
+
+
+def final_weights(run_dir: Path, step: int) -> dict[str, Any] | None:
+    """Model tensors of the committed checkpoint ``step``, or None when it is not committed."""
+    from kfp_nvrx.components.training.export.consolidate import load_model_state
+
+    root = checkpoints_dir(run_dir)
+    if step not in committed_steps(root):
+        return None
+    return load_model_state(step_dir(root, step))
+
+
+def bitwise_equal(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
+    """Same keys, and every tensor equal bit for bit."""
+    import torch
+
+    if a is None or b is None or a.keys() != b.keys():
+        return False
+    return all(torch.equal(a[k], b[k]) for k in a)
+
+

@@ -1,0 +1,236 @@
+"""``JobSpec`` -> Kubeflow Trainer v2 ``TrainJob`` (trainer.kubeflow.org/v1alpha1), validated.
+
+The same JobSpec means the same job as the PyTorchJob of :mod:`.pytorchjob`: the worker pod is
+built by the same code (:mod:`.pod`) and then split the way v2 wants it:
+
+* ``spec.trainer`` takes image, command, env, node count, processes per node and resources;
+* ``spec.runtimePatches`` takes what v2 lets a TrainJob change in the runtime's pod template:
+  volumes and mounts (shared volume, /dev/shm, extra PVCs), node selector, tolerations, affinity,
+  security contexts (``IPC_LOCK`` for EFA, ``fsGroup``), service account, grace period, labels and
+  the Istio opt-out;
+* everything else comes from the runtime we ship (:mod:`.runtime`, ``images/deploy``): the
+  ``node`` replicated job, its pod failure policy and the JobSet failure policy.
+
+v2 has no elastic policy and injects no rendezvous settings: the command gets the c10d endpoint
+``$(PET_MASTER_ADDR):$(PET_MASTER_PORT)`` (node 0's stable DNS name, port 29500) and the TrainJob
+name as rendezvous id, from the one ft_launcher command builder. What v2 cannot express is refused
+with a one-line error naming the flag.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, fields
+from typing import Any
+
+import yaml
+
+from kfp_nvrx.components.core.config import Config, load_config
+from kfp_nvrx.components.errors import UserError
+from kfp_nvrx.components.launch.jobspec import naming
+from kfp_nvrx.components.launch.jobspec import runtime as rt
+from kfp_nvrx.components.launch.jobspec.cluster_fields import check_cluster_fields
+from kfp_nvrx.components.launch.jobspec.pod import (
+    annotations,
+    check_pod_paths,
+    labels,
+    pod_spec,
+    to_dict,
+    trainer_command,
+)
+from kfp_nvrx.components.launch.jobspec.spec import (
+    JobSpec,
+    check_resource_name,
+    check_seconds,
+)
+from kfp_nvrx.components.launch.jobspec.validate_jobset import POD_SUFFIX
+
+KIND = "TrainJob"
+#: The torch plugin injects these into the trainer container; the webhook rejects a TrainJob
+#: whose ``trainer.env`` sets any of them.
+RESERVED_ENV = ("PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR",
+                "PET_MASTER_PORT")
+#: Owner of our runtime patch (``runtimePatches`` is a map keyed by manager).
+PATCH_MANAGER = "kfp-nvrx.io/jobspec"
+#: Pod fields a runtime patch may set (the v2.3.0 CRD's patch schema), in the rendered order.
+_PATCHABLE_POD = ("affinity", "nodeSelector", "securityContext", "serviceAccountName",
+                  "terminationGracePeriodSeconds", "tolerations", "volumes")
+
+
+def rdzv_endpoint() -> str:
+    """c10d endpoint from what the torch plugin injects (node 0's headless-Service DNS name)."""
+    return "$(PET_MASTER_ADDR):$(PET_MASTER_PORT)"
+
+
+def _default(name: str) -> Any:
+    field = next(f for f in fields(JobSpec) if f.name == name)
+    return field.default
+
+
+def refuse_v1_only(spec: JobSpec) -> None:
+    """Raise UserError for a setting a TrainJob cannot express (one line, naming the flag)."""
+    lo, hi = spec.node_range()
+    if lo != hi:
+        raise UserError("--nodes", f"{spec.nodes!r}: Trainer v2 has no elastic policy (fixed node "
+                        "count); use --nodes N, or --job-api pytorchjob for MIN:MAX")
+    if spec.priority_class:
+        raise UserError("--priority-class", "a TrainJob cannot set priorityClassName (v2 runtime "
+                        "patches do not carry it); set it in the TrainingRuntime or use "
+                        "--job-api pytorchjob")
+    if spec.scheduler_name:
+        raise UserError("--scheduler-name", "a TrainJob cannot set schedulerName (v2 runtime "
+                        "patches do not carry it); set it in the TrainingRuntime or use "
+                        "--job-api pytorchjob")
+    if spec.image_pull_policy != rt.IMAGE_PULL_POLICY:
+        raise UserError("--image-pull-policy", f"a TrainJob takes the pull policy from the "
+                        f"TrainingRuntime ({rt.IMAGE_PULL_POLICY}); edit the runtime instead")
+    if spec.ttl_after_finished_s != _default("ttl_after_finished_s"):
+        raise UserError("--ttl-after-finished", "a TrainJob has no TTL; `launch --delete-after` "
+                        "removes it, or use --job-api pytorchjob")
+    if spec.backoff_limit != _default("backoff_limit"):
+        raise UserError("--backoff-limit", "whole-job restarts of a TrainJob come from the "
+                        f"runtime's failurePolicy.maxRestarts ({rt.MAX_RESTARTS}); edit the "
+                        "runtime instead")
+    for name in spec.env:
+        if name in RESERVED_ENV:
+            raise UserError("--env", f"{name} is injected by Trainer v2's torch plugin; the "
+                            "TrainJob webhook rejects it")
+
+
+def check_name(name: str, nodes: int) -> None:
+    """Raise UserError naming ``--name`` unless the JobSet-derived names stay valid.
+
+    The JobSet is named after the TrainJob and the headless Service is ``<name>``; the JobSet
+    webhook refuses a JobSet whose longest pod name ``<name>-node-0-<index>-<5 characters>`` (the
+    Job controller's suffix) is not a DNS-1035 label of at most 63 characters, when the Trainer
+    creates it: the TrainJob itself would be accepted and never start.
+    """
+    if not naming.DNS1035.match(name) or len(name) > naming.MAX_LABEL:
+        raise UserError("--name", f"{name!r} is not a DNS-1035 label of at most "
+                        f"{naming.MAX_LABEL} characters (lower-case letters, digits and '-', "
+                        "starting with a letter)")
+    longest = f"{name}-{rt.REPLICATED_JOB}-0-{nodes - 1}{POD_SUFFIX}"
+    if len(longest) > naming.MAX_LABEL:
+        most = len(name) - (len(longest) - naming.MAX_LABEL)
+        raise UserError("--name", f"{name!r} is too long: the JobSet's pod names "
+                        f"{longest[:-len(POD_SUFFIX)]}-xxxxx would exceed {naming.MAX_LABEL} "
+                        f"characters; use at most {most}")
+
+
+@dataclass
+class RenderedTrainJob:
+    """A built TrainJob (plain dict in API field names) and the values it was built from."""
+
+    job: dict[str, Any]
+    runtime: dict[str, Any]
+    name: str
+    run_dir: str
+    config: Config
+    nodes: int
+    procs_per_node: int
+
+    @property
+    def max_nodes(self) -> int:
+        """Node count (same attribute as the PyTorchJob's rendering)."""
+        return self.nodes
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return a copy of the TrainJob manifest."""
+        return copy.deepcopy(self.job)
+
+    def to_yaml(self, with_runtime: bool = False) -> str:
+        """Return the TrainJob as YAML; with the runtime it refers to first when asked."""
+        docs = [self.runtime, self.job] if with_runtime else [self.job]
+        return yaml.safe_dump_all(docs, sort_keys=False, default_flow_style=False)
+
+
+def _split_pod(pod: dict[str, Any]) -> tuple[dict, dict]:
+    """Split a worker pod spec into (trainer, pod patch); refuse fields v2 cannot carry."""
+    (container,) = pod.pop("containers")
+    if container.get("imagePullPolicy", rt.IMAGE_PULL_POLICY) != rt.IMAGE_PULL_POLICY:
+        raise UserError("--image-pull-policy", f"the TrainingRuntime sets {rt.IMAGE_PULL_POLICY}")
+    trainer = {"image": container["image"], "command": container["command"], "env": container["env"],
+               "resourcesPerNode": container["resources"]}
+    patch_c: dict[str, Any] = {"name": rt.CONTAINER_NAME,
+                               "volumeMounts": container["volumeMounts"]}
+    if container.get("securityContext"):
+        patch_c["securityContext"] = container["securityContext"]
+    # ports: the torch plugin opens 29500 itself; name/command/pull policy: set above/runtime.
+    left = set(container) - {"name", "image", "imagePullPolicy", "command", "env", "resources",
+                             "volumeMounts", "securityContext", "ports"}
+    left |= set(pod) - set(_PATCHABLE_POD)
+    if left:
+        raise UserError(f"pod.{sorted(left)[0]}", "cannot be set on a TrainJob (v2 runtime "
+                        "patches do not carry it); use --job-api pytorchjob")
+    patch = {"containers": [patch_c], **{k: pod[k] for k in _PATCHABLE_POD if k in pod}}
+    return trainer, patch
+
+
+def check_runtime_kind(kind: str) -> str:
+    """Return ``kind`` if a TrainJob can refer to it; else raise UserError naming the flag."""
+    if kind not in rt.RUNTIME_KINDS:
+        raise UserError("--runtime-kind", f"must be {' or '.join(rt.RUNTIME_KINDS)}, got {kind!r}")
+    return kind
+
+
+def build_trainjob(spec: JobSpec, runtime_name: str = rt.RUNTIME_NAME,
+                   runtime_kind: str = rt.RUNTIME_KIND) -> RenderedTrainJob:
+    """Build (do not validate) the TrainJob for ``spec``, referring to that runtime.
+
+    Raises:
+        UserError: On any bad value or a setting v2 cannot express, naming the flag.
+
+    """
+    check_cluster_fields(spec)
+    refuse_v1_only(spec)
+    check_resource_name("--runtime", runtime_name)
+    check_runtime_kind(runtime_kind)
+    nodes, _ = spec.node_range()
+    check_name(spec.name or naming.derive_name(spec.run_id, spec.task), nodes)
+    procs = spec.procs_per_node()
+    name = spec.job_name()
+    run_dir = spec.run_dir_path(name)
+    cfg = load_config(spec.config, list(spec.overrides))
+    check_pod_paths(spec, cfg)
+    check_seconds("--active-deadline", spec.active_deadline_s, 1)
+    # FT: the one builder; v2 injects no PET_RDZV_*: endpoint from node 0's DNS name, id = name.
+    command = trainer_command(spec, cfg, run_dir, procs, rdzv_endpoint=rdzv_endpoint(), rdzv_id=name)
+    pod = to_dict(pod_spec(spec, cfg, run_dir, procs, container_name=rt.CONTAINER_NAME,
+                           command=command))
+    trainer, pod_patch = _split_pod(pod)
+    trainer.update(numNodes=nodes, numProcPerNode=procs)
+    pod_labels = labels(spec)
+    template = {"metadata": {"labels": dict(pod_labels), "annotations": dict(rt.POD_ANNOTATIONS)},
+                "spec": pod_patch}
+    job_spec: dict[str, Any] = {
+        "runtimeRef": {"name": runtime_name, "kind": runtime_kind, "apiGroup": rt.GROUP},
+        "trainer": trainer,
+        "runtimePatches": [{"manager": PATCH_MANAGER, "trainingRuntimeSpec": {"template": {
+            "spec": {"replicatedJobs": [{"name": rt.REPLICATED_JOB, "template": {
+                "spec": {"template": template}}}]}}}}],
+    }
+    if spec.active_deadline_s is not None:
+        job_spec["activeDeadlineSeconds"] = spec.active_deadline_s
+    meta: dict[str, Any] = {"name": name}
+    if spec.namespace:
+        meta["namespace"] = spec.namespace
+    meta.update(labels=pod_labels, annotations=annotations(spec, run_dir))
+    job = {"apiVersion": rt.API_VERSION, "kind": KIND, "metadata": meta, "spec": job_spec}
+    runtime = rt.build_runtime(runtime_name, namespace=spec.namespace, kind=runtime_kind)
+    return RenderedTrainJob(job=job, runtime=runtime, name=name, run_dir=run_dir, config=cfg,
+                            nodes=nodes, procs_per_node=procs)
+
+
+def render(spec: JobSpec, runtime_name: str = rt.RUNTIME_NAME,
+           runtime_kind: str = rt.RUNTIME_KIND) -> RenderedTrainJob:
+    """Build the TrainJob and validate it (CRD schemas, webhook rules, the node pod).
+
+    Raises:
+        UserError: Bad input, naming the flag or the manifest field.
+
+    """
+    from kfp_nvrx.components.launch.jobspec.validate_trainjob import validate_trainjob
+
+    rendered = build_trainjob(spec, runtime_name, runtime_kind)
+    validate_trainjob(rendered.job, rendered.runtime)
+    return rendered

@@ -1,0 +1,398 @@
+"""One launcher run of a Kubernetes training job, whatever its API (PyTorchJob or TrainJob).
+
+The two job backends (:mod:`.kubernetes`, :mod:`.trainjob`) differ in how they call the API server
+and read a job object; what they do with a job is the same and lives here: create it or re-attach
+to this run's job, follow it to ``Succeeded``/``Failed``, the launcher's deadline or a stop signal
+while :class:`~.logs.PodLogFollower` streams the pods, name the failing replica, and delete the job
+when ``delete_after`` says so. A backend supplies a :class:`JobAPI` for one named job.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
+
+from kfp_nvrx.components.core.pod_entry import exit_meaning
+from kfp_nvrx.components.errors import UserError
+from kfp_nvrx.components.launch.jobspec.spec import DELETE_AFTER, JobSpec
+from kfp_nvrx.components.launch.k8s_api import ClusterError, hints
+from kfp_nvrx.components.launch.logs import PodLogFollower
+from kfp_nvrx.components.launch.result import LaunchResult
+
+#: Extra time past ``activeDeadlineSeconds`` before the launcher itself gives up, so the
+#: operator's own deadline (with its reason) normally ends the job first.
+DEADLINE_MARGIN_S = 600.0
+#: Consecutive failed status reads before the launcher stops retrying, and the least time they
+#: must span: an API server restart (tens of seconds) must not end a run polled every 0.5 s.
+MAX_READ_ERRORS = 10
+MIN_OUTAGE_S = 120.0
+#: Seconds the launcher waits for a deleted job and its pods to be gone;
+#: below KFP's 30 s termination grace, so a cancelled step still exits on its own.
+DELETE_WAIT_S = 20.0
+#: Least seconds between two reads of the events that say why no pod could be created.
+EVENTS_EVERY_S = 10.0
+#: Attempts at the delete call itself (a job must not be left behind by one dropped connection).
+DELETE_ATTEMPTS = 3
+
+__all__ = ["ClusterError", "JobAPI", "JobRun", "K8sOptions", "Outcome", "hints"]
+
+
+@dataclass
+class K8sOptions:
+    """How to follow a job.
+
+    Attributes:
+        namespace: Namespace of the job ('' = the client's default namespace).
+        deadline_s: Seconds after the job's creation before the launcher gives up (None:
+            ``activeDeadlineSeconds`` + :data:`DEADLINE_MARGIN_S`, or no limit).
+        delete_after: ``always`` | ``on_success`` | ``never``: delete the job when it ends.
+        poll_s: Seconds between job status reads.
+        progress_s: Seconds between progress lines (0: on every change).
+        tail_lines: Log lines of the failing replica kept in the result.
+        watch_timeout_s: Length of one pod watch request.
+        handle_signals: Install SIGTERM/SIGINT handlers (main thread only) that delete the job.
+        drain_s: Seconds open log streams may run on after the end (last lines of the pods).
+        no_controller_s: Seconds without any job status before the launcher asks whether the
+            job's controller runs (a CRD installed without its controller).
+
+    """
+
+    namespace: str = ""
+    deadline_s: float | None = None
+    delete_after: str = "on_success"
+    poll_s: float = 5.0
+    progress_s: float = 30.0
+    tail_lines: int = 40
+    watch_timeout_s: int = 30
+    handle_signals: bool = True
+    drain_s: float = 5.0
+    no_controller_s: float = 120.0
+
+
+class Outcome(NamedTuple):
+    """A job's final condition: ``Succeeded``/``Failed``, the reason, when (0.0: unknown)."""
+
+    state: str
+    reason: str
+    finished_at: float
+
+
+def failure_reason(reason: str | None, message: str | None) -> str:
+    """``<reason>: <message>`` of a Failed condition, without empty parts."""
+    return f"{reason or 'Failed'}: {message or ''}".strip(": ")
+
+
+class JobAPI(Protocol):
+    """The API calls on one named job and the readings of the job object its API returns."""
+
+    kind: str
+    name: str
+    namespace: str
+    where: str
+
+    def get(self) -> Any | None:
+        """Read the job; None when it does not exist. Raises :class:`ClusterError`."""
+
+    def create(self, body: Any) -> bool:
+        """Create the job; False when one with this name appeared meanwhile (HTTP 409)."""
+
+    #: The deletion's ``propagationPolicy``.
+    propagation: str
+
+    def delete(self) -> None:
+        """Delete the job and, through the garbage collector, what its controller made."""
+
+    def gone(self) -> bool:
+        """True once the job and the pods of it are gone."""
+
+    def created_at(self, job: Any) -> float:
+        """Unix time of the job's creation (0.0: unknown)."""
+
+    def being_deleted(self, job: Any) -> bool:
+        """True when the job has a deletion timestamp."""
+
+    def run_owner(self, job: Any) -> str:
+        """The KFP run id the job was created for ('' when none)."""
+
+    def state(self, job: Any) -> str:
+        """The state to report while following (``Pending``, ``Running``, ...)."""
+
+    def outcome(self, job: Any) -> Outcome | None:
+        """The final condition, None while the job runs."""
+
+    def blocked(self, job: Any) -> Outcome | None:
+        """A failure the controller only reports in Events (the job never gets a condition)."""
+
+    def creation_warnings(self) -> list[str]:
+        """Why the job's pods could not be created (quota, admission), from Warning Events."""
+
+    #: Who should have set the job's status ("the Training Operator").
+    controller: str
+
+    def has_status(self, job: Any) -> bool:
+        """Whether a controller has written the job's status."""
+
+
+class StopSignals:
+    """SIGTERM/SIGINT -> an Event, while inside the ``with`` block (main thread only)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.event = threading.Event()
+        self.signum = 0
+        self._enabled = enabled and threading.current_thread() is threading.main_thread()
+        self._old: dict[int, Any] = {}
+
+    def _handler(self, signum: int, _frame: Any) -> None:
+        self.signum = signum
+        self.event.set()
+
+    def __enter__(self) -> StopSignals:
+        if self._enabled:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._old[sig] = signal.signal(sig, self._handler)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def should_delete(state: str, delete_after: str) -> bool:
+    """Apply ``delete_after``; a cancelled run always deletes (it must not leave GPUs busy)."""
+    if state == "Cancelled":
+        return True
+    if delete_after == "never":
+        return False
+    # on_success also deletes a job the launcher stopped following at its deadline: nobody would
+    # be watching it any more. A Failed job is kept for inspection (until its TTL).
+    return delete_after == "always" or state in ("Succeeded", "DeadlineExceeded")
+
+
+def fill_failure(result: LaunchResult, follower: PodLogFollower, lines: int) -> None:
+    """Name the failing replica and attach its last log lines to a non-success result."""
+    if result.succeeded or result.state == "Cancelled":
+        return
+    pod = follower.failed_pod()
+    if pod is None:
+        return
+    result.extra["failed_replica"] = pod.replica
+    meaning = exit_meaning(pod.exit_code)
+    result.reason += f" ({pod.replica} exited with code {pod.exit_code}" + (
+        f", {pod.exit_reason}" if pod.exit_reason else "") + (
+        f": {meaning})" if meaning else ")")
+    tail = follower.tail(pod.name, lines)
+    if not tail:
+        try:
+            text = follower.core.read_namespaced_pod_log(
+                pod.name, follower.namespace, container=follower.container, tail_lines=lines)
+            tail = [t for t in (text or "").splitlines() if t]
+        except Exception:  # noqa: BLE001 - no log to show (gone, API unreachable): no tail
+            tail = []
+    result.last_log_lines = tail
+
+
+class JobRun:
+    """One launcher run of one job: options checked, log lines serialised across threads.
+
+    Args:
+        opts: How to follow the job (None: defaults).
+        log: Sink for log lines and progress; :attr:`say` calls it one line at a time.
+
+    Raises:
+        UserError: ``delete_after`` is not one of :data:`DELETE_AFTER`.
+
+    """
+
+    def __init__(self, opts: K8sOptions | None, log: Callable[[str], None]) -> None:
+        self.opts = opts or K8sOptions()
+        if self.opts.delete_after not in DELETE_AFTER:
+            raise UserError("--delete-after", f"must be one of {', '.join(DELETE_AFTER)}, "
+                            f"got {self.opts.delete_after!r}")
+        self._log = log
+        self._lock = threading.Lock()
+
+    def say(self, line: str) -> None:
+        """Log one line (called from the log streams' threads too)."""
+        with self._lock:
+            self._log(line)
+
+    def run(self, jobs: JobAPI, body: Any, spec: JobSpec, follower: PodLogFollower, *,
+            run_dir: str, describe: str, active_deadline_s: float | None,
+            extra: dict[str, Any] | None = None) -> LaunchResult:
+        """Create or re-attach to the job, follow it to its end, clean up.
+
+        Args:
+            jobs: The API calls on the job.
+            body: The rendered job to create when none exists.
+            spec: The job spec (run id, PVC and mount of the run directory).
+            follower: The pods' log streams (not started yet); its ``emit`` should be :meth:`say`.
+            run_dir: The run directory on the shared volume.
+            describe: What was created, for the log line (nodes, processes, run dir).
+            active_deadline_s: The job's ``activeDeadlineSeconds`` (None: no deadline).
+            extra: Backend-specific entries for ``result.extra``.
+
+        Returns:
+            The result: ``Succeeded``, ``Failed``, ``DeadlineExceeded`` or ``Cancelled``.
+
+        """
+        with StopSignals(self.opts.handle_signals) as signals:
+            job, attached = self._attach_or_create(jobs, body, spec.run_id, describe)
+            follower.start()
+            try:
+                result = self._follow(jobs, job, run_dir, active_deadline_s, follower, signals)
+            finally:
+                follower.stop(drain_s=0.0 if signals.event.is_set() else self.opts.drain_s)
+        fill_failure(result, follower, self.opts.tail_lines)
+        result.pod_restarts = follower.pod_restarts()
+        result.restarts = follower.progress.restarts
+        result.extra.update(attached=attached, namespace=jobs.namespace, pvc=spec.pvc,
+                            **(extra or {}),
+                            run_dir_uri=f"pvc://{spec.pvc}/"
+                            f"{posixpath.relpath(run_dir, spec.mount)}",
+                            progress=follower.progress.summary())
+        if should_delete(result.state, self.opts.delete_after):
+            self._delete(jobs)
+        return result
+
+    def _delete(self, jobs: JobAPI) -> None:
+        """Delete the job (retrying a failed call) and wait a while for it to be gone."""
+        for attempt in range(DELETE_ATTEMPTS):
+            try:
+                jobs.delete()
+                break
+            except ClusterError as err:
+                if attempt + 1 == DELETE_ATTEMPTS:
+                    raise
+                self.say(f"warning: {err} (retrying)")
+                time.sleep(1.0 + attempt)
+        deadline = time.monotonic() + DELETE_WAIT_S
+        while True:
+            try:
+                gone = jobs.gone()
+            except ClusterError:
+                gone = False
+            if gone:
+                self.say(f"deleted {jobs.where} and its pods "
+                         f"(propagationPolicy={jobs.propagation})")
+                return
+            if time.monotonic() > deadline:
+                self.say(f"deleting {jobs.where} (propagationPolicy={jobs.propagation}): "
+                         "still in progress, its pods are stopping")
+                return
+            time.sleep(1.0)
+
+    def _attach_or_create(self, jobs: JobAPI, body: Any, run_id: str,
+                          describe: str) -> tuple[Any, bool]:
+        """Return (job, attached): the existing job of this run, or a newly created one."""
+        for _ in range(3):
+            existing = jobs.get()
+            if existing is not None and jobs.being_deleted(existing):
+                self.say(f"{jobs.where} is being deleted; waiting for it to go")
+                for _ in range(120):
+                    time.sleep(1.0)
+                    if jobs.get() is None:
+                        break
+                existing = jobs.get()
+            if existing is not None:
+                owner = jobs.run_owner(existing)
+                if run_id and owner == run_id:
+                    self.say(f"re-attaching to {jobs.where} (run {owner})")
+                    return existing, True
+                raise UserError("--name", f"{jobs.where} already exists and belongs to run "
+                                f"{owner or '(none)'!r}, not {run_id or '(none)'!r}; delete it "
+                                "or choose another --name")
+            if jobs.create(body):
+                self.say(f"created {jobs.where}: {describe}")
+                created = jobs.get()
+                if created is not None:
+                    return created, False
+        raise ClusterError(f"{jobs.where} could not be created or read")
+
+    def _why_no_pods(self, jobs: JobAPI, job: Any, created: float) -> list[str]:
+        """Why the job has no pod: a controller's refused pods (quota, admission), or no status.
+
+        Warnings, not failures: quota frees up, a controller may yet start.
+        """
+        try:
+            lines = [f"warning: pods cannot be created: {m}" for m in jobs.creation_warnings()]
+        except ClusterError:
+            lines = []  # only an explanation: the status reads report the API's trouble
+        if not jobs.has_status(job) and time.time() - created > self.opts.no_controller_s:
+            lines.append(f"warning: {jobs.where} has no status {self.opts.no_controller_s:g}s "
+                         f"after its creation: is {jobs.controller} running?")
+        return lines
+
+    def _follow(self, jobs: JobAPI, job: Any, run_dir: str, active_deadline_s: float | None,
+                follower: PodLogFollower, signals: StopSignals) -> LaunchResult:
+        """Poll the job until it ends, the deadline passes or a signal arrives."""
+        opts, say = self.opts, self.say
+        created = jobs.created_at(job) or time.time()
+        deadline_s = opts.deadline_s
+        if deadline_s is None and active_deadline_s:
+            deadline_s = active_deadline_s + DEADLINE_MARGIN_S
+        result = LaunchResult(name=jobs.name, backend="kubernetes", state="Running",
+                              run_dir=run_dir, started_at=created)
+        last_state, last_progress, last_summary, errors = "", 0.0, "", 0
+        failing_since, last_error = 0.0, ""
+        next_events, warned = time.monotonic() + 1.0, set()
+        while True:
+            if signals.event.is_set():
+                name = signal.Signals(signals.signum).name if signals.signum else "signal"
+                say(f"{name} received: deleting {jobs.where}")
+                result.state, result.reason = "Cancelled", f"launcher received {name}"
+                result.extra["signal"] = signals.signum
+                break
+            try:
+                current = jobs.get()
+                if errors:
+                    say(f"{jobs.where}: the API server answers again")
+                errors, last_error = 0, ""
+            except ClusterError as err:
+                errors += 1
+                failing_since = failing_since if errors > 1 else time.monotonic()
+                if errors >= MAX_READ_ERRORS and time.monotonic() - failing_since >= MIN_OUTAGE_S:
+                    raise
+                if str(err) != last_error:  # once per distinct error, not every poll
+                    say(f"warning: {err} (retrying)")
+                    last_error = str(err)
+                current = job
+            if current is None:
+                result.state = "Failed"
+                result.reason = f"the {jobs.kind} was deleted by someone else"
+                break
+            job = current
+            state = jobs.state(job)
+            if state != last_state:
+                say(f"{jobs.kind} {jobs.name}: {state}")
+                last_state = state
+                if state == "Running" and "time_to_running_s" not in result.extra:
+                    result.extra["time_to_running_s"] = round(time.time() - created, 1)
+            outcome = jobs.outcome(job) or jobs.blocked(job)
+            if outcome is not None:
+                result.state, result.reason = outcome.state, outcome.reason
+                result.finished_at = outcome.finished_at or time.time()
+                break
+            if deadline_s is not None and time.time() - created > deadline_s:
+                result.state = "DeadlineExceeded"
+                result.reason = f"launcher deadline of {deadline_s:g}s after job creation passed"
+                break
+            now = time.monotonic()
+            if not follower.pods and now >= next_events:  # events: every EVENTS_EVERY_S
+                next_events = now + EVENTS_EVERY_S
+                for line in self._why_no_pods(jobs, job, created):
+                    if line not in warned:
+                        warned.add(line)
+                        say(line)
+            summary = follower.progress.summary()
+            moved = follower.progress.step or follower.progress.restarts
+            if moved and summary != last_summary and now - last_progress >= opts.progress_s:
+                say(f"progress: {summary}, pod restarts {follower.pod_restarts()}")
+                last_summary, last_progress = summary, now
+            signals.event.wait(opts.poll_s)
+        result.finished_at = result.finished_at or time.time()
+        return result

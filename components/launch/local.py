@@ -1,0 +1,345 @@
+"""The ``local`` backend: N ``ft_launcher`` agents on this machine, as a PyTorchJob would run them.
+
+Each agent gets the ``PET_*`` environment the Training Operator injects into a pod of a PyTorchJob
+with an ``elasticPolicy``, and the command line comes from :func:`command.ft_launcher_argv`, the
+same builder the pod spec uses. Output is streamed with a ``[nodeK]`` prefix; SIGINT/SIGTERM or a
+deadline stop every agent and every worker they started (nothing is left running).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+
+from kfp_nvrx.components.core.config import load_config
+from kfp_nvrx.components.core.events import read_events
+from kfp_nvrx.components.core.goodput import summarize_events
+from kfp_nvrx.components.core.launch_command import (
+    TRAINER_MODULE,
+    TrainerArgs,
+    ft_launcher_argv,
+    in_process_env,
+    pet_env,
+)
+from kfp_nvrx.components.core.rundir import CHECKPOINTS_DIR, LOGS_DIR
+from kfp_nvrx.components.errors import UserError
+from kfp_nvrx.components.launch.agent_log import AgentLog, DiskFullNotice
+from kfp_nvrx.components.launch.gpus import slice_gpus
+from kfp_nvrx.components.launch.jobspec.spec import JobSpec, check_procs
+from kfp_nvrx.components.launch.lifetime import (
+    RunDirLock,
+    Watchdog,
+    die_with_parent,
+    processes_with_env,
+)
+from kfp_nvrx.components.launch.result import LaunchResult
+from kfp_nvrx.components.ownership import claim_run_dir
+
+_MARKER = "KFP_NVRX_LOCAL_RUN"
+# Without --verbose the stream shows the trainer's lines, faults, failures and restarts ...
+_QUIET = re.compile(r"\[trainer\]|error|Error|failed|Traceback|injecting|FT timeout|restart",
+                    re.IGNORECASE)
+# ... but not ft_launcher's config dump, NVRx's restart-state chatter (``state=aborted`` on every
+# clean exit) or a surviving rank reporting that its killed peer went away (gloo's "Connection
+# reset by peer ... GLHF!", the expected echo of a fault). logs/node<i>.log keeps every line.
+_HIDDEN = re.compile(r"\[NestedRestarter\]|[Pp]eriodic restart check|^\s*(max_restarts|"
+                     r"restart_policy)\s*:|Connection (reset|closed) by peer|GLHF")
+
+
+def free_port() -> int:
+    """A TCP port on localhost that is free now (rendezvous and test process groups)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def preflight(trainer: TrainerArgs, env: dict[str, str] | None = None) -> None:
+    """Runs every check a worker makes before training, once, before any agent starts.
+
+    The checks need the trainer's imports (torch for the dataset, the device and the checkpoint's
+    model shapes), so they run in a child interpreter (``--check``) rather than in this one; bad
+    input there would otherwise fail every worker once per restart.
+
+    Raises:
+        UserError: The first failed check, as the trainer reports it.
+    """
+    proc = subprocess.run([sys.executable, "-m", TRAINER_MODULE, *trainer.argv(), "--check"],
+                          env={**os.environ, **(env or {})}, capture_output=True, text=True)
+    if proc.returncode == 0:
+        return
+    for line in reversed(proc.stdout.splitlines()):
+        try:
+            err = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(err, dict) and {"field", "message"} <= err.keys():
+            raise UserError(str(err["field"]), str(err["message"]))
+    last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    # Only a missing module means a missing install; anything else is reported as it is.
+    fix = ("install the trainer with pip install 'kfp-nvrx[trainer]'"
+           if re.search(r"ModuleNotFoundError|ImportError", proc.stderr)
+           else f"run it alone for the traceback: python -m {TRAINER_MODULE} ... --check")
+    raise UserError("trainer", f"its input check exited {proc.returncode} ({last[:300]}); {fix}")
+
+
+def _ft_launcher() -> str:
+    local = Path(sys.executable).parent / "ft_launcher"
+    found = str(local) if local.exists() else shutil.which("ft_launcher")
+    if not found:
+        raise UserError("ft_launcher", "not found; install nvidia-resiliency-ext (pip install "
+                        "'kfp-nvrx[trainer]')")
+    return found
+
+
+def _reap(marker: str) -> int:
+    """Kills any process still carrying this run's marker in its environment."""
+    killed = 0
+    for pid in processes_with_env(_MARKER, marker):
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed += 1
+        except OSError:  # gone meanwhile
+            continue
+    return killed
+
+
+class _Agent:
+    def __init__(self, idx: int, argv: list[str], env: dict[str, str], log: Callable[[str], None],
+                 verbose: bool, log_path: Path, keep_fds: tuple[int, ...] = ()) -> None:
+        self.idx, self.tail = idx, deque(maxlen=40)
+        self.exited_at: float | None = None  # when the launcher first saw it gone
+        self.disk_full = DiskFullNotice(log_path.parent.parent / CHECKPOINTS_DIR)
+        # The kernel SIGTERMs the agent when the launcher dies (die_with_parent); keep_fds (the
+        # run-dir lock) keeps the run dir taken until the agent has stopped its workers.
+        self.proc = subprocess.Popen(die_with_parent(argv), env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                     start_new_session=True, pass_fds=keep_fds)
+        self.thread = threading.Thread(target=self._pump, args=(log, verbose, log_path),
+                                       daemon=True)
+        self.thread.start()
+
+    def _pump(self, log: Callable[[str], None], verbose: bool, log_path: Path) -> None:
+        held = None  # a "Traceback" header, shown only if what it led to is shown
+        full = AgentLog(log_path, f"[node{self.idx}]", log)  # survives a full disk
+        try:
+            for line in self.proc.stdout:
+                line = line.rstrip()
+                full.write(line)
+                self.tail.append(line)
+                notice = self.disk_full.check(line)
+                if notice:
+                    log(f"[node{self.idx}] {notice}")
+                if notice is not None and not verbose:
+                    held = None  # torch's torn-write lines and their traceback: said above
+                elif verbose:
+                    log(f"[node{self.idx}] {line}")
+                elif not _QUIET.search(line) or _HIDDEN.search(line):
+                    held = None if _HIDDEN.search(line) else held
+                elif "Traceback" in line:
+                    held = line
+                else:
+                    if held is not None:
+                        log(f"[node{self.idx}] {held}")
+                        held = None
+                    log(f"[node{self.idx}] {line}")
+        finally:
+            full.close()
+
+    def terminate(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)  # ft_launcher stops its workers on SIGTERM
+
+    def stop(self, grace: float) -> None:
+        if self.proc.poll() is None:
+            self.terminate()
+            try:
+                self.proc.wait(max(grace, 0.1))
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def _replace_watchdog(old: Watchdog, marker: str, grace: float, lock_fd: int,
+                      log: Callable[[str], None]) -> Watchdog:
+    """A new watchdog for a dead one (someone killed it; the run must stay covered)."""
+    code = old.dead()
+    old.close()
+    new = Watchdog(marker, grace, keep_fds=(lock_fd,))
+    how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+    log(f"[launch-local] the watchdog (pid {old.proc.pid}) died ({how}); started a new one "
+        f"(pid {new.proc.pid})")
+    return new
+
+
+def local_run_dir(spec: JobSpec) -> Path:
+    """The run directory of a local run: ``spec.run_dir`` or ``runs/<job name>``."""
+    return Path(spec.run_dir or os.path.join("runs", spec.job_name()))
+
+
+def run_local(spec: JobSpec, *, log: Callable[[str], None] = print,
+              deadline_s: float | None = None, verbose: bool = False,
+              on_start: Callable[[list[int]], None] | None = None) -> LaunchResult:
+    """Runs one training job on localhost and waits for it.
+
+    Uses the trainer part of ``spec``: ``nodes`` (``N`` or ``MIN:MAX`` ft_launcher agents; MAX
+    are started), ``nproc_per_node`` (workers per agent; default 1, since the instance profile
+    does not describe this machine), ``run_dir`` (default ``runs/<job name>``), ``config``,
+    ``overrides``, ``faults`` and ``env``. The run is named ``spec.name`` (or the name derived
+    from ``run_id``), else after its run directory; the name is also the rendezvous id.
+
+    Args:
+        spec: The job.
+        log: Where streamed output goes.
+        deadline_s: Wall-clock limit; exceeded -> agents stopped, state ``DeadlineExceeded``.
+        verbose: Stream every launcher line (default: trainer lines and errors only).
+        on_start: Called once with the agents' PIDs, node 0 first, after all were started. Each
+            agent leads its own process group, so ``os.killpg(pid, SIGKILL)`` takes down one
+            whole local node (agent and workers): the fault drills use it.
+
+    Returns:
+        The LaunchResult (``Succeeded``, ``Failed``, ``Cancelled`` or ``DeadlineExceeded``).
+
+    Raises:
+        UserError: Bad input, before anything is started.
+    """
+    lo, hi = spec.node_range()
+    nproc_per_node = check_procs(1 if spec.nproc_per_node is None else spec.nproc_per_node)
+    if deadline_s is not None and not (math.isfinite(deadline_s) and deadline_s > 0):
+        raise UserError("--deadline", f"must be a finite number of seconds > 0, got {deadline_s}")
+    overrides, env = list(spec.overrides), dict(spec.env)
+    cfg = load_config(spec.config, overrides)
+    # train.device=cuda on a host without GPUs fails here, naming train.device, before anything.
+    slices = slice_gpus(hi, nproc_per_node, cfg.train.device)
+    run_path = local_run_dir(spec)
+    trainer = TrainerArgs(spec.config, str(run_path), overrides,
+                          spec.checked_faults(cfg, hi * nproc_per_node))
+    preflight(trainer, env)
+    run_path = run_path.resolve()
+    trainer.run_dir = str(run_path)
+    exe = _ft_launcher()
+    name = (spec.job_name() if spec.name or spec.run_id
+            else re.sub(r"[^a-z0-9-]", "-", run_path.name.lower()) or "run")
+    marker = uuid.uuid4().hex
+    port = free_port()
+    argv = ft_launcher_argv(cfg.resilience, trainer, local_addr="127.0.0.1", executable=exe)
+    threads = max(1, (os.cpu_count() or 1) // (hi * nproc_per_node))
+    base = {**os.environ, **env, _MARKER: marker, "PYTHONUNBUFFERED": "1",
+            # NVRx >= 0.6 closes the rendezvous when two agents share a host unless told this
+            # is deliberate (local "nodes" are agents on one machine).
+            "NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE": "1",
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads)),
+            **pet_env(nnodes=f"{lo}:{hi}" if lo != hi else str(hi), nproc_per_node=nproc_per_node,
+                      rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id=f"{name}-{marker[:8]}",
+                      max_restarts=cfg.resilience.max_restarts)}
+    claim_run_dir(run_path)
+    # One run owns a run dir at a time; taken before anything is written into it, so a launch
+    # refused for a run dir in use leaves it as it was.
+    lock = RunDirLock(run_path).acquire()
+    logs = run_path / LOGS_DIR  # every agent's full output; the stream shows what matters
+    logs.mkdir(exist_ok=True)
+    grace = float(cfg.resilience.workers_stop_timeout) + 10
+    # Stops everything of this run if the launcher itself dies (SIGKILL included); it holds the
+    # lock until then. If the watchdog dies first, the loop below starts a new one.
+    watchdog = Watchdog(f"{_MARKER}={marker}", grace, keep_fds=(lock.fd,))
+    log(f"[launch-local] {name}: {hi} node(s) x {nproc_per_node} proc, run dir {run_path}")
+    started = time.time()
+    agents: list[_Agent] = []
+    state, reason = "Running", ""
+    stop = threading.Event()
+
+    received: dict[str, int] = {}
+
+    def _on_signal(signum, _frame):
+        nonlocal state, reason
+        state, reason = "Cancelled", f"received {signal.Signals(signum).name}"
+        received["signal"] = int(signum)
+        stop.set()
+
+    old = {}
+    if threading.current_thread() is threading.main_thread():
+        # SIGHUP: the terminal closed; the run must not go on training unattended.
+        old = {s: signal.signal(s, _on_signal)
+               for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        for i in range(hi):
+            agent_env = {**base, "PET_RDZV_CONF": f"is_host={1 if i == 0 else 0}"}
+            if slices[i] is not None:
+                # Each local node sees only its own GPUs, as a pod would; LOCAL_RANK indexes them.
+                agent_env["CUDA_VISIBLE_DEVICES"] = slices[i]
+            if cfg.resilience.in_process:  # the pod spec's rule (jobspec/env.py), GPU or CPU
+                agent_env.update(in_process_env(gpu=slices[i] is not None))
+            agents.append(_Agent(i, argv, agent_env, log, verbose, logs / f"node{i}.log",
+                                 keep_fds=(lock.fd,)))
+        if on_start is not None:
+            on_start([a.proc.pid for a in agents])
+        while not stop.is_set() and any(a.proc.poll() is None for a in agents):
+            for a in agents:
+                if a.exited_at is None and a.proc.poll() is not None:
+                    a.exited_at = time.time()
+            if deadline_s is not None and time.time() - started > deadline_s:
+                state, reason = "DeadlineExceeded", f"deadline of {deadline_s:g}s passed"
+                break
+            if watchdog.dead() is not None:
+                try:
+                    watchdog = _replace_watchdog(watchdog, f"{_MARKER}={marker}", grace,
+                                                 lock.fd, log)
+                except OSError as err:  # without a watchdog a SIGKILLed launcher leaks
+                    state = "Failed"
+                    reason = f"the watchdog died and no new one could be started: {err}"
+                    break
+            stop.wait(0.2)
+    finally:
+        # Tell every node first, then wait: stopping them one at a time would take N x grace.
+        for a in agents:
+            a.terminate()
+        stop_by = time.time() + grace
+        for a in agents:
+            a.stop(grace=stop_by - time.time())
+        for a in agents:
+            a.thread.join(timeout=5)
+        leftovers = _reap(marker)
+        watchdog.finish()
+        lock.release()
+        for s, h in old.items():
+            signal.signal(s, h)
+    events = read_events(run_path)  # read once: the report and the completion check share it
+    report = summarize_events(events)
+    completed = any(e["type"] == "end" and e.get("status") == "completed" for e in events)
+    failing = [a for a in agents if a.proc.returncode not in (0, None) and a.proc.returncode > 0]
+    tail: list[str] = []
+    if state == "Running":
+        if completed and not failing:
+            state = "Succeeded"
+        else:
+            state = "Failed"
+            # The agent that failed first holds the cause; the others report its consequences.
+            failing.sort(key=lambda a: a.exited_at or float("inf"))
+            bad = failing[0] if failing else agents[0]
+            tail = bad.disk_full.clean(list(bad.tail)[-20:])
+            last_err = bad.disk_full.line or next(
+                (ln for ln in reversed(tail) if "error" in ln.lower()), "")
+            in_job, most = report.restarts.get("in-job", 0), cfg.resilience.max_restarts
+            gave_up = (f" after {in_job} in-job restart(s), the most resilience.max_restarts="
+                       f"{most} allows" if failing and in_job >= most else "")
+            reason = (f"node{bad.idx} ft_launcher exited {bad.proc.returncode}{gave_up}"
+                      + (f": {last_err.strip()[:300]}" if last_err else ""))
+    return LaunchResult(
+        name=name, backend="local", state=state, run_dir=str(run_path), reason=reason,
+        restarts=sum(report.restarts.values()), started_at=started, finished_at=time.time(),
+        last_log_lines=tail,
+        extra={"goodput": report.to_dict(), "agents_exit_codes": [a.proc.returncode for a in agents],
+               "leftover_processes_killed": leftovers, "command": argv, **received},
+    )

@@ -1,0 +1,368 @@
+"""Follow the logs of a PyTorchJob's worker pods, including pods that start late or restart.
+
+``TrainingClient.get_job_logs(follow=True)`` follows only the pods that are already running when it
+is called, so a worker that is scheduled later, restarted by the kubelet, or recreated by the
+operator is never shown. :class:`PodLogFollower` instead watches the job's pods (label
+``training.kubeflow.org/job-name``) and opens one ``follow`` log stream per container *instance*
+(pod uid + restart count), prefixing every line with the replica (``[worker-1]``, ``[worker-1/r2]``
+after two restarts). It keeps the last lines of every pod for failure reports and feeds
+:class:`Progress` (step/total and restarts parsed from the trainer's and ft_launcher's output).
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kubernetes import client as k8s
+from kubernetes import watch as k8s_watch
+from kubernetes.client.rest import ApiException
+
+from kfp_nvrx.components.launch import k8s_api
+
+#: Pause after the first failed or empty pod watch, and the most it grows to.
+WATCH_BACKOFF_S = (0.8, 30.0)
+JOB_NAME_LABEL = "training.kubeflow.org/job-name"
+REPLICA_TYPE_LABEL = "training.kubeflow.org/replica-type"
+REPLICA_INDEX_LABEL = "training.kubeflow.org/replica-index"
+
+
+class Progress:
+    """Step and restart counters parsed from log lines (thread-safe).
+
+    The trainer prints ``[trainer] step 120/1000 loss ...`` and, at every (re)start,
+    ``[trainer] start: ... incarnation=R.I`` (R: ft_launcher restarts, I: in-process iterations);
+    ft_launcher prints ``... attempts left; will restart worker group`` when it restarts workers.
+    """
+
+    STEP = re.compile(r"\bstep (\d+)/(\d+)\b")
+    INCARNATION = re.compile(r"\bincarnation=(\d+)\.(\d+)\b")
+    AGENT_RESTART = re.compile(r"attempts left;?\s*(will restart|restarting) worker group")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.step = 0
+        self.total = 0
+        self._incarnations: set[tuple[int, int]] = set()
+        self._agent_restarts: dict[str, int] = collections.Counter()
+
+    def feed(self, replica: str, line: str) -> bool:
+        """Parse one line; return True when the step or the restart count changed."""
+        with self._lock:
+            before = (self.step, self.restarts)
+            if m := self.STEP.search(line):
+                self.step, self.total = int(m[1]), int(m[2])
+            if m := self.INCARNATION.search(line):
+                self._incarnations.add((int(m[1]), int(m[2])))
+            if self.AGENT_RESTART.search(line):
+                self._agent_restarts[replica] += 1
+            return (self.step, self.restarts) != before
+
+    @property
+    def restarts(self) -> int:
+        """Restarts seen: new trainer incarnations, or ft_launcher restart messages per agent."""
+        from_trainer = max(0, len(self._incarnations) - 1)
+        from_agents = max(self._agent_restarts.values(), default=0)
+        return max(from_trainer, from_agents)
+
+    def summary(self) -> str:
+        """Return e.g. ``step 120/1000 (12%), restarts 1``."""
+        with self._lock:
+            if self.total:
+                done = f"step {self.step}/{self.total} ({100 * self.step // self.total}%)"
+            else:
+                done = "no step yet"
+            return f"{done}, restarts {self.restarts}"
+
+
+@dataclass
+class PodState:
+    """What the follower knows about one pod name (across its incarnations)."""
+
+    name: str
+    replica: str
+    uids: list[str] = field(default_factory=list)
+    phase: str = ""
+    restart_count: int = 0
+    exit_code: int | None = None
+    exit_reason: str = ""
+    finished_at: float = 0.0
+    note: str = ""
+    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=200))
+
+    @property
+    def recreations(self) -> int:
+        """How often the operator replaced this pod (new uid, same name)."""
+        return max(0, len(self.uids) - 1)
+
+
+def _replica_name(pod: k8s.V1Pod) -> str:
+    labels = pod.metadata.labels or {}
+    rtype, index = labels.get(REPLICA_TYPE_LABEL), labels.get(REPLICA_INDEX_LABEL)
+    if rtype and index is not None:
+        return f"{rtype.lower()}-{index}"
+    return pod.metadata.name
+
+
+def _prefix(state: PodState, restart: int) -> str:
+    """Return ``worker-1``, ``worker-1/r2`` (2nd container restart), ``worker-1/p1/r2`` (pod #2)."""
+    pod = f"/p{len(state.uids) - 1}" if len(state.uids) > 1 else ""
+    return state.replica + pod + (f"/r{restart}" if restart else "")
+
+
+def _container_status(pod: k8s.V1Pod, container: str) -> Any:
+    for status in (pod.status and pod.status.container_statuses) or []:
+        if status.name == container:
+            return status
+    return None
+
+
+class PodLogFollower:
+    """Streams every worker container's log with a replica prefix (see module docstring).
+
+    Args:
+        core: CoreV1Api of the cluster.
+        namespace: The job's namespace.
+        job_name: The PyTorchJob name.
+        emit: Called with each prefixed line (and pod status notes); must be thread-safe.
+        container: The container to follow.
+        watch_timeout_s: Length of one pod watch request (it is renewed until :meth:`stop`).
+        selector: Label selector of the job's pods ('' = the PyTorchJob's job-name label).
+        replica_name: Names a pod's replica for the line prefix (default: PyTorchJob labels).
+
+    """
+
+    def __init__(self, core: k8s.CoreV1Api, namespace: str, job_name: str, *,
+                 emit: Callable[[str], None], container: str = "pytorch",
+                 watch_timeout_s: int = 30, selector: str = "",
+                 replica_name: Callable[[k8s.V1Pod], str] | None = None) -> None:
+        self.core = core
+        self.namespace = namespace
+        self.job_name = job_name
+        self.emit = emit
+        self.container = container
+        self.watch_timeout_s = watch_timeout_s
+        self.selector = selector or f"{JOB_NAME_LABEL}={job_name}"
+        self.replica_name = replica_name or _replica_name
+        self.progress = Progress()
+        self.pods: dict[str, PodState] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._streamed: set[tuple[str, int]] = set()
+        self._streams: dict[tuple[str, int], tuple[threading.Thread, Any]] = {}
+        self._watcher: threading.Thread | None = None
+        self._error = ""
+        #: API requests of the pod watch and what they met (list, watch, bookmark, gone).
+        self.requests: collections.Counter[str] = collections.Counter()
+
+    # -- public ---------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start watching pods in a daemon thread."""
+        self._watcher = threading.Thread(target=self._watch_loop, name="pod-watch", daemon=True)
+        self._watcher.start()
+
+    def stop(self, drain_s: float = 5.0) -> None:
+        """Let open streams finish for up to ``drain_s`` seconds, then close them."""
+        self._stop.set()
+        deadline = time.monotonic() + drain_s
+        for thread, _ in list(self._streams.values()):
+            thread.join(max(0.0, deadline - time.monotonic()))
+        for thread, resp in list(self._streams.values()):
+            if thread.is_alive() and resp is not None:
+                try:
+                    resp.shutdown()  # interrupts the blocking read of a follow stream
+                except Exception:  # noqa: BLE001 - best effort on a socket we are abandoning
+                    pass
+            thread.join(1.0)
+        if self._watcher:
+            self._watcher.join(1.0)
+
+    def pod_restarts(self) -> int:
+        """Container restarts plus pod recreations, over all worker pods."""
+        with self._lock:
+            return sum(p.restart_count + p.recreations for p in self.pods.values())
+
+    def failed_pod(self) -> PodState | None:
+        """Return the first worker whose container exited non-zero (earliest finish), if any."""
+        with self._lock:
+            failed = [p for p in self.pods.values() if p.exit_code not in (None, 0)]
+        return min(failed, key=lambda p: p.finished_at) if failed else None
+
+    def tail(self, pod_name: str, lines: int) -> list[str]:
+        """Return the last ``lines`` log lines streamed from ``pod_name``."""
+        with self._lock:
+            pod = self.pods.get(pod_name)
+            return list(pod.tail)[-lines:] if pod else []
+
+    # -- pods -----------------------------------------------------------------------------------
+
+    def _watch_loop(self) -> None:
+        """LIST once, then WATCH from the last resourceVersion seen, for as long as we follow.
+
+        What keeps this from hot-looping the API (a Pending job used to cost a LIST and a WATCH
+        every time a watch ended at once): a renewed watch resumes from the last
+        resourceVersion instead of listing again (LIST only at start and after 410 Gone);
+        ``allowWatchBookmarks`` lets the server move that resourceVersion on while nothing
+        happens, so a resumed watch is rarely too old; and a watch that failed, or ended before
+        half its length without delivering anything, is followed by an exponentially growing
+        pause (client-go's reflector does the same: 0.8 s doubling to 30 s).
+        """
+        rv, pause = "", 0.0
+        while not self._stop.is_set():
+            started, delivered = time.monotonic(), False
+            try:
+                if not rv:
+                    self.requests["list"] += 1
+                    pods = self.core.list_namespaced_pod(
+                        self.namespace, label_selector=self.selector,
+                        _request_timeout=k8s_api.REQUEST_TIMEOUT)
+                    for pod in pods.items:
+                        self._on_pod(pod)
+                    rv = pods.metadata.resource_version or ""
+                self.requests["watch"] += 1
+                w = k8s_watch.Watch()
+                for event in w.stream(self.core.list_namespaced_pod, self.namespace,
+                                      label_selector=self.selector, resource_version=rv,
+                                      allow_watch_bookmarks=True,
+                                      timeout_seconds=self.watch_timeout_s,
+                                      # silence past the server's own end: a dead connection
+                                      _request_timeout=(k8s_api.REQUEST_TIMEOUT[0],
+                                                        self.watch_timeout_s + 30)):
+                    delivered = True
+                    raw = event.get("raw_object") or {}
+                    rv = (raw.get("metadata") or {}).get("resourceVersion") or rv
+                    if event["type"] == "BOOKMARK":
+                        self.requests["bookmark"] += 1
+                    elif event["type"] in ("ADDED", "MODIFIED"):
+                        self._on_pod(event["object"])
+                    if self._stop.is_set():
+                        w.stop()
+                self._error = ""
+            except ApiException as err:
+                if err.status == 410:  # our resourceVersion is older than the server keeps
+                    self.requests["gone"] += 1
+                    rv = ""
+                else:
+                    self._warn_once(err)
+            except Exception as err:  # noqa: BLE001 - connection reset, server restarting
+                self._warn_once(err)
+            healthy = delivered or time.monotonic() - started >= self.watch_timeout_s / 2
+            pause = 0.0 if healthy else min(max(2 * pause, WATCH_BACKOFF_S[0]),
+                                            WATCH_BACKOFF_S[1])
+            if pause:
+                self._stop.wait(pause)
+
+    def _warn_once(self, err: BaseException) -> None:
+        """Say once what keeps the pod watch from working (until it works again)."""
+        line = str(k8s_api.describe(f"watching the pods of {self.job_name}", err,
+                                    k8s_api.host_of(getattr(self.core, "api_client", None))))
+        if line != self._error:
+            self._error = line
+            self.emit(f"warning: {line} (retrying)")
+
+    def _on_pod(self, pod: k8s.V1Pod) -> None:
+        name, uid = pod.metadata.name, pod.metadata.uid
+        status = _container_status(pod, self.container)
+        with self._lock:
+            state = self.pods.setdefault(name, PodState(name=name,
+                                                            replica=self.replica_name(pod)))
+            if uid not in state.uids:
+                state.uids.append(uid)
+                if len(state.uids) > 1:
+                    self._note(state, f"pod recreated by the operator (#{len(state.uids)})")
+            phase = (pod.status and pod.status.phase) or "Pending"
+            if phase != state.phase:
+                state.phase = phase
+                self._note(state, f"pod {phase}")
+            if phase == "Pending":  # a finished pod keeps its old PodScheduled condition
+                self._note_unschedulable(state, pod)
+            if status is None:
+                return
+            state.restart_count = status.restart_count or 0
+            term = (status.state and status.state.terminated) or (
+                status.last_state and status.last_state.terminated)
+            if term is not None and term.exit_code is not None:
+                state.exit_code = term.exit_code
+                state.exit_reason = term.reason or ""
+                done = term.finished_at
+                state.finished_at = done.timestamp() if done else time.time()
+            started = status.state and (status.state.running or status.state.terminated)
+            key = (uid, state.restart_count)
+            if not started or key in self._streamed or self._stop.is_set():
+                return
+            self._streamed.add(key)
+        thread = threading.Thread(target=self._stream, args=(state, key, _prefix(state, key[1])),
+                                  name=f"log-{name}", daemon=True)
+        thread.start()  # registered only once started: stop() may join it at any time
+        self._streams.setdefault(key, (thread, None))
+
+    def _note(self, state: PodState, text: str) -> None:
+        if text != state.note:
+            state.note = text
+            self.emit(f"[{state.replica}] -- {text}")
+
+    def _note_unschedulable(self, state: PodState, pod: k8s.V1Pod) -> None:
+        for cond in (pod.status and pod.status.conditions) or []:
+            if cond.type == "PodScheduled" and cond.status == "False" and cond.message:
+                self._note(state, f"not scheduled: {cond.reason}: {cond.message}")
+
+    # -- log streams ----------------------------------------------------------------------------
+
+    def _line(self, state: PodState, prefix: str, line: str) -> None:
+        with self._lock:
+            state.tail.append(line)
+        self.progress.feed(state.replica, line)
+        self.emit(f"[{prefix}] {line}")
+
+    def _previous(self, state: PodState, prefix: str) -> None:
+        """Emit the whole log of the container instance before the current one."""
+        try:
+            text = self.core.read_namespaced_pod_log(
+                state.name, self.namespace, container=self.container, previous=True)
+        except Exception:  # noqa: BLE001 - gone (kubelet GC) or the API unreachable: skip it
+            return
+        for line in filter(None, (text or "").splitlines()):
+            self._line(state, prefix, line)
+
+    def _stream(self, state: PodState, key: tuple[str, int], prefix: str) -> None:
+        uid, instance = key
+        try:
+            # Pod events can arrive late: the log endpoint serves the *current* container, so make
+            # sure it is still the instance this stream is for.
+            pod = self.core.read_namespaced_pod(state.name, self.namespace)
+            status = _container_status(pod, self.container)
+            if pod.metadata.uid != uid or status is None:
+                return  # replaced by a new pod; its own events start its stream
+            current = status.restart_count or 0
+            if current > instance:
+                if current == instance + 1:  # the instance just before the current one
+                    self._previous(state, prefix)
+                return
+            with self._lock:
+                missed = instance > 0 and (uid, instance - 1) not in self._streamed
+                self._streamed.add((uid, instance - 1))
+            if missed:  # it ran and ended between two of our pod reads: show it first
+                self._previous(state, _prefix(state, instance - 1))
+            resp = self.core.read_namespaced_pod_log(
+                state.name, self.namespace, container=self.container, follow=True,
+                _preload_content=False)
+        except Exception:  # noqa: BLE001 - not a traceback from a log thread, whatever it is
+            # Not ready to serve logs yet, gone, or the API server unreachable (restarting): let
+            # the next pod event retry.
+            with self._lock:
+                self._streamed.discard(key)
+            return
+        self._streams[key] = (threading.current_thread(), resp)
+        try:
+            for line in k8s_watch.watch.iter_resp_lines(resp):
+                self._line(state, prefix, line)
+        except Exception:  # noqa: BLE001 - stream cut (shutdown, pod deleted): nothing to add
+            pass
+        finally:
+            resp.release_conn()

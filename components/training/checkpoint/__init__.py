@@ -1,0 +1,21 @@
+"""Checkpointing: async DCP saves through NVRx's writer, atomic commits, fast and in-memory resume.
+
+Modules, and the object each one holds:
+
+* :mod:`.checkpointer`: :class:`Checkpointer`, one per incarnation: when to save, save and commit,
+  where to resume from and load. It owns the :class:`~.async_save.AsyncSaver` and uses the two
+  objects below, which outlive in-process restarts.
+* :mod:`.writer`: :class:`NvrxWriter`, NVRx's persistent writer process of this worker process,
+  and every writer process it started until reaped (killed at interpreter exit).
+* :mod:`.staging`: :class:`HostStaging`, the pinned, shared host buffer a save is copied into (and
+  an in-process restart restores from); the writer-process side of a staged write.
+* :mod:`.async_save`: how a save's data reaches the writer (staged or NVRx-staged), finalisation.
+* :mod:`.files`: the on-disk layout, commit markers, verification, checksums and pruning.
+* :mod:`.reader`: a faster reader for DCP checkpoints (pipelined large reads).
+"""
+
+from kfp_nvrx.components.training.checkpoint.checkpointer import Checkpointer
+from kfp_nvrx.components.training.checkpoint.staging import HostStaging
+from kfp_nvrx.components.training.checkpoint.writer import CheckpointError, NvrxWriter
+
+__all__ = ["CheckpointError", "Checkpointer", "HostStaging", "NvrxWriter"]

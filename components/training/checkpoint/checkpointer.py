@@ -1,0 +1,404 @@
+"""DCP checkpoints written asynchronously with NVRx's async DCP writer, committed atomically.
+
+Layout: ``<run_dir>/checkpoints/step_XXXXXXXX/`` holds a torch DCP checkpoint (reshardable to any
+world size). It counts only once ``COMMITTED`` exists: rank 0 writes that marker (tmp + fsync +
+rename) after every rank's write finished and the DCP metadata was written. The marker records each
+file's size and CRC32 (every rank checksums its own files in the writer process, off the training
+loop). Resume takes the newest committed checkpoint whose files match both; torn or corrupt ones are
+skipped with a log line (DCP itself loads flipped bytes silently). Resume splits the CRC work over
+the ranks.
+
+One save is in flight at a time. Staging (``checkpoint.staging``, see :mod:`.staging`) copies the
+state into a persistent pinned, shared host buffer: on CUDA on a side stream, overlapped with the
+next forward/backward (``overlap``: the optimizer step waits for it on the GPU) or waited for in
+``save`` (``blocking``); ``nvrx`` leaves staging to NVRx (GPU: D2H in its worker; CPU: a clone,
+because NVRx <= 0.4 does not snapshot CPU tensors). Writing runs in NVRx's persistent worker
+process; finalisation (gather write results, metadata, commit marker) is collective and happens at
+a step boundary once every rank's write is done, bounded by ``checkpoint.finalize_timeout``.
+The staging banks keep the newest committed state in host memory, as files under ``/dev/shm``
+that outlive the worker (:mod:`.hostcopy`): an in-process restart restores from them, and so does
+an in-job restart on the same node once the bank's manifest matches the newest commit marker;
+neither reads (nor CRC-checks) the files back. Rank 0 also writes the newest committed step to
+``checkpoints/latest_committed_step`` for ft_launcher's progress tracking (NVRx >= 0.7).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from kfp_nvrx.components.core.config import CheckpointConfig
+from kfp_nvrx.components.core.launch_command import iteration_file
+from kfp_nvrx.components.core.rundir import (
+    checkpoints_dir,
+    committed_steps,
+    remove_torn,
+    step_dir,
+    verify,
+    write_atomic,
+    write_commit_marker,
+)
+from kfp_nvrx.components.errors import UserError
+from kfp_nvrx.components.training.checkpoint.async_save import AsyncSaver, all_ranks
+from kfp_nvrx.components.training.checkpoint.files import prune, write_checksums
+from kfp_nvrx.components.training.checkpoint.hostcopy import HostCopyDir, marker_identity
+from kfp_nvrx.components.training.checkpoint.reader import load as fast_load
+from kfp_nvrx.components.training.checkpoint.staging import (
+    HostStaging,
+    StagingUnavailable,
+    flat_state,
+)
+from kfp_nvrx.components.training.checkpoint.writer import CheckpointError, NvrxWriter
+
+
+def staging_mode(cfg: CheckpointConfig, device: torch.device) -> str:
+    """``checkpoint.staging`` resolved: overlap (CUDA) | blocking | nvrx | sync (no async save)."""
+    if not cfg.async_save:
+        return "sync"
+    if cfg.staging == "auto":
+        return "overlap" if device.type == "cuda" else "blocking"
+    if cfg.staging == "overlap" and device.type != "cuda":
+        return "blocking"  # CPU copies are synchronous anyway
+    return cfg.staging
+
+
+@dataclass
+class _InFlight:
+    step: int
+    path: Path
+    started: float
+    blocking_s: float
+    finalize_fns: list[Callable[[], None]]
+    local_done: bool = False
+
+
+class Checkpointer:
+    """Saves and loads one incarnation's training state; every public method is collective.
+
+    It decides when to save (:meth:`should_save`) and where to resume from (:meth:`resume`).
+    Async writes go through an :class:`~.async_save.AsyncSaver` to the worker process's
+    :class:`~.writer.NvrxWriter`.
+
+    Args:
+        run_dir: The run directory.
+        cfg: The ``checkpoint`` config section.
+        device: Training device (decides GPU staging vs CPU snapshot).
+        on_commit: Called on rank 0 with (step, blocking_s, total_s, bytes) after each commit.
+        staging: The process's staging buffer, kept across in-process restarts (created if None).
+        writer: The process's NVRx writer, kept across in-process restarts (created if None).
+        log: Where one-line notices go (e.g. falling back to NVRx staging).
+        final_step: The run's last step, saved too when ``checkpoint.save_final``.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, cfg: CheckpointConfig, device: torch.device,
+                 on_commit: Callable[[int, float, float, int], None] | None = None,
+                 staging: HostStaging | None = None, writer: NvrxWriter | None = None,
+                 log: Callable[[str], None] = print, final_step: int | None = None) -> None:
+        self.run_dir = Path(run_dir)
+        self.root = checkpoints_dir(run_dir)
+        self.cfg = cfg
+        self.device = device
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.on_commit = on_commit
+        self.final_step = final_step
+        self.inflight: _InFlight | None = None
+        self.commits = 0  # saves committed by this incarnation
+        self.commit_s: list[float] = []  # seconds each commit held the training loop
+        self.last_commit_step = -1
+        self.mode = staging_mode(cfg, device)
+        self.staging = None
+        if self.mode in ("overlap", "blocking"):
+            if staging is None:  # a new worker process: the node-local host copy of this rank
+                home = HostCopyDir(run_dir, self.rank, self.world_size)
+                home.sweep()  # other runs' copies whose ft_launcher agents are gone
+                staging = HostStaging(device, home)
+            self.staging = staging
+        self.writer = writer if writer is not None else NvrxWriter(device)
+        if self.writer.started:  # the last incarnation's, whose abort was cut short: not ours
+            self.writer.abort()
+        self.writer.use_cuda(self.staging is None)  # staged saves: the writer needs no GPU
+        self.saver = AsyncSaver(self.writer, device, self.rank, cfg.write_threads,
+                                start_timeout=cfg.finalize_timeout)
+        self.log = log
+        self.restored_from_memory = False
+
+    # ---------------------------------------------------------------- policy
+    @property
+    def periodic(self) -> bool:
+        """Whether this run saves every ``checkpoint.interval`` steps."""
+        return self.cfg.interval > 0
+
+    def should_save(self, step: int) -> bool:
+        """Whether ``step`` is saved: every ``checkpoint.interval`` steps, and the final step."""
+        return bool((self.periodic and step % self.cfg.interval == 0)
+                    or (self.cfg.save_final and step == self.final_step))
+
+    def resume(self, state_fn: Callable[[], dict[str, Any]],
+               check: Callable[[set[str], int], None] | None = None,
+               ) -> tuple[int | None, dict[str, Any] | None]:
+        """Loads the newest state this run can resume from; ``(None, None)`` when there is none.
+
+        From host memory when every rank holds the newest committed step there (a restarted
+        worker adopts its node-local host copy, see :mod:`.hostcopy`) or a newer complete
+        snapshot (in-process restart); otherwise the newest intact committed checkpoint on disk
+        (CRC-checked, falling back to older ones). ``state_fn`` builds the state to load
+        into; only the keys the checkpoint holds are loaded (e.g. not another world size's per-rank
+        RNG). ``check(keys, step)`` may reject the checkpoint before anything is loaded.
+
+        Returns:
+            The step resumed from and the state dict loaded in place.
+        """
+        steps = self.committed()
+        newest = steps[0] if steps else None
+        in_memory = self.memory_step()  # FT: in-process restart: the last snapshot survives
+        if in_memory is None and newest is None:
+            return None, None  # (state_fn would initialise the optimizer state: a fresh start)
+        state = state_fn()
+        if in_memory is None and self._adopt(newest, state):
+            in_memory = newest  # FT: in-job restart on the same node: the host copy survives
+        if in_memory is not None and (newest is None or in_memory >= newest):
+            # Host memory holds this process's own snapshot, or a copy verified against the
+            # newest commit marker: the files need no CRC pass (13 GB: seconds).
+            if newest is None or in_memory > newest:
+                self.log(f"restoring step {in_memory} from host memory (newest committed on "
+                         f"disk: {newest})")
+            step = in_memory
+        else:
+            step = self.select(steps, log=self.log)
+        if step is None:
+            return None, None
+        keys = self.metadata_keys(step)
+        if check is not None:
+            check(keys, step)
+        state = {k: v for k, v in state.items()
+                 if any(s == k or s.startswith(f"{k}.") for s in keys)}
+        self.load(step, state)
+        return step, state
+
+    # ---------------------------------------------------------------- save
+    def warm_up(self) -> None:
+        """Starts NVRx's writer process now (async saves), not inside the first save."""
+        if self.cfg.async_save:
+            self.writer.warm_up()
+
+    def save(self, step: int, state: dict[str, Any]) -> float:
+        """Starts saving ``state`` as ``step``; returns the seconds this call blocked."""
+        self.finalize(blocking=True)
+        t0 = time.perf_counter()
+        path = step_dir(self.root, step)
+        if self.rank == 0:
+            remove_torn(path, self.root.parent)  # a torn leftover; never through a symlink
+            path.mkdir(parents=True)
+        dist.barrier()
+        flat = flat_state(state) if self.staging is not None else None
+        if self.staging is not None and self._staging_ok(flat):
+            finalize_fns = [self.saver.staged(path, state, flat, self.staging, step,
+                                              submit=self.mode == "blocking")]
+        elif self.cfg.async_save:
+            finalize_fns = [self.saver.nvrx_staged(path, state)]
+        else:
+            dcp.save(state, checkpoint_id=str(path))
+            write_checksums(sorted(str(p) for p in path.glob(f"__{self.rank}_*")), self.rank)
+            finalize_fns = []
+        blocking = time.perf_counter() - t0
+        self.inflight = _InFlight(step, path, t0, blocking, finalize_fns,
+                                  local_done=not self.cfg.async_save)
+        if not self.cfg.async_save:
+            self.finalize(blocking=True)
+        return blocking
+
+    def prepare(self, state_fn: Callable[[], dict[str, Any]]) -> None:
+        """Allocates the staging buffer for this state in the background (pinning takes seconds)."""
+        if self.staging is not None:
+            self.staging.prepare(state_fn())
+
+    def preparing(self) -> bool:
+        """Whether the staging banks are being allocated and pinned in the background."""
+        return self.staging is not None and self.staging.preparing()
+
+    def _staging_ok(self, flat: dict[str, Any]) -> bool:
+        """Every rank has a staging buffer for this state; else all fall back to NVRx staging."""
+        problem = ""
+        try:
+            self.staging.ensure(flat)
+        except StagingUnavailable as err:
+            problem = str(err)
+        if all_ranks(not problem, self.device):
+            return True
+        self.log(f"checkpoint.staging={self.cfg.staging}: {problem or 'unavailable on another rank'}; "
+                 "using NVRx's staging")
+        self.staging.release()
+        self.staging, self.mode = None, "nvrx"
+        self.writer.use_cuda(True)  # NVRx's staging copies from the GPU in the writer
+        return False
+
+    def wait_before_update(self) -> None:
+        """Call before the optimizer step: it must not change tensors still being staged.
+
+        The wait is on the GPU stream (the CPU goes on queueing work).
+        """
+        if self.saver.pending is not None:
+            self.staging.wait_before_update()
+
+    def _poll_local(self, blocking_wait: float) -> bool:
+        """Whether this rank's write finished (sticky), waiting at most ``blocking_wait`` s."""
+        inf = self.inflight
+        if inf.local_done:
+            return True
+        if self.saver.pending is not None:
+            if not self.staging.ready():
+                return False
+            self.saver.submit(self.staging)
+        inf.local_done = self.writer.done(blocking_wait, f"checkpoint step {inf.step}")
+        return inf.local_done
+
+    def finalize(self, blocking: bool) -> bool:
+        """Commits the in-flight save once all ranks wrote it; True when nothing is pending.
+
+        With ``blocking`` it waits up to ``checkpoint.finalize_timeout`` and raises
+        :class:`CheckpointError` after that.
+        """
+        inf = self.inflight
+        if inf is None:
+            return True
+        deadline = time.monotonic() + self.cfg.finalize_timeout
+        while True:
+            local = self._poll_local(0.05 if blocking else 0.0)
+            if all_ranks(local, self.device):
+                break
+            if not blocking:
+                return False
+            if time.monotonic() >= deadline:
+                raise CheckpointError(f"checkpoint step {inf.step} not written within "
+                                      f"checkpoint.finalize_timeout={self.cfg.finalize_timeout:g}s")
+        t_commit = time.perf_counter()
+        for fn in inf.finalize_fns:
+            fn()  # gathers write results, coordinator writes .metadata; raises on worker errors
+        dist.barrier()
+        if self.rank == 0:
+            nbytes = write_commit_marker(inf.path, inf.step, self.world_size)
+            # FT: ft_launcher's progress tracking reads the newest committed step from here.
+            write_atomic(iteration_file(self.run_dir), f"{inf.step}\n".encode())
+            prune(self.root, self.cfg.keep)
+            if self.on_commit is not None:
+                self.on_commit(inf.step, inf.blocking_s, time.perf_counter() - inf.started, nbytes)
+        dist.barrier()
+        if self.staging is not None:  # the bank now holds committed state: describe it
+            self.staging.commit(inf.step, marker_identity(inf.path))
+        self.commits += 1
+        self.commit_s.append(time.perf_counter() - t_commit)
+        self.last_commit_step = inf.step
+        self.inflight = None
+        return True
+
+    # ---------------------------------------------------------------- load
+    def committed(self) -> list[int]:
+        """Committed steps (newest first; only ``load_step`` when set), as rank 0 sees them."""
+        steps = [committed_steps(self.root) if self.rank == 0 else None]
+        dist.broadcast_object_list(steps, src=0)
+        return [s for s in steps[0] if self.cfg.load_step < 0 or s == self.cfg.load_step]
+
+    def select(self, steps: list[int] | None = None,
+               log: Callable[[str], None] = print) -> int | None:
+        """The newest intact committed step (or ``load_step``), the same on every rank.
+
+        Every rank checks the sizes and the CRC32 of its share of the files; a damaged checkpoint
+        is skipped (logged) in favour of the next older one.
+        """
+        for step in self.committed() if steps is None else steps:
+            problem = verify(step_dir(self.root, step), share=(self.rank, self.world_size))
+            problems: list[str | None] = [None] * self.world_size
+            dist.all_gather_object(problems, problem)
+            bad = next((p for p in problems if p), None)
+            if bad is None:
+                return step
+            if self.cfg.load_step >= 0:  # asked for this one: no fallback, no start from scratch
+                raise UserError("checkpoint.load_step", f"step {step} in {self.root} is damaged "
+                                f"({bad}); give another step, or -1 for the newest intact one")
+            if self.cfg.load_step >= 0:  # asked for this one: no fallback, no start from scratch
+                raise UserError("checkpoint.load_step", f"step {step} in {self.root} is damaged "
+                                f"({bad}); give another step, or -1 for the newest intact one")
+            log(f"checkpoint step {step} is damaged ({bad}); falling back to an older one")
+        return None
+
+    def memory_step(self) -> int | None:
+        """The step of the snapshot every rank holds in its staging buffer (collective), if any.
+
+        After an in-process restart that can be newer than the newest committed checkpoint: a
+        save whose copies completed on every rank but whose write the fault interrupted.
+        """
+        mine = -1
+        if self.staging is not None and self.staging.valid_step is not None:
+            if self.cfg.load_step < 0 or self.staging.valid_step == self.cfg.load_step:
+                mine = self.staging.valid_step
+        t = torch.tensor([mine, -mine], dtype=torch.int64,
+                         device=self.device if self.device.type == "cuda" else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)  # [min, -max]
+        low, high = int(t[0]), -int(t[1])
+        return low if low == high and low >= 0 else None
+
+    def _adopt(self, step: int, state: dict[str, Any]) -> bool:
+        """Whether every rank took over its host copy of committed ``step`` (collective)."""
+        ok = False
+        if self.staging is not None:
+            identity = marker_identity(step_dir(self.root, step))
+            ok = self.staging.adopt(step, identity, flat_state(state))
+        return all_ranks(ok, self.device)
+
+    def metadata_keys(self, step: int) -> set[str]:
+        """Flattened keys stored in a checkpoint (e.g. to skip per-rank RNG of another world size)."""
+        if self.staging is not None and self.staging.can_restore({}, step):
+            return self.staging.keys(step)
+        md = dcp.FileSystemReader(str(step_dir(self.root, step))).read_metadata()
+        return set(md.state_dict_metadata)
+
+    def load(self, step: int, state: dict[str, Any]) -> None:
+        """Loads ``step`` into ``state`` in place (DCP reshards to this world size).
+
+        From the staging buffer when every rank holds that committed step in it (in-process
+        restart, same layout); otherwise from the files.
+        """
+        self.restored_from_memory = False
+        if self.staging is not None:
+            from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+            from torch.distributed.checkpoint._traverse import set_element
+
+            flat, mapping = flatten_state_dict(state)
+            if all_ranks(self.staging.can_restore(flat, step), self.device):
+                # FT: in-process restart: the last committed state is still in host memory.
+                for key, value in self.staging.restore(flat, step).items():
+                    set_element(state, mapping[key], value)
+                self.restored_from_memory = True
+                return
+        # Large sequential reads pipelined with deserialisation and (pinned) H2D copies.
+        fast_load(state, str(step_dir(self.root, step)))
+
+    # ---------------------------------------------------------------- end
+    def abort(self) -> None:
+        """Error path: drops the pending save (it will never be committed) and kills the writer."""
+        self.inflight = None
+        staging_incomplete, self.saver.pending = self.saver.pending is not None, None
+        if self.staging is not None and staging_incomplete:
+            self.staging.invalidate()
+        self.writer.abort()
+
+    def close(self) -> None:
+        """Finishes the pending save (blocking) and stops the writer process."""
+        try:
+            self.finalize(blocking=True)
+        finally:
+            self.writer.close()
+
+    def discard_host_copy(self) -> None:
+        """The run is over: frees the staging banks and deletes their files under /dev/shm."""
+        if self.staging is not None:
+            self.staging.release()

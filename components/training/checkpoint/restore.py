@@ -1,0 +1,106 @@
+"""Restoring a bank that is not pinned (adopted from an earlier worker) at memory speed.
+
+Pinning a 13 GB bank that is already resident takes seconds (``cudaHostRegister`` walks every
+page); copying it to the GPU straight from the pageable mapping is a synchronous, driver-staged
+copy. Instead, reader threads copy whole-tensor pieces of the bank into a few pinned bounce
+buffers (CPU memcpy, several at once) while the calling thread issues the asynchronous H2D copies
+out of the filled ones; the bank itself is pinned later, in the background, before a save needs
+it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import queue
+import threading
+from typing import Any
+
+import torch
+
+from kfp_nvrx.components.training.checkpoint.bank import Slot, _local, _pin_ranges
+
+#: Reader threads; each fills one bounce buffer at a time (plus one the GPU copies from).
+THREADS = 4
+
+
+def restore_bounced(buffer: torch.Tensor, slots: dict[str, Slot], nbytes: int,
+                    flat: dict[str, Any], threads: int = THREADS) -> None:
+    """Copies every tensor of ``flat`` from the pageable ``buffer`` (at ``slots``) to its device.
+
+    Args:
+        buffer: The bank's bytes (uint8, host, not pinned).
+        slots: Where each tensor lives in ``buffer``.
+        nbytes: The bank's size.
+        flat: Flattened state whose tensors (CUDA) are filled in place.
+        threads: Reader threads.
+    """
+    pieces = _pin_ranges(slots, nbytes)
+    targets: list[list[tuple[torch.Tensor, Slot]]] = [[] for _ in pieces]
+    starts = [off for off, _ in pieces]
+    for key, value in flat.items():
+        if isinstance(value, torch.Tensor) and key in slots:
+            s = slots[key]
+            targets[bisect.bisect_right(starts, s.offset) - 1].append((_local(value), s))
+    size = max((n for _, n in pieces), default=0)
+    nthreads = max(1, min(threads, len(pieces)))
+    free: queue.Queue = queue.Queue()
+    for _ in range(nthreads + 1):
+        free.put((torch.empty(size, dtype=torch.uint8, pin_memory=True), None))
+    ready: dict[int, Any] = {}
+    cond = threading.Condition()
+    next_index = [0]
+    device = torch.cuda.current_device()
+
+    stop = threading.Event()
+
+    def reader() -> None:
+        torch.cuda.set_device(device)
+        while not stop.is_set():
+            try:  # the buffer first, then the index: the oldest piece always has one
+                buf, event = free.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            with cond:
+                index = next_index[0]
+                next_index[0] += 1
+            if index >= len(pieces):
+                free.put((buf, event))
+                return
+            try:
+                if event is not None:
+                    event.synchronize()  # the GPU copies out of this buffer are done
+                off, n = pieces[index]
+                buf[:n].copy_(buffer[off:off + n])
+                got: Any = (buf, off)
+            except BaseException as err:  # noqa: BLE001 - handed to the calling thread
+                got = err
+            with cond:
+                ready[index] = got
+                cond.notify_all()
+
+    workers = [threading.Thread(target=reader, name=f"bank-restore-{i}", daemon=True)
+               for i in range(nthreads)]
+    for w in workers:
+        w.start()
+    stream = torch.cuda.current_stream()
+    try:
+        for index in range(len(pieces)):
+            with cond:
+                while index not in ready:
+                    cond.wait(timeout=0.5)
+                got = ready.pop(index)
+            if isinstance(got, BaseException):
+                raise got
+            buf, off = got
+            with torch.no_grad():
+                for dst, s in targets[index]:
+                    src = buf[s.offset - off:s.offset - off + s.nbytes].view(s.dtype).view(s.shape)
+                    dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+            free.put((buf, event))
+    finally:
+        stop.set()
+        for w in workers:
+            w.join()
+        stream.synchronize()

@@ -1,0 +1,1 @@
+"""What leaves a run: the DCP checkpoint consolidated to safetensors, its eval loss, promotion."""

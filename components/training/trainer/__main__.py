@@ -1,0 +1,131 @@
+"""Worker entry point: ``ft_launcher ... -m kfp_nvrx.components.training.trainer --config ...``."""
+
+from __future__ import annotations
+
+import os
+import time
+
+_T_MAIN = time.time()  # this module starts running: the interpreter, site and runpy are done
+# FT: in-process restart needs quiet c10d logs, set before torch is imported.
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "error")
+import warnings  # noqa: E402
+
+warnings.filterwarnings("ignore", message="The pynvml package is deprecated")
+
+import argparse  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from kfp_nvrx.components.core.disk import disk_full, disk_full_line  # noqa: E402
+from kfp_nvrx.components.core.faults import KINDS as FAULT_KINDS  # noqa: E402
+from kfp_nvrx.components.core.rundir import checkpoints_dir  # noqa: E402
+from kfp_nvrx.components.errors import UserError  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The trainer's flags (the same ones ``launch-local`` and the worker pods pass)."""
+    p = argparse.ArgumentParser(prog="python -m kfp_nvrx.components.training.trainer",
+                                description="FSDP2 trainer with NVRx fault tolerance.")
+    p.add_argument("--config", required=True, help="preset (tiny, 125m, 1b, 8b) or YAML path")
+    p.add_argument("--run-dir", required=True, help="run directory (checkpoints, events)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a config value (repeatable)")
+    p.add_argument("--fault", action="append", default=[], metavar="KIND@STEP[/RANK]",
+                   help=f"inject a fault once per run: {', '.join(FAULT_KINDS)}")
+    # The launcher's preflight: every check a worker makes before training, without a launcher
+    # environment and without writing the run dir; a UserError comes back as one JSON line.
+    p.add_argument("--check", action="store_true", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def process_start_time() -> float | None:
+    """When this process was created (Unix seconds, 10 ms resolution; None off Linux)."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return time.time() - uptime + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def boot_parts(t_exec: float | None, t_main: float, t_imported: float,
+               prepared: dict[str, float]) -> dict[str, float]:
+    """Seconds of the start before the first incarnation, in order.
+
+    ``interpreter``: process creation (``t_exec``) to this module (``t_main``): Python, site,
+    runpy; absent off Linux. ``imports``: torch and the training modules; then :func:`prepare_job`'s parts:
+    ``checks`` (config, dataset, checkpoint, run dir), ``cuda_context`` (the device) and
+    ``nvrx_client`` (NVRx import and its rank monitor client).
+    """
+    parts = {"interpreter": max(0.0, t_main - t_exec)} if t_exec else {}
+    parts["imports"] = t_imported - t_main
+    return {**parts, **prepared}
+
+
+def make_nccl_trace_dir() -> Path | None:
+    """Create the folder of ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE`` (the pod env points it into the run dir).
+
+    torch's flight recorder writes ``<prefix><rank>`` on a collective timeout and does not create
+    the folder, so without this the dumps that explain a hang are lost.
+    """
+    prefix = os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "")
+    if not prefix:
+        return None
+    folder = Path(prefix).parent
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Validates inputs before any process group exists, then trains."""
+    args = parse_args(argv)
+    if not args.run_dir.strip():  # Path('') is '.': the working directory, never meant
+        sys.stderr.write("trainer: error: --run-dir: is empty; give the run directory\n")
+        return UserError.exit_code
+    if args.check:
+        from kfp_nvrx.components.training.trainer.bootstrap import check_job
+
+        return check_job(args.config, args.set, args.fault, Path(args.run_dir))
+    # The heavy imports first and on their own, so the start-up shows what they cost.
+    import kfp_nvrx.components.training.trainer.train  # noqa: F401
+    from kfp_nvrx.components.training.trainer.bootstrap import prepare_job
+
+    t_imported = time.time()
+    try:
+        job = prepare_job(args.config, args.set, args.fault, Path(args.run_dir))
+        make_nccl_trace_dir()
+        t_exec = process_start_time()
+        job.boot = boot_parts(t_exec, _T_MAIN, t_imported, job.boot)
+        job.boot_origin = min(t_exec or _T_MAIN, _T_MAIN)
+        job.boot_mark = time.time()
+    except OSError as err:
+        if disk_full(err):  # config.yaml or the run dir on a full disk: say so, let it restart
+            sys.stderr.write(f"[trainer] error: {disk_full_line(args.run_dir)}\n")
+            return 1
+        sys.stderr.write(f"trainer: error: TORCH_NCCL_DEBUG_INFO_TEMP_FILE: {err}\n")
+        return UserError.exit_code
+    except UserError as err:
+        sys.stderr.write(f"trainer: error: {err.one_line()}\n")
+        return UserError.exit_code
+    from kfp_nvrx.components.training.trainer.train import run
+
+    try:
+        run(job)
+    except UserError as err:
+        sys.stderr.write(f"trainer: error: {err.one_line()}\n")
+        return UserError.exit_code
+    except Exception as err:
+        where = checkpoints_dir(job.run_dir)
+        if not disk_full(err, where):
+            raise
+        # One line instead of torch's "inline_container.cc ... unexpected pos" traceback; exit 1
+        # so the launcher restarts the workers, which resume once there is room.
+        sys.stderr.write(f"[trainer] error: {disk_full_line(where)}\n")
+        return 1
+    finally:
+        job.monitor.close()
+    return 0
+
+
+if __name__ == "__main__":  # required: NVRx's checkpoint worker is started with spawn
+    sys.exit(main())

@@ -1,0 +1,350 @@
+"""NVRx integration: the rank monitor client and the opt-in in-process restart wrapper.
+
+The client opens sections and sends heartbeats, learns timeouts from observed times and persists
+them in checkpoints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import gc
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from kfp_nvrx.components.core.config import ResilienceConfig
+from kfp_nvrx.components.training.trainer.restart_clock import RestartClock, clock_hooks
+from kfp_nvrx.components.training.trainer.timeouts_text import describe_timeouts
+
+__all__ = ["Monitor", "RestartClock", "in_process_wrapper", "under_ft_launcher"]
+
+log = logging.getLogger(__name__)
+
+#: Seconds between the in-process wrapper's polls (monitor thread, monitor process, watchdog).
+WRAPPER_POLL_S = 0.25
+
+
+def under_ft_launcher() -> bool:
+    """True when a rank monitor is reachable (the worker was started by ft_launcher)."""
+    return bool(os.environ.get("FT_RANK_MONITOR_IPC_SOCKET"))
+
+
+class Monitor:
+    """Rank-monitor client: sections ``setup``/``step``/``checkpoint`` and/or heartbeats.
+
+    A no-op when ``resilience.monitor`` is ``off`` or no ft_launcher is around (plain torchrun).
+
+    Args:
+        cfg: The ``resilience`` config section.
+        backend: The process group's backend (``nccl`` or ``gloo``), which bounds learned timeouts.
+    """
+
+    SECTIONS = ("setup", "step", "checkpoint")
+
+    def __init__(self, cfg: ResilienceConfig, backend: str) -> None:
+        self.cfg = cfg
+        self.enabled = cfg.monitor != "off" and under_ft_launcher()
+        self.client = None
+        self.learned = False
+        self._steady_steps: list[float] = []
+        self._steady_gaps: list[float] = []
+        self._open: set[str] = set()
+        # The least a learned timeout may be (resilience.min_learned_timeout). Under in-process
+        # restart NCCL collectives blocked on a failed peer are aborted by the wrapper at once;
+        # gloo's cannot be, so a surviving rank waits up to ``pg_timeout`` inside its step, which
+        # a learned step timeout below that would take for a hang.
+        self.floor = cfg.min_learned_timeout
+        if backend == "gloo" and cfg.in_process:
+            self.floor = max(self.floor, cfg.pg_timeout + 2.0)
+        # The client's socket carries one message at a time: keepalive heartbeats come from a
+        # second thread while the main thread is inside a long phase.
+        self._lock = threading.Lock()
+        if self.enabled:
+            # FT: the client talks to this rank's monitor process started by ft_launcher.
+            from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
+
+            self.client = RankMonitorClient()
+
+    def connect(self) -> None:
+        """(Re)connects to the rank monitor; called at every (in-process) restart."""
+        if not self.enabled:
+            return
+        self.disconnect()
+        # FT: init_workload_monitoring; learned timeouts loaded earlier are sent right away.
+        with self._lock:
+            self.client.init_workload_monitoring()
+        self._open.clear()
+
+    def disconnect(self) -> None:
+        """Closes every section and leaves the rank monitor (before an in-process restart).
+
+        Between a fault and the re-entry of the training function the in-process wrapper aborts
+        the process group, checks health and waits at its barriers: seconds without heartbeats.
+        The wrapper's own soft/hard timeouts bound that phase, so the rank monitor must not
+        apply its learned step rhythm to it (it would SIGKILL the rank and turn the in-process
+        restart into an in-job one).
+        """
+        if not self.enabled or not self.client.is_initialized:
+            return
+        with self._lock, contextlib.suppress(Exception):
+            self.client.end_all_sections()
+        with self._lock, contextlib.suppress(Exception):
+            self.client.shutdown_workload_monitoring()
+        self._open.clear()
+
+    @contextlib.contextmanager
+    def section(self, name: str) -> Iterator[None]:
+        """An NVRx timed section (no-op in heartbeats mode)."""
+        if not self.enabled or self.cfg.monitor != "sections":
+            yield
+            return
+        # FT: start_section/end_section bound each phase by its (learned) timeout.
+        with self._lock:
+            self.client.start_section(name)
+        self._open.add(name)
+        try:
+            yield
+        finally:
+            if name in self._open:
+                with self._lock:
+                    self.client.end_section(name)
+                self._open.discard(name)
+
+    @contextlib.contextmanager
+    def phase(self, name: str | None, bound: float) -> Iterator[None]:
+        """A phase outside the step rhythm: setup, a save, the final wait for the writer.
+
+        Heartbeat timeouts are learned from the gaps between steps; a phase such as a checkpoint
+        load or the final wait for the writer can take far longer than that without anything
+        being wrong. While the phase runs, a thread keeps heartbeating for at most ``bound``
+        seconds (then stops, so a phase that hangs is still caught by the heartbeat timeout), and
+        ``name``, when given, is also opened as a section (bounded by its own timeout).
+        """
+        stop = threading.Event()
+        beat = None
+        if self.enabled:
+            period = max(0.05, min(1.0, self.cfg.min_learned_timeout / 4))
+            deadline = time.monotonic() + bound
+
+            def keepalive() -> None:
+                while not stop.wait(period) and time.monotonic() < deadline:
+                    self.heartbeat()
+
+            beat = threading.Thread(target=keepalive, name=f"ft-keepalive-{name}", daemon=True)
+            beat.start()
+        try:
+            if name is None:
+                yield
+            else:
+                with self.section(name):
+                    yield
+        finally:
+            stop.set()
+            if beat is not None:
+                beat.join()
+                self.heartbeat()  # the phase's end restarts the step rhythm from now
+
+    def heartbeat(self) -> None:
+        """One heartbeat per step (both modes: in sections mode it backs up the sections)."""
+        if self.enabled and self.client.is_initialized:
+            # FT: heartbeat; a rank that stops sending is killed after the heartbeat timeout.
+            with self._lock:
+                self.client.send_heartbeat()
+
+    def stop(self) -> None:
+        """Stops heartbeats and sections (before a deliberate hang, or at shutdown)."""
+        if self.enabled and self.client.is_initialized:
+            with self._lock, contextlib.suppress(Exception):
+                self.client.end_all_sections()
+            self._open.clear()
+
+    def observe(self, step_s: float, gap_s: float | None, steady: bool) -> None:
+        """Records one step: its ``step`` section's seconds and the gap since the last step's beat.
+
+        Only ``steady`` steps count (the trainer leaves out an incarnation's first steps, steps
+        next to a save or a commit and steps while the staging buffers are being pinned): those
+        are what a healthy run repeats, so a timeout learned from them is tight, and the rare
+        long ones it must still survive are covered by the safety factor and the floor.
+        """
+        if steady and not self.learned:
+            self._steady_steps.append(step_s)
+            if gap_s is not None:
+                self._steady_gaps.append(gap_s)
+
+    def maybe_learn(self, reduce_max: Callable[[list[float]], list[float]]) -> bool:
+        """Collective: sets the step and heartbeat timeouts once ``learn_after`` steady steps ran.
+
+        Each is ``safety_factor`` x the longest steady step (or gap between step heartbeats) on
+        any rank, at least ``self.floor``. NVRx's own calculation takes the
+        longest gap it ever saw (the first steps, a compile, the pinning of the staging buffers:
+        a 21 s step timeout for 0.3 s steps); ours come from steady steps only and are handed to
+        the monitor through the client's state API. The ``setup`` and ``checkpoint`` sections and
+        the out-of-section timeout keep their configured values: loads and writes vary with the
+        storage, and the gaps between sections are tiny.
+
+        Args:
+            reduce_max: Element-wise maximum over every rank (a collective every rank calls).
+        """
+        if not self.enabled or not self.cfg.learn_timeouts or self.learned:
+            return False
+        ready = len(self._steady_steps) >= max(1, self.cfg.learn_after)
+        # Every rank must take part in the reduction, or none: its count is reduced first.
+        longest = reduce_max([0.0 if ready else 1.0, max(self._steady_steps, default=0.0),
+                              max(self._steady_gaps, default=0.0)])
+        if longest[0] > 0:
+            return False
+        factor = self.cfg.safety_factor
+        step_to = max(self.floor, factor * longest[1])
+        beat_to = max(self.floor, factor * max(longest[2], longest[1]))
+        self._set(step_to, beat_to)
+        self.learned = True
+        return True
+
+    def _set(self, step_to: float, beat_to: float) -> None:
+        """Sends learned ``step`` section and subsequent-heartbeat timeouts to the rank monitor."""
+        key = self.client.CURRENT_TIMEOUTS_STATE_KEY
+        hb = self.client.hb_timeouts
+        state: dict[str, Any] = {key: {"heartbeat": {
+            "initial": hb.initial if hb is not None else self.cfg.initial_heartbeat_timeout,
+            "subsequent": beat_to, "were_calculated": True}}}
+        sec = self.client.section_timeouts
+        if self.cfg.monitor == "sections" and sec is not None:
+            state[key]["section"] = {
+                "section": {**dict(sec.section), "step": step_to},
+                "out_of_section": sec.out_of_section,
+                "calculated_sections": sorted(set(sec.calculated_sections) | {"step"}),
+                "is_out_of_section_calculated": bool(sec.is_out_of_section_calculated),
+            }
+        # FT: load_state_dict sends the timeouts to the rank monitor right away; checkpoints
+        # persist them (state_dict) for the next incarnations.
+        with self._lock:
+            self.client.load_state_dict(state)
+
+    def timeouts(self) -> str:
+        """Current timeouts in words, for the log ("hang detection after 4.0 s without a step")."""
+        if not self.enabled:
+            return "no rank monitor"
+        return describe_timeouts(self.client.hb_timeouts, getattr(self.client, "section_timeouts", None))
+
+    def state_dict(self) -> dict[str, Any]:
+        """Learned timeouts to persist in checkpoints."""
+        return dict(self.client.state_dict()) if self.enabled else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores learned timeouts from a checkpoint."""
+        if self.enabled and state:
+            # FT: persisted learned timeouts survive restarts.
+            with self._lock:
+                self.client.load_state_dict(state)
+            self.learned = bool(state.get(self.client.CURRENT_TIMEOUTS_STATE_KEY))
+
+    def close(self) -> None:
+        """Closes every section and shuts the client down."""
+        self.disconnect()
+
+
+def in_process_wrapper(cfg: ResilienceConfig, store_port: int) -> Callable[[Callable], Callable]:
+    """The NVRx in-process restart decorator configured from ``resilience``.
+
+    The wrapped function must create its process group itself, on a
+    ``PrefixStore(str(call_wrapper.iteration), base_store)``, and reload the newest checkpoint
+    every time it is entered.
+
+    Restart latency: NVRx waits ``last_call_wait`` (its default, 1 s, was half of the wrapper's
+    time on the H200; docs/benchmarks/NOTES.md) after the first fault report before it aborts
+    and restarts, only so that
+    concurrent faults of other ranks appear in the logged attribution; ``resilience.last_call_wait``
+    (0.1 s) keeps that for faults within 0.1 s. The monitor-thread, monitor-process and progress
+    watchdog intervals are ``WRAPPER_POLL_S`` (NVRx: 1 s); the heartbeat interval keeps its default.
+    The abort (NCCL communicators, process group) is timed and its share printed with the restart.
+    """
+    # FT: in-process restart; the wrapper's own TCPStore listens on MASTER_PORT + 2.
+    from nvidia_resiliency_ext import inprocess
+
+    clock = RestartClock()
+    initialize, finalize, abort = clock_hooks(inprocess, clock)
+    poll = datetime.timedelta(seconds=WRAPPER_POLL_S)
+    wrapper = inprocess.Wrapper(
+        store_kwargs={"port": store_port},
+        soft_timeout=datetime.timedelta(seconds=cfg.soft_timeout),
+        hard_timeout=datetime.timedelta(seconds=cfg.hard_timeout),
+        barrier_timeout=datetime.timedelta(seconds=cfg.barrier_timeout),
+        completion_timeout=datetime.timedelta(seconds=cfg.barrier_timeout),
+        heartbeat_timeout=datetime.timedelta(seconds=max(cfg.soft_timeout / 2, 5)),
+        last_call_wait=datetime.timedelta(seconds=cfg.last_call_wait),
+        # The fault report travels rank -> monitor process -> store -> monitor thread, and the
+        # progress watchdog must pause before the restart: polled every second by default.
+        monitor_thread_interval=poll, monitor_process_interval=poll,
+        progress_watchdog_interval=poll,
+        abort=abort,
+        initialize=inprocess.Compose(
+            inprocess.initialize.RetryController(max_iterations=cfg.in_process_max_iterations),
+            initialize),
+        finalize=finalize,
+        health_check=_health_check(),
+    )
+    import torch
+
+    if getattr(wrapper, "restart_health_check", None) is not None:
+        if not torch.cuda.is_available():
+            # NVRx >= 0.6 chains NVML GPU/NVLink/NIC checks whenever LOCAL_RANK is set; on a host
+            # without NVML every restart would fail its health check and end the process.
+            wrapper.restart_health_check = None
+        else:
+            _hold_nvml()
+
+    def decorate(fn: Callable) -> Callable:
+        def entry(*args: Any, call_wrapper: Any = None) -> Any:
+            clock.entered(call_wrapper.iteration if call_wrapper is not None else 0)
+            try:
+                return fn(*args, call_wrapper=call_wrapper)
+            except BaseException:
+                clock.exited()
+                raise
+
+        # NVRx finds the argument to inject by its annotation, which must be the real class
+        # (this module's annotations are strings under `from __future__ import annotations`).
+        entry.__annotations__ = {"call_wrapper": inprocess.CallWrapper}
+        wrapped = wrapper(entry)
+
+        def start(*args: Any) -> Any:
+            # Before every re-entry NVRx runs `gc.collect()` until nothing is left to free, which
+            # walks the whole heap (torch, DTensor, sympy, dynamo; at least two passes, each
+            # a noticeable part of an in-process restart). Freezing what exists now (modules,
+            # the Job) leaves those passes only the objects created since, among them every
+            # incarnation's model and optimizer, which are still collected.
+            gc.collect()
+            gc.freeze()
+            return wrapped(*args)
+
+        return start
+
+    return decorate
+
+
+def _hold_nvml() -> None:
+    """Keeps NVML initialised for the life of the process (CUDA hosts, NVRx >= 0.6).
+
+    NVRx's restart health checks (GPU recovery action, NVLink state) each start and shut down
+    NVML, so every restart initialised NVML twice. NVML counts initialisations and shuts down only
+    when the count returns to zero: with one reference held here both become count updates.
+    """
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001 - best effort: without it the checks only run slower
+        log.debug("NVML not initialised ahead of the restart health checks", exc_info=True)
+
+
+def _health_check():
+    import torch
+    from nvidia_resiliency_ext import inprocess
+
+    if torch.cuda.is_available():
+        return inprocess.health_check.CudaHealthCheck()
+    return None
