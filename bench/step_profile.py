@@ -46,9 +46,9 @@ def _build(cfg, device, compile: bool, optim: str, reshard: Any):
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from kfp_nvrx.components.train_fsdp.trainer.build import _init
-    from kfp_nvrx.components.train_fsdp.trainer.model import build_model
-    from kfp_nvrx.components.train_fsdp.trainer.parallelize import compile_blocks
+    from kfp_nvrx.components.training.trainer.build import _init
+    from kfp_nvrx.components.training.model import build_model
+    from kfp_nvrx.components.training.trainer.parallelize import compile_blocks
 
     torch.manual_seed(0)
     with torch.device("meta"):
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from kfp_nvrx.components.core.config import load_config
-    from kfp_nvrx.components.train_fsdp.trainer.model import flops_per_token
+    from kfp_nvrx.components.training.model import flops_per_token
 
     device = init_single_gpu()
     cfg = load_config(args.config)
