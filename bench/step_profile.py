@@ -46,8 +46,8 @@ def _build(cfg, device, compile: bool, optim: str, reshard: Any):
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from kfp_nvrx.components.training.trainer.build import _init
     from kfp_nvrx.components.training.model import build_model
+    from kfp_nvrx.components.training.trainer.build import _init
     from kfp_nvrx.components.training.trainer.parallelize import compile_blocks
 
     torch.manual_seed(0)
