@@ -41,7 +41,9 @@ def _script(body: str, name: str) -> list[str]:
 
 #: First attempt: run until stopped, exiting 1 on SIGTERM as ft_launcher does (the entrypoint
 #: makes that 143); a second attempt succeeds and lets the first attempt's survivors finish too.
-FT_ON_SIGTERM = ("[ -e $m ] && { touch $m.done; exit 0; }; touch $m; trap 'exit 1' TERM; "
+#: The marker is written once the trap is set: a pod is stopped only after its marker exists
+#: (:func:`_first_attempts_running`), never while the agent is still starting it.
+FT_ON_SIGTERM = ("[ -e $m ] && { touch $m.done; exit 0; }; trap 'exit 1' TERM; touch $m; "
                  "while ! ls $d/*.done >/dev/null 2>&1; do sleep 0.2; done")
 
 
@@ -149,13 +151,28 @@ def _running_pods(kube, selector: str, n: int):
     return _wait(f"{n} running pods of {selector}", check)
 
 
+def _first_attempts_running(kube, name: str, n: int) -> None:
+    """Wait until ``n`` pods of job ``name`` run FT_ON_SIGTERM's loop (their markers exist).
+
+    A pod is ``Running`` as soon as its container starts, before the entrypoint and the shell
+    run. Stopped before it wrote its marker, a pod's replacement would take itself for a first
+    attempt and wait for a ``.done`` that no pod writes (a PyTorchJob's surviving worker waits
+    too): the job would never end.
+    """
+    folder = kube.root / "volumes" / kube.namespace / "kfp-nvrx-shared" / "policy" / name
+    _wait(f"{n} first attempts of {name} in their loop", lambda: len(
+        [p for p in folder.glob("*") if p.suffix != ".done"]) >= n or None)
+
+
 @pytest.mark.parametrize("how", ["evict", "delete"])
 def test_stopped_pod_restarts_the_jobset(kube, how):
     """An evicted (DisruptionTarget) or deleted pod whose ft_launcher exits 1 on SIGTERM, as
     NVRx's does, restarts the JobSet instead of failing it: the entrypoint reports 143."""
     name = f"pol-{how}-{uuid.uuid4().hex[:4]}"
     _trainjob(kube, name, FT_ON_SIGTERM)
-    _stop(kube, _running_pods(kube, f"{JOBSET_LABEL}={name}", 2)[0], how)
+    pods = _running_pods(kube, f"{JOBSET_LABEL}={name}", 2)
+    _first_attempts_running(kube, name, 2)
+    _stop(kube, pods[0], how)
     outcome, status, restarts = _trainjob_end(kube, name)
     assert (outcome, restarts) == ("Complete", 1), status
     _delete(kube, "trainjobs", "trainer.kubeflow.org", "v1alpha1", name)
@@ -223,6 +240,7 @@ def test_pytorchjob_stopped_worker_is_recreated(kube, how):
     name = f"pol-pj{how}-{uuid.uuid4().hex[:4]}"
     _pytorchjob(kube, name, FT_ON_SIGTERM)
     pods = _running_pods(kube, f"training.kubeflow.org/job-name={name}", 2)
+    _first_attempts_running(kube, name, 2)
     _stop(kube, pods[1], how)  # worker-1: worker-0 hosts the rendezvous
     assert _pytorchjob_end(kube, name) == "Succeeded"
     _delete(kube, "pytorchjobs", "kubeflow.org", "v1", name)
