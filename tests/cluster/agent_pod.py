@@ -44,6 +44,10 @@ if TYPE_CHECKING:
     from .agent import Agent
 
 POD_INIT = Path(__file__).resolve().parent / "pod_init.py"
+#: What every container runs from the host: this checkout (pod_init, the editable install's
+#: sources) and the interpreter's environment. Under /tmp (a CI clone there) the pod's private
+#: /tmp would hide them; they are bound back in at the same paths.
+HOST_PATHS = tuple(sorted({Path(__file__).resolve().parents[2], Path(sys.prefix).resolve()}))
 #: Restart back-off: the kubelet's is 10 s doubling to 5 min; tests want it short.
 BACKOFF_S = (1.0, 2.0, 4.0, 8.0)
 #: Volumes the agent does not mount (the service-account token: nothing here reads it).
@@ -53,6 +57,12 @@ SKIPPED_VOLUMES = ("projected",)
 def now() -> str:
     """RFC 3339 UTC time, as the API writes it."""
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _under_tmp(paths: tuple[Path, ...]) -> list[Path]:
+    """The paths below /tmp, none inside another (binding the outer one brings it along)."""
+    tmp = [p for p in paths if p.is_relative_to("/tmp") and p != Path("/tmp")]
+    return [p for p in tmp if not any(q != p and p.is_relative_to(q) for q in tmp)]
 
 
 def _children(pid: int) -> list[int]:
@@ -236,6 +246,7 @@ class PodRunner:
         later = [m for m in mounts if m[1] == "/tmp" or m[1].startswith("/tmp/")]
         if not any(m[1] == "/tmp" for m in later):
             later.insert(0, (cdir / "tmp", "/tmp", False))
+        later += [(h, str(h), False) for h in _under_tmp(HOST_PATHS)]
         if any(str(src).startswith("/tmp/") for src, dst, _ in later if dst != "/tmp"):
             # The pod's own /tmp covers the real one, where these sources live (a cluster dir
             # under /tmp): keep the real /tmp reachable at /mnt, inside this pod only.
