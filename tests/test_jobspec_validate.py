@@ -10,6 +10,7 @@ from kfp_nvrx.components.cli import main as cli
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.launch.jobspec import validate
 from kfp_nvrx.components.launch.jobspec.pytorchjob import build_pytorchjob, render
+from kfp_nvrx.components.launch.jobspec.resolve import resolve
 from kfp_nvrx.components.launch.jobspec.spec import JobSpec
 
 IMAGE = "registry.example/kfp-nvrx-trainer:0.1.0"
@@ -81,7 +82,7 @@ def test_config_file_on_the_shared_volume_is_accepted(tmp_path) -> None:
 
 
 def _manifest() -> dict:
-    return build_pytorchjob(JobSpec(**OK, instance_type="p5.48xlarge")).to_dict()
+    return build_pytorchjob(resolve(JobSpec(**OK, instance_type="p5.48xlarge"))).to_dict()
 
 
 def _container(m: dict) -> dict:

@@ -19,7 +19,8 @@ from typing import Any, NamedTuple, Protocol
 
 from kfp_nvrx.components.core.pod_entry import exit_meaning
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.launch.jobspec.spec import DELETE_AFTER, JobSpec
+from kfp_nvrx.components.launch.jobspec.resolve import ResolvedJob
+from kfp_nvrx.components.launch.jobspec.spec import DELETE_AFTER
 from kfp_nvrx.components.launch.k8s_api import ClusterError, hints
 from kfp_nvrx.components.launch.logs import PodLogFollower
 from kfp_nvrx.components.launch.result import LaunchResult
@@ -221,17 +222,16 @@ class JobRun:
         with self._lock:
             self._log(line)
 
-    def run(self, jobs: JobAPI, body: Any, spec: JobSpec, follower: PodLogFollower, *,
-            run_dir: str, describe: str, active_deadline_s: float | None,
+    def run(self, jobs: JobAPI, body: Any, job: ResolvedJob, follower: PodLogFollower, *,
+            describe: str, active_deadline_s: float | None,
             extra: dict[str, Any] | None = None) -> LaunchResult:
         """Create or re-attach to the job, follow it to its end, clean up.
 
         Args:
             jobs: The API calls on the job.
             body: The rendered job to create when none exists.
-            spec: The job spec (run id, PVC and mount of the run directory).
+            job: The resolved job (run id, run directory, PVC and mount).
             follower: The pods' log streams (not started yet); its ``emit`` should be :meth:`say`.
-            run_dir: The run directory on the shared volume.
             describe: What was created, for the log line (nodes, processes, run dir).
             active_deadline_s: The job's ``activeDeadlineSeconds`` (None: no deadline).
             extra: Backend-specific entries for ``result.extra``.
@@ -241,19 +241,20 @@ class JobRun:
 
         """
         with StopSignals(self.opts.handle_signals) as signals:
-            job, attached = self._attach_or_create(jobs, body, spec.run_id, describe)
+            found, attached = self._attach_or_create(jobs, body, job.run_id, describe)
             follower.start()
             try:
-                result = self._follow(jobs, job, run_dir, active_deadline_s, follower, signals)
+                result = self._follow(jobs, found, job.run_dir, active_deadline_s, follower,
+                                      signals)
             finally:
                 follower.stop(drain_s=0.0 if signals.event.is_set() else self.opts.drain_s)
         fill_failure(result, follower, self.opts.tail_lines)
         result.pod_restarts = follower.pod_restarts()
         result.restarts = follower.progress.restarts
-        result.extra.update(attached=attached, namespace=jobs.namespace, pvc=spec.pvc,
+        result.extra.update(attached=attached, namespace=jobs.namespace, pvc=job.pod.pvc,
                             **(extra or {}),
-                            run_dir_uri=f"pvc://{spec.pvc}/"
-                            f"{posixpath.relpath(run_dir, spec.mount)}",
+                            run_dir_uri=f"pvc://{job.pod.pvc}/"
+                            f"{posixpath.relpath(job.run_dir, job.pod.mount)}",
                             progress=follower.progress.summary())
         if should_delete(result.state, self.opts.delete_after):
             self._delete(jobs)

@@ -23,6 +23,7 @@ from kubernetes.client.rest import ApiException
 from kfp_nvrx.components.launch import k8s_api, k8s_job
 from kfp_nvrx.components.launch.jobspec import naming
 from kfp_nvrx.components.launch.jobspec.pytorchjob import render
+from kfp_nvrx.components.launch.jobspec.resolve import ResolvedJob
 from kfp_nvrx.components.launch.jobspec.spec import JobSpec
 from kfp_nvrx.components.launch.logs import PodLogFollower
 from kfp_nvrx.components.launch.result import LaunchResult
@@ -130,14 +131,15 @@ class _Job:
         return None
 
 
-def launch_kubernetes(spec: JobSpec, opts: k8s_job.K8sOptions | None = None, *,
+def launch_kubernetes(spec: ResolvedJob | JobSpec, opts: k8s_job.K8sOptions | None = None, *,
                       log: Callable[[str], None] = print,
                       client_configuration: k8s.Configuration | None = None,
                       training_client: TrainingClient | None = None) -> LaunchResult:
     """Run ``spec`` as a PyTorchJob and follow it to its end.
 
     Args:
-        spec: The job. Rendered and validated before anything is sent to the cluster.
+        spec: The job (a JobSpec is resolved first). Rendered and validated before anything is
+            sent to the cluster.
         opts: Namespace, deadline, delete_after, polling.
         log: Sink for log lines and progress (called from several threads, one line per call).
         client_configuration: Kubernetes client configuration (None: kubeconfig or in-cluster).
@@ -153,24 +155,24 @@ def launch_kubernetes(spec: JobSpec, opts: k8s_job.K8sOptions | None = None, *,
     """
     run = k8s_job.JobRun(opts, log)
     rendered = render(spec)
+    job = rendered.resolved
     k8s_api.configure(client_configuration)
     if training_client is None:
         # The SDK's own default is the service account's namespace or "default"; a user
         # outside a pod means the kubeconfig context's namespace, as kubectl does.
         kwargs: dict[str, Any] = {"client_configuration": client_configuration,
-                                  "namespace": run.opts.namespace or spec.namespace
+                                  "namespace": run.opts.namespace or job.namespace
                                   or k8s_api.current_namespace()}
         try:
             training_client = TrainingClient(**kwargs)
         except Exception as err:  # noqa: BLE001 - no kubeconfig / not in a cluster
             raise k8s_job.ClusterError(
                 f"no Kubernetes credentials: {' '.join(str(err).split())}") from None
-    namespace = run.opts.namespace or spec.namespace or training_client.namespace
+    namespace = run.opts.namespace or job.namespace or training_client.namespace
     rendered.job.metadata.namespace = namespace
-    follower = PodLogFollower(training_client.core_api, namespace, rendered.name, emit=run.say,
+    follower = PodLogFollower(training_client.core_api, namespace, job.name, emit=run.say,
                               watch_timeout_s=run.opts.watch_timeout_s)
-    return run.run(_Job(training_client, rendered.name, namespace), rendered.job, spec, follower,
-                   run_dir=rendered.run_dir,
-                   describe=f"{rendered.max_nodes} x {spec.instance_type} "
-                   f"({rendered.procs_per_node} procs each), run dir {rendered.run_dir}",
-                   active_deadline_s=rendered.job.spec.run_policy.active_deadline_seconds)
+    return run.run(_Job(training_client, job.name, namespace), rendered.job, job, follower,
+                   describe=f"{job.max_nodes} x {job.profile.name} "
+                   f"({job.procs_per_node} procs each), run dir {job.run_dir}",
+                   active_deadline_s=job.pod.active_deadline_s)

@@ -24,7 +24,6 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
-from kfp_nvrx.components.core.config import load_config
 from kfp_nvrx.components.core.events import read_events
 from kfp_nvrx.components.core.goodput import summarize_events
 from kfp_nvrx.components.core.launch_command import (
@@ -38,7 +37,8 @@ from kfp_nvrx.components.core.rundir import CHECKPOINTS_DIR, LOGS_DIR
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.launch.agent_log import AgentLog, DiskFullNotice
 from kfp_nvrx.components.launch.gpus import slice_gpus
-from kfp_nvrx.components.launch.jobspec.spec import JobSpec, check_procs
+from kfp_nvrx.components.launch.jobspec.resolve import ResolvedJob, resolve_local
+from kfp_nvrx.components.launch.jobspec.spec import JobSpec
 from kfp_nvrx.components.launch.lifetime import (
     RunDirLock,
     Watchdog,
@@ -184,24 +184,17 @@ def _replace_watchdog(old: Watchdog, marker: str, grace: float, lock_fd: int,
     return new
 
 
-def local_run_dir(spec: JobSpec) -> Path:
-    """The run directory of a local run: ``spec.run_dir`` or ``runs/<job name>``."""
-    return Path(spec.run_dir or os.path.join("runs", spec.job_name()))
-
-
-def run_local(spec: JobSpec, *, log: Callable[[str], None] = print,
+def run_local(spec: ResolvedJob | JobSpec, *, log: Callable[[str], None] = print,
               deadline_s: float | None = None, verbose: bool = False,
               on_start: Callable[[list[int]], None] | None = None) -> LaunchResult:
     """Runs one training job on localhost and waits for it.
 
-    Uses the trainer part of ``spec``: ``nodes`` (``N`` or ``MIN:MAX`` ft_launcher agents; MAX
-    are started), ``nproc_per_node`` (workers per agent; default 1, since the instance profile
-    does not describe this machine), ``run_dir`` (default ``runs/<job name>``), ``config``,
-    ``overrides``, ``faults`` and ``env``. The run is named ``spec.name`` (or the name derived
-    from ``run_id``), else after its run directory; the name is also the rendezvous id.
+    Uses the trainer part of the job (:func:`.resolve.resolve_local`): its node range (MAX
+    ft_launcher agents are started), workers per agent, run directory, config, overrides, faults
+    and env; its name is also the rendezvous id.
 
     Args:
-        spec: The job.
+        spec: The job (a JobSpec is resolved first).
         log: Where streamed output goes.
         deadline_s: Wall-clock limit; exceeded -> agents stopped, state ``DeadlineExceeded``.
         verbose: Stream every launcher line (default: trainer lines and errors only).
@@ -215,28 +208,23 @@ def run_local(spec: JobSpec, *, log: Callable[[str], None] = print,
     Raises:
         UserError: Bad input, before anything is started.
     """
-    lo, hi = spec.node_range()
-    nproc_per_node = check_procs(1 if spec.nproc_per_node is None else spec.nproc_per_node)
+    job = resolve_local(spec) if isinstance(spec, JobSpec) else spec
+    lo, hi, nproc_per_node, cfg = job.min_nodes, job.max_nodes, job.procs_per_node, job.config
     if deadline_s is not None and not (math.isfinite(deadline_s) and deadline_s > 0):
         raise UserError("--deadline", f"must be a finite number of seconds > 0, got {deadline_s}")
-    overrides, env = list(spec.overrides), dict(spec.env)
-    cfg = load_config(spec.config, overrides)
     # train.device=cuda on a host without GPUs fails here, naming train.device, before anything.
     slices = slice_gpus(hi, nproc_per_node, cfg.train.device)
-    run_path = local_run_dir(spec)
-    trainer = TrainerArgs(spec.config, str(run_path), overrides,
-                          spec.checked_faults(cfg, hi * nproc_per_node))
-    preflight(trainer, env)
-    run_path = run_path.resolve()
+    trainer = job.trainer_args()
+    preflight(trainer, dict(job.user_env))
+    run_path = Path(job.run_dir).resolve()
     trainer.run_dir = str(run_path)
     exe = _ft_launcher()
-    name = (spec.job_name() if spec.name or spec.run_id
-            else re.sub(r"[^a-z0-9-]", "-", run_path.name.lower()) or "run")
+    name = job.name
     marker = uuid.uuid4().hex
     port = free_port()
     argv = ft_launcher_argv(cfg.resilience, trainer, local_addr="127.0.0.1", executable=exe)
     threads = max(1, (os.cpu_count() or 1) // (hi * nproc_per_node))
-    base = {**os.environ, **env, _MARKER: marker, "PYTHONUNBUFFERED": "1",
+    base = {**os.environ, **dict(job.user_env), _MARKER: marker, "PYTHONUNBUFFERED": "1",
             # NVRx >= 0.6 closes the rendezvous when two agents share a host unless told this
             # is deliberate (local "nodes" are agents on one machine).
             "NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE": "1",

@@ -27,6 +27,7 @@ from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.launch import k8s_api
 from kfp_nvrx.components.launch.jobspec import naming
 from kfp_nvrx.components.launch.jobspec import runtime as rt
+from kfp_nvrx.components.launch.jobspec.resolve import ResolvedJob
 from kfp_nvrx.components.launch.jobspec.spec import JobSpec
 from kfp_nvrx.components.launch.jobspec.trainjob import render
 from kfp_nvrx.components.launch.k8s_job import (
@@ -255,7 +256,7 @@ def _state(job: dict[str, Any]) -> str:
     return conds[-1]["type"] if conds else "Pending"
 
 
-def launch_trainjob(spec: JobSpec, opts: K8sOptions | None = None, *,
+def launch_trainjob(spec: ResolvedJob | JobSpec, opts: K8sOptions | None = None, *,
                     log: Callable[[str], None] = print,
                     client_configuration: k8s.Configuration | None = None,
                     api_client: k8s.ApiClient | None = None,
@@ -264,7 +265,8 @@ def launch_trainjob(spec: JobSpec, opts: K8sOptions | None = None, *,
     """Run ``spec`` as a TrainJob and follow it to its end (see the module docstring).
 
     Args:
-        spec: The job; rendered and checked against the vendored CRDs before any API call.
+        spec: The job (a JobSpec is resolved first); rendered and checked against the vendored
+            CRDs before any API call.
         opts: Namespace, deadline, delete_after, polling.
         log: Sink for log lines and progress (one line per call).
         client_configuration: Kubernetes client configuration (None: kubeconfig or in-cluster).
@@ -282,22 +284,22 @@ def launch_trainjob(spec: JobSpec, opts: K8sOptions | None = None, *,
     """
     run = JobRun(opts, log)
     rendered = render(spec, runtime, runtime_kind)
+    job = rendered.resolved
     api = api_client or k8s.ApiClient(client_configuration)
     k8s_api.configure(api.configuration)
-    namespace = run.opts.namespace or spec.namespace or k8s_api.current_namespace()
+    namespace = run.opts.namespace or job.namespace or k8s_api.current_namespace()
     rendered.job["metadata"]["namespace"] = namespace
-    follower = PodLogFollower(k8s.CoreV1Api(api), namespace, rendered.name, emit=run.say,
+    follower = PodLogFollower(k8s.CoreV1Api(api), namespace, job.name, emit=run.say,
                               container=rt.CONTAINER_NAME,
                               watch_timeout_s=run.opts.watch_timeout_s,
-                              selector=f"{JOBSET_NAME_LABEL}={rendered.name}",
+                              selector=f"{JOBSET_NAME_LABEL}={job.name}",
                               replica_name=node_replica)
     ref = rendered.job["spec"]["runtimeRef"]
-    jobs = _TrainJobs(api, rendered.name, namespace)
+    jobs = _TrainJobs(api, job.name, namespace)
     jobs.say = run.say
-    return run.run(jobs, rendered.job,
-                   spec, follower, run_dir=rendered.run_dir,
-                   describe=f"{rendered.nodes} x {spec.instance_type} "
-                   f"({rendered.procs_per_node} procs each), runtime {ref['kind']}/{ref['name']}, "
-                   f"run dir {rendered.run_dir}",
-                   active_deadline_s=rendered.job["spec"].get("activeDeadlineSeconds"),
+    return run.run(jobs, rendered.job, job, follower,
+                   describe=f"{job.max_nodes} x {job.profile.name} "
+                   f"({job.procs_per_node} procs each), runtime {ref['kind']}/{ref['name']}, "
+                   f"run dir {job.run_dir}",
+                   active_deadline_s=job.pod.active_deadline_s,
                    extra={"job_api": "trainjob"})

@@ -1,4 +1,7 @@
-"""Environment of the ``pytorch`` container: downward API, NCCL/EFA, NVRx requirements, user env.
+"""Our env defaults of the trainer container: NCCL/EFA settings and NVRx requirements.
+
+The pod spec (:mod:`.pod`) puts the downward-API vars first, then these defaults, then the user's
+env (a user value replaces a default of the same name, :mod:`.resolve`), then env from Secrets.
 
 What is *not* here on purpose: ``FI_PROVIDER``, ``NCCL_PROTO``, ``FI_EFA_FORK_SAFE``, ``RDMAV_*``,
 ``NCCL_BUFFSIZE``. aws-ofi-nccl >= 1.7 sets the p4d/p5 tunables itself and these old settings
@@ -10,21 +13,8 @@ from __future__ import annotations
 
 import posixpath
 
-from kubernetes import client as k8s
-
-from kfp_nvrx.components.core.config import ResilienceConfig
 from kfp_nvrx.components.core.launch_command import in_process_env
 from kfp_nvrx.components.core.rundir import NCCL_TRACE_DIR
-from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.launch.jobspec.spec import (
-    JobSpec,
-    check_env_name,
-    parse_secret_env,
-)
-
-
-def _field_ref(path: str) -> k8s.V1EnvVarSource:
-    return k8s.V1EnvVarSource(field_ref=k8s.V1ObjectFieldSelector(field_path=path))
 
 
 def gpu_env(run_dir: str) -> dict[str, str]:
@@ -45,47 +35,17 @@ def gpu_env(run_dir: str) -> dict[str, str]:
     }
 
 
-def container_env(spec: JobSpec, res: ResilienceConfig, run_dir: str) -> list[k8s.V1EnvVar]:
-    """Build the full env list of the trainer container, in a stable order.
+def default_env(gpu: bool, in_process: bool, run_dir: str) -> dict[str, str]:
+    """Our env defaults of the trainer container: NCCL on GPU profiles, NVRx's for in-process.
 
     Args:
-        spec: The job.
-        res: The trainer config's resilience section (in-process restart on/off).
+        gpu: Whether the instance profile has GPUs.
+        in_process: ``resilience.in_process`` of the trainer config.
         run_dir: Run directory as the pod sees it.
-
-    Returns:
-        Downward-API vars first (``POD_IP`` feeds ``--local-addr=$(POD_IP)``), then NCCL/NVRx
-        defaults, then user env (a user value replaces a default of the same name), then env from
-        Secrets.
-
     """
-    profile = spec.profile
     defaults: dict[str, str] = {}
-    if profile.is_gpu:
+    if gpu:
         defaults.update(gpu_env(run_dir))
-    if res.in_process:
-        defaults.update(in_process_env(gpu=profile.is_gpu))
-    for name in spec.env:
-        check_env_name("--env", name)
-    merged = {**defaults, **{k: str(v) for k, v in spec.env.items()}}
-
-    env = [
-        k8s.V1EnvVar(name="POD_IP", value_from=_field_ref("status.podIP")),
-        k8s.V1EnvVar(name="POD_NAME", value_from=_field_ref("metadata.name")),
-    ]
-    env += [k8s.V1EnvVar(name=k, value=v) for k, v in merged.items()]
-    seen = set(merged)
-    for item in spec.secret_env:
-        name, secret, key = parse_secret_env(item)
-        if name in seen:
-            raise UserError("--secret-env",
-                            f"{name} is also set by --env or a default; set it once")
-        seen.add(name)
-        env.append(k8s.V1EnvVar(
-            name=name,
-            value_from=k8s.V1EnvVarSource(
-                secret_key_ref=k8s.V1SecretKeySelector(name=secret, key=key)
-            ),
-        ))
-    return env
-
+    if in_process:  # FT: the in-process restarter's requirements, as launch-local sets them
+        defaults.update(in_process_env(gpu=gpu))
+    return defaults

@@ -1,4 +1,4 @@
-"""``JobSpec`` -> ``KubeflowOrgV1PyTorchJob`` (kubeflow.org/v1), validated before anyone sees it.
+"""``ResolvedJob`` -> ``KubeflowOrgV1PyTorchJob`` (kubeflow.org/v1), validated before anyone sees it.
 
 Shape of the job (why each setting is there is also in docs/eks.md):
 
@@ -27,17 +27,17 @@ from kubeflow.training import models
 from kubeflow.training.constants import constants
 from kubernetes import client as k8s
 
-from kfp_nvrx.components.core.config import Config, load_config
-from kfp_nvrx.components.launch.jobspec.cluster_fields import check_cluster_fields
+from kfp_nvrx.components.launch.jobspec import naming
 from kfp_nvrx.components.launch.jobspec.pod import (
+    Rendered,
     annotations,
-    check_pod_paths,
     labels,
     pod_spec,
     to_dict,
     trainer_command,
 )
-from kfp_nvrx.components.launch.jobspec.spec import JobSpec, check_seconds
+from kfp_nvrx.components.launch.jobspec.resolve import ResolvedJob, resolve
+from kfp_nvrx.components.launch.jobspec.spec import JobSpec
 
 CONTAINER_NAME = "pytorch"  # the operator (and its webhook) require this name
 REPLICA_TYPE = "Worker"
@@ -47,16 +47,10 @@ RDZV_PORT = 23456  # the operator's default port; PET_RDZV_ENDPOINT points at wo
 
 
 @dataclass
-class RenderedJob:
-    """A built PyTorchJob and the values it was built from."""
+class RenderedJob(Rendered):
+    """A built PyTorchJob and the resolved job it was built from."""
 
     job: models.KubeflowOrgV1PyTorchJob
-    name: str
-    run_dir: str
-    config: Config
-    min_nodes: int
-    max_nodes: int
-    procs_per_node: int
 
     def to_dict(self) -> dict[str, Any]:
         """Return the manifest as plain JSON-able data (camelCase field names)."""
@@ -67,24 +61,20 @@ class RenderedJob:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
 
 
-def build_pytorchjob(spec: JobSpec) -> RenderedJob:
-    """Build (do not validate) the PyTorchJob for ``spec``.
+def refuse(job: ResolvedJob) -> None:
+    """Raise UserError for what a PyTorchJob cannot carry: a name its Services cannot take."""
+    naming.check_name(job.name, job.max_nodes)
+
+
+def build_pytorchjob(job: ResolvedJob) -> RenderedJob:
+    """Build (do not validate) the PyTorchJob for a resolved job.
 
     Raises:
-        UserError: On any bad value, naming the flag.
+        UserError: On a name the operator's Services cannot take.
 
     """
-    check_cluster_fields(spec)
-    lo, hi = spec.node_range()
-    procs = spec.procs_per_node()
-    name = spec.job_name()
-    run_dir = spec.run_dir_path(name)
-    cfg = load_config(spec.config, list(spec.overrides))  # validates --config / --set
-    check_pod_paths(spec, cfg)
-    pod_labels = labels(spec)
-    check_seconds("--active-deadline", spec.active_deadline_s, 1)
-    check_seconds("--ttl-after-finished", spec.ttl_after_finished_s, 0)
-    check_seconds("--backoff-limit", spec.backoff_limit, 0)
+    refuse(job)
+    pod_labels = labels(job)
     template = k8s.V1PodTemplateSpec(
         metadata=k8s.V1ObjectMeta(
             labels=pod_labels,
@@ -92,56 +82,57 @@ def build_pytorchjob(spec: JobSpec) -> RenderedJob:
             # rendezvous/NCCL bootstrap ports and keep finished pods from completing.
             annotations={"sidecar.istio.io/inject": "false"},
         ),
-        spec=pod_spec(spec, cfg, run_dir, procs, container_name=CONTAINER_NAME,
-                      command=trainer_command(spec, cfg, run_dir, procs),
+        spec=pod_spec(job, container_name=CONTAINER_NAME, command=trainer_command(job),
                       ports=[k8s.V1ContainerPort(name="pytorchjob-port",
                                                  container_port=RDZV_PORT)]),
     )
-    job = models.KubeflowOrgV1PyTorchJob(
+    manifest = models.KubeflowOrgV1PyTorchJob(
         api_version=constants.API_VERSION,
         kind=constants.PYTORCHJOB_KIND,
         metadata=k8s.V1ObjectMeta(
-            name=name,
-            namespace=spec.namespace or None,
+            name=job.name,
+            namespace=job.namespace or None,
             labels=pod_labels,
-            annotations=annotations(spec, run_dir),
+            annotations=annotations(job),
         ),
         spec=models.KubeflowOrgV1PyTorchJobSpec(
             elastic_policy=models.KubeflowOrgV1ElasticPolicy(
                 rdzv_backend="c10d",
-                min_replicas=lo,
-                max_replicas=hi,
-                max_restarts=cfg.resilience.max_restarts,
+                min_replicas=job.min_nodes,
+                max_replicas=job.max_nodes,
+                max_restarts=job.config.resilience.max_restarts,
             ),
-            nproc_per_node=str(procs),
+            nproc_per_node=str(job.procs_per_node),
             pytorch_replica_specs={
                 REPLICA_TYPE: models.KubeflowOrgV1ReplicaSpec(
-                    replicas=hi,
+                    replicas=job.max_nodes,
                     restart_policy=RESTART_POLICY,
                     template=template,
                 )
             },
             run_policy=models.KubeflowOrgV1RunPolicy(
                 clean_pod_policy=CLEAN_POD_POLICY,
-                backoff_limit=spec.backoff_limit,
-                active_deadline_seconds=spec.active_deadline_s,
-                ttl_seconds_after_finished=spec.ttl_after_finished_s,
+                backoff_limit=job.pod.backoff_limit,
+                active_deadline_seconds=job.pod.active_deadline_s,
+                ttl_seconds_after_finished=job.pod.ttl_after_finished_s,
             ),
         ),
     )
-    return RenderedJob(job=job, name=name, run_dir=run_dir, config=cfg, min_nodes=lo,
-                       max_nodes=hi, procs_per_node=procs)
+    return RenderedJob(job=manifest, resolved=job)
 
 
-def render(spec: JobSpec) -> RenderedJob:
+def render(job: ResolvedJob | JobSpec) -> RenderedJob:
     """Build the PyTorchJob and validate it (CRD schema, webhook rules, pod) before returning.
 
+    Args:
+        job: The resolved job, or a JobSpec to resolve first.
+
     Raises:
-        UserError: Bad input, naming the flag or the manifest field.
+        UserError: Bad input, naming the field or the manifest field.
 
     """
     from kfp_nvrx.components.launch.jobspec.validate import validate_job
 
-    rendered = build_pytorchjob(spec)
+    rendered = build_pytorchjob(resolve(job) if isinstance(job, JobSpec) else job)
     validate_job(rendered.to_dict())
     return rendered

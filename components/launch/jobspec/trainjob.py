@@ -1,6 +1,6 @@
-"""``JobSpec`` -> Kubeflow Trainer v2 ``TrainJob`` (trainer.kubeflow.org/v1alpha1), validated.
+"""``ResolvedJob`` -> Kubeflow Trainer v2 ``TrainJob`` (trainer.kubeflow.org/v1alpha1), validated.
 
-The same JobSpec means the same job as the PyTorchJob of :mod:`.pytorchjob`: the worker pod is
+The same resolved job means the same job as the PyTorchJob of :mod:`.pytorchjob`: the worker pod is
 built by the same code (:mod:`.pod`) and then split the way v2 wants it:
 
 * ``spec.trainer`` takes image, command, env, node count, processes per node and resources;
@@ -25,24 +25,19 @@ from typing import Any
 
 import yaml
 
-from kfp_nvrx.components.core.config import Config, load_config
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.launch.jobspec import naming
 from kfp_nvrx.components.launch.jobspec import runtime as rt
-from kfp_nvrx.components.launch.jobspec.cluster_fields import check_cluster_fields
 from kfp_nvrx.components.launch.jobspec.pod import (
+    Rendered,
     annotations,
-    check_pod_paths,
     labels,
     pod_spec,
     to_dict,
     trainer_command,
 )
-from kfp_nvrx.components.launch.jobspec.spec import (
-    JobSpec,
-    check_resource_name,
-    check_seconds,
-)
+from kfp_nvrx.components.launch.jobspec.resolve import ResolvedJob, resolve
+from kfp_nvrx.components.launch.jobspec.spec import JobSpec, check_resource_name
 from kfp_nvrx.components.launch.jobspec.validate_jobset import POD_SUFFIX
 
 KIND = "TrainJob"
@@ -67,34 +62,45 @@ def _default(name: str) -> Any:
     return field.default
 
 
-def refuse_v1_only(spec: JobSpec) -> None:
-    """Raise UserError for a setting a TrainJob cannot express (one line, naming the flag)."""
-    lo, hi = spec.node_range()
-    if lo != hi:
-        raise UserError("--nodes", f"{spec.nodes!r}: Trainer v2 has no elastic policy (fixed node "
-                        "count); use --nodes N, or --job-api pytorchjob for MIN:MAX")
-    if spec.priority_class:
+def refuse(job: ResolvedJob, runtime_name: str = rt.RUNTIME_NAME,
+           runtime_kind: str = rt.RUNTIME_KIND) -> None:
+    """Raise UserError for what a TrainJob cannot express (one line, naming the field).
+
+    Args:
+        job: The resolved job.
+        runtime_name: The runtime the TrainJob would refer to.
+        runtime_kind: ``TrainingRuntime`` or ``ClusterTrainingRuntime``.
+    """
+    pod = job.pod
+    if job.elastic:
+        raise UserError("--nodes", f"'{job.min_nodes}:{job.max_nodes}': Trainer v2 has no elastic "
+                        "policy (fixed node count); use --nodes N, or --job-api pytorchjob for "
+                        "MIN:MAX")
+    if pod.priority_class:
         raise UserError("--priority-class", "a TrainJob cannot set priorityClassName (v2 runtime "
                         "patches do not carry it); set it in the TrainingRuntime or use "
                         "--job-api pytorchjob")
-    if spec.scheduler_name:
+    if pod.scheduler_name:
         raise UserError("--scheduler-name", "a TrainJob cannot set schedulerName (v2 runtime "
                         "patches do not carry it); set it in the TrainingRuntime or use "
                         "--job-api pytorchjob")
-    if spec.image_pull_policy != rt.IMAGE_PULL_POLICY:
+    if pod.pull_policy != rt.IMAGE_PULL_POLICY:
         raise UserError("--image-pull-policy", f"a TrainJob takes the pull policy from the "
                         f"TrainingRuntime ({rt.IMAGE_PULL_POLICY}); edit the runtime instead")
-    if spec.ttl_after_finished_s != _default("ttl_after_finished_s"):
+    if pod.ttl_after_finished_s != _default("ttl_after_finished_s"):
         raise UserError("--ttl-after-finished", "a TrainJob has no TTL; `launch --delete-after` "
                         "removes it, or use --job-api pytorchjob")
-    if spec.backoff_limit != _default("backoff_limit"):
+    if pod.backoff_limit != _default("backoff_limit"):
         raise UserError("--backoff-limit", "whole-job restarts of a TrainJob come from the "
                         f"runtime's failurePolicy.maxRestarts ({rt.MAX_RESTARTS}); edit the "
                         "runtime instead")
-    for name in spec.env:
+    for name, _ in job.user_env:
         if name in RESERVED_ENV:
             raise UserError("--env", f"{name} is injected by Trainer v2's torch plugin; the "
                             "TrainJob webhook rejects it")
+    check_resource_name("--runtime", runtime_name)
+    check_runtime_kind(runtime_kind)
+    check_name(job.name, job.max_nodes)
 
 
 def check_name(name: str, nodes: int) -> None:
@@ -118,21 +124,11 @@ def check_name(name: str, nodes: int) -> None:
 
 
 @dataclass
-class RenderedTrainJob:
-    """A built TrainJob (plain dict in API field names) and the values it was built from."""
+class RenderedTrainJob(Rendered):
+    """A built TrainJob (plain dict in API field names), its runtime and the resolved job."""
 
     job: dict[str, Any]
     runtime: dict[str, Any]
-    name: str
-    run_dir: str
-    config: Config
-    nodes: int
-    procs_per_node: int
-
-    @property
-    def max_nodes(self) -> int:
-        """Node count (same attribute as the PyTorchJob's rendering)."""
-        return self.nodes
 
     def to_dict(self) -> dict[str, Any]:
         """Return a copy of the TrainJob manifest."""
@@ -173,33 +169,21 @@ def check_runtime_kind(kind: str) -> str:
     return kind
 
 
-def build_trainjob(spec: JobSpec, runtime_name: str = rt.RUNTIME_NAME,
+def build_trainjob(job: ResolvedJob, runtime_name: str = rt.RUNTIME_NAME,
                    runtime_kind: str = rt.RUNTIME_KIND) -> RenderedTrainJob:
-    """Build (do not validate) the TrainJob for ``spec``, referring to that runtime.
+    """Build (do not validate) the TrainJob for a resolved job, referring to that runtime.
 
     Raises:
-        UserError: On any bad value or a setting v2 cannot express, naming the flag.
+        UserError: On a setting v2 cannot express, naming the field.
 
     """
-    check_cluster_fields(spec)
-    refuse_v1_only(spec)
-    check_resource_name("--runtime", runtime_name)
-    check_runtime_kind(runtime_kind)
-    nodes, _ = spec.node_range()
-    check_name(spec.name or naming.derive_name(spec.run_id, spec.task), nodes)
-    procs = spec.procs_per_node()
-    name = spec.job_name()
-    run_dir = spec.run_dir_path(name)
-    cfg = load_config(spec.config, list(spec.overrides))
-    check_pod_paths(spec, cfg)
-    check_seconds("--active-deadline", spec.active_deadline_s, 1)
+    refuse(job, runtime_name, runtime_kind)
     # FT: the one builder; v2 injects no PET_RDZV_*: endpoint from node 0's DNS name, id = name.
-    command = trainer_command(spec, cfg, run_dir, procs, rdzv_endpoint=rdzv_endpoint(), rdzv_id=name)
-    pod = to_dict(pod_spec(spec, cfg, run_dir, procs, container_name=rt.CONTAINER_NAME,
-                           command=command))
-    trainer, pod_patch = _split_pod(pod)
-    trainer.update(numNodes=nodes, numProcPerNode=procs)
-    pod_labels = labels(spec)
+    command = trainer_command(job, rdzv_endpoint=rdzv_endpoint(), rdzv_id=job.name)
+    trainer, pod_patch = _split_pod(to_dict(pod_spec(job, container_name=rt.CONTAINER_NAME,
+                                                     command=command)))
+    trainer.update(numNodes=job.max_nodes, numProcPerNode=job.procs_per_node)
+    pod_labels = labels(job)
     template = {"metadata": {"labels": dict(pod_labels), "annotations": dict(rt.POD_ANNOTATIONS)},
                 "spec": pod_patch}
     job_spec: dict[str, Any] = {
@@ -209,28 +193,33 @@ def build_trainjob(spec: JobSpec, runtime_name: str = rt.RUNTIME_NAME,
             "spec": {"replicatedJobs": [{"name": rt.REPLICATED_JOB, "template": {
                 "spec": {"template": template}}}]}}}}],
     }
-    if spec.active_deadline_s is not None:
-        job_spec["activeDeadlineSeconds"] = spec.active_deadline_s
-    meta: dict[str, Any] = {"name": name}
-    if spec.namespace:
-        meta["namespace"] = spec.namespace
-    meta.update(labels=pod_labels, annotations=annotations(spec, run_dir))
-    job = {"apiVersion": rt.API_VERSION, "kind": KIND, "metadata": meta, "spec": job_spec}
-    runtime = rt.build_runtime(runtime_name, namespace=spec.namespace, kind=runtime_kind)
-    return RenderedTrainJob(job=job, runtime=runtime, name=name, run_dir=run_dir, config=cfg,
-                            nodes=nodes, procs_per_node=procs)
+    if job.pod.active_deadline_s is not None:
+        job_spec["activeDeadlineSeconds"] = job.pod.active_deadline_s
+    meta: dict[str, Any] = {"name": job.name}
+    if job.namespace:
+        meta["namespace"] = job.namespace
+    meta.update(labels=pod_labels, annotations=annotations(job))
+    manifest = {"apiVersion": rt.API_VERSION, "kind": KIND, "metadata": meta, "spec": job_spec}
+    runtime = rt.build_runtime(runtime_name, namespace=job.namespace, kind=runtime_kind)
+    return RenderedTrainJob(job=manifest, runtime=runtime, resolved=job)
 
 
-def render(spec: JobSpec, runtime_name: str = rt.RUNTIME_NAME,
+def render(job: ResolvedJob | JobSpec, runtime_name: str = rt.RUNTIME_NAME,
            runtime_kind: str = rt.RUNTIME_KIND) -> RenderedTrainJob:
     """Build the TrainJob and validate it (CRD schemas, webhook rules, the node pod).
 
+    Args:
+        job: The resolved job, or a JobSpec to resolve first.
+        runtime_name: The runtime the TrainJob refers to.
+        runtime_kind: ``TrainingRuntime`` (namespaced) or ``ClusterTrainingRuntime``.
+
     Raises:
-        UserError: Bad input, naming the flag or the manifest field.
+        UserError: Bad input, naming the field or the manifest field.
 
     """
     from kfp_nvrx.components.launch.jobspec.validate_trainjob import validate_trainjob
 
-    rendered = build_trainjob(spec, runtime_name, runtime_kind)
+    rendered = build_trainjob(resolve(job) if isinstance(job, JobSpec) else job, runtime_name,
+                              runtime_kind)
     validate_trainjob(rendered.job, rendered.runtime)
     return rendered

@@ -1,0 +1,322 @@
+"""``JobSpec`` (what the user said) -> ``ResolvedJob`` (what the job is), checked in one place.
+
+Every value a launcher or a renderer needs is derived and checked here once: the node range,
+processes per node, the job name, the run directory, the loaded trainer ``Config``, the faults
+(checked against that config and the largest world), the instance profile and, for Kubernetes, the
+pod's volumes, resources, env, placement and run policy. :mod:`.pytorchjob`, :mod:`.trainjob` and
+the local launcher read only a ``ResolvedJob``; what one job API cannot express is refused by that
+API (``trainjob.refuse``), after these checks, so ``job_api=auto`` reports bad input before the
+cluster is asked which API it serves.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kfp_nvrx.components.core.config import PRESETS_DIR, Config, load_config
+from kfp_nvrx.components.core.launch_command import TrainerArgs
+from kfp_nvrx.components.errors import UserError
+from kfp_nvrx.components.launch.jobspec import naming
+from kfp_nvrx.components.launch.jobspec.cluster_fields import check_cluster_fields
+from kfp_nvrx.components.launch.jobspec.env import default_env
+from kfp_nvrx.components.launch.jobspec.profiles import (
+    INSTANCE_TYPE_LABEL,
+    InstanceProfile,
+)
+from kfp_nvrx.components.launch.jobspec.spec import (
+    JobSpec,
+    check_abs_path,
+    check_env_name,
+    check_image,
+    check_procs,
+    check_quantity,
+    check_resource_name,
+    check_seconds,
+    parse_extra_pvc,
+    parse_secret_env,
+    quantity,
+)
+
+PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+
+
+@dataclass(frozen=True)
+class Volume:
+    """An extra PVC mount of the worker pods."""
+
+    claim: str
+    path: str
+    read_only: bool
+
+
+@dataclass(frozen=True)
+class SecretEnv:
+    """An env var of the trainer container read from a Secret."""
+
+    name: str
+    secret: str
+    key: str
+
+
+@dataclass(frozen=True)
+class Pod:
+    """The worker pod of a Kubernetes job, every value checked (profile defaults applied).
+
+    Attributes:
+        image: Trainer image reference.
+        pull_policy: ``imagePullPolicy`` of the trainer container.
+        pvc: Claim of the shared volume, mounted at ``mount``.
+        mount: Normalised mount path of the shared volume.
+        shm_size: Size limit of the memory-backed ``/dev/shm``.
+        volumes: Extra PVC mounts.
+        cpu, memory: Requests of the trainer container.
+        gpus: GPU request and limit (0 on CPU profiles).
+        efa: EFA interfaces (0 = none).
+        hugepages: ``hugepages-2Mi`` request and limit ('' = none).
+        env: The container's env values (defaults, then user values) in order.
+        secret_env: Env from Secrets.
+        node_selector: The user's terms and the instance-type label.
+        tolerations: The profile's and the user's.
+        affinity: Pod affinity (Kubernetes field names) or None.
+        priority_class, scheduler_name, service_account: '' = not set.
+        fs_group: Pod ``fsGroup`` or None.
+        active_deadline_s: Cluster-side time limit (None = none).
+        ttl_after_finished_s: PyTorchJob TTL (None = keep).
+        backoff_limit: PyTorchJob ``runPolicy.backoffLimit``.
+    """
+
+    image: str
+    pull_policy: str
+    pvc: str
+    mount: str
+    shm_size: str
+    volumes: tuple[Volume, ...]
+    cpu: str
+    memory: str
+    gpus: int
+    efa: int
+    hugepages: str
+    env: tuple[tuple[str, str], ...]
+    secret_env: tuple[SecretEnv, ...]
+    node_selector: tuple[tuple[str, str], ...]
+    tolerations: tuple[dict[str, Any], ...]
+    affinity: dict[str, Any] | None
+    priority_class: str
+    scheduler_name: str
+    service_account: str
+    fs_group: int | None
+    active_deadline_s: int | None
+    ttl_after_finished_s: int | None
+    backoff_limit: int
+
+    @property
+    def roots(self) -> tuple[str, ...]:
+        """Folders the pods see on a volume: the shared one first, then the extra PVCs."""
+        return (self.mount, *(v.path for v in self.volumes))
+
+
+@dataclass(frozen=True)
+class ResolvedJob:
+    """One training job as the launchers and renderers use it; made only by this module.
+
+    Attributes:
+        name: Job name (also the rendezvous id of a TrainJob and the run dir's default name).
+        min_nodes, max_nodes: Node range (equal unless elastic).
+        procs_per_node: Workers per node.
+        run_dir: Run directory (inside the pods for Kubernetes; local path for ``local``).
+        config: The loaded trainer config (``--config`` with ``--set`` applied).
+        config_ref: The preset name or YAML path the trainer is given.
+        overrides: The trainer's ``--set`` items as given.
+        faults: Fault drills, checked against ``config`` and the largest world.
+        run_id, task, namespace: KFP run id and task (labels, re-attach), namespace ('' = the
+            client's).
+        profile: The instance profile (None for a local job).
+        pod: The worker pod (None for a local job).
+        user_env: The user's extra env (local agents take it as it is).
+    """
+
+    name: str
+    min_nodes: int
+    max_nodes: int
+    procs_per_node: int
+    run_dir: str
+    config: Config
+    config_ref: str
+    overrides: tuple[str, ...]
+    faults: tuple[str, ...]
+    run_id: str
+    task: str
+    namespace: str
+    profile: InstanceProfile | None = None
+    pod: Pod | None = None
+    user_env: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the node count may vary between ``min_nodes`` and ``max_nodes``."""
+        return self.min_nodes != self.max_nodes
+
+    def trainer_args(self, run_dir: str | None = None) -> TrainerArgs:
+        """The trainer's own flags (``run_dir`` overrides the job's, e.g. once made absolute)."""
+        return TrainerArgs(self.config_ref, run_dir or self.run_dir, list(self.overrides),
+                           list(self.faults))
+
+
+def is_preset(config: str) -> bool:
+    """Tell whether ``config`` names a bundled preset (present in the image too)."""
+    return "/" not in config and (PRESETS_DIR / f"{config}.yaml").is_file()
+
+
+def _faults(spec: JobSpec, cfg: Config, world: int) -> tuple[str, ...]:
+    # The trainer's own checks, so a typo or a fault that can never fire fails before a job.
+    return tuple(spec.checked_faults(cfg, world))
+
+
+def resolve_local(spec: JobSpec) -> ResolvedJob:
+    """Resolve the trainer part of ``spec`` for N ft_launcher agents on this machine.
+
+    The instance profile does not describe this machine: one process per node unless told, and
+    image, volumes and pod settings are not used.
+
+    Raises:
+        UserError: On any bad value, naming its field.
+    """
+    lo, hi = spec.node_range()
+    procs = check_procs(1 if spec.nproc_per_node is None else spec.nproc_per_node)
+    cfg = load_config(spec.config, list(spec.overrides))
+    run_dir = spec.run_dir or posixpath.join("runs", spec.job_name())
+    # The name is also the rendezvous id; outside KFP it follows the run directory's name.
+    name = (spec.job_name() if spec.name or spec.run_id
+            else re.sub(r"[^a-z0-9-]", "-", Path(run_dir).resolve().name.lower()) or "run")
+    return ResolvedJob(name=name, min_nodes=lo, max_nodes=hi, procs_per_node=procs,
+                       run_dir=run_dir, config=cfg, config_ref=spec.config,
+                       overrides=tuple(spec.overrides), faults=_faults(spec, cfg, hi * procs),
+                       run_id=spec.run_id, task=spec.task, namespace=spec.namespace,
+                       user_env=tuple((k, str(v)) for k, v in spec.env.items()))
+
+
+def resolve(spec: JobSpec) -> ResolvedJob:
+    """Resolve ``spec`` for a Kubernetes job (either job API; each then refuses what it cannot do).
+
+    Raises:
+        UserError: On any bad value, naming its field.
+    """
+    check_cluster_fields(spec)
+    lo, hi = spec.node_range()
+    profile, procs = spec.profile, spec.procs_per_node()
+    # The name's own limits depend on the job API (its Services, its JobSet's pods): checked there.
+    name = spec.name or naming.derive_name(spec.run_id, spec.task)
+    run_dir = spec.run_dir_path(name)
+    cfg = load_config(spec.config, list(spec.overrides))  # validates --config / --set
+    volumes = _volumes(spec)
+    _check_pod_paths(spec, cfg, profile, (check_abs_path("--mount", spec.mount),
+                                          *(v.path for v in volumes)))
+    check_seconds("--active-deadline", spec.active_deadline_s, 1)
+    check_seconds("--ttl-after-finished", spec.ttl_after_finished_s, 0)
+    check_seconds("--backoff-limit", spec.backoff_limit, 0)
+    pod = _pod(spec, cfg, profile, procs, run_dir, volumes)
+    return ResolvedJob(name=name, min_nodes=lo, max_nodes=hi, procs_per_node=procs,
+                       run_dir=run_dir, config=cfg, config_ref=spec.config,
+                       overrides=tuple(spec.overrides), faults=_faults(spec, cfg, hi * procs),
+                       run_id=spec.run_id, task=spec.task, namespace=spec.namespace,
+                       profile=profile, pod=pod,
+                       user_env=tuple((k, str(v)) for k, v in spec.env.items()))
+
+
+def _volumes(spec: JobSpec) -> tuple[Volume, ...]:
+    """The extra PVCs, each on a mount path of its own."""
+    taken = {check_abs_path("--mount", spec.mount), "/dev/shm"}
+    out = []
+    for item in spec.extra_pvcs:
+        claim, path, read_only = parse_extra_pvc(item)
+        if path in taken:
+            raise UserError("--extra-pvc", f"mount path {path} is already used")
+        taken.add(path)
+        out.append(Volume(claim, path, read_only))
+    return tuple(out)
+
+
+def _check_pod_paths(spec: JobSpec, cfg: Config, profile: InstanceProfile,
+                     roots: tuple[str, ...]) -> None:
+    """What the trainer reads and uses must exist inside the pods (volumes, a GPU for cuda)."""
+    if cfg.train.device == "cuda" and not profile.is_gpu:
+        raise UserError("train.device", f"is cuda but instance type {profile.name} has no "
+                        "GPU; use --set train.device=cpu (or auto) or a GPU --instance-type")
+
+    def mounted(path: str) -> bool:
+        return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
+
+    if not is_preset(spec.config) and not mounted(spec.config):
+        raise UserError("--config", f"{spec.config!r} is read by the pods at the same path: use a "
+                        f"preset or a file on the shared volume ({', '.join(roots)})")
+    for key, value in (("data.path", cfg.data.path),
+                       ("checkpoint.init_from", cfg.checkpoint.init_from)):
+        if value.startswith("/") and not mounted(value):
+            raise UserError(key, f"{value!r} is not on a volume the pods mount "
+                            f"({', '.join(roots)})")
+
+
+def _pod(spec: JobSpec, cfg: Config, profile: InstanceProfile, procs: int, run_dir: str,
+         volumes: tuple[Volume, ...]) -> Pod:
+    """The worker pod's settings: the profile's values with the user's overrides, checked."""
+    pvc = check_resource_name("--pvc", spec.pvc) if spec.pvc else ""
+    if not pvc:
+        raise UserError("--pvc", "the shared volume's PersistentVolumeClaim is required "
+                        "(FSx for Lustre: data, run dir and checkpoints live there)")
+    shm = check_quantity("--shm-size", spec.shm_size or profile.shm_size)
+    efa = profile.efa if spec.efa is None else spec.efa
+    if isinstance(efa, bool) or not isinstance(efa, int) or efa < 0:
+        raise UserError("--efa", f"must be an integer >= 0, got {efa!r}")
+    if efa and not profile.is_gpu:
+        raise UserError("--efa", f"EFA interfaces need a GPU instance type, not {profile.name!r}")
+    if spec.image_pull_policy not in PULL_POLICIES:
+        raise UserError("--image-pull-policy", f"must be {', '.join(PULL_POLICIES[:-1])} or "
+                        f"{PULL_POLICIES[-1]}, got {spec.image_pull_policy!r}")
+    image = check_image(spec.image)
+    env = _env(spec, cfg, profile, run_dir)
+    secret_env = _secret_env(spec, {name for name, _ in env})
+    cpu = check_quantity("--cpu", spec.cpu or profile.cpu)
+    memory = check_quantity("--memory", spec.memory or profile.memory)
+    hugepages = spec.hugepages or profile.hugepages
+    # "0", "0Mi" and "0Gi" all mean no hugepages (an amount, not a text).
+    if hugepages and quantity(check_quantity("--hugepages", hugepages)) == 0:
+        hugepages = ""
+    selector = dict(spec.node_selector)
+    if profile.instance_type:
+        selector[INSTANCE_TYPE_LABEL] = profile.instance_type
+    return Pod(image=image, pull_policy=spec.image_pull_policy, pvc=pvc,
+               mount=check_abs_path("--mount", spec.mount), shm_size=shm, volumes=volumes,
+               cpu=cpu, memory=memory, gpus=procs if profile.is_gpu else 0, efa=efa,
+               hugepages=hugepages, env=env, secret_env=secret_env,
+               node_selector=tuple(selector.items()),
+               tolerations=tuple(dict(t) for t in (*profile.tolerations, *spec.tolerations)),
+               affinity=spec.affinity or None, priority_class=spec.priority_class,
+               scheduler_name=spec.scheduler_name, service_account=spec.service_account,
+               fs_group=spec.fs_group, active_deadline_s=spec.active_deadline_s,
+               ttl_after_finished_s=spec.ttl_after_finished_s, backoff_limit=spec.backoff_limit)
+
+
+def _env(spec: JobSpec, cfg: Config, profile: InstanceProfile,
+         run_dir: str) -> tuple[tuple[str, str], ...]:
+    """Our defaults, then the user's env (a user value replaces a default of the same name)."""
+    for name in spec.env:
+        check_env_name("--env", name)
+    merged = {**default_env(profile.is_gpu, cfg.resilience.in_process, run_dir),
+              **{k: str(v) for k, v in spec.env.items()}}
+    return tuple(merged.items())
+
+
+def _secret_env(spec: JobSpec, seen: set[str]) -> tuple[SecretEnv, ...]:
+    out = []
+    for item in spec.secret_env:
+        ref = SecretEnv(*parse_secret_env(item))
+        if ref.name in seen:
+            raise UserError("--secret-env",
+                            f"{ref.name} is also set by --env or a default; set it once")
+        seen = seen | {ref.name}
+        out.append(ref)
+    return tuple(out)
