@@ -8,7 +8,8 @@ Two paths, both DCP saves written by NVRx's persistent worker (:class:`~.writer.
   ``FileSystemWriterAsync`` stages (GPU: D2H in its worker; CPU: a clone here, because NVRx <= 0.4
   does not snapshot CPU tensors).
 
-Finalisation (gather write results, coordinator writes ``.metadata``) is collective.
+Finalisation gathers the write results (collective); the coordinator's ``.metadata`` write is
+handed back to the Checkpointer, which runs it off the loop (:mod:`.commit`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ from kfp_nvrx.components.training.checkpoint.staged_write import (
 )
 from kfp_nvrx.components.training.checkpoint.staging import HostStaging
 from kfp_nvrx.components.training.checkpoint.writer import CheckpointError, NvrxWriter
+
+#: A save's collective finalisation: gathers write results, returns the coordinator's file work.
+Gather = Callable[[], Callable[[], None] | None]
 
 
 def all_ranks(flag: bool, device: torch.device) -> bool:
@@ -63,7 +67,7 @@ class AsyncSaver:
         self._plan_cache: tuple | None = None
 
     def staged(self, path: Path, state: dict[str, Any], flat: dict[str, Any],
-               staging: HostStaging, step: int, submit: bool) -> Callable[[], None]:
+               staging: HostStaging, step: int, submit: bool) -> Gather:
         """Plans the save, starts the copies into ``staging``; returns the finalise step.
 
         With ``submit`` the copies are waited for and the request handed to the writer now;
@@ -102,7 +106,7 @@ class AsyncSaver:
         self.pending = writer
         if submit:
             self.submit(staging)
-        return lambda: self._finalize(*plan)
+        return lambda: self._gather(*plan)
 
     def submit(self, staging: HostStaging) -> None:
         """Hands the pending staged save to the writer (which maps the bank's file by path)."""
@@ -113,7 +117,7 @@ class AsyncSaver:
         self.writer.schedule(AsyncRequest(
             write_staged, (self.rank, writer.request(), writer.results_queue), []))
 
-    def nvrx_staged(self, path: Path, state: dict[str, Any]) -> Callable[[], None]:
+    def nvrx_staged(self, path: Path, state: dict[str, Any]) -> Gather:
         """Starts a save staged by NVRx; returns the finalise step."""
         # FT: NVRx async DCP writer: plan collectively, stage, write in a persistent worker.
         from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
@@ -146,13 +150,15 @@ class AsyncSaver:
             # The worker puts preload_fn's staged buckets in place of args[1]: keep it there.
             self.writer.schedule(AsyncRequest(functools.partial(_write_then_checksum, save_fn),
                                               tuple(args), [], preload_fn=preload_fn))
-        return lambda: self._finalize(*plan)
+        return lambda: self._gather(*plan)
 
-    def _finalize(self, writer: Any, metadata: Any, dist_wrapper: Any) -> None:
-        """NVRx's ``save_state_dict_async_finalize``, with the failure flag on our device.
+    def _gather(self, writer: Any, metadata: Any, dist_wrapper: Any) -> Callable[[], None] | None:
+        """NVRx's ``save_state_dict_async_finalize``, split: returns the coordinator's file work.
 
-        Collective: gathers every rank's write results; the coordinator writes ``.metadata``.
-        (NVRx >= 0.6 broadcasts the flag on ``torch.cuda.current_device()``, which fails on CPU.)
+        Collective: gathers every rank's write results and raises on any failure (the flag is
+        reduced on our device: NVRx >= 0.6 broadcasts it on ``torch.cuda.current_device()``, which
+        fails on CPU). The returned callable (coordinator only; None elsewhere) writes
+        ``.metadata``; the Checkpointer runs it off the loop, before the commit marker.
         """
         from torch.distributed.checkpoint.utils import _get_failure_dict
 
@@ -160,10 +166,11 @@ class AsyncSaver:
         failures = {}
         if dist_wrapper.is_coordinator:
             failures = _get_failure_dict(all_results)
-            if not failures:
-                writer.finish(metadata, all_results)
         if not all_ranks(not failures, self.device):  # only the coordinator can see failures
             raise CheckpointError(f"checkpoint write failed: {failures or 'on another rank'}")
+        if not dist_wrapper.is_coordinator:
+            return None
+        return functools.partial(writer.finish, metadata, all_results)
 
 
 def _write_then_checksum(save_fn: Callable, rank: int, write_buckets: list, *rest: Any) -> None:

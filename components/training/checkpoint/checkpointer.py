@@ -13,8 +13,9 @@ state into a persistent pinned, shared host buffer: on CUDA on a side stream, ov
 next forward/backward (``overlap``: the optimizer step waits for it on the GPU) or waited for in
 ``save`` (``blocking``); ``nvrx`` leaves staging to NVRx (GPU: D2H in its worker; CPU: a clone,
 because NVRx <= 0.4 does not snapshot CPU tensors). Writing runs in NVRx's persistent worker
-process; finalisation (gather write results, metadata, commit marker) is collective and happens at
-a step boundary once every rank's write is done, bounded by ``checkpoint.finalize_timeout``.
+process; finalisation happens at step boundaries once every rank's write is done (gather write
+results, collective), rank 0 writing metadata and commit marker on a thread (:mod:`.commit`),
+bounded by ``checkpoint.finalize_timeout``.
 The staging banks keep the newest committed state in host memory, as files under ``/dev/shm``
 that outlive the worker (:mod:`.hostcopy`): an in-process restart restores from them, and so does
 an in-job restart on the same node once the bank's manifest matches the newest commit marker;
@@ -24,10 +25,10 @@ neither reads (nor CRC-checks) the files back. Rank 0 also writes the newest com
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,19 +37,24 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from kfp_nvrx.components.core.config import CheckpointConfig
-from kfp_nvrx.components.core.launch_command import iteration_file
 from kfp_nvrx.components.core.rundir import (
     checkpoints_dir,
     committed_steps,
     remove_torn,
     step_dir,
     verify,
-    write_atomic,
-    write_commit_marker,
 )
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.training.checkpoint.async_save import AsyncSaver, all_ranks
-from kfp_nvrx.components.training.checkpoint.files import prune, write_checksums
+from kfp_nvrx.components.training.checkpoint.async_save import (
+    AsyncSaver,
+    all_ranks,
+)
+from kfp_nvrx.components.training.checkpoint.commit import (
+    InFlight,
+    advance,
+    write_commit,
+)
+from kfp_nvrx.components.training.checkpoint.files import write_checksums
 from kfp_nvrx.components.training.checkpoint.hostcopy import HostCopyDir, marker_identity
 from kfp_nvrx.components.training.checkpoint.reader import load as fast_load
 from kfp_nvrx.components.training.checkpoint.staging import (
@@ -56,7 +62,7 @@ from kfp_nvrx.components.training.checkpoint.staging import (
     StagingUnavailable,
     flat_state,
 )
-from kfp_nvrx.components.training.checkpoint.writer import CheckpointError, NvrxWriter
+from kfp_nvrx.components.training.checkpoint.writer import NvrxWriter
 
 
 def staging_mode(cfg: CheckpointConfig, device: torch.device) -> str:
@@ -68,16 +74,6 @@ def staging_mode(cfg: CheckpointConfig, device: torch.device) -> str:
     if cfg.staging == "overlap" and device.type != "cuda":
         return "blocking"  # CPU copies are synchronous anyway
     return cfg.staging
-
-
-@dataclass
-class _InFlight:
-    step: int
-    path: Path
-    started: float
-    blocking_s: float
-    finalize_fns: list[Callable[[], None]]
-    local_done: bool = False
 
 
 class Checkpointer:
@@ -110,7 +106,7 @@ class Checkpointer:
         self.world_size = dist.get_world_size()
         self.on_commit = on_commit
         self.final_step = final_step
-        self.inflight: _InFlight | None = None
+        self.inflight: InFlight | None = None
         self.commits = 0  # saves committed by this incarnation
         self.commit_s: list[float] = []  # seconds each commit held the training loop
         self.last_commit_step = -1
@@ -210,7 +206,7 @@ class Checkpointer:
             write_checksums(sorted(str(p) for p in path.glob(f"__{self.rank}_*")), self.rank)
             finalize_fns = []
         blocking = time.perf_counter() - t0
-        self.inflight = _InFlight(step, path, t0, blocking, finalize_fns,
+        self.inflight = InFlight(step, path, t0, blocking, finalize_fns,
                                   local_done=not self.cfg.async_save)
         if not self.cfg.async_save:
             self.finalize(blocking=True)
@@ -264,38 +260,28 @@ class Checkpointer:
     def finalize(self, blocking: bool) -> bool:
         """Commits the in-flight save once all ranks wrote it; True when nothing is pending.
 
-        With ``blocking`` it waits up to ``checkpoint.finalize_timeout`` and raises
-        :class:`CheckpointError` after that.
+        Two phases, each ended by a collective (:func:`.commit.advance`): every rank's write done
+        -> rank 0's file work (``.metadata``, marker, progress file, pruning) starts on a thread;
+        that work done -> the save counts as committed everywhere. With ``blocking`` it waits up to
+        ``checkpoint.finalize_timeout`` and raises :class:`CheckpointError` after that, or when
+        the commit failed.
         """
         inf = self.inflight
         if inf is None:
             return True
-        deadline = time.monotonic() + self.cfg.finalize_timeout
-        while True:
-            local = self._poll_local(0.05 if blocking else 0.0)
-            if all_ranks(local, self.device):
-                break
-            if not blocking:
-                return False
-            if time.monotonic() >= deadline:
-                raise CheckpointError(f"checkpoint step {inf.step} not written within "
-                                      f"checkpoint.finalize_timeout={self.cfg.finalize_timeout:g}s")
-        t_commit = time.perf_counter()
-        for fn in inf.finalize_fns:
-            fn()  # gathers write results, coordinator writes .metadata; raises on worker errors
-        dist.barrier()
-        if self.rank == 0:
-            nbytes = write_commit_marker(inf.path, inf.step, self.world_size)
-            # FT: ft_launcher's progress tracking reads the newest committed step from here.
-            write_atomic(iteration_file(self.run_dir), f"{inf.step}\n".encode())
-            prune(self.root, self.cfg.keep)
-            if self.on_commit is not None:
-                self.on_commit(inf.step, inf.blocking_s, time.perf_counter() - inf.started, nbytes)
-        dist.barrier()
+        files = functools.partial(write_commit, self.run_dir, inf.path, inf.step, self.world_size,
+                                  self.cfg.keep)
+        if not advance(inf, self._poll_local, files if self.rank == 0 else None, self.device,
+                       blocking, self.cfg.finalize_timeout):
+            return False
+        t0 = time.perf_counter()
+        if self.rank == 0 and self.on_commit is not None:
+            self.on_commit(inf.step, inf.blocking_s, time.perf_counter() - inf.started,
+                           inf.commit.result)
         if self.staging is not None:  # the bank now holds committed state: describe it
             self.staging.commit(inf.step, marker_identity(inf.path))
         self.commits += 1
-        self.commit_s.append(time.perf_counter() - t_commit)
+        self.commit_s.append(inf.loop_s + time.perf_counter() - t0)
         self.last_commit_step = inf.step
         self.inflight = None
         return True
@@ -384,8 +370,15 @@ class Checkpointer:
 
     # ---------------------------------------------------------------- end
     def abort(self) -> None:
-        """Error path: drops the pending save (it will never be committed) and kills the writer."""
-        self.inflight = None
+        """Error path: drops the pending save and kills the writer.
+
+        A commit whose file work already started (every rank's write was complete) may still land
+        its marker: it is waited for briefly, so the next incarnation's resume sees a settled
+        directory.
+        """
+        inf, self.inflight = self.inflight, None
+        if inf is not None and inf.commit is not None:
+            inf.commit.join(self.cfg.finalize_timeout)
         staging_incomplete, self.saver.pending = self.saver.pending is not None, None
         if self.staging is not None and staging_incomplete:
             self.staging.invalidate()
