@@ -88,14 +88,16 @@ def d2h_floor(state: dict, reps: int) -> dict[str, float]:
 
 
 def shipped_async(cfg, fwd_bwd, opt_step, state_fn, root: Path, device, mode: str, saves: int,
-                  gap: int, max_steps: int, quiet: int = 20) -> tuple[Any, dict[str, Any]]:
+                  gap: int, max_steps: int, quiet: int = 20,
+                  profile_save: bool = False) -> tuple[Any, dict[str, Any]]:
     """The shipped Checkpointer inside a training loop: a save whenever the last one committed.
 
     ``mode`` is ``checkpoint.staging``. The first ``quiet`` steps save nothing: with 13 GB writes a
     write is in flight nearly all the time, and the few quiet steps between a commit and the next
-    save (all right after a commit) alone made a biased baseline. Returns per save the seconds ``save()`` blocked, the time
-    of the step right after it (where overlapped D2H copies run) and the visible cost (blocking
-    + that step's excess over a quiet step), and step times with and without a write in flight.
+    save (all right after a commit) alone made a biased baseline. Returns per save the seconds
+    ``save()`` blocked, the time of the step right after it (where overlapped D2H copies run) and
+    the visible cost (blocking + that step's excess over a quiet step), and step times with and
+    without a write in flight.
     """
     import torch
 
@@ -113,7 +115,7 @@ def shipped_async(cfg, fwd_bwd, opt_step, state_fn, root: Path, device, mode: st
     ckpt.warm_up()
     warm_up_s = time.perf_counter() - t0
     ckpt.prepare(lambda: state_fn(0))  # as the trainer does after its first step
-    blocking, after, quiet, busy, trace, split = [], [], [], [], [], []
+    blocking, after, quiet, busy, trace, split, state_dict_s = [], [], [], [], [], [], []
     since, done, saved_at = 0, 0, -1
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
     for s in range(1, max_steps + 1):
@@ -149,10 +151,21 @@ def shipped_async(cfg, fwd_bwd, opt_step, state_fn, root: Path, device, mode: st
             (busy if inflight else quiet).append(dt)
         since = 0 if ckpt.inflight is not None else since + 1
         if done < saves and ckpt.inflight is None and since >= gap and s > quiet:
-            blocking.append(ckpt.save(s, state_fn(s)))
+            t_sd = time.perf_counter()
+            st = state_fn(s)  # the trainer's loop builds the state dict too: visible, timed apart
+            state_dict_s.append(time.perf_counter() - t_sd)
+            blocking.append(ckpt.save(s, st))
             done, since, saved_at = done + 1, 0, s
         if done == saves and ckpt.inflight is None and s > saved_at + 1:
             break
+    save_profile = None
+    if profile_save:  # one more save, outside the measured loop: where save()'s CPU time goes
+        from bench.ckpt_load import _profiled
+
+        extra = max_steps + 1
+        blocked, save_profile = _profiled(lambda: ckpt.save(extra, state_fn(extra)))
+        save_profile = f"save() {blocked:.4f}s\n{save_profile}"
+        ckpt.finalize(blocking=True)
     ckpt.close()
     base = median(quiet)
     visible = [b + max(0.0, a - base) for b, a in zip(blocking, after, strict=False)]
@@ -170,7 +183,7 @@ def shipped_async(cfg, fwd_bwd, opt_step, state_fn, root: Path, device, mode: st
         "next_step_slowdown_max": max(after[1:] or after or [base]) / base - 1 if base else 0.0,
         "commit_s": ckpt.commit_s, "save_steps": [c["step"] for c in commits],
         "trace": trace,  # (step, seconds, write in flight, commits so far)
-        "split": split,
+        "split": split, "save_profile": save_profile, "state_dict_s": state_dict_s,
     }
 
 
@@ -186,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip", default="",
                    help="comma list of: load,torch_save,dcp_save,dcp_async,stager")
     p.add_argument("--profile-load", action="store_true", help="cProfile a warm load too")
+    p.add_argument("--profile-save", action="store_true",
+                   help="cProfile one more overlapped save after the measured ones")
     args = p.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
 
@@ -221,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = None
     for mode in filter(None, args.modes.split(",")):
         ckpt, row = shipped_async(cfg, fwd_bwd, opt_step, state_fn, root / "shipped", device,
-                                  mode, args.saves, gap=3, max_steps=230)
+                                  mode, args.saves, gap=3, max_steps=230,
+                                  profile_save=args.profile_save and mode == "overlap")
         res["modes"][mode] = row
         log(f"shipped[{mode}] blocking {[round(b, 4) for b in row['blocking_s']]} visible "
             f"{[round(v, 4) for v in row['visible_s']]} next step {[round(a, 4) for a in row['next_step_s']]}"
@@ -230,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{[round(c['total_s'], 2) for c in row['commits']]}")
         res["shipped"] = res["modes"].get("blocking", row)  # the plain (non-overlapped) path
         write_json(args.out, res)
+        if row["save_profile"]:
+            log(row["save_profile"])
         if ckpt.last_commit_step > 0 and "load" not in skip and "load" not in res:
             try:
                 res["load"] = cold_load(ckpt, ckpt.last_commit_step, state_fn(0), args.profile_load)

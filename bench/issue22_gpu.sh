@@ -40,7 +40,7 @@ for part in "$@"; do
   tests) python3 -m pytest -q -ra -p no:cacheprovider tests/gpu 2>&1 | tail -15 ;;
   stall)  # the shipped overlap and blocking saves with the per-step split, and the cold load
     python3 -m bench.ckpt_stall --config 1b --saves ${SAVES:-4} --modes overlap,blocking \
-      --skip ${STALL_SKIP:-torch_save,dcp_save,dcp_async,stager} --out "$OUT/ckpt_stall.json" ;;
+      --skip "${STALL_SKIP-torch_save,dcp_save,dcp_async,stager}" --profile-save --out "$OUT/ckpt_stall.json" ;;
   profile) python3 -m bench.step_profile --config 1b --out "$OUT/step_profile.json" \
              ${VARIANTS:+--variants "$VARIANTS"} ;;
   healthyc)  # 1b, train.compile=true, learned timeouts at the 4 s floor, saves: never killed

@@ -373,12 +373,12 @@ class Checkpointer:
         """Error path: drops the pending save and kills the writer.
 
         A commit whose file work already started (every rank's write was complete) may still land
-        its marker: it is waited for briefly, so the next incarnation's resume sees a settled
-        directory.
+        its marker: it is waited for (5 s at most), so the next incarnation's resume sees a
+        settled directory.
         """
         inf, self.inflight = self.inflight, None
         if inf is not None and inf.commit is not None:
-            inf.commit.join(self.cfg.finalize_timeout)
+            inf.commit.join(min(5.0, self.cfg.finalize_timeout))  # a hung FS must not stall it
         staging_incomplete, self.saver.pending = self.saver.pending is not None, None
         if self.staging is not None and staging_incomplete:
             self.staging.invalidate()
