@@ -103,7 +103,7 @@ _KEEP: list[object] = []
 
 _HOLDER = """
 import sys, time
-from kfp_nvrx.components.ownership import claim_run_dir
+from kfp_nvrx.components.core.ownership import claim_run_dir
 from kfp_nvrx.components.launch.lifetime import RunDirLock
 claim_run_dir(sys.argv[1])
 RunDirLock(sys.argv[1]).acquire()

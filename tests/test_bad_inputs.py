@@ -95,11 +95,12 @@ def _recorded_run(run_dir: Path, data: Path, damaged: bool = False) -> None:
     import torch.distributed.checkpoint as dcp
 
     from kfp_nvrx.components.core.config import load_config
-    from kfp_nvrx.components.core.rundir import step_dir, write_commit_marker, write_config
+    from kfp_nvrx.components.core.run_record import record_config
+    from kfp_nvrx.components.core.rundir import step_dir, write_commit_marker
     from kfp_nvrx.components.training.model import build_model
 
     cfg = load_config("tiny", [f"data.path={data}"])
-    write_config(cfg, run_dir)
+    record_config(cfg, run_dir)
     path = step_dir(run_dir / "checkpoints", 4)
     path.mkdir(parents=True)
     dcp.save({"model": build_model(cfg.model).state_dict()},
@@ -112,7 +113,7 @@ def _recorded_run(run_dir: Path, data: Path, damaged: bool = False) -> None:
 
 def _link_fixtures(fx: Path) -> dict[str, str]:
     """Run dirs of ours holding a link where we write; the targets are fixtures themselves."""
-    from kfp_nvrx.components.ownership import claim_run_dir
+    from kfp_nvrx.components.core.ownership import claim_run_dir
 
     foreign = fx / "foreignsteps" / "step_00000001"
     foreign.mkdir(parents=True)

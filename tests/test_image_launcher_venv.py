@@ -35,7 +35,7 @@ pytestmark = pytest.mark.slow
 LAUNCHER_SIDE = [
     "kfp_nvrx.components.images",
     "kfp_nvrx.components.errors",
-    "kfp_nvrx.components.ownership",
+    "kfp_nvrx.components.core.ownership",
     "kfp_nvrx.components.core",
     "kfp_nvrx.components.train_fsdp.component",
     "kfp_nvrx.components.launch.ui_outputs",

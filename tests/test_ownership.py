@@ -19,9 +19,9 @@ import torch.distributed.checkpoint as dcp
 import yaml
 
 from kfp_nvrx.components.core.config import load_config
+from kfp_nvrx.components.core.ownership import RUN_MARKER, check_run_dir_owned, is_run_dir
 from kfp_nvrx.components.data.prepare import prepare_dataset
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.ownership import RUN_MARKER, check_run_dir_owned, is_run_dir
 from kfp_nvrx.components.training.export.consolidate import export_checkpoint
 from kfp_nvrx.components.training.model import build_model
 

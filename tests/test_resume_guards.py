@@ -16,20 +16,18 @@ import pytest
 import yaml
 
 from kfp_nvrx.components.core.config import load_config
-from kfp_nvrx.components.core.run_record import check_resume
+from kfp_nvrx.components.core.ownership import claim_run_dir
+from kfp_nvrx.components.core.run_record import check_resume, check_run_dir, record_config
 from kfp_nvrx.components.core.rundir import (
     COMMIT_MARKER,
     CONFIG_FILE,
     DCP_METADATA,
     RESUMED_CONFIG_FILE,
-    check_run_dir,
     checkpoints_dir,
     remove_torn,
     step_dir,
-    write_config,
 )
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.ownership import claim_run_dir
 from kfp_nvrx.components.training.checkpoint.files import prune
 
 
@@ -47,7 +45,7 @@ def _commit(root: Path, step: int, payload: bytes = b"x" * 16) -> Path:
 def _run(tmp_path: Path, *overrides: str) -> tuple[Path, object]:
     run = tmp_path / "run"
     cfg = load_config("tiny", ["data.path=/data/a", *overrides])
-    write_config(cfg, run)
+    record_config(cfg, run)
     _commit(checkpoints_dir(run), 4)
     return run, cfg
 
@@ -116,7 +114,7 @@ def test_the_same_dataset_spelled_another_way_is_the_same_data(tmp_path, monkeyp
     data = tmp_path / "data"
     data.mkdir()
     run = tmp_path / "run"
-    write_config(load_config("tiny", [f"data.path={data}"]), run)
+    record_config(load_config("tiny", [f"data.path={data}"]), run)
     monkeypatch.chdir(tmp_path)
     check_resume(load_config("tiny", ["data.path=./data/"]), run)
 
@@ -126,10 +124,10 @@ def test_config_yaml_is_the_record_and_is_never_replaced(tmp_path) -> None:
     record = (run / CONFIG_FILE).read_bytes()
     longer = load_config("tiny", ["data.path=/data/a", "train.steps=80"])
     check_resume(longer, run)  # more steps: a legitimate resume
-    write_config(longer, run)
+    record_config(longer, run)
     assert (run / CONFIG_FILE).read_bytes() == record
     assert yaml.safe_load((run / RESUMED_CONFIG_FILE).read_text())["train"]["steps"] == 80
-    write_config(cfg, run)  # back to the record: the stale resumed config goes
+    record_config(cfg, run)  # back to the record: the stale resumed config goes
     assert not (run / RESUMED_CONFIG_FILE).exists()
     assert (run / CONFIG_FILE).read_bytes() == record
     assert [p.name for p in run.iterdir() if p.name.endswith(".tmp")] == []
@@ -189,6 +187,6 @@ def test_a_run_dir_holding_a_link_where_we_write_is_refused_before_anything(tmp_
 
 def test_the_run_dir_itself_may_be_a_link(tmp_path) -> None:
     real = tmp_path / "real"
-    write_config(load_config("tiny"), real)
+    record_config(load_config("tiny"), real)
     (tmp_path / "alias").symlink_to(real)
     check_run_dir(tmp_path / "alias")

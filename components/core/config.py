@@ -377,9 +377,27 @@ def validate(cfg: Config) -> None:
         raise UserError("data.seq_len", f"{cfg.data.seq_len} exceeds model.max_seq_len ({m.max_seq_len})")
     if not 0 <= cfg.train.min_lr_ratio <= 1:
         raise UserError("train.min_lr_ratio", f"must be within [0, 1], got {cfg.train.min_lr_ratio}")
-    from kfp_nvrx.components.core.run_record import check_allow_changes
-
     check_allow_changes(cfg.checkpoint.allow_changes)
     r = cfg.resilience
     if r.in_process and r.hard_timeout <= r.soft_timeout:
         raise UserError("resilience.hard_timeout", "must exceed resilience.soft_timeout")
+
+
+#: Keys of the recorded config a resume must keep (they decide the weights and the data order);
+#: ``checkpoint.allow_changes`` lists the ones a user changes on purpose. ``model.`` = all.
+#: The resume check itself is :func:`.run_record.check_resume`.
+GUARDED_KEYS = ("model.", "data.path", "train.seed")
+
+
+def check_allow_changes(text: str) -> list[str]:
+    """The keys ``checkpoint.allow_changes`` names; each must be a guarded key (or ``model``).
+
+    Raises:
+        UserError: Naming ``checkpoint.allow_changes`` and the key that is no guarded key.
+    """
+    keys = [k.strip() for k in text.split(",") if k.strip()]
+    for key in keys:
+        if not (key == "model" or key.startswith(GUARDED_KEYS) or key in GUARDED_KEYS):
+            raise UserError("checkpoint.allow_changes", f"{key!r} is not a key a resume guards; "
+                            "name model, model.<key>, data.path or train.seed (comma-separated)")
+    return keys

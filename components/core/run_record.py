@@ -10,16 +10,20 @@ newest differing config is kept in ``config.resumed.yaml``. Imports no torch.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 
 from kfp_nvrx.components.core.atomic import write_atomic
+from kfp_nvrx.components.core.config import GUARDED_KEYS, Config, check_allow_changes
+from kfp_nvrx.components.core.ownership import check_run_dir_owned, claim_run_dir
 from kfp_nvrx.components.core.rundir import (
     CONFIG_FILE,
     RESUMED_CONFIG_FILE,
+    check_run_dir_links,
     checkpoints_dir,
     committed_steps,
     link_in,
@@ -28,14 +32,6 @@ from kfp_nvrx.components.core.rundir import (
     verify,
 )
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.ownership import claim_run_dir
-
-if TYPE_CHECKING:
-    from kfp_nvrx.components.core.config import Config
-
-#: Keys of the recorded config a resume must keep (they decide the weights and the data order);
-#: ``checkpoint.allow_changes`` lists the ones a user changes on purpose. ``model.`` = all.
-GUARDED_KEYS = ("model.", "data.path", "train.seed")
 
 
 def _flat(raw: Any, prefix: str = "") -> dict[str, Any]:
@@ -76,20 +72,6 @@ def _same(key: str, recorded: Any, wanted: Any) -> bool:
             and recorded and wanted:
         return os.path.realpath(recorded) == os.path.realpath(wanted)
     return False
-
-
-def check_allow_changes(text: str) -> list[str]:
-    """The keys ``checkpoint.allow_changes`` names; each must be a guarded key (or ``model``).
-
-    Raises:
-        UserError: Naming ``checkpoint.allow_changes`` and the key that is no guarded key.
-    """
-    keys = [k.strip() for k in text.split(",") if k.strip()]
-    for key in keys:
-        if not (key == "model" or key.startswith(GUARDED_KEYS) or key in GUARDED_KEYS):
-            raise UserError("checkpoint.allow_changes", f"{key!r} is not a key a resume guards; "
-                            "name model, model.<key>, data.path or train.seed (comma-separated)")
-    return keys
 
 
 def check_resume(cfg: Config, run_dir: Path, crc: bool = False) -> None:
@@ -152,3 +134,23 @@ def record_config(cfg: Config, run_dir: Path) -> None:
         target = run_dir / RESUMED_CONFIG_FILE
     refuse_link(target, run_dir)
     write_atomic(target, text)  # a full disk leaves no temp file behind
+
+
+def check_run_dir(run_dir: Path, cfg: Config | None = None, crc: bool = False) -> Path:
+    """A usable run directory: no ``..``, not a file, new, empty or a run dir of ours, no links.
+
+    We write config.yaml and checkpoints into it, and never into a stranger's folder. With
+    ``cfg``, also :func:`.run_record.check_resume`: a resume that cannot be the one asked for
+    stops here (``crc``: a ``checkpoint.load_step`` checkpoint's CRC32s are checked too).
+    """
+    if not str(run_dir).strip():
+        raise UserError("--run-dir", "is empty; give the run directory (e.g. runs/r1)")
+    if ".." in Path(run_dir).parts:
+        raise UserError("--run-dir", f"{run_dir} must not contain '..'")
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError("--run-dir", f"{run_dir} exists and is not a directory")
+    check_run_dir_owned(run_dir, [f.name for f in dataclasses.fields(Config)])
+    check_run_dir_links(run_dir)
+    if cfg is not None:
+        check_resume(cfg, run_dir, crc=crc)
+    return run_dir

@@ -19,13 +19,12 @@ export and the fault drills all decide with that one function.
 
 Nothing is written or deleted through a symbolic link below the run dir (:func:`link_in`): a
 ``checkpoints`` that links elsewhere would make pruning delete a stranger's ``step_*`` folders.
-:func:`check_run_dir` refuses such a run dir before anything starts; the writer and the pruner
+:func:`.run_record.check_run_dir` refuses such a run dir before anything starts; the writer and the pruner
 check again where they act. This module imports no torch.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -33,16 +32,12 @@ import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 # link_in and write_atomic live in .atomic; they are imported from here too (one run-dir API).
 from kfp_nvrx.components.core.atomic import link_in, write_atomic
 from kfp_nvrx.components.core.bounded import read_json
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.ownership import check_run_dir_owned
-
-if TYPE_CHECKING:
-    from kfp_nvrx.components.core.config import Config
 
 CONFIG_FILE = "config.yaml"
 RESUMED_CONFIG_FILE = "config.resumed.yaml"
@@ -88,37 +83,6 @@ def check_run_dir_links(run_dir: Path) -> None:
         if entry.name in _WRITTEN_DIRS and entry.is_dir():
             for child in entry.iterdir():  # step_* folders, node logs, NCCL dumps
                 refuse_link(child, run_dir)
-
-
-def check_run_dir(run_dir: Path, cfg: Config | None = None, crc: bool = False) -> Path:
-    """A usable run directory: no ``..``, not a file, new, empty or a run dir of ours, no links.
-
-    We write config.yaml and checkpoints into it, and never into a stranger's folder. With
-    ``cfg``, also :func:`.run_record.check_resume`: a resume that cannot be the one asked for
-    stops here (``crc``: a ``checkpoint.load_step`` checkpoint's CRC32s are checked too).
-    """
-    if not str(run_dir).strip():
-        raise UserError("--run-dir", "is empty; give the run directory (e.g. runs/r1)")
-    if ".." in Path(run_dir).parts:
-        raise UserError("--run-dir", f"{run_dir} must not contain '..'")
-    if run_dir.exists() and not run_dir.is_dir():
-        raise UserError("--run-dir", f"{run_dir} exists and is not a directory")
-    from kfp_nvrx.components.core.config import Config  # config imports this module
-
-    check_run_dir_owned(run_dir, [f.name for f in dataclasses.fields(Config)])
-    check_run_dir_links(run_dir)
-    if cfg is not None:
-        from kfp_nvrx.components.core.run_record import check_resume
-
-        check_resume(cfg, run_dir, crc=crc)
-    return run_dir
-
-
-def write_config(cfg: Config, run_dir: Path) -> None:
-    """Records the resolved config (:func:`.run_record.record_config`: config.yaml never replaced)."""
-    from kfp_nvrx.components.core.run_record import record_config
-
-    record_config(cfg, run_dir)
 
 
 def remove_torn(path: Path, run_dir: Path) -> None:

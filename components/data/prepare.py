@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from kfp_nvrx.components.core.ownership import check_output_dir, refuse_foreign
 from kfp_nvrx.components.data.sample import write_sample_corpus
 from kfp_nvrx.components.data.shards import (
     FORMAT,
@@ -37,7 +38,6 @@ from kfp_nvrx.components.data.shards import (
 from kfp_nvrx.components.data.sources import file_sha256, iter_documents, resolve_sources
 from kfp_nvrx.components.data.tokenize import dtype_for_vocab, load_tokenizer
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.ownership import check_output_dir, refuse_foreign
 
 #: ``source`` scheme for the bundled sample corpus: ``sample:`` or ``sample:<n_docs>``.
 SAMPLE_SCHEME = "sample:"

@@ -280,7 +280,7 @@ def publish_dir(tmp: Path, out: Path, ours: Collection[str], last: str = INDEX_N
     ``ours`` are replaced one by one: the old ``last`` file (the index) is removed first and the
     new one is moved in last, so ``out`` is never taken for a complete dataset early.
     """
-    from kfp_nvrx.components.ownership import refuse_foreign
+    from kfp_nvrx.components.core.ownership import refuse_foreign
 
     refuse_foreign(out, ours, field, "output")
     try:

@@ -310,7 +310,7 @@ def run_drill(out: str | os.PathLike, *, quick: bool = False, names: list[str] |
     from kfp_nvrx.components.data.prepare import prepare_dataset
 
     scenarios = select(names, quick)
-    from kfp_nvrx.components.ownership import reset_out_dir
+    from kfp_nvrx.components.core.ownership import reset_out_dir
 
     place = place or Placement()
     out = reset_out_dir(Path(out).absolute(), ("runs", "logs"), "--out")  # only a folder we made

@@ -1,1 +1,1 @@
-"""evaluate_promote: compare a candidate model with the promoted one and promote it if better."""
+"""evaluate_promote: the KFP component that promotes a candidate model if it beats the promoted one."""

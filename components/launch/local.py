@@ -33,6 +33,7 @@ from kfp_nvrx.components.core.launch_command import (
     in_process_env,
     pet_env,
 )
+from kfp_nvrx.components.core.ownership import claim_run_dir
 from kfp_nvrx.components.core.rundir import CHECKPOINTS_DIR, LOGS_DIR
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.launch.agent_log import AgentLog, DiskFullNotice
@@ -46,7 +47,6 @@ from kfp_nvrx.components.launch.lifetime import (
     processes_with_env,
 )
 from kfp_nvrx.components.launch.result import LaunchResult
-from kfp_nvrx.components.ownership import claim_run_dir
 
 _MARKER = "KFP_NVRX_LOCAL_RUN"
 # Without --verbose the stream shows the trainer's lines, faults, failures and restarts ...

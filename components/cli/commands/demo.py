@@ -16,10 +16,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from kfp_nvrx.components.core.ownership import reset_out_dir
     from kfp_nvrx.components.data.prepare import prepare_dataset, summary
     from kfp_nvrx.components.launch.jobspec.spec import JobSpec
     from kfp_nvrx.components.launch.local import run_local
-    from kfp_nvrx.components.ownership import reset_out_dir
     from kfp_nvrx.components.training.export.consolidate import export_checkpoint
 
     out = reset_out_dir(args.out, ("run", "model"), "--out")  # only a folder we made

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kfp_nvrx.components.core.ownership import check_output_dir, refuse_foreign
 from kfp_nvrx.components.core.rundir import (
     CHECKPOINTS_DIR,
     CONFIG_FILE,
@@ -33,7 +34,6 @@ from kfp_nvrx.components.core.rundir import (
 )
 from kfp_nvrx.components.data.shards import publish_dir, write_json_atomic
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.ownership import check_output_dir, refuse_foreign
 
 EXPORT_FORMAT = "kfp-nvrx-export/1"
 ARCHITECTURE = "kfp-nvrx-llama"

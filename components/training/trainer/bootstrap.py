@@ -10,13 +10,8 @@ from typing import TYPE_CHECKING
 
 from kfp_nvrx.components.core.config import Config, load_config
 from kfp_nvrx.components.core.faults import Fault, check_faults
-from kfp_nvrx.components.core.rundir import (
-    check_run_dir,
-    checkpoints_dir,
-    committed_steps,
-    step_dir,
-    write_config,
-)
+from kfp_nvrx.components.core.run_record import check_run_dir, record_config
+from kfp_nvrx.components.core.rundir import checkpoints_dir, committed_steps, step_dir
 from kfp_nvrx.components.core.safetensors_header import read_header
 from kfp_nvrx.components.errors import UserError
 
@@ -211,7 +206,7 @@ def prepare_job(config: str, overrides: list[str], faults: list[str], run_dir: P
     from kfp_nvrx.components.training.trainer.resilience import Monitor
     from kfp_nvrx.components.training.trainer.train import Job, pg_backend, pick_device
 
-    write_config(cfg, run_dir)
+    record_config(cfg, run_dir)
     t_checked = time.time()
     device = pick_device(cfg)
     t_device = time.time()
