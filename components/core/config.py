@@ -8,55 +8,24 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import os
 import typing
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from kfp_nvrx.components.core.config_text import (
-    AmbiguousNumber,
-    parse_set_value,
-    read_config_file,
+from kfp_nvrx.components.core.config_text import parse_set_value, read_config_file
+from kfp_nvrx.components.core.settings import (
+    check_setting,
+    coerce_setting,
+    non_negative,
+    one_of,
+    positive,
+    setting,
 )
 from kfp_nvrx.components.errors import UserError
 
 PRESETS_DIR = Path(__file__).parent / "configs"
-#: The largest value of an int field that declares no upper bound of its own: every count,
-#: size and step of a run fits a signed 32-bit int (torch indices, the job spec, JSON readers).
-MAX_INT = 2**31 - 1
-
-
-def setting(default: Any, *, gt: float | None = None, ge: float | None = None,
-            le: float | None = None, lt: float | None = None,
-            choices: tuple[str, ...] = ()) -> Any:
-    """A config field with its constraint, checked on every assignment (YAML, ``--set``, Python).
-
-    The constraint is ``gt < value`` or ``ge <= value``, and ``value <= le`` or ``value < lt``,
-    or one of ``choices``. Every float field must also be finite (no nan, no inf), and an int
-    field without an upper bound is at most :data:`MAX_INT`.
-    """
-    return field(default=default, metadata={"gt": gt, "ge": ge, "le": le, "lt": lt,
-                                            "choices": choices})
-
-
-def positive(default: float) -> Any:
-    """A field that must be > 0."""
-    return setting(default, gt=0)
-
-
-def non_negative(default: float) -> Any:
-    """A field that must be >= 0."""
-    return setting(default, ge=0)
-
-
-def one_of(default: str, *choices: str) -> Any:
-    """A field whose value is one of ``choices``."""
-    return setting(default, choices=(default, *[c for c in choices if c != default]))
-
-
 class Section:
     """A config section; it never holds a value its declaration forbids.
 
@@ -69,8 +38,8 @@ class Section:
         declared = self.__dataclass_fields__.get(key)  # type: ignore[attr-defined]
         if declared is not None:
             dotted = f"{self.section}.{key}"
-            value = _coerce(dotted, value, _hints(type(self))[key], declared.metadata)
-            _check(dotted, value, declared.metadata)
+            value = coerce_setting(dotted, value, _hints(type(self))[key], declared.metadata)
+            check_setting(dotted, value, declared.metadata)
         super().__setattr__(key, value)
 
 
@@ -218,71 +187,6 @@ class Config:
 @functools.cache
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
-
-
-def _bounds(rule: Mapping[str, Any]) -> str:
-    """``rule``'s numeric bounds in words: ``> 0``, ``within [0, 1)``."""
-    def num(x: float) -> str:
-        return f"{x:g}" if isinstance(x, float) else str(x)
-
-    lo = (f"[{num(rule['ge'])}" if rule.get("ge") is not None
-          else f"({num(rule['gt'])}" if rule.get("gt") is not None else "")
-    hi = (f"{num(rule['le'])}]" if rule.get("le") is not None
-          else f"{num(rule['lt'])})" if rule.get("lt") is not None else "")
-    if lo and hi:
-        return f"within {lo}, {hi}"
-    if lo:
-        return f"{'>=' if lo[0] == '[' else '>'} {lo[1:]}"
-    return f"{'<=' if hi[-1] == ']' else '<'} {hi[:-1]}"
-
-
-def _check(key: str, value: Any, rule: Mapping[str, Any]) -> None:
-    """Raises UserError naming ``key`` when ``value`` breaks its field's constraint."""
-    choices = rule.get("choices")
-    if choices and value not in choices:
-        raise UserError(key, f"must be one of {', '.join(choices)}, got {value!r}")
-    if isinstance(value, float) and not math.isfinite(value):
-        raise UserError(key, f"must be a finite number, got {value}")
-    gt, ge, le, lt = (rule.get(k) for k in ("gt", "ge", "le", "lt"))
-    if isinstance(value, int) and not isinstance(value, bool) and le is None and lt is None \
-            and value > MAX_INT:
-        raise UserError(key, f"must be <= {MAX_INT} (2^31 - 1), got {value}")
-    if ((gt is not None and not value > gt) or (ge is not None and not value >= ge)
-            or (le is not None and not value <= le) or (lt is not None and not value < lt)):
-        raise UserError(key, f"must be {_bounds(rule)}, got {value}")
-
-
-def _coerce(key: str, value: Any, typ: Any, rule: Mapping[str, Any]) -> Any:
-    """Checks ``value`` against the annotated type (ints may stand for floats, not bools)."""
-    if isinstance(value, AmbiguousNumber):
-        raise UserError(key, f"{str(value)!r} is a number YAML 1.1 and 1.2 read differently (a "
-                        "leading 0 is octal in 1.1, decimal in 1.2) or no plain decimal (0x, 0o, "
-                        "0b, _); write it in plain decimal, or quote it for a string")
-    if typ is bool:
-        if isinstance(value, bool):
-            return value
-    elif typ is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return int(value)  # a plain int, not config_text.YamlInt
-    elif typ is float:
-        if isinstance(value, (int, float, str)) and not isinstance(value, bool):
-            try:  # YAML 1.1 reads `1e-3` (no dot) as a string
-                return float(value)
-            except OverflowError:  # an int of hundreds of digits
-                raise UserError(key, f"must be a finite number, got {value}") from None
-            except ValueError:
-                pass
-    elif typ is str:
-        if isinstance(value, str):
-            return str(value)
-        choices = rule.get("choices") or ()
-        word = {False: "off", True: "on"}.get(value) if isinstance(value, bool) else None
-        if word is not None and word in choices:
-            return word  # YAML 1.1 reads a bare `off` as false
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and not choices:
-            return getattr(value, "text", None) or str(value)  # YAML `name: 1.50` keeps "1.50"
-    name = getattr(typ, "__name__", str(typ))
-    raise UserError(key, f"expected {name}, got {value!r} ({type(value).__name__})")
 
 
 def _apply(section_obj: Any, section: str, values: dict[str, Any]) -> None:
