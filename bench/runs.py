@@ -62,7 +62,9 @@ def run_trainer(mode: str, preset: str, run_dir: Path, overrides: list[str],
         log(f"{mode} {preset} x{nodes} {faults}: {state}")
         for _, ln in lines[-15:]:
             log(f"   {ln}")
-    return {"state": state, "wall_s": wall, "events": read_events(run_dir), "lines": lines}
+    # The benches read the events in their on-disk form (their reports quote its fields).
+    events = [e.to_dict() for e in read_events(run_dir)]
+    return {"state": state, "wall_s": wall, "events": events, "lines": lines}
 
 
 def step_times(events: list[dict[str, Any]], skip: int) -> list[float]:

@@ -10,10 +10,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from k8s_double import K8sDouble
 
+from kfp_nvrx.components.core.events import EventLog, Restart, Start
 from kfp_nvrx.components.launch.jobspec.spec import JobSpec
 from kfp_nvrx.components.launch.k8s_job import K8sOptions
 from kfp_nvrx.components.launch.result import LaunchResult
@@ -46,6 +48,22 @@ def playing(double: K8sDouble, spec: JobSpec, script: Script) -> Iterator[None]:
         yield
     finally:
         t.join(5)
+
+
+def trainer_started(run_dir: Path | None, incarnation: int) -> None:
+    """Write the events the trainer writes when an incarnation starts (a restart's when > 0).
+
+    The double plays the pods; this plays the trainer's side on the shared volume, which the
+    launcher reads for the restarts (None: a run dir the launcher cannot see, nothing written).
+    """
+    if run_dir is None:
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    events = EventLog(run_dir)
+    if incarnation:
+        events.emit(Restart(kind="in-job", incarnation=incarnation))
+    events.emit(Start(incarnation=incarnation, world_size=2, layer="in-job" if incarnation
+                      else None))
 
 
 def finish_later(pod: str, condition: str, after_s: float) -> Script:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from kfp import dsl
 
+from kfp_nvrx.components.core.events import parse_events
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.evaluate_promote.component import compare_models, promote_model
 from kfp_nvrx.components.export_checkpoint.component import export_checkpoint
@@ -165,6 +166,7 @@ def test_promote_refuses_a_real_directory(work, exported):
 # -- report on synthetic events ----------------------------------------------------------------
 
 def _events():
+    """A run's events as its events.jsonl holds them: 6 steps, a fault, an in-job restart, 5 more."""
     ev = [{"type": "start", "time": 100.0, "incarnation": 0, "iteration": 0, "world_size": 2,
            "resumed_from": None, "load_s": 0.0}]
     t = 101.0
@@ -192,7 +194,7 @@ def _events():
 def test_metrics_from_summary():
     from kfp_nvrx.components.core.goodput import summarize_events
 
-    m = ui_outputs.metrics_from_summary(summarize_events(_events()).to_dict())
+    m = ui_outputs.metrics_from_summary(summarize_events(parse_events(_events())).to_dict())
     assert m["steps_final"] == 8 and m["steps_run"] == 11 and m["steps_redone"] == 3
     assert m["restarts_in_job"] == 1 == m["restarts_total"] and m["restarts_in_process"] == 0
     assert m["recovery_max_s"] == pytest.approx(6.0) and m["faults"] == 1
@@ -207,18 +209,18 @@ def test_summary_says_what_happened_in_words():
     from kfp_nvrx.components.core.goodput import summarize_events
 
     events = _events()
-    rep = summarize_events(events)
+    rep = summarize_events(parse_events(events))
     assert rep.what_happened == ["rank 1 killed at step 6, resumed from step 3 in 6.0 s, "
                                  "3 steps redone"]
-    page = ui_outputs.render_timeline(events, rep.to_dict(), "run-x")
+    page = ui_outputs.render_timeline(parse_events(events), rep.to_dict(), "run-x")
     assert rep.what_happened[0] in page
     # no fault event (a real failure) and nothing committed: said so, every step redone
     crash = [dict(e, resumed_from=None) if e["type"] == "start" else e
              for e in events if e["type"] != "fault"]
-    assert summarize_events(crash).what_happened == [
+    assert summarize_events(parse_events(crash)).what_happened == [
         "workers failed after step 6, restarted from scratch in 6.0 s, 6 steps redone"]
     # a fault-free run tells no story
-    assert summarize_events([e for e in events if _before_fault(e)]).what_happened == []
+    assert summarize_events(parse_events([e for e in events if _before_fault(e)])).what_happened == []
 
 
 def _before_fault(e):
@@ -228,7 +230,7 @@ def _before_fault(e):
 def test_timeline_shows_every_kind_of_event():
     from kfp_nvrx.components.core.goodput import summarize_events
 
-    events = _events()
+    events = parse_events(_events())
     page = ui_outputs.render_timeline(events, summarize_events(events).to_dict(), "run-x")
     assert "<script" not in page and "http" not in page.replace("http://www.w3.org/2000/svg", "")
     # kept steps merge into one segment per incarnation; steps 4-6 of incarnation 0 were redone

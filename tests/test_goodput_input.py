@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kfp_nvrx.components.core.events import EventLog, read_events
+from kfp_nvrx.components.core.events import EventLog, Step, read_events
 
 T0 = 1_790_000_000.0  # a real Unix time (2026)
 
@@ -70,8 +70,8 @@ def test_every_bad_line_is_one_warning_and_the_report_stays_sane(tmp_path: Path)
 
 
 def test_a_nan_loss_is_reported_as_null_and_the_writer_never_writes_nan(tmp_path: Path) -> None:
-    EventLog(tmp_path).emit("step", time=T0 + 2, step=1, start=T0, end=T0 + 1,
-                            loss=float("nan"), tokens=8)
+    EventLog(tmp_path).emit(Step(time=T0 + 2, step=1, start=T0, end=T0 + 1,
+                                 loss=float("nan"), tokens=8))
     text = (tmp_path / "events.jsonl").read_text()
     assert "NaN" not in text and '"loss":null' in text
     # A file written by something else with NaN in the loss keeps the step.

@@ -6,9 +6,11 @@ and each test plays the operator/kubelet in a thread (pods appearing late, resta
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 from k8s_double import K8sDouble
@@ -21,6 +23,7 @@ from k8s_launch import (
     fast_opts,
     finish_later,
     playing,
+    trainer_started,
 )
 
 from kfp_nvrx.components.errors import UserError
@@ -40,11 +43,12 @@ def _run(double: K8sDouble, spec: JobSpec, script: Script, **opts):
     return result, lines
 
 
-def _happy(d: K8sDouble, name: str) -> None:
+def _happy(d: K8sDouble, name: str, run_dir: Path | None = None) -> None:
     d.set_condition(name, "Created")
     w0 = d.add_pod(name, 0)
     d.start(w0)
     d.set_condition(name, "Running")
+    trainer_started(run_dir, 0)
     d.log(w0, "[trainer] start: world_size=2 incarnation=0.0", "[trainer] step 2/6 loss 5.0")
     time.sleep(0.4)
     w1 = d.add_pod(name, 1)  # starts late
@@ -53,6 +57,7 @@ def _happy(d: K8sDouble, name: str) -> None:
     d.terminate(w1, 137, "OOMKilled")
     d.restart(w1)  # kubelet restart: logged again under worker-1/r1
     d.log(w1, "agent 1 back")
+    trainer_started(run_dir, 1)  # ft_launcher restarted the workers: the trainer says so
     d.log(w0, "[trainer] start: world_size=2 incarnation=1.0", "[trainer] step 6/6 loss 3.0")
     time.sleep(0.4)
     d.terminate(w0, 0)
@@ -60,9 +65,12 @@ def _happy(d: K8sDouble, name: str) -> None:
     d.set_condition(name, "Succeeded")
 
 
-def test_create_follow_late_and_restarted_pods_then_delete(double: K8sDouble) -> None:
-    spec = JobSpec(**SPEC)
-    result, lines = _run(double, spec, _happy)
+def test_create_follow_late_and_restarted_pods_then_delete(double: K8sDouble,
+                                                           tmp_path: Path) -> None:
+    # The shared volume is mounted here too (as in the KFP task): the run's events are readable.
+    spec = JobSpec(**SPEC, mount=str(tmp_path))
+    run_dir = Path(spec.run_dir_path())
+    result, lines = _run(double, spec, functools.partial(_happy, run_dir=run_dir))
     assert result.state == "Succeeded" and result.backend == "kubernetes"
     posts = double.calls("POST")
     assert len(posts) == 1

@@ -7,14 +7,16 @@ restart, ``Complete``/``Failed`` conditions.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import time
+from pathlib import Path
 
 import k8s_launch
 import pytest
 from k8s_double import K8sDouble
-from k8s_launch import SPEC, Script, fast_opts, playing
+from k8s_launch import SPEC, Script, fast_opts, playing, trainer_started
 
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.launch import backends
@@ -34,10 +36,11 @@ def _run(double: K8sDouble, spec: JobSpec, script: Script, **opts):
     return result, lines
 
 
-def _happy(d: K8sDouble, name: str) -> None:
+def _happy(d: K8sDouble, name: str, run_dir: Path | None = None) -> None:
     d.set_condition(name, "Created", reason="Created", message="TrainJob is created")
     n0 = d.add_node_pod(name, 0)
     d.start(n0)
+    trainer_started(run_dir, 0)
     d.log(n0, "[trainer] start: world_size=2 incarnation=0.0", "[trainer] step 2/6 loss 5.0")
     time.sleep(0.3)
     n1 = d.add_node_pod(name, 1)
@@ -47,6 +50,7 @@ def _happy(d: K8sDouble, name: str) -> None:
     n1b = d.add_node_pod(name, 1)
     d.start(n1b)
     d.log(n1b, "agent 1 back")
+    trainer_started(run_dir, 1)  # ft_launcher restarted the workers: the trainer says so
     d.log(n0, "[trainer] start: world_size=2 incarnation=1.0", "[trainer] step 6/6 loss 3.0")
     time.sleep(0.3)
     d.terminate(n0, 0)
@@ -54,9 +58,11 @@ def _happy(d: K8sDouble, name: str) -> None:
     d.set_condition(name, "Complete", reason="JobSetCompleted", message="jobset completed")
 
 
-def test_create_follow_every_node_pod_then_delete(double: K8sDouble) -> None:
-    spec = JobSpec(**SPEC)
-    result, lines = _run(double, spec, _happy)
+def test_create_follow_every_node_pod_then_delete(double: K8sDouble, tmp_path: Path) -> None:
+    # The shared volume is mounted here too (as in the KFP task): the run's events are readable.
+    spec = JobSpec(**SPEC, mount=str(tmp_path))
+    run_dir = Path(spec.run_dir_path())
+    result, lines = _run(double, spec, functools.partial(_happy, run_dir=run_dir))
     assert result.state == "Succeeded" and result.extra["job_api"] == "trainjob"
     posts = double.calls("POST")
     assert len(posts) == 1 and posts[0]["path"] == TRAINJOBS

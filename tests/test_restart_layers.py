@@ -3,6 +3,7 @@ recreated pod) from the events on the run's volume, in goodput, the KFP Metrics 
 
 from __future__ import annotations
 
+from kfp_nvrx.components.core.events import parse_events
 from kfp_nvrx.components.core.goodput import summarize_events
 from kfp_nvrx.components.launch.ui_outputs import metrics_from_summary
 
@@ -43,7 +44,7 @@ def _run(layers: list[str]) -> list[dict]:
 
 
 def test_goodput_and_metrics_count_each_layer() -> None:
-    rep = summarize_events(_run(["in-job", "pod", "in-process"]))
+    rep = summarize_events(parse_events(_run(["in-job", "pod", "in-process"])))
     assert rep.restarts == {"in-job": 1, "pod": 1, "in-process": 1}
     assert len(rep.recovery_s) == 3  # a JobSet restart is a recovery like any other
     assert any(s.startswith("pods recreated after step 9, resumed from step 3")
@@ -54,5 +55,5 @@ def test_goodput_and_metrics_count_each_layer() -> None:
 
 
 def test_metrics_name_the_pod_layer_even_without_one() -> None:
-    m = metrics_from_summary(summarize_events(_run(["in-job"])).to_dict())
+    m = metrics_from_summary(summarize_events(parse_events(_run(["in-job"]))).to_dict())
     assert (m["restarts_pod"], m["restarts_in_job"]) == (0, 1)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kfp_nvrx.components.core.events import read_events
+from kfp_nvrx.components.core.events import read_events as _read_typed
 from kfp_nvrx.components.core.rundir import COMMIT_MARKER, committed_steps, step_dir
 from kfp_nvrx.components.launch.jobspec.spec import JobSpec
 from kfp_nvrx.components.launch.local import run_local
@@ -78,8 +78,13 @@ def _assert_boot(start: dict, whole_process: bool) -> None:
     assert sum(parts) <= boot["total"] + 1e-3, boot
 
 
+def read_events(run_dir) -> list[dict]:
+    """The run's events in their on-disk form (what these assertions were written against)."""
+    return [e.to_dict() for e in _read_typed(run_dir)]
+
+
 def _report(name: str, res) -> dict:
-    g = res.extra["goodput"]
+    g = res.summary.to_dict()
     print(f"\n[{name}] restarts={g['restarts']} recovery_s={g['recovery_s']} "
           f"goodput={g['goodput']:.3f} redone={g['steps_redone']} wall={res.duration_s:.1f}s")
     return g

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kfp_nvrx.components.core.config import load_config
+from kfp_nvrx.components.core.events import parse_events
 from kfp_nvrx.components.core.faults import Fault, parse_fault
 from kfp_nvrx.components.core.goodput import summarize_events
 from kfp_nvrx.components.core.launch_command import (
@@ -110,7 +111,7 @@ def test_goodput_recovery_and_redone_steps():
               {"type": "fault", "time": 4.0, "kind": "kill", "step": 4, "rank": 1},
               {"type": "restart", "time": 8.0, "kind": "in-job", "incarnation": 1, "iteration": 0},
               step(3, 9, inc=1), step(4, 10, inc=1, loss=0.5)]
-    rep = summarize_events(events)
+    rep = summarize_events(parse_events(events))
     assert rep.steps_final == 4 and rep.steps_run == 5 and rep.steps_redone == 1
     assert rep.productive_s == 4 and rep.lost_work_s == 1 and rep.wall_s == 11
     assert rep.goodput == pytest.approx(4 / 11)

@@ -1,26 +1,202 @@
-"""Run events: one JSON object per line in ``<run_dir>/events.jsonl``.
+"""Run events: one JSON object per line in ``<run_dir>/events.jsonl``, one typed class per kind.
 
-Types and their fields (every line also has ``type`` and ``time``, Unix seconds):
-``start`` (incarnation, iteration, world_size, resumed_from, load_s; ``layer`` = the restart's
-kind when it is one), ``step`` (step, start, end,
-incarnation, iteration, loss, tokens), ``checkpoint`` (step, blocking_s, total_s, bytes),
-``fault`` (kind, step, rank), ``restart`` (kind ``in-job``/``in-process``/``pod``, incarnation,
-iteration),
-``end`` (step, status). Rank 0 writes everything except ``fault``, which the faulting rank writes.
+The classes below are the one place that knows the events' field names: the trainer and the drills
+write them (:class:`EventLog`), goodput, the timeline, the launchers' results and the drills read
+them (:func:`read_events`). Every line has ``type`` and ``time`` (Unix seconds); the rest is:
+
+- :class:`Start`: an incarnation began (``layer`` names the restart when it is one);
+- :class:`Step`: one training step (``start`` .. ``end``);
+- :class:`Checkpoint`: a save committed (``blocking_s`` stalled training);
+- :class:`Fault`: an injected fault fired (written by the faulting rank, or by a drill);
+- :class:`Restart`: a restart of one of :data:`RESTART_LAYERS`;
+- :class:`End`: the run completed.
+
+Rank 0 writes everything except :class:`Fault`. The on-disk form is unchanged from the dicts the
+trainer used to write: a field that is None is left out unless it has always been written as
+``null`` (``resumed_from``, ``loss``, ``rank``), so files of older runs read, and older readers read
+ours. A line of a type this version does not know reads as :class:`Other`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from kfp_nvrx.components.core.bounded import EVENT_LINE_LIMIT, EVENTS_LIMIT, iter_lines
 from kfp_nvrx.components.core.rundir import EVENTS_FILE
+
+#: The layers a restart can be of, innermost first: the wrapper re-entered the training function
+#: in the same process (``in-process``), ft_launcher restarted the workers inside their pods
+#: (``in-job``), the pods were recreated (``pod``: a JobSet restart, a fresh ft_launcher).
+RESTART_LAYERS = ("in-process", "in-job", "pod")
+
+#: What a field holds, for the checks of a line read back (see :func:`_check`).
+_COUNT, _TIME, _NUMBER, _LOSS, _TEXT, _ANY = "count", "time", "number", "loss", "text", "any"
+#: Unix times up to 2100-01-01: a time of -1e18 or 1e300 is damage, not a run.
+_LATEST = 4_102_444_800.0
+#: Seconds an event may lie before the latest one read before it ere it is reported out of order
+#: (ranks write their own lines, a moment apart). A start carries the time its incarnation began,
+#: before the lines its set-up wrote: it is exempt.
+_ORDER_SLACK_S = 1.0
+
+
+def _f(kind: str, default: Any = dataclasses.MISSING, *, null: bool = False) -> Any:
+    """A field of ``kind``, required in a line read back when it has no default.
+
+    ``null``: written as ``null`` when None (the format always had it).
+    """
+    meta = {"kind": kind, "null": null, "required": default is dataclasses.MISSING}
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Event:
+    """What every event has: its ``type`` (the class) and ``time`` (Unix seconds)."""
+
+    TYPE: ClassVar[str] = ""
+    #: Now, unless given (a start carries the time its incarnation began); required when read.
+    time: float = field(default_factory=time.time,
+                        metadata={"kind": _TIME, "null": False, "required": True})
+    #: Fields of the line this version does not name (a newer writer's); kept, never written.
+    unnamed: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def when(self) -> float:
+        """When it happened, for time order: a step's start, any other event's time."""
+        return self.time
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object of the line (``type`` and ``time`` first, Nones left out; see above)."""
+        out: dict[str, Any] = {"type": self.TYPE}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name != "unnamed" and (value is not None or f.metadata.get("null")):
+                out[f.name] = value
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class Start(Event):
+    """An incarnation began: the process group is up and the newest checkpoint is loaded.
+
+    Attributes:
+        incarnation: ft_launcher restarts so far (job-wide, as rank 0 counted them).
+        iteration: In-process re-entries of the training function in this process.
+        world_size: Ranks of the incarnation.
+        resumed_from: Step of the checkpoint it resumed from (None: from scratch).
+        load_s: Seconds the load took.
+        from_memory: The state came from the host copy, not the volume.
+        pid: Rank 0's process id (the same across in-process restarts).
+        run_id: The rendezvous id: new per launcher invocation (a session, see goodput).
+        agent: Which ft_launcher started the rank (host/pid...): another agent means new pods.
+        layer: One of :data:`RESTART_LAYERS` when this start is a restart's, else None.
+        boot: Seconds of each part of the start (see the trainer's boot record).
+    """
+
+    TYPE: ClassVar[str] = "start"
+    incarnation: int = _f(_COUNT, 0)
+    iteration: int = _f(_COUNT, 0)
+    world_size: int | None = _f(_COUNT, None)
+    resumed_from: int | None = _f(_COUNT, None, null=True)
+    load_s: float | None = _f(_NUMBER, None)
+    from_memory: bool | None = _f(_ANY, None)
+    pid: int | None = _f(_ANY, None)
+    run_id: str | None = _f(_ANY, None)
+    agent: str | None = _f(_ANY, None)
+    layer: str | None = _f(_ANY, None)
+    boot: dict[str, Any] | None = _f(_ANY, None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Step(Event):
+    """One training step of an incarnation, ``start`` to ``end`` (Unix seconds)."""
+
+    TYPE: ClassVar[str] = "step"
+    step: int = _f(_COUNT)
+    start: float = _f(_TIME)
+    end: float = _f(_TIME)
+    incarnation: int = _f(_COUNT, 0)
+    iteration: int = _f(_COUNT, 0)
+    #: None when it was not finite (a diverged loss is written as ``null``: NaN is no JSON).
+    loss: float | None = _f(_LOSS, None, null=True)
+    tokens: int | None = _f(_NUMBER, None)
+
+    @property
+    def when(self) -> float:
+        """A step happened when it started."""
+        return self.start
+
+    @property
+    def seconds(self) -> float:
+        """How long the step took."""
+        return self.end - self.start
+
+
+@dataclass(frozen=True, kw_only=True)
+class Checkpoint(Event):
+    """A save of ``step`` committed: ``blocking_s`` stalled training, ``total_s`` in all."""
+
+    TYPE: ClassVar[str] = "checkpoint"
+    step: int = _f(_COUNT)
+    blocking_s: float = _f(_NUMBER, 0.0)
+    total_s: float | None = _f(_NUMBER, None)
+    bytes: int | None = _f(_NUMBER, None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fault(Event):
+    """An injected fault of ``kind`` fired at ``step`` on ``rank`` (-1 or None: no one rank)."""
+
+    TYPE: ClassVar[str] = "fault"
+    kind: str = _f(_TEXT)
+    step: int = _f(_COUNT, 0)
+    rank: int | None = _f(_COUNT, None, null=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Restart(Event):
+    """A restart of layer ``kind`` (one of :data:`RESTART_LAYERS`) began this incarnation."""
+
+    TYPE: ClassVar[str] = "restart"
+    kind: str = _f(_TEXT)
+    incarnation: int = _f(_COUNT, 0)
+    iteration: int = _f(_COUNT, 0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class End(Event):
+    """The run ended with ``status`` (``completed``) after ``step``."""
+
+    TYPE: ClassVar[str] = "end"
+    step: int | None = _f(_COUNT, None)
+    status: str = _f(_ANY, "")
+
+    @property
+    def completed(self) -> bool:
+        """The training loop ran to its last step."""
+        return self.status == "completed"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Other(Event):
+    """A line of a type this version does not know (a newer writer's): read, used by no one."""
+
+    type: str = _f(_TEXT)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The line as it was read."""
+        return {"type": self.type, "time": self.time, **self.unnamed}
+
+
+#: Every event class by its ``type``.
+TYPES: dict[str, type[Event]] = {c.TYPE: c for c in (Start, Step, Checkpoint, Fault, Restart, End)}
 
 
 class EventLog:
@@ -35,11 +211,10 @@ class EventLog:
         self.path = Path(run_dir) / EVENTS_FILE
         self.enabled = enabled
 
-    def emit(self, type_: str, **fields: Any) -> dict[str, Any]:
-        """Writes one event and returns it."""
-        event = {"type": type_, "time": fields.pop("time", time.time()), **fields}
+    def emit(self, event: Event) -> Event:
+        """Writes one event (when enabled) and returns it."""
         if self.enabled:
-            line = (json.dumps(_finite(event), separators=(",", ":")) + "\n").encode()
+            line = (json.dumps(_finite(event.to_dict()), separators=(",", ":")) + "\n").encode()
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
             try:
                 os.write(fd, line)
@@ -59,74 +234,94 @@ def _finite(value: Any) -> Any:
     return value
 
 
-#: Fields each event type must carry as numbers for the readers (goodput, timeline) to use it.
-_NUMERIC = {"step": ("step", "start", "end"), "checkpoint": ("step",)}
-#: Fields that, when present, must be numbers (the readers do arithmetic on them).
-_OPTIONAL_NUMERIC = ("incarnation", "iteration", "world_size", "blocking_s", "total_s", "bytes",
-                     "tokens", "load_s")
-#: Fields that may also be null.
-_NULLABLE_NUMERIC = ("resumed_from", "rank", "loss")
-#: Fields that count (steps, restarts, ranks): whole numbers; -1 is "no rank" (a drill's fault).
-_COUNTS = ("step", "incarnation", "iteration", "world_size", "resumed_from", "rank")
-#: Fields that are Unix times: 0 .. 2100-01-01 (a time of -1e18 or 1e300 is damage, not a run).
-_TIMES = ("time", "start", "end")
-_LATEST = 4_102_444_800.0
-#: Seconds an event may lie before the latest one already read before it is reported out of
-#: order (ranks write their own lines, a moment apart). ``start`` events carry the time their
-#: incarnation began, before the lines its set-up wrote: they are exempt.
-_ORDER_SLACK_S = 1.0
-
-
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def event_problem(event: Any) -> str | None:
-    """What makes ``event`` unusable for the readers (goodput, timeline), or None."""
-    if not isinstance(event, dict):
-        return f"a JSON {type(event).__name__}, not an event object"
-    if not isinstance(event.get("type"), str):
-        return "no event type"
-    need = ("time", *_NUMERIC.get(event["type"], ()))
-    for key in need:
-        if key not in event or event[key] is None:
-            return f"no {key}"
-    for key in (*need, *_OPTIONAL_NUMERIC, *_NULLABLE_NUMERIC):
-        value = event.get(key)
-        if key not in event or (value is None and key in _NULLABLE_NUMERIC):
-            continue
-        if not _is_number(value):
-            return f"{key} is {type(value).__name__} {str(value)[:40]!r}, not a number"
-        if not math.isfinite(value):
-            if key == "loss":
-                continue  # a diverged loss is a fact of the run; reported as null
-            return f"{key} is {value}, not a finite number"
-    for key in _TIMES:
-        if key in event and not 0 <= event[key] <= _LATEST:
-            return f"{key} {event[key]:g} is no time of a run (Unix seconds up to 2100)"
-    for key in _COUNTS:
-        value = event.get(key)
-        if value is not None and (value != int(value) or not -1 <= value <= 2**31 - 1):
-            return f"{key} {value:g} is no count of a run (a whole number below 2^31)"
-    if event["type"] == "step" and event["end"] < event["start"]:
-        return "step ends before it starts"
-    if event["type"] in ("restart", "fault") and not isinstance(event.get("kind"), str):
-        return "no kind"
+def _check(name: str, kind: str, value: Any) -> str | None:
+    """What is wrong with ``value`` of a field of ``kind``, or None."""
+    if kind == _TEXT:
+        return None if isinstance(value, str) else f"no {name}"
+    if kind == _ANY:
+        return None
+    if not _is_number(value):
+        return f"{name} is {type(value).__name__} {str(value)[:40]!r}, not a number"
+    if not math.isfinite(value):
+        # A diverged loss is a fact of the run (read as None); anything else is damage.
+        return None if kind == _LOSS else f"{name} is {value}, not a finite number"
+    if kind == _TIME and not 0 <= value <= _LATEST:
+        return f"{name} {value:g} is no time of a run (Unix seconds up to 2100)"
+    if kind == _COUNT and (value != int(value) or not -1 <= value <= 2**31 - 1):
+        # -1 is "no rank" (a drill's fault).
+        return f"{name} {value:g} is no count of a run (a whole number below 2^31)"
     return None
 
 
-def _usable(event: Any) -> bool:
-    """A well-formed event: see :func:`event_problem`."""
-    return event_problem(event) is None
+def parse_event(obj: Any) -> Event:
+    """The typed event of one decoded line.
+
+    Raises:
+        ValueError: What makes the line unusable for the readers (goodput, timeline): no type or
+            time, a required field missing, a string or a time no run has where a number belongs.
+    """
+    if not isinstance(obj, dict):
+        raise ValueError(f"a JSON {type(obj).__name__}, not an event object")
+    if not isinstance(obj.get("type"), str):
+        raise ValueError("no event type")
+    cls = TYPES.get(obj["type"], Other)
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name == "unnamed":
+            continue
+        value = obj.get(f.name)
+        if value is None:
+            if f.metadata["required"]:
+                raise ValueError(f"no {f.name}")
+            continue  # absent or null: the field's default
+        problem = _check(f.name, f.metadata["kind"], value)
+        if problem:
+            raise ValueError(problem)
+        if f.metadata["kind"] == _LOSS and not math.isfinite(value):
+            value = None
+        values[f.name] = value
+    event = cls(**values, unnamed={k: v for k, v in obj.items() if k not in values
+                                   and k not in ("type", "time") and not hasattr(cls, k)})
+    if isinstance(event, Step) and event.end < event.start:
+        raise ValueError("step ends before it starts")
+    return event
 
 
-def _order_key(event: dict[str, Any]) -> float:
-    """When an event happened: a step's start, any other event's time."""
-    return float(event["start"] if event["type"] == "step" else event["time"])
+def in_time_order(events: Iterable[Event],
+                  disorder: Callable[[int, Event, float], None] | None = None) -> list[Event]:
+    """``events`` in the order they happened (stable), each one out of order reported.
+
+    Args:
+        events: Events in the order they were written.
+        disorder: Called with (index, event, seconds it lies before an earlier one).
+    """
+    out, latest, disordered = list(events), -math.inf, False
+    for i, event in enumerate(out):
+        if not isinstance(event, Start) and event.when < latest - _ORDER_SLACK_S:
+            disordered = True
+            if disorder is not None:
+                disorder(i, event, latest - event.when)
+        latest = max(latest, event.when)
+    if disordered:
+        out.sort(key=lambda e: e.when)
+    return out
+
+
+def parse_events(objs: Iterable[Mapping[str, Any]]) -> list[Event]:
+    """Typed events, in time order, of decoded lines held in memory (tests, summaries).
+
+    Raises:
+        ValueError: One of them is no usable event (see :func:`parse_event`).
+    """
+    return in_time_order(parse_event(dict(obj)) for obj in objs)
 
 
 def read_events(run_dir: str | os.PathLike,
-                warn: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+                warn: Callable[[str], None] | None = None) -> list[Event]:
     """All well-formed events of a run, in time order.
 
     Read line by line with a cap per line and in all (:mod:`.bounded`). A line that is not a
@@ -138,32 +333,26 @@ def read_events(run_dir: str | os.PathLike,
     if not path.is_file():
         return []
     say = warn or (lambda _msg: None)
-    events: list[dict[str, Any]] = []
-    latest, disordered = -math.inf, False
+    events: list[Event] = []
+    lines: list[int] = []
     for lineno, raw in enumerate(iter_lines(path, "--run-dir", EVENT_LINE_LIMIT, EVENTS_LIMIT),
                                  start=1):
         if raw is not None and not raw.strip():
             continue
-        if raw is None:
-            problem = f"longer than {EVENT_LINE_LIMIT >> 10} KiB"
-        else:
+        try:
+            if raw is None:
+                raise ValueError(f"longer than {EVENT_LINE_LIMIT >> 10} KiB")
             try:
-                event = json.loads(raw.decode("utf-8", errors="strict"))
-                problem = event_problem(event)
+                obj = json.loads(raw.decode("utf-8", errors="strict"))
             except (ValueError, RecursionError) as err:
-                problem = f"not JSON ({' '.join(str(err).split())[:80]})"
-        if problem is not None:
-            say(f"{path} line {lineno}: {problem}; skipped")
-            continue
-        if event.get("loss") is not None and not math.isfinite(event["loss"]):
-            event["loss"] = None
-        key = _order_key(event)
-        if event["type"] != "start" and key < latest - _ORDER_SLACK_S:
-            say(f"{path} line {lineno}: {event['type']} at {key:.3f} is {latest - key:.1f} s "
-                "before an earlier line; taken in time order")
-            disordered = True
-        latest = max(latest, key)
-        events.append(event)
-    if disordered:
-        events.sort(key=_order_key)
-    return events
+                raise ValueError(f"not JSON ({' '.join(str(err).split())[:80]})") from None
+            events.append(parse_event(obj))
+            lines.append(lineno)
+        except ValueError as err:
+            say(f"{path} line {lineno}: {err}; skipped")
+
+    def disorder(i: int, event: Event, early: float) -> None:
+        say(f"{path} line {lines[i]}: {event.to_dict()['type']} at {event.when:.3f} is "
+            f"{early:.1f} s before an earlier line; taken in time order")
+
+    return in_time_order(events, disorder)

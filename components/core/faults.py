@@ -14,7 +14,10 @@ from dataclasses import dataclass
 
 from kfp_nvrx.components.errors import UserError
 
-KINDS = ("kill", "raise", "hang", "kill-in-ckpt", "stall")
+#: Every kind, with how it reads in a sentence ("rank 1 killed at step 20"): the one list of kinds.
+_VERBS = {"kill": "killed", "raise": "raised an exception", "hang": "hung",
+          "kill-in-ckpt": "killed while checkpointing", "stall": "stalled"}
+KINDS = tuple(_VERBS)
 _PATTERN = re.compile(r"^(?P<kind>[a-z-]+)@(?P<step>\d+)(?:/(?P<rank>\d+))?$")
 
 
@@ -30,6 +33,11 @@ class Fault:
     def key(self) -> str:
         """Marker name, unique per fault."""
         return f"{self.kind}@{self.step}.{self.rank}"
+
+
+def fault_verb(kind: str) -> str:
+    """How a fault of ``kind`` reads in a sentence; a drill's own kinds read ``<kind> fault``."""
+    return _VERBS.get(kind, f"{kind} fault")
 
 
 def parse_fault(text: str) -> Fault:

@@ -22,7 +22,17 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kfp_nvrx.components.core.events import read_events
+from kfp_nvrx.components.core.events import (
+    Checkpoint,
+    End,
+    Event,
+    Fault,
+    Restart,
+    Start,
+    Step,
+    read_events,
+)
+from kfp_nvrx.components.core.faults import fault_verb
 
 
 @dataclass
@@ -50,50 +60,54 @@ class GoodputReport:
         """JSON-serialisable form."""
         return asdict(self)
 
+    def restarts_of(self, layer: str) -> int:
+        """Restarts of one of :data:`~.events.RESTART_LAYERS` (0 when there was none)."""
+        return self.restarts.get(layer, 0)
 
-def _incarnation(ev: dict[str, Any]) -> tuple[int, int]:
-    return int(ev.get("incarnation", 0)), int(ev.get("iteration", 0))
+
+def _incarnation(ev: Start | Step) -> tuple[int, int]:
+    return int(ev.incarnation), int(ev.iteration)
 
 
-def sessions(events: list[dict[str, Any]]) -> list[int]:
+def sessions(events: list[Event]) -> list[int]:
     """The session (launcher invocation) of each event, 0, 1, ... (see the module docstring)."""
     out: list[int] = []
     index, run_id, ended = 0, None, False
     for e in events:
-        rid = e.get("run_id") or None if e["type"] == "start" else None
+        rid = (e.run_id or None) if isinstance(e, Start) else None
         if out and (ended or (rid is not None and run_id is not None and rid != run_id)):
             index, run_id, ended = index + 1, None, False
         if rid is not None:
             run_id = rid
-        ended = ended or e["type"] == "end"
+        ended = ended or isinstance(e, End)
         out.append(index)
     return out
 
 
-def _wall(events: list[dict[str, Any]], sess: list[int]) -> float:
+def _wall(events: list[Event], sess: list[int]) -> float:
     """Sum over sessions of first event (a step's start) to last event (a step's end)."""
     spans: dict[int, list[float]] = {}
     for e, k in zip(events, sess, strict=True):
-        lo, hi = e.get("start", e["time"]), max(e["time"], e.get("end", e["time"]))
+        lo, hi = e.when, max(e.time, e.end if isinstance(e, Step) else e.time)
         span = spans.setdefault(k, [lo, hi])
-        span[0], span[1] = min(span[0], lo, e["time"]), max(span[1], hi)
+        span[0], span[1] = min(span[0], lo, e.time), max(span[1], hi)
     return sum(hi - lo for lo, hi in spans.values())
 
 
-def summarize_events(events: list[dict[str, Any]]) -> GoodputReport:
-    """Computes the report from a list of events (see :mod:`events` for the schema)."""
+def summarize_events(events: list[Event]) -> GoodputReport:
+    """Computes the report from typed events in time order (:func:`.events.read_events`)."""
     rep = GoodputReport()
     if not events:
         return rep
     sess = sessions(events)
     rep.wall_s = _wall(events, sess)
-    steps = [e for e in events if e["type"] == "step"]
+    steps = [e for e in events if isinstance(e, Step)]
     last_exec: dict[int, int] = {}
     for i, e in enumerate(steps):
-        last_exec[e["step"]] = i
+        last_exec[e.step] = i
     for i, e in enumerate(steps):
-        dur = e["end"] - e["start"]
-        if last_exec[e["step"]] == i:
+        dur = e.seconds
+        if last_exec[e.step] == i:
             rep.productive_s += dur
         else:
             rep.lost_work_s += dur
@@ -103,14 +117,14 @@ def summarize_events(events: list[dict[str, Any]]) -> GoodputReport:
     rep.goodput = rep.productive_s / rep.wall_s if rep.wall_s > 0 else 0.0
     if steps:
         final = steps[last_exec[rep.steps_final]]
-        rep.final_loss = final.get("loss")
+        rep.final_loss = final.loss
     for e in events:
-        if e["type"] == "restart":
-            rep.restarts[e["kind"]] = rep.restarts.get(e["kind"], 0) + 1
-        elif e["type"] == "checkpoint":
+        if isinstance(e, Restart):
+            rep.restarts[e.kind] = rep.restarts.get(e.kind, 0) + 1
+        elif isinstance(e, Checkpoint):
             rep.checkpoints += 1
-            rep.checkpoint_stall_s += float(e.get("blocking_s", 0.0))
-        elif e["type"] == "fault":
+            rep.checkpoint_stall_s += float(e.blocking_s)
+        elif isinstance(e, Fault):
             rep.faults += 1
     rep.recovery_s = _recoveries(events, sess)
     if rep.recovery_s:
@@ -120,12 +134,7 @@ def summarize_events(events: list[dict[str, Any]]) -> GoodputReport:
     return rep
 
 
-#: How a fault kind reads in a sentence ("rank 1 killed at step 20").
-_FAULT_VERBS = {"kill": "killed", "raise": "raised an exception", "hang": "hung",
-                "kill-in-ckpt": "killed while checkpointing", "stall": "stalled"}
-
-
-def narrate(events: list[dict[str, Any]], sess: list[int] | None = None) -> list[str]:
+def narrate(events: list[Event], sess: list[int] | None = None) -> list[str]:
     """Return one sentence per restart (and per relaunch of a resumed run).
 
     E.g. "rank 1 killed at step 20, resumed from step 10 in 4.1 s, 9 steps redone": redone counts
@@ -136,74 +145,85 @@ def narrate(events: list[dict[str, Any]], sess: list[int] | None = None) -> list
     """
     sess = sessions(events) if sess is None else sess
     out: list[str] = []
-    fault: dict[str, Any] | None = None
+    fault: Fault | None = None
     current: tuple[int, int, int] | None = None
     done: list[int] = []  # steps the current incarnation executed
     last_end: float | None = None
     pending: dict[str, Any] | None = None  # a restart waiting for its first step (recovery)
     for e, k in zip(events, sess, strict=True):
-        if e["type"] == "fault" and fault is None:
+        if isinstance(e, Fault) and fault is None:
             fault = e
-        elif e["type"] == "start":
+        elif isinstance(e, Start):
             inc = (k, *_incarnation(e))
             relaunch = current is not None and k != current[0]
             if current is not None and inc != current:
                 if relaunch:
                     what = "relaunched"
                 elif fault is not None:
-                    rank = f"rank {fault['rank']}" if fault.get("rank") is not None else "a rank"
-                    what = (f"{rank} {_FAULT_VERBS.get(fault['kind'], fault['kind'] + ' fault')}"
-                            f" at step {fault['step']}")
-                elif e.get("layer") == "pod":  # the start says which layer restarted
+                    rank = f"rank {fault.rank}" if fault.rank is not None else "a rank"
+                    what = f"{rank} {fault_verb(fault.kind)} at step {fault.step}"
+                elif e.layer == "pod":  # the start says which layer restarted
                     what = f"pods recreated after step {max(done, default=0)}"
                 else:
                     what = f"workers failed after step {max(done, default=0)}"
-                base = e.get("resumed_from")
+                base = e.resumed_from
                 where = "restarted from scratch" if base is None else f"resumed from step {base}"
-                if e.get("from_memory"):
+                if e.from_memory:
                     where += " (host memory)"
                 redone = sum(1 for s in done if s > (base or 0))
-                origin = None if relaunch else fault["time"] if fault is not None else last_end
+                origin = None if relaunch else fault.time if fault is not None else last_end
                 pending = {"text": f"{what}, {where}", "origin": origin,
                            "redone": f"{redone} step{'s' if redone != 1 else ''} redone"}
                 fault, done = None, []
             current = inc
-        elif e["type"] == "step":
+        elif isinstance(e, Step):
             if current is None or (k, *_incarnation(e)) != current:  # a log without starts
                 current, done = (k, *_incarnation(e)), []
             if pending is not None:
                 took = ("" if pending["origin"] is None
-                        else f" in {e['end'] - pending['origin']:.1f} s")
+                        else f" in {e.end - pending['origin']:.1f} s")
                 out.append(f"{pending['text']}{took}, {pending['redone']}")
                 pending = None
-            done.append(int(e["step"]))
-            last_end = e["end"]
+            done.append(int(e.step))
+            last_end = e.end
     if pending is not None:
         out.append(f"{pending['text']}, {pending['redone']}")
     return out
 
 
-def _recoveries(events: list[dict[str, Any]], sess: list[int]) -> list[float]:
-    """Fault -> first step of the next incarnation, one figure per restart (not per relaunch)."""
-    out = []
+def recovery_windows(events: list[Event],
+                     sess: list[int] | None = None) -> list[tuple[float, float]]:
+    """(origin, end of the next incarnation's first step), one window per restart.
+
+    The origin is the first fault since the last window, else the end of the last step before
+    the restart. A relaunch (a new session) opens no window: the idle time between two launcher
+    invocations is no recovery.
+    """
+    sess = sessions(events) if sess is None else sess
+    out: list[tuple[float, float]] = []
     last_fault: float | None = None
     last_step_end: float | None = None
     current: tuple[int, int, int] | None = None
     for e, k in zip(events, sess, strict=True):
-        if e["type"] == "fault":
-            last_fault = e["time"] if last_fault is None else last_fault
-        elif e["type"] == "step":
+        if isinstance(e, Fault):
+            last_fault = e.time if last_fault is None else last_fault
+        elif isinstance(e, Step):
             inc = (k, *_incarnation(e))
             if current is not None and inc[0] != current[0]:
-                last_fault = None  # a relaunch: the idle time between sessions is no recovery
+                last_fault = None
             elif current is not None and inc != current:
                 origin = last_fault if last_fault is not None else last_step_end
                 if origin is not None:
-                    out.append(round(e["end"] - origin, 3))
+                    out.append((origin, e.end))
                 last_fault = None
             current = inc
-            last_step_end = e["end"]
+            last_step_end = e.end
     return out
+
+
+def _recoveries(events: list[Event], sess: list[int]) -> list[float]:
+    """Fault -> first step of the next incarnation, in seconds, one figure per restart."""
+    return [round(end - origin, 3) for origin, end in recovery_windows(events, sess)]
 
 
 def summarize(run_dir: str | os.PathLike,

@@ -15,9 +15,8 @@ import subprocess
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
-from kfp_nvrx.components.core.events import EventLog, read_events
+from kfp_nvrx.components.core.events import Checkpoint, Event, EventLog, Fault, Step, read_events
 from kfp_nvrx.components.core.host_copy import host_copy_dir
 from kfp_nvrx.components.core.rundir import checkpoints_dir, committed_steps, step_dir
 
@@ -43,7 +42,7 @@ class Action:
     def on_line(self, line: str) -> None:
         """One launcher/trainer log line."""
 
-    def poll(self, events: list[dict[str, Any]]) -> bool:
+    def poll(self, events: list[Event]) -> bool:
         """Called every 50 ms with the run's events; True when nothing is left to do."""
         return True
 
@@ -52,14 +51,14 @@ class Action:
 
     def fault_event(self, kind: str, rank: int) -> None:
         """Records a fault the drill caused, at the last step the run logged."""
-        steps = [e["step"] for e in read_events(self.run_dir) if e["type"] == "step"]
-        EventLog(self.run_dir).emit("fault", kind=kind, step=steps[-1] if steps else 0, rank=rank)
+        steps = [e.step for e in read_events(self.run_dir) if isinstance(e, Step)]
+        EventLog(self.run_dir).emit(Fault(kind=kind, step=steps[-1] if steps else 0, rank=rank))
 
 
-def first_commit_passed(events: list[dict[str, Any]]) -> bool:
+def first_commit_passed(events: list[Event]) -> bool:
     """A checkpoint was committed and a later step finished."""
-    commits = [e["step"] for e in events if e["type"] == "checkpoint"]
-    return bool(commits) and any(e["type"] == "step" and e["step"] > commits[0] for e in events)
+    commits = [e.step for e in events if isinstance(e, Checkpoint)]
+    return bool(commits) and any(isinstance(e, Step) and e.step > commits[0] for e in events)
 
 
 class KillNode(Action):
@@ -72,7 +71,7 @@ class KillNode(Action):
     def on_start(self, pids: list[int]) -> None:  # noqa: D102
         self.pids = list(pids)
 
-    def poll(self, events: list[dict[str, Any]]) -> bool:  # noqa: D102
+    def poll(self, events: list[Event]) -> bool:  # noqa: D102
         if not self.pids or not first_commit_passed(events):
             return False
         node = len(self.pids) - 1
@@ -91,8 +90,8 @@ class DamageNewest(Action):
         self.damaged: int | None = None
         self.fallback_logged = False
 
-    def poll(self, events: list[dict[str, Any]]) -> bool:  # noqa: D102
-        if not any(e["type"] == "fault" for e in events):
+    def poll(self, events: list[Event]) -> bool:  # noqa: D102
+        if not any(isinstance(e, Fault) for e in events):
             return False
         root = checkpoints_dir(self.run_dir)
         steps = committed_steps(root)

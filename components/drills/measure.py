@@ -5,15 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from kfp_nvrx.components.core.events import Checkpoint, End, Event, Start
 from kfp_nvrx.components.core.rundir import checkpoints_dir, committed_steps, step_dir, verify
 
 
-def starts(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def starts(events: list[Event]) -> list[Start]:
     """The ``start`` events (one per incarnation / in-process iteration)."""
-    return [e for e in events if e["type"] == "start"]
+    return [e for e in events if isinstance(e, Start)]
 
 
-def committed_steps_lost(events: list[dict[str, Any]]) -> int:
+def committed_steps_lost(events: list[Event]) -> int:
     """Committed progress thrown away: for every restart, newest commit so far - step resumed.
 
     0 when each restart resumed from the newest committed checkpoint; positive when it had to
@@ -22,18 +23,18 @@ def committed_steps_lost(events: list[dict[str, Any]]) -> int:
     lost, newest = 0, 0
     seen_start = False
     for e in events:
-        if e["type"] == "checkpoint":
-            newest = max(newest, int(e["step"]))
-        elif e["type"] == "start":
+        if isinstance(e, Checkpoint):
+            newest = max(newest, int(e.step))
+        elif isinstance(e, Start):
             if seen_start:
-                lost += max(0, newest - int(e.get("resumed_from") or 0))
+                lost += max(0, newest - int(e.resumed_from or 0))
             seen_start = True
     return lost
 
 
-def completed(events: list[dict[str, Any]]) -> bool:
+def completed(events: list[Event]) -> bool:
     """Whether the trainer logged a completed end."""
-    return any(e["type"] == "end" and e.get("status") == "completed" for e in events)
+    return any(isinstance(e, End) and e.completed for e in events)
 
 
 def run_dir_problems(run_dir: Path) -> list[str]:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kfp_nvrx.components.core.events import read_events
+from kfp_nvrx.components.core.events import Event, Step, read_events
 from kfp_nvrx.components.core.rundir import COMMIT_MARKER, checkpoints_dir, committed_steps, step_dir
 from kfp_nvrx.components.drills import measure
 from kfp_nvrx.components.drills.actions import (
@@ -83,7 +83,7 @@ def _train(run_dir: Path, overrides: list[str], faults: list[str], nodes: str, l
                          on_start=action.on_start if action is not None else None)
 
 
-def _hot_spare(action: Any, events: list[dict[str, Any]]) -> bool:
+def _hot_spare(action: Any, events: list[Event]) -> bool:
     """The killed local node was a hot spare: the job never ran on it.
 
     NVRx >= 0.7 closes the first rendezvous round as soon as MIN nodes have joined, so with
@@ -91,19 +91,19 @@ def _hot_spare(action: Any, events: list[dict[str, Any]]) -> bool:
     """
     starts = measure.starts(events)
     return isinstance(action, KillNode) and bool(starts) and \
-        starts[0]["world_size"] < len(action.pids)
+        (starts[0].world_size or 0) < len(action.pids)
 
 
 def _common(row: Row, sc: Scenario, ctx: _Ctx, run_dir: Path, res: Any, token: str,
             action: Any = None) -> None:
     """Figures and expectations every scenario shares."""
     events = read_events(run_dir)
-    g = res.extra["goodput"]
-    row.survived = res.succeeded and g["steps_final"] == STEPS
-    row.restarts, row.steps_redone = dict(g["restarts"]), int(g["steps_redone"])
-    row.recovery_s = [float(s) for s in g["recovery_s"]]
+    g = res.summary
+    row.survived = res.succeeded and g.steps_final == STEPS
+    row.restarts, row.steps_redone = dict(g.restarts), int(g.steps_redone)
+    row.recovery_s = [float(s) for s in g.recovery_s]
     row.committed_steps_lost = measure.committed_steps_lost(events)
-    resumed = [s.get("resumed_from") for s in measure.starts(events)[1:]]
+    resumed = [s.resumed_from for s in measure.starts(events)[1:]]
     if resumed:
         row.notes.append(f"restarts resumed from steps {resumed}")
     reaped = int(res.extra.get("leftover_processes_killed", 0))
@@ -133,7 +133,7 @@ def _specific(row: Row, sc: Scenario, run_dir: Path, action: Any) -> None:
     events = read_events(run_dir)
     starts = measure.starts(events)
     if isinstance(action, KillNode):
-        sizes = [s["world_size"] for s in starts]
+        sizes = [s.world_size or 0 for s in starts]
         row.notes.append(f"world sizes {sizes}")
         if _hot_spare(action, events):
             row.notes.append("the killed node was a hot spare (NVRx >= 0.7 starts an elastic job "
@@ -232,7 +232,7 @@ def _sigterm(sc: Scenario, ctx: _Ctx, relaunch: bool) -> Row:
     for problem in problems:
         row.check(False, problem)
     kept = committed_steps(checkpoints_dir(run_dir))
-    steps_before = max((e["step"] for e in events if e["type"] == "step"), default=0)
+    steps_before = max((e.step for e in events if isinstance(e, Step)), default=0)
     row.notes.append(f"stopped {stop_s:.1f} s after SIGTERM (exit code {rc}) at step "
                      f"{steps_before}; nothing left running; committed {sorted(kept)} all verify")
     row.state = "Cancelled"
@@ -245,9 +245,9 @@ def _sigterm(sc: Scenario, ctx: _Ctx, relaunch: bool) -> Row:
     res = _train(run_dir, ctx.overrides(sc), [], nodes, log_file, token)
     row.state = f"Cancelled, relaunch {res.state}"
     _common(row, sc, ctx, run_dir, res, token)
-    first = next((e for e in read_events(run_dir)[len(events):] if e["type"] == "step"), None)
+    first = next((e for e in read_events(run_dir)[len(events):] if isinstance(e, Step)), None)
     if first is not None:
-        row.recovery_s = [round(first["end"] - t_sig, 3)]
+        row.recovery_s = [round(first.end - t_sig, 3)]
         row.notes.append("recovery = SIGTERM -> first step of the relaunch")
     row.check(row.survived, f"relaunch did not finish: {res.state} {res.reason}")
     row.wall_s = round(time.time() - t0, 1)

@@ -23,7 +23,7 @@ from kfp_nvrx.components.launch.jobspec.resolve import ResolvedJob
 from kfp_nvrx.components.launch.jobspec.spec import DELETE_AFTER
 from kfp_nvrx.components.launch.k8s_api import ClusterError, hints
 from kfp_nvrx.components.launch.logs import PodLogFollower
-from kfp_nvrx.components.launch.result import LaunchResult
+from kfp_nvrx.components.launch.result import LaunchResult, account_run_dir, restarts_so_far
 
 #: Extra time past ``activeDeadlineSeconds`` before the launcher itself gives up, so the
 #: operator's own deadline (with its reason) normally ends the job first.
@@ -250,7 +250,8 @@ class JobRun:
                 follower.stop(drain_s=0.0 if signals.event.is_set() else self.opts.drain_s)
         fill_failure(result, follower, self.opts.tail_lines)
         result.pod_restarts = follower.pod_restarts()
-        result.restarts = follower.progress.restarts
+        # FT: restarts by layer, goodput, recovery: the trainer's events (when the volume is here)
+        account_run_dir(result, job.run_dir, lambda msg: self.say(f"warning: {msg}"))
         result.extra.update(attached=attached, namespace=jobs.namespace, pvc=job.pod.pvc,
                             **(extra or {}),
                             run_dir_uri=f"pvc://{job.pod.pvc}/"
@@ -389,11 +390,11 @@ class JobRun:
                     if line not in warned:
                         warned.add(line)
                         say(line)
-            summary = follower.progress.summary()
-            moved = follower.progress.step or follower.progress.restarts
-            if moved and summary != last_summary and now - last_progress >= opts.progress_s:
-                say(f"progress: {summary}, pod restarts {follower.pod_restarts()}")
-                last_summary, last_progress = summary, now
+            if now - last_progress >= opts.progress_s:
+                summary = follower.progress.summary(restarts := restarts_so_far(run_dir))
+                if (follower.progress.step or restarts) and summary != last_summary:
+                    say(f"progress: {summary}, pod restarts {follower.pod_restarts()}")
+                    last_summary, last_progress = summary, now
             signals.event.wait(opts.poll_s)
         result.finished_at = result.finished_at or time.time()
         return result

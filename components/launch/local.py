@@ -24,8 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
-from kfp_nvrx.components.core.events import read_events
-from kfp_nvrx.components.core.goodput import summarize_events
+from kfp_nvrx.components.core.events import End, read_events
 from kfp_nvrx.components.core.launch_command import (
     TRAINER_MODULE,
     TrainerArgs,
@@ -46,7 +45,7 @@ from kfp_nvrx.components.launch.lifetime import (
     die_with_parent,
     processes_with_env,
 )
-from kfp_nvrx.components.launch.result import LaunchResult
+from kfp_nvrx.components.launch.result import LaunchResult, account
 
 _MARKER = "KFP_NVRX_LOCAL_RUN"
 # Without --verbose the stream shows the trainer's lines, faults, failures and restarts ...
@@ -303,9 +302,14 @@ def run_local(spec: ResolvedJob | JobSpec, *, log: Callable[[str], None] = print
         lock.release()
         for s, h in old.items():
             signal.signal(s, h)
+    result = LaunchResult(name=name, backend="local", state=state, run_dir=str(run_path),
+                          reason=reason, started_at=started, finished_at=time.time(),
+                          extra={"agents_exit_codes": [a.proc.returncode for a in agents],
+                                 "leftover_processes_killed": leftovers, "command": argv,
+                                 **received})
     events = read_events(run_path)  # read once: the report and the completion check share it
-    report = summarize_events(events)
-    completed = any(e["type"] == "end" and e.get("status") == "completed" for e in events)
+    report = account(result, events)
+    completed = any(isinstance(e, End) and e.completed for e in events)
     failing = [a for a in agents if a.proc.returncode not in (0, None) and a.proc.returncode > 0]
     tail: list[str] = []
     if state == "Running":
@@ -319,15 +323,10 @@ def run_local(spec: ResolvedJob | JobSpec, *, log: Callable[[str], None] = print
             tail = bad.disk_full.clean(list(bad.tail)[-20:])
             last_err = bad.disk_full.line or next(
                 (ln for ln in reversed(tail) if "error" in ln.lower()), "")
-            in_job, most = report.restarts.get("in-job", 0), cfg.resilience.max_restarts
+            in_job, most = report.restarts_of("in-job"), cfg.resilience.max_restarts
             gave_up = (f" after {in_job} in-job restart(s), the most resilience.max_restarts="
                        f"{most} allows" if failing and in_job >= most else "")
             reason = (f"node{bad.idx} ft_launcher exited {bad.proc.returncode}{gave_up}"
                       + (f": {last_err.strip()[:300]}" if last_err else ""))
-    return LaunchResult(
-        name=name, backend="local", state=state, run_dir=str(run_path), reason=reason,
-        restarts=sum(report.restarts.values()), started_at=started, finished_at=time.time(),
-        last_log_lines=tail,
-        extra={"goodput": report.to_dict(), "agents_exit_codes": [a.proc.returncode for a in agents],
-               "leftover_processes_killed": leftovers, "command": argv, **received},
-    )
+    result.state, result.reason, result.last_log_lines = state, reason, tail
+    return result

@@ -6,7 +6,8 @@ operator is never shown. :class:`PodLogFollower` instead watches the job's pods 
 ``training.kubeflow.org/job-name``) and opens one ``follow`` log stream per container *instance*
 (pod uid + restart count), prefixing every line with the replica (``[worker-1]``, ``[worker-1/r2]``
 after two restarts). It keeps the last lines of every pod for failure reports and feeds
-:class:`Progress` (step/total and restarts parsed from the trainer's and ft_launcher's output).
+:class:`Progress` (the step/total a progress line shows). Restarts are not read from log lines:
+the run's events count them (:mod:`.result`).
 """
 
 from __future__ import annotations
@@ -33,51 +34,34 @@ REPLICA_INDEX_LABEL = "training.kubeflow.org/replica-index"
 
 
 class Progress:
-    """Step and restart counters parsed from log lines (thread-safe).
+    """The step a live progress line shows, parsed from log lines (thread-safe).
 
-    The trainer prints ``[trainer] step 120/1000 loss ...`` and, at every (re)start,
-    ``[trainer] start: ... incarnation=R.I`` (R: ft_launcher restarts, I: in-process iterations);
-    ft_launcher prints ``... attempts left; will restart worker group`` when it restarts workers.
+    The trainer prints ``[trainer] step 120/1000 loss ...``: the total is in no event, and the
+    line reaches a launcher that cannot read the run directory too. Only for the display.
     """
 
     STEP = re.compile(r"\bstep (\d+)/(\d+)\b")
-    INCARNATION = re.compile(r"\bincarnation=(\d+)\.(\d+)\b")
-    AGENT_RESTART = re.compile(r"attempts left;?\s*(will restart|restarting) worker group")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.step = 0
         self.total = 0
-        self._incarnations: set[tuple[int, int]] = set()
-        self._agent_restarts: dict[str, int] = collections.Counter()
 
-    def feed(self, replica: str, line: str) -> bool:
-        """Parse one line; return True when the step or the restart count changed."""
+    def feed(self, line: str) -> bool:
+        """Parse one line; return True when the step changed."""
         with self._lock:
-            before = (self.step, self.restarts)
+            before = self.step
             if m := self.STEP.search(line):
                 self.step, self.total = int(m[1]), int(m[2])
-            if m := self.INCARNATION.search(line):
-                self._incarnations.add((int(m[1]), int(m[2])))
-            if self.AGENT_RESTART.search(line):
-                self._agent_restarts[replica] += 1
-            return (self.step, self.restarts) != before
+            return self.step != before
 
-    @property
-    def restarts(self) -> int:
-        """Restarts seen: new trainer incarnations, or ft_launcher restart messages per agent."""
-        from_trainer = max(0, len(self._incarnations) - 1)
-        from_agents = max(self._agent_restarts.values(), default=0)
-        return max(from_trainer, from_agents)
-
-    def summary(self) -> str:
-        """Return e.g. ``step 120/1000 (12%), restarts 1``."""
+    def summary(self, restarts: int | None = None) -> str:
+        """Return e.g. ``step 120/1000 (12%), restarts 1`` (``restarts``: from the events)."""
         with self._lock:
+            done = "no step yet"
             if self.total:
                 done = f"step {self.step}/{self.total} ({100 * self.step // self.total}%)"
-            else:
-                done = "no step yet"
-            return f"{done}, restarts {self.restarts}"
+        return done + ("" if restarts is None else f", restarts {restarts}")
 
 
 @dataclass
@@ -317,7 +301,7 @@ class PodLogFollower:
     def _line(self, state: PodState, prefix: str, line: str) -> None:
         with self._lock:
             state.tail.append(line)
-        self.progress.feed(state.replica, line)
+        self.progress.feed(line)
         self.emit(f"[{prefix}] {line}")
 
     def _previous(self, state: PodState, prefix: str) -> None:

@@ -1,10 +1,23 @@
-"""The result every launcher backend returns (``kubernetes`` and ``local`` alike)."""
+"""The result every launcher backend returns (local, PyTorchJob and TrainJob alike).
+
+What happened inside the job (restarts by layer, goodput, recovery) is read from the run's
+events, never from log lines, by one function for every backend (:func:`account`): the trainer
+writes those events to the run directory, and the launcher reads them where it can reach that
+directory (a local run; the KFP task, which mounts the shared volume at the workers' path). A
+launcher that cannot (``kfp-nvrx launch`` on a laptop) leaves those fields None: unknown, not 0.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+from kfp_nvrx.components.core.events import Event, Restart, read_events
+from kfp_nvrx.components.core.goodput import GoodputReport, summarize_events
 
 
 @dataclass
@@ -17,12 +30,21 @@ class LaunchResult:
         state: Final state: ``Succeeded``, ``Failed``, ``Cancelled`` or ``DeadlineExceeded``.
         reason: Operator/launcher reason for a non-success state ('' on success).
         run_dir: Where the run directory lives (a path on the shared volume).
-        restarts: In-job restarts seen (ft_launcher worker-group restarts / incarnations - 1).
-        pod_restarts: Container restarts counted by Kubernetes (0 for local).
+        restarts: Restarts of every layer, from the events (None: the events were not readable).
+        restarts_in_process: The wrapper re-entered the training function (same processes).
+        restarts_in_job: ft_launcher restarted the workers inside their pods.
+        restarts_pod: The pods were recreated (a JobSet restart; a fresh ft_launcher).
+        goodput: Time inside kept steps / wall time, from the events.
+        recovery_s: Seconds from each fault (or failure) to the next incarnation's first step.
+        pod_restarts: What Kubernetes counted: container restarts plus pod recreations (0 for
+            local). A cluster fact, not an event: a pod restarted before the trainer began
+            shows here and in no layer above.
         started_at: Unix time the job was created/started.
         finished_at: Unix time it reached its final state.
         last_log_lines: Tail of the failing replica's log (empty on success).
-        extra: Backend-specific details.
+        summary: The whole goodput report of the events (None: not readable).
+        extra: Details of the launch, not of the training: ``signal`` (that cancelled it),
+            ``failed_replica``, the job API, namespace, agents' exit codes, ...
     """
 
     name: str
@@ -30,11 +52,17 @@ class LaunchResult:
     state: str
     run_dir: str
     reason: str = ""
-    restarts: int = 0
+    restarts: int | None = None
+    restarts_in_process: int | None = None
+    restarts_in_job: int | None = None
+    restarts_pod: int | None = None
+    goodput: float | None = None
+    recovery_s: list[float] | None = None
     pod_restarts: int = 0
     started_at: float = 0.0
     finished_at: float = 0.0
     last_log_lines: list[str] = field(default_factory=list)
+    summary: GoodputReport | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -47,8 +75,47 @@ class LaunchResult:
         """Wall time from start to the final state."""
         return max(0.0, self.finished_at - self.started_at)
 
+    def restarts_text(self) -> str:
+        """``3 (in-process 0, in-job 2, pod 1)``, or why it is unknown, for a summary line."""
+        if self.restarts is None:
+            return "unknown (the run's events are not readable from here)"
+        return (f"{self.restarts} (in-process {self.restarts_in_process}, in-job "
+                f"{self.restarts_in_job}, pod {self.restarts_pod})")
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form."""
         out = dataclasses.asdict(self)
         out["duration_s"] = self.duration_s
         return out
+
+
+def account(result: LaunchResult, events: list[Event]) -> GoodputReport:
+    """Fills the fields of ``result`` that come from the run's events; returns their report."""
+    report = summarize_events(events)
+    result.summary = report
+    result.restarts = sum(report.restarts.values())
+    result.restarts_in_process = report.restarts_of("in-process")
+    result.restarts_in_job = report.restarts_of("in-job")
+    result.restarts_pod = report.restarts_of("pod")
+    result.goodput = report.goodput
+    result.recovery_s = list(report.recovery_s)
+    return report
+
+
+def account_run_dir(result: LaunchResult, run_dir: str | os.PathLike,
+                    warn: Callable[[str], None] | None = None) -> GoodputReport | None:
+    """:func:`account` from ``<run_dir>/events.jsonl``; None when ``run_dir`` is not here.
+
+    A run directory that exists without events (the job failed before the trainer began) is
+    known: no restart, no step.
+    """
+    if not Path(run_dir).is_dir():
+        return None
+    return account(result, read_events(run_dir, warn))
+
+
+def restarts_so_far(run_dir: str | os.PathLike) -> int | None:
+    """Restarts the events of a running job hold (for a progress line); None: not here."""
+    if not Path(run_dir).is_dir():
+        return None
+    return sum(isinstance(e, Restart) for e in read_events(run_dir))

@@ -15,6 +15,17 @@ import os
 from pathlib import Path
 from typing import Any
 
+from kfp_nvrx.components.core.events import (
+    RESTART_LAYERS,
+    Checkpoint,
+    Event,
+    Fault,
+    Restart,
+    Start,
+    Step,
+)
+from kfp_nvrx.components.core.goodput import recovery_windows
+
 #: Colours of the timeline (also used by the legend).
 COLORS = {
     "kept": "#2e9d57",
@@ -50,54 +61,40 @@ def metrics_from_summary(summary: dict[str, Any]) -> dict[str, float]:
     restarts = dict(summary.get("restarts") or {})
     out: dict[str, float] = {key: kind(summary.get(key, 0)) for key, kind in _HEAD_METRICS}
     out["restarts_total"] = int(sum(restarts.values()))
-    out["restarts_in_job"] = int(restarts.pop("in-job", 0))
-    out["restarts_in_process"] = int(restarts.pop("in-process", 0))
-    # Pod level: a JobSet restart or a recreated pod (a fresh ft_launcher on a resumed run).
-    out["restarts_pod"] = int(restarts.pop("pod", 0))
+    # Every layer is named, even without a restart of it ("restarts_pod": 0 is an answer).
+    out.update({restart_metric(layer): int(restarts.pop(layer, 0)) for layer in RESTART_LAYERS})
     out.update({key: kind(summary.get(key, 0)) for key, kind in _TAIL_METRICS})
     for kind, count in restarts.items():  # kinds added later still show up
-        out["restarts_" + "".join(c if c.isalnum() else "_" for c in kind)] = int(count)
+        out[restart_metric(kind)] = int(count)
     if summary.get("final_loss") is not None:
         out["final_loss"] = float(summary["final_loss"])
     return {k: round(v, 6) if isinstance(v, float) else v for k, v in out.items()}
 
 
-def _classify_steps(events: list[dict[str, Any]]) -> list[tuple[dict[str, Any], bool]]:
+def restart_metric(layer: str) -> str:
+    """The ``Metrics`` name of the restarts of ``layer`` (``in-job`` -> ``restarts_in_job``)."""
+    return "restarts_" + "".join(c if c.isalnum() else "_" for c in layer)
+
+
+def _classify_steps(events: list[Event]) -> list[tuple[Step, bool]]:
     """Each step event with ``True`` when it was kept (the last execution of its step number)."""
-    steps = [e for e in events if e.get("type") == "step"]
-    last = {e["step"]: i for i, e in enumerate(steps)}
-    return [(e, last[e["step"]] == i) for i, e in enumerate(steps)]
+    steps = [e for e in events if isinstance(e, Step)]
+    last = {e.step: i for i, e in enumerate(steps)}
+    return [(e, last[e.step] == i) for i, e in enumerate(steps)]
 
 
-def _segments(steps: list[dict[str, Any]], tol: float) -> list[dict[str, Any]]:
+def _segments(steps: list[Step], tol: float) -> list[dict[str, Any]]:
     """Merge consecutive steps of one incarnation into segments (keeps the SVG small)."""
     segs: list[dict[str, Any]] = []
-    for e in sorted(steps, key=lambda s: s["start"]):
-        inc = (e.get("incarnation", 0), e.get("iteration", 0))
+    for e in sorted(steps, key=lambda s: s.start):
+        inc = (e.incarnation, e.iteration)
         cur = segs[-1] if segs else None
-        if cur and cur["inc"] == inc and e["start"] - cur["end"] <= tol:
-            cur["end"], cur["last"], cur["n"] = max(cur["end"], e["end"]), e["step"], cur["n"] + 1
+        if cur and cur["inc"] == inc and e.start - cur["end"] <= tol:
+            cur["end"], cur["last"], cur["n"] = max(cur["end"], e.end), e.step, cur["n"] + 1
         else:
-            segs.append({"start": e["start"], "end": e["end"], "first": e["step"],
-                         "last": e["step"], "n": 1, "inc": inc})
+            segs.append({"start": e.start, "end": e.end, "first": e.step,
+                         "last": e.step, "n": 1, "inc": inc})
     return segs
-
-
-def _recovery_bands(events: list[dict[str, Any]]) -> list[tuple[float, float]]:
-    """(origin, first step end of the next incarnation): the same rule as the goodput summary."""
-    bands, fault_t, last_end, cur = [], None, None, None
-    for e in events:
-        if e.get("type") == "fault":
-            fault_t = e["time"] if fault_t is None else fault_t
-        elif e.get("type") == "step":
-            inc = (e.get("incarnation", 0), e.get("iteration", 0))
-            if cur is not None and inc != cur:
-                origin = fault_t if fault_t is not None else last_end
-                if origin is not None:
-                    bands.append((origin, e["end"]))
-                fault_t = None
-            cur, last_end = inc, e["end"]
-    return bands
 
 
 def _headline(summary: dict[str, Any]) -> list[tuple[str, str]]:
@@ -140,10 +137,10 @@ def _fmt_t(s: float) -> str:
 class _Axis:
     """Maps Unix times onto the SVG's x coordinate."""
 
-    def __init__(self, events: list[dict[str, Any]]) -> None:
-        starts = [e["start"] for e in events if e.get("type") == "step"]
-        ends = [e["end"] for e in events if e.get("type") == "step"]
-        times = [e["time"] for e in events] + starts
+    def __init__(self, events: list[Event]) -> None:
+        starts = [e.start for e in events if isinstance(e, Step)]
+        ends = [e.end for e in events if isinstance(e, Step)]
+        times = [e.time for e in events] + starts
         self.t0 = min(times) if times else 0.0
         self.span = max((max(times + ends) if times else 1.0) - self.t0, 1e-6)
         self.scale = (_RIGHT - _LEFT) / self.span
@@ -164,7 +161,7 @@ def _rect(x: float, y: float, w: float, h: float, fill: str, tip: str = "", extr
     return f'<rect x="{x}" y="{y}" width="{w}" height="{h}" fill="{fill}"{extra}>{title}</rect>'
 
 
-def _step_shapes(events: list[dict[str, Any]], ax: _Axis) -> list[str]:
+def _step_shapes(events: list[Event], ax: _Axis) -> list[str]:
     out = []
     classified = _classify_steps(events)
     for lane, kept, color in ((0, True, COLORS["kept"]), (1, False, COLORS["redone"])):
@@ -177,40 +174,39 @@ def _step_shapes(events: list[dict[str, Any]], ax: _Axis) -> list[str]:
     return out
 
 
-def _checkpoint_shapes(e: dict[str, Any], ax: _Axis) -> list[str]:
-    total, block = float(e.get("total_s", 0)), float(e.get("blocking_s", 0))
-    start, y = e["time"] - total, _lane_y(2) + 5
-    tip = (f"checkpoint step {e.get('step')}: {total:.3f} s total, {block:.3f} s blocking, "
-           f"{int(e.get('bytes', 0)) / 2**20:.1f} MiB")
+def _checkpoint_shapes(e: Checkpoint, ax: _Axis) -> list[str]:
+    total, block = float(e.total_s or 0), float(e.blocking_s)
+    start, y = e.time - total, _lane_y(2) + 5
+    tip = (f"checkpoint step {e.step}: {total:.3f} s total, {block:.3f} s blocking, "
+           f"{int(e.bytes or 0) / 2**20:.1f} MiB")
     return [_rect(ax.x(start), y, ax.w(total, 2), _LANE_H - 14, COLORS["ckpt"], tip,
                   ' opacity="0.55"'),
             _rect(ax.x(start), y, ax.w(block, 2), _LANE_H - 14, COLORS["ckpt_block"])]
 
 
-def _fault_shapes(e: dict[str, Any], ax: _Axis, body_h: int) -> list[str]:
-    cx, y = ax.x(e["time"]), _lane_y(3) + _LANE_H / 2 - 2
-    tip = html.escape(f"fault: {e.get('kind')} at step {e.get('step')}, rank {e.get('rank')}")
+def _fault_shapes(e: Fault, ax: _Axis, body_h: int) -> list[str]:
+    cx, y = ax.x(e.time), _lane_y(3) + _LANE_H / 2 - 2
+    tip = html.escape(f"fault: {e.kind} at step {e.step}, rank {e.rank}")
     return [f'<line x1="{cx}" y1="{_TOP}" x2="{cx}" y2="{body_h - 4}" '
             f'stroke="{COLORS["fault"]}" stroke-dasharray="4 3"/>',
             f'<path d="M{cx} {y - 9} L{cx + 8} {y} L{cx} {y + 9} L{cx - 8} {y} Z" '
             f'fill="{COLORS["fault"]}"><title>{tip}</title></path>',
             f'<text x="{cx + 11}" y="{y + 4}" font-size="11" fill="{COLORS["fault"]}">'
-            f'{html.escape(str(e.get("kind")))} @{e.get("step")}</text>']
+            f'{html.escape(e.kind)} @{e.step}</text>']
 
 
-def _restart_shapes(e: dict[str, Any], ax: _Axis) -> list[str]:
-    cx, y = ax.x(e["time"]), _lane_y(4) + _LANE_H / 2 - 2
-    if e.get("type") == "restart":
-        tip = html.escape(f"{e.get('kind')} restart (incarnation {e.get('incarnation')}, "
-                          f"iteration {e.get('iteration')})")
+def _restart_shapes(e: Restart | Start, ax: _Axis) -> list[str]:
+    cx, y = ax.x(e.time), _lane_y(4) + _LANE_H / 2 - 2
+    if isinstance(e, Restart):
+        tip = html.escape(f"{e.kind} restart (incarnation {e.incarnation}, "
+                          f"iteration {e.iteration})")
         return [f'<circle cx="{cx}" cy="{y}" r="7" fill="{COLORS["restart"]}">'
                 f"<title>{tip}</title></circle>",
                 f'<text x="{cx - 10}" y="{y + 4}" font-size="11" text-anchor="end" '
-                f'fill="{COLORS["restart"]}">{html.escape(str(e.get("kind")))} restart</text>']
-    origin = ("fresh" if e.get("resumed_from") is None
-              else f"resumed from step {e.get('resumed_from')}")
-    tip = (f"start: incarnation {e.get('incarnation')}, iteration {e.get('iteration')}, world size "
-           f"{e.get('world_size')}, {origin} (load {float(e.get('load_s') or 0):.2f} s)")
+                f'fill="{COLORS["restart"]}">{html.escape(e.kind)} restart</text>']
+    origin = "fresh" if e.resumed_from is None else f"resumed from step {e.resumed_from}"
+    tip = (f"start: incarnation {e.incarnation}, iteration {e.iteration}, world size "
+           f"{e.world_size}, {origin} (load {float(e.load_s or 0):.2f} s)")
     return [_rect(cx - 1.5, y - 9, 3, 18, COLORS["restart"], tip)]
 
 
@@ -225,7 +221,7 @@ def _axis_shapes(ax: _Axis, axis_y: int) -> list[str]:
     return out
 
 
-def render_svg(events: list[dict[str, Any]]) -> str:
+def render_svg(events: list[Event]) -> str:
     """Draw the timeline lanes of one run as an inline ``<svg>`` element."""
     ax = _Axis(events)
     body_h = _TOP + len(_LANES) * _LANE_H
@@ -235,16 +231,16 @@ def render_svg(events: list[dict[str, Any]]) -> str:
         svg.append(_rect(_LEFT, y, _RIGHT - _LEFT, _LANE_H - 4, "#f6f6f6" if i % 2 else "#fbfbfb"))
         svg.append(f'<text x="{_LEFT - 8}" y="{y + _LANE_H / 2 + 2}" font-size="12" '
                    f'text-anchor="end">{name}</text>')
-    for a, b in _recovery_bands(events):
+    for a, b in recovery_windows(events):
         svg.append(_rect(ax.x(a), _TOP, ax.w(b - a), len(_LANES) * _LANE_H - 4,
                          COLORS["recovery"], f"recovery {b - a:.2f} s", ' opacity="0.6"'))
     svg += _step_shapes(events, ax)
     for e in events:
-        if e.get("type") == "checkpoint":
+        if isinstance(e, Checkpoint):
             svg += _checkpoint_shapes(e, ax)
-        elif e.get("type") == "fault":
+        elif isinstance(e, Fault):
             svg += _fault_shapes(e, ax, body_h)
-        elif e.get("type") in ("restart", "start"):
+        elif isinstance(e, (Restart, Start)):
             svg += _restart_shapes(e, ax)
     svg += _axis_shapes(ax, body_h + 4)
     return (f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {_W} {body_h + 4 + _AXIS_H}" '
@@ -268,11 +264,11 @@ _LEGEND = (("kept", "step kept"), ("redone", "step redone (rolled back)"),
            ("recovery", "recovery window"))
 
 
-def render_timeline(events: list[dict[str, Any]], summary: dict[str, Any], title: str = "") -> str:
+def render_timeline(events: list[Event], summary: dict[str, Any], title: str = "") -> str:
     """Render the goodput timeline page.
 
     Args:
-        events: Events of one run in file order (see ``core/events.py``).
+        events: Typed events of one run in time order (:func:`.events.read_events`).
         summary: ``GoodputReport.to_dict()`` for the same run (the headline numbers).
         title: Shown after the heading (e.g. the run name).
 
@@ -315,7 +311,8 @@ def publish(run_dir: str | os.PathLike, result: Any, *, run: Any, metrics: Any, 
         run_dir: The run directory on the shared volume.
         result: The launcher's ``LaunchResult``.
         run: ``Output[Artifact]``: gets ``events.jsonl`` and ``summary.json`` copies, and metadata
-            ``path`` (the run directory, which the export step reads), ``state``, ``restarts``.
+            ``path`` (the run directory, which the export step reads), ``state``, ``restarts``
+            (every layer's, from the events: the number ``restarts_total`` of the Metrics).
         metrics: ``Output[Metrics]``: :func:`metrics_from_summary` of the run.
         timeline: ``Output[HTML]``: :func:`render_timeline` of the run.
         title: Heading of the timeline page.
@@ -330,7 +327,9 @@ def publish(run_dir: str | os.PathLike, result: Any, *, run: Any, metrics: Any, 
     from kfp_nvrx.components.core.goodput import summarize
     from kfp_nvrx.components.core.rundir import EVENTS_FILE
 
-    summary = summarize(run_dir).to_dict()
+    # The launcher read the events once already where it could (every backend, this task's
+    # mount included); the run dir is read here only for a result that lacks them.
+    summary = (result.summary or summarize(run_dir)).to_dict()
     for key, value in metrics_from_summary(summary).items():
         metrics.log_metric(key, value)
     write_timeline(run_dir, timeline.path, summary, title)
@@ -343,7 +342,8 @@ def publish(run_dir: str | os.PathLike, result: Any, *, run: Any, metrics: Any, 
         {"summary": summary, "launch": result.to_dict()}, indent=1, default=str))
     run.metadata.update({"path": str(Path(run_dir).resolve()), "state": result.state,
                          "backend": result.backend, "job": result.name,
-                         "restarts": int(result.restarts), "goodput": summary["goodput"],
+                         "restarts": int(sum(summary["restarts"].values())),
+                         "goodput": summary["goodput"],
                          "steps_final": summary["steps_final"]})
     # Words for the run's story (the UI and `kfp-nvrx run-local` show them; Metrics take numbers).
     story = "; ".join(summary.get("what_happened") or [])

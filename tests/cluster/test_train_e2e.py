@@ -125,9 +125,9 @@ class Launch:
 
     def starts(self) -> list[dict]:
         """The trainer's ``start`` events (one per incarnation, with ``resumed_from``)."""
-        from kfp_nvrx.components.core.events import read_events
+        from kfp_nvrx.components.core.events import Start, read_events
 
-        return [e for e in read_events(self.run_dir) if e["type"] == "start"]
+        return [e.to_dict() for e in read_events(self.run_dir) if isinstance(e, Start)]
 
 
 def _pods(kube, selector: str) -> list:

@@ -34,17 +34,17 @@ def _run(args: argparse.Namespace) -> int:
         return 1
     print("== 3/3 export (newest committed checkpoint -> safetensors, eval loss)")
     info = export_checkpoint(run_dir, model_dir)
-    g = res.extra["goodput"]
+    g = res.summary  # a local run's events are always here
     rows = [
         ("state", res.state),
-        ("steps", g["steps_final"]),
+        ("steps", g.steps_final),
         ("wall time", f"{res.duration_s:.1f} s"),
-        ("goodput", f"{g['goodput']:.1%}"),
-        ("restarts", g["restarts"]),
-        ("recovery (fault -> next step)", f"{g['recovery_s']} s"),
-        ("steps redone", g["steps_redone"]),
-        ("checkpoint stall", f"{g['checkpoint_stall_s']:.3f} s over {g['checkpoints']} saves"),
-        ("final train loss", g["final_loss"]),
+        ("goodput", f"{res.goodput:.1%}"),
+        ("restarts", res.restarts_text()),
+        ("recovery (fault -> next step)", f"{res.recovery_s} s"),
+        ("steps redone", g.steps_redone),
+        ("checkpoint stall", f"{g.checkpoint_stall_s:.3f} s over {g.checkpoints} saves"),
+        ("final train loss", g.final_loss),
         ("eval loss", info.get("eval_loss")),
         ("model", str(model_dir / "model.safetensors")),
     ]

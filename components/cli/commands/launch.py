@@ -110,7 +110,7 @@ def _run(args: argparse.Namespace) -> int:
 
         write_atomic(args.result, redact(json.dumps(result.to_dict(), indent=2)) + "\n")
     print(f"{result.state}: {result.name} ({result.backend}) in {result.duration_s:.0f}s, "
-          f"restarts {result.restarts}, pod restarts {result.pod_restarts}, "
+          f"restarts {result.restarts_text()}, pod restarts {result.pod_restarts}, "
           f"run dir {result.run_dir}", flush=True)
     if result.succeeded:
         return 0

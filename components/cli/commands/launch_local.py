@@ -37,14 +37,14 @@ def _run(args: argparse.Namespace) -> int:
     spec = JobSpec(nodes=args.nodes, nproc_per_node=args.nproc_per_node, run_dir=args.run_dir,
                    config=args.config, overrides=args.set, faults=args.fault)
     res = run_local(spec, deadline_s=args.deadline, verbose=args.verbose)
-    g = res.extra["goodput"]
+    g = res.summary  # a local run's events are always here
     if args.json:
         print(json.dumps(res.to_dict(), indent=2))
     else:
-        print(f"{res.state}: {g['steps_final']} steps in {res.duration_s:.1f}s, "
-              f"goodput {g['goodput']:.1%}, restarts {g['restarts'] or 0}, "
-              f"recovery {g['recovery_s']} s, final loss {g['final_loss']}, run dir {res.run_dir}")
-        for line in g.get("what_happened") or []:
+        print(f"{res.state}: {g.steps_final} steps in {res.duration_s:.1f}s, "
+              f"goodput {res.goodput:.1%}, restarts {res.restarts_text()}, "
+              f"recovery {res.recovery_s} s, final loss {g.final_loss}, run dir {res.run_dir}")
+        for line in g.what_happened:
             print(f"  {line}")
     if not res.succeeded:
         sys.stderr.write(f"kfp-nvrx launch-local: {res.state}: {res.reason}\n")

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from kfp_nvrx.components.core import events as ev
 from kfp_nvrx.components.core.config import Config
 from kfp_nvrx.components.core.events import EventLog, read_events
 from kfp_nvrx.components.core.faults import Fault
@@ -208,8 +209,8 @@ def incarnation(job: Job, base_store: Any = None, call_wrapper: Any = None) -> N
             marks.append(("model_build", time.time()))
 
             def on_commit(step: int, blocking: float, total: float, nbytes: int) -> None:
-                events.emit("checkpoint", step=step, blocking_s=round(blocking, 6),
-                            total_s=round(total, 6), bytes=nbytes)
+                events.emit(ev.Checkpoint(step=step, blocking_s=round(blocking, 6),
+                                          total_s=round(total, 6), bytes=nbytes))
 
             ckpt = Checkpointer(job.run_dir, cfg.checkpoint, job.device, on_commit=on_commit,
                                 staging=job.staging, writer=job.writer, log=log0,
@@ -226,19 +227,19 @@ def incarnation(job: Job, base_store: Any = None, call_wrapper: Any = None) -> N
         agent, previous = agent_identity(), None
         if iteration == 0 and rank == 0:
             # Agents count restarts per node; the job-wide count is what rank 0 has logged.
-            starts = [e for e in read_events(job.run_dir) if e["type"] == "start"
-                      and e.get("run_id") == job.run_id and e["iteration"] == 0]
+            starts = [e for e in read_events(job.run_dir) if isinstance(e, ev.Start)
+                      and e.run_id == job.run_id and e.iteration == 0]
             job.restart_count = len(starts)
-            previous = starts[-1].get("agent") if starts else None
+            previous = starts[-1].agent if starts else None
         layer = restart_kind(iteration, previous, agent)
         if job.restart_count or iteration:
-            events.emit("restart", kind=layer, incarnation=job.restart_count, iteration=iteration)
+            events.emit(ev.Restart(kind=layer, incarnation=job.restart_count, iteration=iteration))
         boot = boot_record(job, iteration, marks, t_start, time.time())
-        events.emit("start", time=t_start, incarnation=job.restart_count, iteration=iteration,
-                    world_size=world, resumed_from=resumed, load_s=round(load_s, 4),
-                    from_memory=ckpt.restored_from_memory, pid=os.getpid(), run_id=job.run_id,
-                    boot=boot, agent=agent,
-                    **({"layer": layer} if job.restart_count or iteration else {}))
+        events.emit(ev.Start(time=t_start, incarnation=job.restart_count, iteration=iteration,
+                             world_size=world, resumed_from=resumed, load_s=round(load_s, 4),
+                             from_memory=ckpt.restored_from_memory, pid=os.getpid(),
+                             run_id=job.run_id, boot=boot, agent=agent,
+                             layer=layer if job.restart_count or iteration else None))
         log0(boot_line(boot))
         source = " (from host memory)" if ckpt.restored_from_memory else ""
         log0(f"start: world_size={world} incarnation={job.restart_count}.{iteration} "
@@ -252,7 +253,7 @@ def incarnation(job: Job, base_store: Any = None, call_wrapper: Any = None) -> N
         # barrier) is no step, and the learned rhythm must not judge it.
         monitor.disconnect()
         if rank == 0:
-            events.emit("end", step=trainer.train.step, status="completed")
+            events.emit(ev.End(step=trainer.train.step, status="completed"))
         log0(f"done: step {trainer.train.step}/{cfg.train.steps}")
     except BaseException:
         if ckpt is not None:
@@ -340,9 +341,9 @@ class Trainer:
                     ckpt.save(step, self.state())
                     self._fault(step, ("kill-in-ckpt",))
                 last_beat = time.perf_counter()  # the phase ends with a heartbeat
-            self.events.emit("step", step=step, start=t0, end=time.time(),
-                             incarnation=self.job.restart_count, iteration=self.iteration,
-                             loss=round(loss_value, 6), tokens=tokens_per_step)
+            self.events.emit(ev.Step(step=step, start=t0, end=time.time(),
+                                     incarnation=self.job.restart_count, iteration=self.iteration,
+                                     loss=round(loss_value, 6), tokens=tokens_per_step))
             steps_here += 1
             if steps_here == 1 and ckpt.periodic:  # the state's final layout exists (optimizer)
                 ckpt.prepare(self.state)
@@ -391,6 +392,6 @@ class Trainer:
         if fault is None:
             return
         # The faulting rank writes its own event (rank 0's log is not the only writer here).
-        EventLog(self.events.path.parent).emit("fault", kind=fault.kind, step=step, rank=self.rank)
+        EventLog(self.events.path.parent).emit(ev.Fault(kind=fault.kind, step=step, rank=self.rank))
         print(f"[trainer] rank {self.rank}: injecting fault {fault.kind} at step {step}", flush=True)
         FaultInjector.fire(fault)
