@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from kfp_nvrx.components.core.events import Checkpoint, Start
 from kfp_nvrx.components.core.rundir import COMMIT_MARKER, verify
 from kfp_nvrx.components.drills import measure
 from kfp_nvrx.components.drills.results import Row, markdown, table
@@ -39,12 +40,12 @@ def test_scenario_selection() -> None:
 
 def test_committed_steps_lost_counts_only_committed_progress_thrown_away() -> None:
     events = [
-        {"type": "start", "resumed_from": None},
-        {"type": "checkpoint", "step": 4}, {"type": "checkpoint", "step": 8},
-        {"type": "start", "resumed_from": 8},  # newest: nothing lost
-        {"type": "checkpoint", "step": 12},
-        {"type": "start", "resumed_from": 8},  # step 12 damaged: 4 committed steps lost
-        {"type": "start", "resumed_from": None},  # started over: 12 lost
+        Start(time=0, resumed_from=None),
+        Checkpoint(time=0, step=4), Checkpoint(time=0, step=8),
+        Start(time=0, resumed_from=8),  # newest: nothing lost
+        Checkpoint(time=0, step=12),
+        Start(time=0, resumed_from=8),  # step 12 damaged: 4 committed steps lost
+        Start(time=0, resumed_from=None),  # started over: 12 lost
     ]
     assert measure.committed_steps_lost(events) == 16
     assert measure.committed_steps_lost(events[:4]) == 0

@@ -32,10 +32,11 @@ from typing import Any, ClassVar
 from kfp_nvrx.components.core.bounded import EVENT_LINE_LIMIT, EVENTS_LIMIT, iter_lines
 from kfp_nvrx.components.core.rundir import EVENTS_FILE
 
-#: The layers a restart can be of, innermost first: the wrapper re-entered the training function
-#: in the same process (``in-process``), ft_launcher restarted the workers inside their pods
-#: (``in-job``), the pods were recreated (``pod``: a JobSet restart, a fresh ft_launcher).
-RESTART_LAYERS = ("in-process", "in-job", "pod")
+#: The layers a restart can be of, in the order reports list them: ft_launcher restarted the
+#: workers inside their pods (``in-job``), the wrapper re-entered the training function in the
+#: same processes (``in-process``), the pods were recreated (``pod``: a JobSet restart, a fresh
+#: ft_launcher).
+RESTART_LAYERS = ("in-job", "in-process", "pod")
 
 #: What a field holds, for the checks of a line read back (see :func:`_check`).
 _COUNT, _TIME, _NUMBER, _LOSS, _TEXT, _ANY = "count", "time", "number", "loss", "text", "any"

@@ -18,11 +18,12 @@ Definitions:
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kfp_nvrx.components.core.events import (
+    RESTART_LAYERS,
     Checkpoint,
     End,
     Event,
@@ -63,6 +64,12 @@ class GoodputReport:
     def restarts_of(self, layer: str) -> int:
         """Restarts of one of :data:`~.events.RESTART_LAYERS` (0 when there was none)."""
         return self.restarts.get(layer, 0)
+
+
+def restarts_in_words(total: int, by_layer: Mapping[str, int]) -> str:
+    """``3 (in-job 2, in-process 0, pod 1)``: the total and every layer's restarts, even none."""
+    layers = ", ".join(f"{layer} {int(by_layer.get(layer, 0))}" for layer in RESTART_LAYERS)
+    return f"{int(total)} ({layers})"
 
 
 def _incarnation(ev: Start | Step) -> tuple[int, int]:

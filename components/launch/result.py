@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kfp_nvrx.components.core.events import Event, Restart, read_events
-from kfp_nvrx.components.core.goodput import GoodputReport, summarize_events
+from kfp_nvrx.components.core.goodput import GoodputReport, restarts_in_words, summarize_events
 
 
 @dataclass
@@ -76,11 +76,10 @@ class LaunchResult:
         return max(0.0, self.finished_at - self.started_at)
 
     def restarts_text(self) -> str:
-        """``3 (in-process 0, in-job 2, pod 1)``, or why it is unknown, for a summary line."""
-        if self.restarts is None:
+        """``3 (in-job 2, in-process 0, pod 1)``, or why it is unknown, for a summary line."""
+        if self.restarts is None or self.summary is None:
             return "unknown (the run's events are not readable from here)"
-        return (f"{self.restarts} (in-process {self.restarts_in_process}, in-job "
-                f"{self.restarts_in_job}, pod {self.restarts_pod})")
+        return restarts_in_words(self.restarts, self.summary.restarts)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form."""

@@ -169,6 +169,10 @@ def _metrics(outputs: dict[str, Any], key: str) -> dict[str, Any]:
 
 def summary_rows(name: str, outputs: dict[str, Any], wall_s: float) -> list[tuple[str, str]]:
     """Rows of the summary table from a local run's pipeline outputs."""
+    from kfp_nvrx.components.core.events import RESTART_LAYERS
+    from kfp_nvrx.components.core.goodput import restarts_in_words
+    from kfp_nvrx.components.train_fsdp.ui_outputs import restart_metric
+
     train = _metrics(outputs, "train_metrics")
     rows = [("pipeline", name), ("wall time", f"{wall_s:.1f} s")]
     if train:
@@ -176,10 +180,8 @@ def summary_rows(name: str, outputs: dict[str, Any], wall_s: float) -> list[tupl
             ("goodput", f"{100 * float(train.get('goodput', 0)):.1f}%"),
             ("steps", f"{int(train.get('steps_final', 0))} final, "
                       f"{int(train.get('steps_redone', 0))} redone"),
-            ("restarts", f"{int(train.get('restarts_total', 0))} (in-job "
-                         f"{int(train.get('restarts_in_job', 0))}, in-process "
-                         f"{int(train.get('restarts_in_process', 0))}, pod "
-                         f"{int(train.get('restarts_pod', 0))})"),
+            ("restarts", restarts_in_words(int(train.get("restarts_total", 0)), {
+                layer: int(train.get(restart_metric(layer), 0)) for layer in RESTART_LAYERS})),
             ("recovery", f"mean {float(train.get('recovery_mean_s', 0)):.2f} s, "
                          f"max {float(train.get('recovery_max_s', 0)):.2f} s"),
             ("checkpoint stall", f"{float(train.get('checkpoint_stall_s', 0)):.3f} s"),
