@@ -107,7 +107,7 @@ def _host_register() -> Callable[[int, int, int], int]:
     """``cudaHostRegister`` that releases the GIL while it pins.
 
     Pinning gigabytes takes seconds, and torch's binding holds the GIL meanwhile: a background
-    allocation then stalled the training thread for as long (3 s steps seen on an H200). A ctypes
+    allocation then stalled the training thread for as long (docs/benchmarks/NOTES.md). A ctypes
     call into the same runtime library releases it; torch's binding is the fallback.
     """
     try:

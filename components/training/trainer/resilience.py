@@ -254,9 +254,9 @@ def in_process_wrapper(cfg: ResilienceConfig, store_port: int) -> Callable[[Call
     ``PrefixStore(str(call_wrapper.iteration), base_store)``, and reload the newest checkpoint
     every time it is entered.
 
-    Restart latency: NVRx waits ``last_call_wait`` (its default, 1 s, was half of the wrapper's
-    time on the H200; docs/benchmarks/NOTES.md) after the first fault report before it aborts
-    and restarts, only so that
+    Restart latency: NVRx waits ``last_call_wait`` (its default: 1 s, a large share of the
+    wrapper's restart time; the figures are in docs/benchmarks/NOTES.md) after the first fault
+    report before it aborts and restarts, only so that
     concurrent faults of other ranks appear in the logged attribution; ``resilience.last_call_wait``
     (0.1 s) keeps that for faults within 0.1 s. The monitor-thread, monitor-process and progress
     watchdog intervals are ``WRAPPER_POLL_S`` (NVRx: 1 s); the heartbeat interval keeps its default.
