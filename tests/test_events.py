@@ -23,8 +23,8 @@ from kfp_nvrx.components.core.events import (
     parse_event,
     read_events,
 )
-from kfp_nvrx.components.train_fsdp.launcher.logs import Progress
-from kfp_nvrx.components.train_fsdp.launcher.result import (
+from kfp_nvrx.components.launch.logs import Progress
+from kfp_nvrx.components.launch.result import (
     LaunchResult,
     account_run_dir,
     restarts_so_far,

@@ -171,7 +171,7 @@ def summary_rows(name: str, outputs: dict[str, Any], wall_s: float) -> list[tupl
     """Rows of the summary table from a local run's pipeline outputs."""
     from kfp_nvrx.components.core.events import RESTART_LAYERS
     from kfp_nvrx.components.core.goodput import restarts_in_words
-    from kfp_nvrx.components.train_fsdp.ui_outputs import restart_metric
+    from kfp_nvrx.components.launch.ui_outputs import restart_metric
 
     train = _metrics(outputs, "train_metrics")
     rows = [("pipeline", name), ("wall time", f"{wall_s:.1f} s")]
