@@ -143,7 +143,7 @@ def _specific(row: Row, sc: Scenario, run_dir: Path, action: Any) -> None:
             row.check(action.done and sizes[-1] < sizes[0],
                       "training did not continue on fewer nodes")
     if isinstance(action, DamageNewest):
-        resumed = [s.get("resumed_from") for s in starts[1:]]
+        resumed = [s.resumed_from for s in starts[1:]]
         row.check(action.fallback_logged, "the fallback past the damaged checkpoint was not logged")
         row.check(action.damaged is not None and bool(resumed) and resumed[0] is not None
                   and resumed[0] < action.damaged,
@@ -155,11 +155,11 @@ def _specific(row: Row, sc: Scenario, run_dir: Path, action: Any) -> None:
         row.check(action.enospc_seen, "no 'No space left on device' error surfaced")
     if any(f.startswith("kill-in-ckpt@") for f in sc.faults):
         torn = int(sc.faults[0].split("@")[1].split("/")[0])
-        resumed = [s.get("resumed_from") for s in starts[1:]]
+        resumed = [s.resumed_from for s in starts[1:]]
         row.check(torn not in resumed, f"resumed from the torn step {torn}")
     if "resilience.in_process=true" in sc.extra:
         row.check(set(row.restarts) == {"in-process"}, f"expected in-process only: {row.restarts}")
-        row.check(len({s["pid"] for s in starts}) == 1, "in-process restart changed worker PIDs")
+        row.check(len({s.pid for s in starts}) == 1, "in-process restart changed worker PIDs")
 
 
 def _scenario(sc: Scenario, ctx: _Ctx) -> Row:
