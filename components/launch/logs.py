@@ -1,13 +1,13 @@
-"""Follow the logs of a PyTorchJob's worker pods, including pods that start late or restart.
+"""Follow the logs of a job's worker pods, including pods that start late or restart.
 
 ``TrainingClient.get_job_logs(follow=True)`` follows only the pods that are already running when it
 is called, so a worker that is scheduled later, restarted by the kubelet, or recreated by the
-operator is never shown. :class:`PodLogFollower` instead watches the job's pods (label
-``training.kubeflow.org/job-name``) and opens one ``follow`` log stream per container *instance*
-(pod uid + restart count), prefixing every line with the replica (``[worker-1]``, ``[worker-1/r2]``
-after two restarts). It keeps the last lines of every pod for failure reports and feeds
-:class:`Progress` (the step/total a progress line shows). Restarts are not read from log lines:
-the run's events count them (:mod:`.result`).
+operator is never shown. :class:`PodLogFollower` instead watches the job's pods (a PyTorchJob's
+by label ``training.kubeflow.org/job-name``, a TrainJob's by its JobSet's) and opens one
+``follow`` log stream per container *instance* (pod uid + restart count), prefixing every line
+with the replica (``[worker-1]``, ``[worker-1/r2]`` after two restarts). It keeps the last lines
+of every pod for failure reports and feeds :class:`Progress` (the step/total a progress line
+shows). Restarts are not read from log lines: the run's events count them (:mod:`.result`).
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ class PodLogFollower:
     Args:
         core: CoreV1Api of the cluster.
         namespace: The job's namespace.
-        job_name: The PyTorchJob name.
+        job_name: The job's name (the PyTorchJob's or TrainJob's).
         emit: Called with each prefixed line (and pod status notes); must be thread-safe.
         container: The container to follow.
         watch_timeout_s: Length of one pod watch request (it is renewed until :meth:`stop`).

@@ -88,7 +88,7 @@ class AsyncSaver:
         if cache is not None and all_ranks(cache[0] == staging.layout_key, self.device):
             # Same layout as the last save (same keys, shapes, shards): its plan and metadata hold;
             # only the bytes entries are resolved again. Planning is collective and pickles every
-            # item: ~0.1 s of GPU idle time per save for a 1B model.
+            # item: GPU idle time on every save (docs/benchmarks/NOTES.md has the figures).
             _, central_plan, metadata, dist_wrapper = cache
             planner = DefaultSavePlanner()
             planner.set_up_planner(state, is_coordinator=dist_wrapper.is_coordinator)

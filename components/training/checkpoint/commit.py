@@ -1,11 +1,10 @@
 """A commit's file work off the training loop: ``.metadata``, the commit marker, progress, pruning.
 
 Rank 0 writes them once every rank's write finished and the write results were gathered (both
-collective, on the loop). Written inline they held the loop for 0.03-0.04 s per commit at 1b
-(``bench.ckpt_stall``: the commit step was the slowest step of every run, +14 to +17 %, with ~30
-voluntary context switches for the fsyncs). On a thread they overlap the next steps; the loop
-learns that the marker is on disk from one small all-reduce per step (:func:`min_over_ranks`), so
-no rank treats the save as committed before the marker exists.
+collective, on the loop). Written inline they made the commit step the slowest step of a run (the
+fsyncs; ``bench.ckpt_stall``, figures in docs/benchmarks/NOTES.md). On a thread they overlap the
+next steps; the loop learns that the marker is on disk from one small all-reduce per step
+(:func:`min_over_ranks`), so no rank treats the save as committed before the marker exists.
 """
 
 from __future__ import annotations

@@ -39,9 +39,9 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, torch.optim.Opt
         parallelize(model, device, activation_checkpointing=cfg.train.activation_checkpointing,
                     compile=cfg.train.compile)
     t = cfg.train
-    # CUDA: the fused AdamW kernel (one pass over param/grad/moments; bench.step_profile, 1b on an
-    # H200: 13 ms less per 0.257 s step than foreach, MFU 53.1 -> 56.0 %). It is deterministic; on
-    # CPU (gloo, the exactness tests) foreach stays.
+    # CUDA: the fused AdamW kernel (one pass over param/grad/moments: a shorter step than foreach,
+    # bench.step_profile; figures in docs/benchmarks/NOTES.md). It is deterministic; on CPU (gloo,
+    # the exactness tests) foreach stays.
     impl = {"fused": True} if device.type == "cuda" else {"foreach": True}
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2),
                             weight_decay=t.weight_decay, **impl)
