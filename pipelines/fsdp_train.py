@@ -13,7 +13,7 @@ from kfp import dsl, kubernetes
 from kfp_nvrx.components import images
 from kfp_nvrx.components.export_checkpoint.component import export_checkpoint, size_export
 from kfp_nvrx.components.prepare_dataset.component import prepare_dataset
-from kfp_nvrx.components.train_fsdp.component import train_fsdp
+from kfp_nvrx.components.train_fsdp.component import DEFAULT_JOB_API, train_fsdp
 
 #: Mount path of the shared volume in every task (and in the training job's worker pods).
 MOUNT_PATH = "/fsx"
@@ -94,7 +94,7 @@ def fsdp_train(
     instance_type: str = "cpu",
     trainer_image: str = images.trainer_image(),
     backend: str = "kubernetes",
-    job_api: str = "auto",
+    job_api: str = DEFAULT_JOB_API,
     deadline_s: int = 0,
     export_step: int = -1,
     eval_batches: int = 8,

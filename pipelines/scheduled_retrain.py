@@ -15,7 +15,7 @@ from kfp_nvrx.components import images
 from kfp_nvrx.components.evaluate_promote.component import compare_models, promote_model
 from kfp_nvrx.components.export_checkpoint.component import export_checkpoint
 from kfp_nvrx.components.prepare_dataset.component import prepare_dataset
-from kfp_nvrx.components.train_fsdp.component import train_fsdp
+from kfp_nvrx.components.train_fsdp.component import DEFAULT_JOB_API, train_fsdp
 from kfp_nvrx.pipelines.fsdp_train import (
     EXPORT_TIMEOUT_S,
     MOUNT_PATH,
@@ -57,7 +57,7 @@ def scheduled_retrain(
     instance_type: str = "cpu",
     trainer_image: str = images.trainer_image(),
     backend: str = "kubernetes",
-    job_api: str = "auto",
+    job_api: str = DEFAULT_JOB_API,
     deadline_s: int = 0,
     eval_batches: int = 8,
     min_improvement: float = 0.0,

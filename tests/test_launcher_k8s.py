@@ -226,7 +226,8 @@ def test_dispatcher_kubernetes_and_unknown_backend(double: K8sDouble) -> None:
     spec = JobSpec(**SPEC)
     with playing(double, spec, _happy):
         result = backends.launch(spec, "kubernetes", log=lambda _: None, poll_s=0.05,
-                                 client_configuration=double.configuration())
+                                 client_configuration=double.configuration(),
+                                 job_api="pytorchjob")
     assert result.succeeded and result.backend == "kubernetes"
     with pytest.raises(UserError) as err:
         backends.launch(spec, "slurm")

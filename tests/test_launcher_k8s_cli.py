@@ -18,7 +18,8 @@ from k8s_double import K8sDouble
 
 from kfp_nvrx.components.launch.jobspec.spec import JobSpec
 
-ARGS = ["--instance-type", "cpu", "--image", "img:1", "--pvc", "fsx", "--nodes", "1",
+ARGS = ["--job-api", "pytorchjob", "--instance-type", "cpu", "--image", "img:1", "--pvc", "fsx",
+        "--nodes", "1",
         "--run-id", "run-cli", "--task", "train", "--set", "train.steps=6",
         "--poll-interval", "0.1"]
 NAME = JobSpec(run_id="run-cli", task="train").job_name()

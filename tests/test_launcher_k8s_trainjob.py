@@ -19,18 +19,19 @@ from k8s_double import K8sDouble
 from k8s_launch import SPEC, Script, fast_opts, playing, trainer_started
 
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.launch import backends
+from kfp_nvrx.components.launch import backends, k8s_api
+from kfp_nvrx.components.launch.job_apis import resolve_job_api
 from kfp_nvrx.components.launch.jobspec.spec import JobSpec
 from kfp_nvrx.components.launch.jobspec.trainjob import render
 from kfp_nvrx.components.launch.k8s_job import ClusterError
-from kfp_nvrx.components.launch.trainjob import launch_trainjob, resolve_job_api
+from kfp_nvrx.components.launch.trainjob import launch_trainjob
 
 TRAINJOBS = "/apis/trainer.kubeflow.org/v1alpha1/namespaces/default/trainjobs"
 
 
 def _run(double: K8sDouble, spec: JobSpec, script: Script, **opts):
     lines: list[str] = []
-    api = backends._api_client(double.configuration())
+    api = k8s_api.api_client(double.configuration())
     with playing(double, spec, script):
         result = launch_trainjob(spec, fast_opts(**opts), log=lines.append, api_client=api)
     return result, lines
@@ -97,7 +98,7 @@ def test_another_runs_trainjob_is_refused_untouched(double: K8sDouble) -> None:
     double.put_job(other)
     with pytest.raises(UserError) as err:
         launch_trainjob(JobSpec(**{**SPEC, "name": "clash"}), fast_opts(),
-                        api_client=backends._api_client(double.configuration()))
+                        api_client=k8s_api.api_client(double.configuration()))
     assert err.value.field == "--name" and "someone-else" in err.value.message
     k8s_launch.assert_untouched(double)
 
@@ -152,14 +153,14 @@ def test_sigterm_deletes_the_trainjob(double: K8sDouble) -> None:
 def test_auto_asks_the_cluster_and_prefers_trainjob(double: K8sDouble, served: set,
                                                     expected: str) -> None:
     double.served = served
-    assert resolve_job_api("auto", backends._api_client(double.configuration())) == expected
+    assert resolve_job_api("auto", k8s_api.api_client(double.configuration())) == expected
     assert double.calls("GET", "/apis/trainer.kubeflow.org/v1alpha1")
 
 
 def test_auto_with_neither_is_a_cluster_error(double: K8sDouble) -> None:
     double.served = set()
     with pytest.raises(ClusterError, match="neither trainjobs"):
-        resolve_job_api("auto", backends._api_client(double.configuration()))
+        resolve_job_api("auto", k8s_api.api_client(double.configuration()))
 
 
 def test_dispatcher_auto_runs_a_trainjob(double: K8sDouble) -> None:

@@ -117,6 +117,24 @@ def test_fsdp_train_parameters():
                                                   "size-export", "train-fsdp"]
 
 
+@pytest.mark.parametrize("name", sorted(PIPELINES))
+def test_every_surface_defaults_to_the_one_job_api(name):
+    """CLI ``launch``, the train component and the pipelines share job_apis.DEFAULT_JOB_API."""
+    from kfp_nvrx.components.launch.backends import KubernetesOptions
+    from kfp_nvrx.components.launch.job_apis import DEFAULT_JOB_API, JOB_API_CHOICES
+    from kfp_nvrx.components.train_fsdp.component import train_fsdp
+
+    spec, _ = _docs(COMPILED_DIR / f"{name}.yaml")
+    assert spec["root"]["inputDefinitions"]["parameters"]["job_api"]["defaultValue"] \
+        == DEFAULT_JOB_API
+    # The component's signature holds a literal (KFP runs its source alone): the same value.
+    assert train_fsdp.component_spec.inputs["job_api"].default == DEFAULT_JOB_API
+    assert KubernetesOptions().job_api == DEFAULT_JOB_API in JOB_API_CHOICES
+    launch = subprocess.run([sys.executable, "-m", "kfp_nvrx.components.cli", "launch", "--help"],
+                            capture_output=True, text=True, check=True).stdout
+    assert f"default {DEFAULT_JOB_API}" in " ".join(launch.split())
+
+
 @pytest.mark.parametrize("name", ["fsdp-train", "scheduled-retrain"])
 def test_parameter_descriptions_read_plainly(name):
     spec, _ = _docs(COMPILED_DIR / f"{name}.yaml")

@@ -226,3 +226,28 @@ def current_namespace() -> str:
         return (active or {}).get("context", {}).get("namespace") or "default"
     except Exception:  # noqa: BLE001 - no kubeconfig: the API default
         return "default"
+
+
+def api_client(configuration: Any = None) -> Any:
+    """A Kubernetes ApiClient: ``configuration``, else in-cluster or kubeconfig credentials.
+
+    Raises:
+        ClusterError: No credentials could be loaded (one line, no token quoted).
+    """
+    from kubernetes import client, config
+
+    from kfp_nvrx.components.redaction import register_kube_configuration, register_kubeconfig
+
+    if configuration is None:
+        configuration = client.Configuration()
+        register_kubeconfig(None)  # before loading: a loader error must not quote a token
+        try:
+            config.load_incluster_config(client_configuration=configuration)
+        except config.ConfigException:
+            try:
+                config.load_kube_config(client_configuration=configuration)
+            except Exception as err:  # noqa: BLE001 - no kubeconfig: one line
+                raise ClusterError(f"no Kubernetes credentials: {' '.join(str(err).split())}") \
+                    from None
+    register_kube_configuration(configuration)  # every later line we print is redacted
+    return client.ApiClient(configuration)

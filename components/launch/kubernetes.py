@@ -22,7 +22,7 @@ from kubernetes.client.rest import ApiException
 
 from kfp_nvrx.components.launch import k8s_api, k8s_job
 from kfp_nvrx.components.launch.jobspec import naming
-from kfp_nvrx.components.launch.jobspec.pytorchjob import render
+from kfp_nvrx.components.launch.jobspec.pytorchjob import RenderedJob, render
 from kfp_nvrx.components.launch.jobspec.resolve import ResolvedJob
 from kfp_nvrx.components.launch.jobspec.spec import JobSpec
 from kfp_nvrx.components.launch.logs import PodLogFollower
@@ -131,15 +131,15 @@ class _Job:
         return None
 
 
-def launch_kubernetes(spec: ResolvedJob | JobSpec, opts: k8s_job.K8sOptions | None = None, *,
+def launch_kubernetes(spec: RenderedJob | ResolvedJob | JobSpec, opts: k8s_job.K8sOptions | None = None, *,
                       log: Callable[[str], None] = print,
                       client_configuration: k8s.Configuration | None = None,
                       training_client: TrainingClient | None = None) -> LaunchResult:
     """Run ``spec`` as a PyTorchJob and follow it to its end.
 
     Args:
-        spec: The job (a JobSpec is resolved first). Rendered and validated before anything is
-            sent to the cluster.
+        spec: The job as rendered, or one to render (a JobSpec is resolved first): rendered
+            and validated before anything is sent to the cluster.
         opts: Namespace, deadline, delete_after, polling.
         log: Sink for log lines and progress (called from several threads, one line per call).
         client_configuration: Kubernetes client configuration (None: kubeconfig or in-cluster).
@@ -154,7 +154,7 @@ def launch_kubernetes(spec: ResolvedJob | JobSpec, opts: k8s_job.K8sOptions | No
 
     """
     run = k8s_job.JobRun(opts, log)
-    rendered = render(spec)
+    rendered = spec if isinstance(spec, RenderedJob) else render(spec)
     job = rendered.resolved
     k8s_api.configure(client_configuration)
     if training_client is None:

@@ -10,8 +10,7 @@ objects are plain dicts validated against the vendored CRDs (the ``kubeflow`` SD
 ``kubeflow-trainer-api`` models are not installable here); the calls go through the Kubernetes
 client's ``CustomObjectsApi``.
 
-:func:`served_job_apis` answers ``--job-api auto``: it asks the API server's discovery endpoints
-which of ``trainjobs.trainer.kubeflow.org`` and ``pytorchjobs.kubeflow.org`` it serves.
+:mod:`.job_apis` answers ``--job-api auto`` (API discovery) before this module is called.
 """
 
 from __future__ import annotations
@@ -23,13 +22,12 @@ from typing import Any
 from kubernetes import client as k8s
 from kubernetes.client.rest import ApiException
 
-from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.launch import k8s_api
 from kfp_nvrx.components.launch.jobspec import naming
 from kfp_nvrx.components.launch.jobspec import runtime as rt
 from kfp_nvrx.components.launch.jobspec.resolve import ResolvedJob
 from kfp_nvrx.components.launch.jobspec.spec import JobSpec
-from kfp_nvrx.components.launch.jobspec.trainjob import render
+from kfp_nvrx.components.launch.jobspec.trainjob import RenderedTrainJob, render
 from kfp_nvrx.components.launch.k8s_job import (
     ClusterError,
     JobRun,
@@ -47,45 +45,11 @@ JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
 COMPLETION_INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
 RESTART_ATTEMPT_LABEL = "jobset.sigs.k8s.io/restart-attempt"
 FINAL = ("Complete", "Failed")
-JOB_APIS = ("pytorchjob", "trainjob")
 CRD = "Kubeflow Trainer v2 (trainer.kubeflow.org TrainJob CRD)"
 #: The Event reason of a TrainJob whose JobSet (or other objects) could not be applied.
 CREATION_FAILED = "TrainJobResourcesCreationFailed"
 #: What an Event message says when the refusal will not go away by retrying.
 FINAL_REFUSALS = ("denied the request", "is invalid", "is forbidden")
-
-
-def served_job_apis(api: k8s.ApiClient) -> set[str]:
-    """Return which of ``pytorchjob`` / ``trainjob`` the cluster serves (API discovery)."""
-    served, host = set(), k8s_api.host_of(api)
-    for group, version, plural, api_name in ((rt.GROUP, VERSION, PLURAL, "trainjob"),
-                                             ("kubeflow.org", "v1", "pytorchjobs", "pytorchjob")):
-        action = f"asking the API server for {group}/{version}"
-        try:
-            resp = k8s_api.call(action, host, api.call_api, f"/apis/{group}/{version}", "GET",
-                                response_type="object", auth_settings=["BearerToken"],
-                                _return_http_data_only=True, ok=(404,))
-        except ApiException:
-            continue  # the group/version is not served
-        resources = k8s_api.expect_object(resp, action, host).get("resources") or []
-        if any(isinstance(r, dict) and r.get("name") == plural for r in resources):
-            served.add(api_name)
-    return served
-
-
-def resolve_job_api(job_api: str, api: k8s.ApiClient | None) -> str:
-    """Return ``job_api``, or for ``auto`` the API the cluster serves (TrainJob when both)."""
-    if job_api in JOB_APIS:
-        return job_api
-    if job_api != "auto":
-        raise UserError("--job-api", f"must be pytorchjob, trainjob or auto, got {job_api!r}")
-    served = served_job_apis(api) if api is not None else set()
-    if "trainjob" in served:
-        return "trainjob"
-    if "pytorchjob" in served:
-        return "pytorchjob"
-    raise ClusterError("--job-api auto: the cluster serves neither trainjobs.trainer.kubeflow.org "
-                       "(Kubeflow Trainer v2) nor pytorchjobs.kubeflow.org (Training Operator v1)")
 
 
 def _ts(text: str | None) -> float:
@@ -256,7 +220,7 @@ def _state(job: dict[str, Any]) -> str:
     return conds[-1]["type"] if conds else "Pending"
 
 
-def launch_trainjob(spec: ResolvedJob | JobSpec, opts: K8sOptions | None = None, *,
+def launch_trainjob(spec: RenderedTrainJob | ResolvedJob | JobSpec, opts: K8sOptions | None = None, *,
                     log: Callable[[str], None] = print,
                     client_configuration: k8s.Configuration | None = None,
                     api_client: k8s.ApiClient | None = None,
@@ -265,13 +229,13 @@ def launch_trainjob(spec: ResolvedJob | JobSpec, opts: K8sOptions | None = None,
     """Run ``spec`` as a TrainJob and follow it to its end (see the module docstring).
 
     Args:
-        spec: The job (a JobSpec is resolved first); rendered and checked against the vendored
-            CRDs before any API call.
+        spec: The job as rendered, or one to render (a JobSpec is resolved first): rendered
+            and checked against the vendored CRDs before any API call.
         opts: Namespace, deadline, delete_after, polling.
         log: Sink for log lines and progress (one line per call).
         client_configuration: Kubernetes client configuration (None: kubeconfig or in-cluster).
         api_client: A ready ApiClient (overrides ``client_configuration``).
-        runtime: Name of the runtime the TrainJob's ``runtimeRef`` names.
+        runtime: Name of the runtime the TrainJob's ``runtimeRef`` names (when it renders).
         runtime_kind: ``TrainingRuntime`` (namespaced) or ``ClusterTrainingRuntime``.
 
     Returns:
@@ -283,7 +247,8 @@ def launch_trainjob(spec: ResolvedJob | JobSpec, opts: K8sOptions | None = None,
 
     """
     run = JobRun(opts, log)
-    rendered = render(spec, runtime, runtime_kind)
+    rendered = (spec if isinstance(spec, RenderedTrainJob)
+                else render(spec, runtime, runtime_kind))
     job = rendered.resolved
     api = api_client or k8s.ApiClient(client_configuration)
     k8s_api.configure(api.configuration)

@@ -11,8 +11,14 @@ Caching must stay off for this task (the pipelines do that): its cache key cover
 from kfp import dsl
 
 from kfp_nvrx.components.images import components_image
+from kfp_nvrx.components.launch.job_apis import DEFAULT_JOB_API
+
+#: The pipelines take their ``job_api`` default from here (they import no launcher module).
+__all__ = ["DEFAULT_JOB_API", "train_fsdp"]
 
 
+# KFP runs this function's source alone, so its defaults are literals; job_api's is
+# job_apis.DEFAULT_JOB_API (tests/test_pipelines.py holds them equal).
 @dsl.component(base_image=components_image(), install_kfp_package=False)
 def train_fsdp(
     dataset: dsl.Input[dsl.Dataset],
@@ -71,7 +77,7 @@ def train_fsdp(
     from kfp_nvrx.components import images
     from kfp_nvrx.components.errors import UserError
     from kfp_nvrx.components.launch import ui_outputs
-    from kfp_nvrx.components.launch.backends import launch
+    from kfp_nvrx.components.launch.backends import launch, options
     from kfp_nvrx.components.launch.jobspec.spec import JobSpec
     from kfp_nvrx.components.redaction import redact, redacted_output
 
@@ -95,7 +101,9 @@ def train_fsdp(
     # authenticated with may reach the task log, Metrics or the HTML (one redaction).
     with redacted_output():
         try:
-            result = launch(spec, backend, deadline_s=deadline_s or None, job_api=job_api)
+            # job_api is a Kubernetes option; the local backend has none.
+            kube = {"job_api": job_api} if backend == "kubernetes" else {}
+            result = launch(spec, options(backend, deadline_s=deadline_s or None, **kube))
         except UserError:
             raise
         except Exception as err:  # the executor prints it (and its chain) as a traceback

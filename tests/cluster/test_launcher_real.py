@@ -28,7 +28,7 @@ from cluster.launch_real import (
     sa_kubeconfig,
     wait_for,
 )
-from kfp_nvrx.components.launch import trainjob
+from kfp_nvrx.components.launch import job_apis
 from kfp_nvrx.components.launch.jobspec import runtime as rt
 
 #: No node carries this label: the scheduler never binds our pods, so no node agent runs them and
@@ -69,14 +69,14 @@ def _set_served(api: client.ApiClient, crd: str, served: bool) -> None:
 def test_auto_reads_the_real_servers_api_groups(kube) -> None:
     """Both APIs served: TrainJob. The TrainJob CRD unserved (one-API cluster): PyTorchJob."""
     api = kube.client()
-    assert trainjob.served_job_apis(api) == {"trainjob", "pytorchjob"}
-    assert trainjob.resolve_job_api("auto", api) == "trainjob"
+    assert job_apis.served_job_apis(api) == {"trainjob", "pytorchjob"}
+    assert job_apis.resolve_job_api("auto", api) == "trainjob"
     crd = "trainjobs.trainer.kubeflow.org"
     try:
         _set_served(api, crd, False)
-        wait_for("discovery without trainjobs", lambda: trainjob.served_job_apis(api)
+        wait_for("discovery without trainjobs", lambda: job_apis.served_job_apis(api)
                  == {"pytorchjob"})
-        assert trainjob.resolve_job_api("auto", api) == "pytorchjob"
+        assert job_apis.resolve_job_api("auto", api) == "pytorchjob"
         # And the launcher, asked for auto, creates a PyTorchJob there.
         name = "real-auto-v1"
         run = Background(_spec(name), admin_configuration(kube), kube.namespace,
@@ -86,7 +86,7 @@ def test_auto_reads_the_real_servers_api_groups(kube) -> None:
         assert run.saw(f"created PyTorchJob {kube.namespace}/{name}")
     finally:
         _set_served(api, crd, True)
-        wait_for("trainjobs served again", lambda: "trainjob" in trainjob.served_job_apis(api))
+        wait_for("trainjobs served again", lambda: "trainjob" in job_apis.served_job_apis(api))
 
 
 def test_pytorchjob_failure_names_operator_reason_and_replica(kube) -> None:

@@ -15,6 +15,7 @@ import sys
 
 from kfp_nvrx.components.cli.commands.render_job import add_job_arguments, spec_from_args, write_atomic
 from kfp_nvrx.components.core import argtypes
+from kfp_nvrx.components.launch.job_apis import DEFAULT_JOB_API, JOB_API_CHOICES
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -24,9 +25,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", choices=("local", "kubernetes"), default="local",
                    help="local (default: ft_launcher agents on this machine) or kubernetes")
     add_job_arguments(p)
-    p.add_argument("--job-api", choices=("pytorchjob", "trainjob", "auto"), default="pytorchjob",
-                   help="kubernetes: pytorchjob (Training Operator v1, default), trainjob "
-                   "(Kubeflow Trainer v2) or auto (ask the cluster; TrainJob when it serves both)")
+    p.add_argument("--job-api", choices=JOB_API_CHOICES, default=DEFAULT_JOB_API,
+                   help="kubernetes: pytorchjob (Training Operator v1), trainjob (Kubeflow "
+                   "Trainer v2) or auto (ask the cluster; TrainJob when it serves both); "
+                   f"default {DEFAULT_JOB_API}")
     f = p.add_argument_group("follow")
     f.add_argument("--deadline", type=argtypes.seconds, default=None,
                    help="give up after SECONDS (kubernetes: from job creation; default: "
@@ -75,33 +77,40 @@ def _cluster(args: argparse.Namespace) -> tuple[object, str]:
             from None
 
 
+def _options(args: argparse.Namespace) -> object:
+    """The backend's typed launch options from the flags (credentials come later)."""
+    from kfp_nvrx.components.launch.backends import KubernetesOptions, LocalOptions
+
+    if args.backend == "local":
+        return LocalOptions(deadline_s=args.deadline)
+    return KubernetesOptions(job_api=args.job_api, namespace=args.namespace,
+                             deadline_s=args.deadline, delete_after=args.delete_after,
+                             poll_s=args.poll_interval, runtime=args.runtime,
+                             runtime_kind=args.runtime_kind)
+
+
 def _run(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
     from kfp_nvrx.components.errors import UserError
-    from kfp_nvrx.components.launch.backends import launch
+    from kfp_nvrx.components.launch.backends import check, launch
     from kfp_nvrx.components.launch.k8s_job import ClusterError
 
     if args.deadline is not None and args.deadline <= 0:
         raise UserError("--deadline", f"must be > 0 seconds, got {args.deadline:g}")
     if args.poll_interval <= 0:
         raise UserError("--poll-interval", f"must be > 0 seconds, got {args.poll_interval:g}")
-    spec = spec_from_args(args)
+    opts = _options(args)
+    job = check(spec_from_args(args), opts)  # bad input is reported before credentials
 
     def log(line: str) -> None:
         print(line, flush=True)
 
-    cfg, namespace = None, ""
     try:
         if args.backend == "kubernetes":
-            from kfp_nvrx.components.cli.commands.render_job import render_for
-
-            if args.job_api != "auto":  # bad input is reported before credentials are looked at
-                render_for(spec, args.job_api, args.runtime, args.runtime_kind)
             cfg, namespace = _cluster(args)
-        result = launch(spec, args.backend, log=log, deadline_s=args.deadline,
-                        namespace=args.namespace or namespace, delete_after=args.delete_after,
-                        poll_s=args.poll_interval, client_configuration=cfg,
-                        job_api=args.job_api, runtime=args.runtime,
-                        runtime_kind=args.runtime_kind)
+            opts = replace(opts, client_configuration=cfg, namespace=args.namespace or namespace)
+        result = launch(job, opts, log=log)
     except ClusterError as err:
         sys.stderr.write(f"kfp-nvrx launch: cluster error: {err}\n")
         return 1

@@ -14,6 +14,7 @@ from typing import Any
 
 from kfp_nvrx.components.core import argtypes
 from kfp_nvrx.components.core.atomic import write_atomic as core_write_atomic
+from kfp_nvrx.components.launch.job_apis import JOB_API_CHOICES, RENDER_JOB_API
 
 
 def add_job_arguments(p: argparse.ArgumentParser) -> None:
@@ -130,30 +131,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "schema) the PyTorchJob or TrainJob that `kfp-nvrx launch --backend "
                        "kubernetes` would create, and prints it as YAML for `kubectl apply -f -`.")
     add_job_arguments(p)
-    p.add_argument("--job-api", choices=("pytorchjob", "trainjob"), default="pytorchjob",
-                   help="pytorchjob (Training Operator v1, default) or trainjob (Kubeflow "
-                   "Trainer v2)")
+    p.add_argument("--job-api", choices=JOB_API_CHOICES[:-1], default=RENDER_JOB_API,
+                   help=f"pytorchjob (Training Operator v1) or trainjob (Kubeflow Trainer v2); "
+                   f"default {RENDER_JOB_API}: render-job asks no cluster, so it cannot answer "
+                   "auto")
     p.add_argument("--with-runtime", action="store_true",
                    help="trainjob: also print the runtime it refers to (first), e.g. to apply a "
                    "ClusterTrainingRuntime")
     p.add_argument("--out", default="", help="write the YAML to FILE instead of stdout")
     p.set_defaults(handler=_run)
-
-
-def render_for(spec: Any, job_api: str, runtime: str = "kfp-nvrx-ft",
-               runtime_kind: str = "TrainingRuntime") -> Any:
-    """Render and validate ``spec`` for one job API (``pytorchjob`` or ``trainjob``)."""
-    from kfp_nvrx.components.errors import UserError
-
-    if job_api == "trainjob":
-        from kfp_nvrx.components.launch.jobspec import trainjob
-
-        return trainjob.render(spec, runtime, runtime_kind)
-    if job_api != "pytorchjob":
-        raise UserError("--job-api", f"must be pytorchjob or trainjob, got {job_api!r}")
-    from kfp_nvrx.components.launch.jobspec import pytorchjob
-
-    return pytorchjob.render(spec)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -165,7 +151,12 @@ def _run(args: argparse.Namespace) -> int:
     if args.with_runtime and args.job_api != "trainjob":
         raise UserError("--with-runtime", "only a TrainJob refers to a runtime; add "
                         "--job-api trainjob")
-    rendered = render_for(spec_from_args(args), args.job_api, args.runtime, args.runtime_kind)
+    from kfp_nvrx.components.launch import job_apis
+    from kfp_nvrx.components.launch.backends import KubernetesOptions, check
+
+    opts = KubernetesOptions(job_api=args.job_api, runtime=args.runtime,
+                             runtime_kind=args.runtime_kind)
+    rendered = job_apis.get(args.job_api).render(check(spec_from_args(args), opts), opts)
     text = rendered.to_yaml(with_runtime=True) if args.with_runtime else rendered.to_yaml()
     if args.out:
         write_atomic(args.out, text)
