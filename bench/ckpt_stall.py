@@ -88,11 +88,11 @@ def d2h_floor(state: dict, reps: int) -> dict[str, float]:
 
 
 def shipped_async(cfg, fwd_bwd, opt_step, state_fn, root: Path, device, mode: str, saves: int,
-                  gap: int, max_steps: int, quiet: int = 20,
+                  gap: int, max_steps: int, quiet_steps: int = 20,
                   profile_save: bool = False) -> tuple[Any, dict[str, Any]]:
     """The shipped Checkpointer inside a training loop: a save whenever the last one committed.
 
-    ``mode`` is ``checkpoint.staging``. The first ``quiet`` steps save nothing: with 13 GB writes a
+    ``mode`` is ``checkpoint.staging``. The first ``quiet_steps`` steps save nothing: with 13 GB writes a
     write is in flight nearly all the time, and the few quiet steps between a commit and the next
     save (all right after a commit) alone made a biased baseline. Returns per save the seconds
     ``save()`` blocked, the time of the step right after it (where overlapped D2H copies run) and
@@ -150,7 +150,7 @@ def shipped_async(cfg, fwd_bwd, opt_step, state_fn, root: Path, device, mode: st
         elif s > 2:  # the first steps after building still warm caches
             (busy if inflight else quiet).append(dt)
         since = 0 if ckpt.inflight is not None else since + 1
-        if done < saves and ckpt.inflight is None and since >= gap and s > quiet:
+        if done < saves and ckpt.inflight is None and since >= gap and s > quiet_steps:
             t_sd = time.perf_counter()
             st = state_fn(s)  # the trainer's loop builds the state dict too: visible, timed apart
             state_dict_s.append(time.perf_counter() - t_sd)
