@@ -54,4 +54,194 @@ def test_exit_codes_have_one_phrase_for_the_launcher() -> None:
 
     assert "gave up" in exit_meaning(1) and "no training progress" in exit_meaning(93)
     assert "SIGKILL" in exit_meaning(137) and "SIGTERM" in exit_meaning(143)
+    assert "rendezvous host" in exit_meaning(200)
     assert exit_meaning(0) == exit_meaning(None) == exit_meaning(42) == ""
+
+
+#: ft_launcher's own verdict lines (its ``main``), as NVRx 0.4.1 and 0.7 write them.
+GAVE_UP = ("[ERROR] Some rank(s) exited with non-zero exit code: {1: ProcessFailure(...)}. "
+           "Agent's exit code = 1")
+BROKE = ("[ERROR] Agent run ended with exception, e=RendezvousConnectionError('The connection "
+         "to the C10d store has failed.'). Agent's exit code = 1")
+
+
+def _entry(line: str, wait: str, **kw) -> subprocess.Popen:
+    import os
+
+    script = f"echo step 1; echo {line!r} >&2; exit 1"
+    return subprocess.Popen([*ENTRY, "/bin/sh", "-c", script],
+                            env={**os.environ, "KFP_NVRX_PEER_LOST_WAIT_S": wait},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def test_gave_up_passes_through_at_once_and_output_is_copied() -> None:
+    p = _entry(GAVE_UP, "600")  # a peer-lost reading would wait 600 s: the timeout says so
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 1
+    assert out == "step 1\n" and err == GAVE_UP + "\n"  # each stream to its own, unchanged
+
+
+def test_a_lost_peer_is_not_a_verdict() -> None:
+    """ft_launcher's agent broke (store/rendezvous lost): 200, counted as infrastructure."""
+    from kfp_nvrx.components.core.pod_entry import PEER_LOST
+
+    p = _entry(BROKE, "0")
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == PEER_LOST == 200 and out == "step 1\n"
+    assert err.startswith(BROKE + "\n") and "lost a peer pod" in err
+
+
+def test_a_pod_that_lost_its_peer_waits_to_be_stopped() -> None:
+    """The Job controller deletes it once the lost pod's failure is counted: 143, no verdict."""
+    p = _entry(BROKE, "600")
+    for line in p.stderr:  # a state, not a sleep: the entrypoint says it is waiting
+        if "waiting up to 600 s" in line:
+            break
+    assert p.poll() is None
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(60) == 143
+
+
+def test_a_1_without_a_verdict_line_stays_1() -> None:
+    """ft_launcher died before its own verdict (an import error): nothing to re-read."""
+    p = _entry("Traceback (most recent call last): ImportError", "600")
+    p.communicate(timeout=60)
+    assert p.returncode == 1
+
+
+def test_peer_lost_wait_follows_the_pods_grace_period() -> None:
+    from kfp_nvrx.components.core.launch_command import POD_STOP_MARGIN_S
+    from kfp_nvrx.components.core.pod_entry import (
+        PEER_REPORT_S,
+        peer_lost_wait_s,
+        verdict,
+    )
+    from kfp_nvrx.components.core.pod_entry import (
+        POD_STOP_MARGIN_S as MARGIN,
+    )
+
+    assert MARGIN == POD_STOP_MARGIN_S  # the same margin pod_grace_period_s adds
+    argv = ["ft_launcher", "--term-timeout=20", "-m", "trainer", "--term-timeout=999"]
+    assert peer_lost_wait_s(argv, {}) == 20 + MARGIN + PEER_REPORT_S
+    assert peer_lost_wait_s(["ft_launcher", "--term-timeout", "5"], {}) == 5 + MARGIN + 30
+    assert peer_lost_wait_s(argv, {"KFP_NVRX_PEER_LOST_WAIT_S": "0"}) == 0
+    for bad in ("-1", "nan", "inf", "soon"):
+        with pytest.raises(ValueError):
+            peer_lost_wait_s(argv, {"KFP_NVRX_PEER_LOST_WAIT_S": bad})
+    assert verdict(1, "x\n" + BROKE + "\n") == 200 and verdict(1, GAVE_UP) == 1
+    assert verdict(137, BROKE) == 137 and verdict(0, BROKE) == 0
+
+
+def test_a_bad_wait_override_is_one_line_and_exit_2() -> None:
+    import os
+
+    out = subprocess.run([*ENTRY, "true"], env={**os.environ, "KFP_NVRX_PEER_LOST_WAIT_S": "x"},
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1
+    assert "KFP_NVRX_PEER_LOST_WAIT_S" in out.stderr
+
+
+def _agents(tmp_path, nodes: int, worker: str) -> list[subprocess.Popen]:
+    """``nodes`` real ft_launcher agents behind the entrypoint, as pods run them (node 0 hosts
+    the c10d store), each in a process group of its own; their output goes to files."""
+    import os
+    import socket
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "worker.py"
+    script.write_text(worker)
+    ft = str(Path(sys.executable).parent / "ft_launcher")
+    env = {**os.environ, "KFP_NVRX_PEER_LOST_WAIT_S": "0", "PYTHONUNBUFFERED": "1"}
+    procs = []
+    for node in range(nodes):
+        log = open(tmp_path / f"node{node}.log", "wb")  # noqa: SIM115 - closed with the process
+        procs.append(subprocess.Popen(
+            [*ENTRY, ft, "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+             "--rdzv-id=pe", f"--nnodes={nodes}", "--nproc-per-node=1",
+             "--max-restarts=3", "--local-addr=127.0.0.1",
+             "--monitor-interval=0.1", "--workers-stop-timeout=5", "--term-timeout=5",
+             "--ft-enable-nic-monitor=False", "--rdzv-conf", f"is_host={int(node == 0)}",
+             str(script), str(tmp_path)], stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, env=env, start_new_session=True))
+        log.close()
+    return procs
+
+
+def _kill_all(tmp_path, procs) -> None:
+    import os
+
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait(60)
+    for f in tmp_path.glob("pid-*"):  # workers run in sessions of their own
+        try:
+            os.kill(int(f.read_text()), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+SLEEPER = ("import os, sys, time\n"
+           "d = sys.argv[1]\n"
+           "open(f\"{d}/pid-{os.environ['RANK']}\", 'w').write(str(os.getpid()))\n"
+           "time.sleep(300)\n")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_real_ft_launcher_losing_its_store_host_is_peer_lost(tmp_path) -> None:
+    """NVRx's own agent: node 0 (the c10d store) SIGKILLed as a lost machine is; the survivor's
+    ft_launcher exits 1 ("Agent run ended with exception"), its entrypoint 200, not a verdict.
+    (Giving up keeps its 1: the TrainJob e2e test whose ft_launcher gives up fails at once.)"""
+    import os
+    import time
+
+    procs = _agents(tmp_path, 2, SLEEPER)
+    try:
+        deadline = time.monotonic() + 240
+        while not ((tmp_path / "pid-0").is_file() and (tmp_path / "pid-1").is_file()):
+            assert time.monotonic() < deadline and procs[1].poll() is None, \
+                (tmp_path / "node1.log").read_text()[-3000:]
+            time.sleep(0.2)
+        os.killpg(procs[0].pid, signal.SIGKILL)
+        assert procs[1].wait(240) == 200, (tmp_path / "node1.log").read_text()[-3000:]
+        assert "Agent run ended with exception" in (tmp_path / "node1.log").read_text()
+    finally:
+        _kill_all(tmp_path, procs)
+
+
+
+def test_the_job_apis_read_its_codes_as_the_table_says() -> None:
+    """200 and 143 are infrastructure for both APIs (the runtime's FailJob rule names 1..127
+    only, ExitCode retries >= 128); only the PyTorchJob's pods skip the wait (any 1 fails it)."""
+    import dataclasses
+
+    from golden_specs import golden_specs
+
+    from kfp_nvrx.components.core.pod_entry import PEER_LOST, PEER_WAIT_ENV, TERMINATED
+    from kfp_nvrx.components.launch.jobspec import pytorchjob, trainjob
+    from kfp_nvrx.components.launch.jobspec.runtime import GAVE_UP_EXIT_CODES, build_runtime
+
+    rules = build_runtime()["spec"]["template"]["spec"]["replicatedJobs"][0]["template"][
+        "spec"]["podFailurePolicy"]["rules"]
+    fail = next(r for r in rules if r["action"] == "FailJob")["onExitCodes"]["values"]
+    assert fail == GAVE_UP_EXIT_CODES and {1, 93} <= set(fail)
+    assert PEER_LOST not in fail and TERMINATED not in fail and PEER_LOST >= 128
+    spec = golden_specs("x", p5_nodes="2")["x_cpu.yaml"]
+
+    def env(job: dict, path: list[str]) -> dict[str, str]:
+        for key in path:
+            job = job[key]
+        return {e["name"]: e.get("value") for e in job}
+    pj = pytorchjob.render(spec).to_dict()["spec"]["pytorchReplicaSpecs"]["Worker"]
+    assert env(pj, ["template", "spec", "containers", 0, "env"])[PEER_WAIT_ENV] == "0"
+    tj = trainjob.render(spec).to_dict()["spec"]["trainer"]
+    assert PEER_WAIT_ENV not in env(tj, ["env"])
+    spec = dataclasses.replace(spec, env={**spec.env, PEER_WAIT_ENV: "30"})  # --env wins, once
+    pj = pytorchjob.render(spec).to_dict()["spec"]["pytorchReplicaSpecs"]["Worker"]
+    names = [e["name"] for e in pj["template"]["spec"]["containers"][0]["env"]]
+    assert names.count(PEER_WAIT_ENV) == 1
+    assert env(pj, ["template", "spec", "containers", 0, "env"])[PEER_WAIT_ENV] == "30"

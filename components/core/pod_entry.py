@@ -1,14 +1,29 @@
 """The training container's entrypoint: ``python -m kfp_nvrx.components.core.pod_entry CMD...``.
 
-It runs ``CMD`` (the ft_launcher line) as its only child and exits with the child's status, with
-one difference that Kubernetes' failure policies depend on: a container that was *asked to stop*
-(SIGTERM: ``kubectl delete pod``, a drain, the JobSet recreating its pods) exits 143, 128 +
-SIGTERM, as a process killed by that signal reports it. ft_launcher itself exits 1 on SIGTERM
-(NVRx's ``main`` turns every exception, the agent's ``SignalException`` included, into 1), which
-is also its code for "gave up" (in-job restarts used up). Without this entrypoint a deleted pod
-would read as a final verdict: the TrainJob runtime's ``FailJob`` rule on 1..127 would fail the
-TrainJob, and a PyTorchJob's ``restartPolicy: ExitCode`` would fail the PyTorchJob, instead of
-restarting the pods (docs/eks.md, "Why the failure policies are set this way").
+It runs ``CMD`` (the ft_launcher line) as its only child, copies the child's output through, and
+exits with the child's status, except where Kubernetes' failure policies need to know more than
+ft_launcher's exit code says (docs/eks.md, "Why the failure policies are set this way"):
+
+* **Asked to stop** (SIGTERM: ``kubectl delete pod``, a drain, the JobSet recreating its pods):
+  exit 143, 128 + SIGTERM, as a process killed by that signal reports it. ft_launcher itself
+  exits 1 on SIGTERM (NVRx's ``main`` turns every exception, the agent's ``SignalException``
+  included, into 1).
+* **A peer or the rendezvous host vanished**: ft_launcher exits 1 too (``Agent run ended with
+  exception``: the c10d store is gone, the rendezvous was closed or timed out) although it did not
+  give up. That is an infrastructure failure of another pod, so this pod waits up to
+  :func:`peer_lost_wait_s` to be stopped (in a TrainJob the Job controller deletes it as soon as
+  the lost pod's own failure is counted: 143), then exits :data:`PEER_LOST` (200). 200 is >= 128
+  like a signal, so the TrainJob runtime counts it (JobSet restart) and a PyTorchJob's
+  ``restartPolicy: ExitCode`` recreates the pod. The wait matters when a *peer* gave up: its 1
+  must reach the Job before this pod's 200, or the Job would fail as "infrastructure" and the
+  JobSet restart a run that ft_launcher already gave up on.
+* **ft_launcher gave up** (``Some rank(s) exited with non-zero exit code``: a worker group failed
+  with its in-job restarts used up, or NVRx 0.7 saw no progress): its 1 passes through at once,
+  the failure policies' "final verdict".
+
+The two kinds of 1 are told apart by ft_launcher's own last log line (the same words from NVRx
+0.4.1 to 0.7 and later: its ``main``), read from the copy of its output. Any other exit code,
+and a 1 without either line (ft_launcher died before its own verdict), pass through unchanged.
 
 In a container it is PID 1: it forwards SIGTERM, SIGINT and SIGHUP to the child (ft_launcher
 stops its workers within ``--term-timeout``) and reaps the orphans re-parented to it.
@@ -17,11 +32,34 @@ stops its workers within ``--term-timeout``) and reaps the orphans re-parented t
 from __future__ import annotations
 
 import os
+import select
 import signal
 import sys
+import threading
+import time
 
 #: The exit code of a container stopped on request (128 + SIGTERM).
 TERMINATED = 128 + signal.SIGTERM
+#: ft_launcher lost a peer pod or its rendezvous host (another pod's infrastructure failure).
+#: >= 128 (restarted by both job APIs) and above 128 + SIGRTMAX (64): no signal reads as it.
+PEER_LOST = 200
+#: ft_launcher's last line when it gave up (its ``main`` catching ``ChildFailedError``).
+GAVE_UP_LINE = "Some rank(s) exited with non-zero exit code"
+#: ft_launcher's last line when its agent raised (store or rendezvous lost, closed, timed out).
+BROKE_LINE = "Agent run ended with exception"
+#: Environment override of :func:`peer_lost_wait_s` (seconds; the PyTorchJob sets 0).
+PEER_WAIT_ENV = "KFP_NVRX_PEER_LOST_WAIT_S"
+#: After its grace period a stopped peer is SIGKILLed; its status then takes a moment to reach
+#: the Job controller (kubelet, API server, a Job sync).
+PEER_REPORT_S = 30.0
+#: ft_launcher's stop timeout when the command names none (``stop_timeout_s`` of the default
+#: config), and the shutdown margin the pods' grace period adds to it (``POD_STOP_MARGIN_S``).
+DEFAULT_TERM_TIMEOUT_S = 15.0
+POD_STOP_MARGIN_S = 30.0
+#: How much of the child's output is kept for the verdict: its last lines.
+TAIL_BYTES = 64 * 1024
+#: How long the copy may take to catch up with a child that has exited.
+DRAIN_S = 5.0
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 #: What a training container's exit code says (the failure-policy table in docs/eks.md).
 MEANINGS = {
@@ -30,12 +68,104 @@ MEANINGS = {
     93: "ft_launcher saw no training progress",
     137: "killed (SIGKILL: OOM kill, lost node)",
     TERMINATED: "stopped (SIGTERM: deleted, drained or recreated)",
+    PEER_LOST: "lost a peer pod or the rendezvous host (another pod's failure)",
 }
 
 
 def exit_meaning(code: int | None) -> str:
     """One phrase for a training container's exit code ('' when it has none)."""
     return MEANINGS.get(code, "") if code is not None else ""
+
+
+def verdict(code: int, output: str) -> int:
+    """The container's exit code for a child that exited with ``code`` after writing ``output``.
+
+    Only ft_launcher's 1 is re-read: :data:`PEER_LOST` when its verdict line (its ``main`` writes
+    one, once) says its agent broke (a store or rendezvous error), 1 when it says it gave up or
+    there is none.
+    """
+    if code != 1 or GAVE_UP_LINE in output:
+        return code
+    return PEER_LOST if BROKE_LINE in output else 1
+
+
+def peer_lost_wait_s(argv: list[str], env: dict[str, str] | os._Environ) -> float:
+    """How long a pod whose ft_launcher lost a peer waits to be stopped before it says so.
+
+    A peer that was stopped ends within its grace period (``--term-timeout`` plus the shutdown
+    margin, as ``pod_grace_period_s`` renders it) and is then reported; a peer that gave up ends
+    sooner. ``KFP_NVRX_PEER_LOST_WAIT_S`` overrides it.
+
+    Raises:
+        ValueError: The override is not a number of seconds >= 0.
+    """
+    if env.get(PEER_WAIT_ENV, "") != "":
+        value = float(env[PEER_WAIT_ENV])
+        if not value >= 0 or value == float("inf"):
+            raise ValueError(value)
+        return value
+    term = DEFAULT_TERM_TIMEOUT_S
+    for i, arg in enumerate(argv):
+        if arg == "-m":  # the worker's module and its own flags follow
+            break
+        if arg.startswith(("--term-timeout=", "--term_timeout=")):
+            term = float(arg.split("=", 1)[1])
+        elif arg in ("--term-timeout", "--term_timeout") and i + 1 < len(argv):
+            term = float(argv[i + 1])
+    return term + POD_STOP_MARGIN_S + PEER_REPORT_S
+
+
+class _Copy(threading.Thread):
+    """Copies one of the child's output pipes to ours and keeps the last :data:`TAIL_BYTES`."""
+
+    def __init__(self, src: int, dst: int) -> None:
+        super().__init__(daemon=True, name=f"pod_entry-copy-{dst}")
+        self.src, self.dst = src, dst
+        self.tail = bytearray()
+        self.cond = threading.Condition()
+        self.empties = 0  # times the pipe was found empty
+        self.closed = False  # every writer closed it
+
+    def run(self) -> None:
+        while not self.closed:
+            try:
+                readable, _, _ = select.select([self.src], [], [], 0.2)
+                data = os.read(self.src, 65536) if readable else None
+            except InterruptedError:
+                continue
+            except OSError:
+                data = b""
+            if not data:
+                with self.cond:
+                    self.empties += 1
+                    self.closed = data is not None
+                    self.cond.notify_all()
+                continue
+            view = memoryview(data)
+            while view:
+                try:
+                    view = view[os.write(self.dst, view):]
+                except InterruptedError:
+                    continue
+                except OSError:  # our own stdout is gone: keep reading, so the child never blocks
+                    break
+            with self.cond:
+                self.tail += data
+                del self.tail[:-TAIL_BYTES]
+
+    def caught_up(self, timeout: float) -> None:
+        """Wait until everything written before this call was copied, at most ``timeout`` s.
+
+        That is, until the pipe is found empty after the call (orphans of the child may keep
+        writing: hence the bound).
+        """
+        with self.cond:
+            start = self.empties
+            self.cond.wait_for(lambda: self.closed or self.empties > start, timeout)
+
+    def text(self) -> str:
+        with self.cond:
+            return self.tail.decode("utf-8", errors="replace")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,20 +175,37 @@ def main(argv: list[str] | None = None) -> int:
         print("pod_entry: usage: python -m kfp_nvrx.components.core.pod_entry CMD [ARG...]",
               file=sys.stderr)
         return 2
+    try:
+        wait_s = peer_lost_wait_s(argv, os.environ)
+    except ValueError:
+        print(f"pod_entry: {PEER_WAIT_ENV} must be a number of seconds >= 0, got "
+              f"{os.environ.get(PEER_WAIT_ENV)!r}; unset it for the default", file=sys.stderr)
+        return 2
     stopped: list[int] = []
+    child_alive = [True]
 
     def forward(signum: int, _frame) -> None:
         stopped.append(signum)
-        try:
-            os.kill(pid, signum)
-        except ProcessLookupError:
-            pass
+        if child_alive[0]:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
 
+    # One pipe when our stdout and stderr are one file (a container log, the test agent's):
+    # the child's lines then keep their order across the two streams.
+    targets = (1,) if _same_file(1, 2) else (1, 2)
+    pipes = [os.pipe() for _ in targets]
     pid = os.fork()
     if pid == 0:
         try:
             for sig in _FORWARDED:
                 signal.signal(sig, signal.SIG_DFL)
+            os.dup2(pipes[0][1], 1)
+            os.dup2(pipes[-1][1], 2)
+            for r, w in pipes:
+                os.close(r)
+                os.close(w)
             os.execvp(argv[0], argv)
         except OSError as e:
             print(f"pod_entry: cannot run {argv[0]!r}: {e.strerror}", file=sys.stderr,
@@ -66,6 +213,44 @@ def main(argv: list[str] | None = None) -> int:
         os._exit(127)
     for sig in _FORWARDED:
         signal.signal(sig, forward)
+    copies = []
+    for fd, (r, w) in zip(targets, pipes, strict=True):
+        os.close(w)
+        copies.append(_Copy(r, fd))
+        copies[-1].start()
+    code = _wait_child(pid)
+    child_alive[0] = False
+    deadline = time.monotonic() + DRAIN_S
+    for c in copies:  # the child's last lines were written before it exited: copy them out
+        c.caught_up(max(0.0, deadline - time.monotonic()))
+    if signal.SIGTERM in stopped:
+        # Asked to stop: report the stop, never ft_launcher's "gave up" 1 (nor a 0 from workers
+        # that exited cleanly on the signal: this pod did not finish the job).
+        return TERMINATED
+    code = verdict(code, "".join(c.text() for c in copies))
+    if code != PEER_LOST:
+        return code
+    # FT: ft_launcher lost a peer or its rendezvous host but did not give up. Let the lost pod's
+    # own failure (or a peer's verdict) reach the Job first: it stops this pod (143).
+    print(f"pod_entry: ft_launcher lost a peer pod or the rendezvous host; waiting up to "
+          f"{wait_s:g} s for this pod to be stopped, then exit {PEER_LOST} (restart)",
+          file=sys.stderr, flush=True)
+    deadline = time.monotonic() + wait_s
+    while signal.SIGTERM not in stopped and time.monotonic() < deadline:
+        _reap_for(min(0.5, max(0.0, deadline - time.monotonic())))
+    return TERMINATED if signal.SIGTERM in stopped else PEER_LOST
+
+
+def _same_file(a: int, b: int) -> bool:
+    try:
+        sa, sb = os.fstat(a), os.fstat(b)
+    except OSError:
+        return False
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
+def _wait_child(pid: int) -> int:
+    """Wait for ``pid`` (reaping orphans meanwhile); return its status as a container reports it."""
     while True:
         try:
             done, status = os.wait()  # orphans are re-parented to PID 1: reap them too
@@ -73,14 +258,20 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         except InterruptedError:
             continue
-        if done != pid:
-            continue
-        code = 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-        if signal.SIGTERM in stopped:
-            # Asked to stop: report the stop, never ft_launcher's "gave up" 1 (nor a 0 from
-            # workers that exited cleanly on the signal: this pod did not finish the job).
-            return TERMINATED
-        return code
+        if done == pid:
+            return 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+def _reap_for(seconds: float) -> None:
+    """Sleep ``seconds`` (a signal cuts it short), reaping any orphan that ended meanwhile."""
+    time.sleep(seconds)
+    while True:
+        try:
+            done, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if done == 0:
+            return
 
 
 if __name__ == "__main__":

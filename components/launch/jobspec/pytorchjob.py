@@ -8,7 +8,8 @@ Shape of the job (why each setting is there is also in docs/eks.md):
   ``launch-local`` runs, plus ``--local-addr=$(POD_IP)``.
 * ``restartPolicy: ExitCode``: in-job restarts belong to ft_launcher. When it gives up (restarts
   exhausted, bad config) it exits 1..127 and the job fails at once instead of Kubernetes looping
-  the same failure; when the container is killed by a signal (exit >= 128: OOM kill, SIGKILL) the
+  the same failure; when the container is killed by a signal (exit >= 128: OOM kill, SIGKILL),
+  stopped (143) or lost a peer or worker-0, the rendezvous host (200, ``pod_entry``), the
   operator recreates the pod and its agent re-joins the rendezvous.
 * ``runPolicy``: ``cleanPodPolicy: Running`` stops pods still running when the job ends (a hung
   rank must not hold 8 GPUs) but keeps finished pods so their logs stay readable;
@@ -27,6 +28,7 @@ from kubeflow.training import models
 from kubeflow.training.constants import constants
 from kubernetes import client as k8s
 
+from kfp_nvrx.components.core.pod_entry import PEER_WAIT_ENV
 from kfp_nvrx.components.launch.jobspec import naming
 from kfp_nvrx.components.launch.jobspec.pod import (
     Rendered,
@@ -75,6 +77,13 @@ def build_pytorchjob(job: ResolvedJob) -> RenderedJob:
     """
     refuse(job)
     pod_labels = labels(job)
+    pod = pod_spec(job, container_name=CONTAINER_NAME, command=trainer_command(job),
+                   ports=[k8s.V1ContainerPort(name="pytorchjob-port", container_port=RDZV_PORT)])
+    if all(e.name != PEER_WAIT_ENV for e in pod.containers[0].env):  # --env may set it
+        # FT: a pod whose ft_launcher lost a peer or worker-0 (the rendezvous host) exits 200 at
+        # once: ExitCode recreates it, and a peer's give-up (1) fails the job whenever it comes.
+        # (A TrainJob's pod waits instead: pod_entry's docstring.)
+        pod.containers[0].env.append(k8s.V1EnvVar(name=PEER_WAIT_ENV, value="0"))
     template = k8s.V1PodTemplateSpec(
         metadata=k8s.V1ObjectMeta(
             labels=pod_labels,
@@ -82,9 +91,7 @@ def build_pytorchjob(job: ResolvedJob) -> RenderedJob:
             # rendezvous/NCCL bootstrap ports and keep finished pods from completing.
             annotations={"sidecar.istio.io/inject": "false"},
         ),
-        spec=pod_spec(job, container_name=CONTAINER_NAME, command=trainer_command(job),
-                      ports=[k8s.V1ContainerPort(name="pytorchjob-port",
-                                                 container_port=RDZV_PORT)]),
+        spec=pod,
     )
     manifest = models.KubeflowOrgV1PyTorchJob(
         api_version=constants.API_VERSION,

@@ -5,7 +5,8 @@ applied with the rest of the deploy kustomization. It holds only what is the sam
 each TrainJob patches in its own volumes, placement and security settings (:mod:`.trainjob`).
 
 Failure handling, the counterpart of the PyTorchJob's ``restartPolicy: ExitCode`` (the table in
-docs/eks.md, each row shown on the real controllers by tests/cluster/test_train_e2e.py):
+docs/eks.md, each row shown on the real controllers by tests/cluster/test_failure_policy.py and
+test_train_e2e.py):
 
 * In-job restarts belong to ft_launcher inside each pod; Kubernetes sees nothing.
 * The ``node`` Job's ``podFailurePolicy`` (``backoffLimit: 0``), first match wins: a pod with a
@@ -14,7 +15,9 @@ docs/eks.md, each row shown on the real controllers by tests/cluster/test_train_
   exit code 1..127 means ft_launcher decided: it gave up (1: restarts used up), saw no progress
   (93, NVRx 0.7 ``--ft-max-no-progress-cycles``) or the config is bad: ``FailJob``
   (``PodFailurePolicy``). A container killed by a signal (>= 128: OOM kill, SIGKILL, a lost
-  machine) matches no rule and counts: ``BackoffLimitExceeded``.
+  machine), stopped (143) or whose ft_launcher lost a peer or the rendezvous host (200: the
+  entrypoint ``pod_entry`` tells that 1 from giving up) matches no rule and counts:
+  ``BackoffLimitExceeded``.
 * The JobSet ``failurePolicy``: ``PodFailurePolicy`` fails the JobSet (and the TrainJob) at once,
   no pointless recreation of a job that already used its in-job restarts; ``BackoffLimitExceeded``
   (infrastructure) recreates every pod, at most :data:`MAX_RESTARTS` times, and the run resumes
@@ -38,7 +41,8 @@ CONTAINER_NAME = "node"
 IMAGE_PULL_POLICY = "IfNotPresent"
 #: Whole-JobSet recreations after infrastructure failures (each resumes from the last checkpoint).
 MAX_RESTARTS = 2
-#: ft_launcher's own exit codes (gave up 1, no progress 93, bad config); >= 128 is a signal.
+#: ft_launcher's own exit codes (gave up 1, no progress 93, bad config); >= 128 is a signal, a
+#: stop (143) or a lost peer (200, ``pod_entry.PEER_LOST``).
 GAVE_UP_EXIT_CODES = list(range(1, 128))
 #: Kubeflow profile namespaces inject Istio sidecars; they break c10d/NCCL bootstrap traffic.
 POD_ANNOTATIONS = {"sidecar.istio.io/inject": "false"}
