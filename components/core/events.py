@@ -36,7 +36,8 @@ from kfp_nvrx.components.core.rundir import EVENTS_FILE
 #: workers inside their pods (``in-job``), the wrapper re-entered the training function in the
 #: same processes (``in-process``), the pods were recreated (``pod``: a JobSet restart, a fresh
 #: ft_launcher).
-RESTART_LAYERS = ("in-job", "in-process", "pod")
+IN_JOB, IN_PROCESS, POD = "in-job", "in-process", "pod"
+RESTART_LAYERS = (IN_JOB, IN_PROCESS, POD)
 
 #: What a field holds, for the checks of a line read back (see :func:`_check`).
 _COUNT, _TIME, _NUMBER, _LOSS, _TEXT, _ANY = "count", "time", "number", "loss", "text", "any"

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kfp_nvrx.components.core.events import (
+    POD,
     RESTART_LAYERS,
     Checkpoint,
     End,
@@ -101,6 +102,13 @@ def _wall(events: list[Event], sess: list[int]) -> float:
     return sum(hi - lo for lo, hi in spans.values())
 
 
+def kept_steps(events: list[Event]) -> list[tuple[Step, bool]]:
+    """Each step event with True when it was kept: the last execution of its step number."""
+    steps = [e for e in events if isinstance(e, Step)]
+    last = {e.step: i for i, e in enumerate(steps)}
+    return [(e, last[e.step] == i) for i, e in enumerate(steps)]
+
+
 def summarize_events(events: list[Event]) -> GoodputReport:
     """Computes the report from typed events in time order (:func:`.events.read_events`)."""
     rep = GoodputReport()
@@ -108,23 +116,18 @@ def summarize_events(events: list[Event]) -> GoodputReport:
         return rep
     sess = sessions(events)
     rep.wall_s = _wall(events, sess)
-    steps = [e for e in events if isinstance(e, Step)]
-    last_exec: dict[int, int] = {}
-    for i, e in enumerate(steps):
-        last_exec[e.step] = i
-    for i, e in enumerate(steps):
-        dur = e.seconds
-        if last_exec[e.step] == i:
-            rep.productive_s += dur
+    final: Step | None = None
+    for e, kept in kept_steps(events):
+        rep.steps_run += 1
+        if kept:
+            rep.productive_s += e.seconds
+            final = e if final is None or e.step > final.step else final
         else:
-            rep.lost_work_s += dur
+            rep.lost_work_s += e.seconds
             rep.steps_redone += 1
-    rep.steps_run = len(steps)
-    rep.steps_final = max(last_exec) if last_exec else 0
     rep.goodput = rep.productive_s / rep.wall_s if rep.wall_s > 0 else 0.0
-    if steps:
-        final = steps[last_exec[rep.steps_final]]
-        rep.final_loss = final.loss
+    if final is not None:
+        rep.steps_final, rep.final_loss = final.step, final.loss
     for e in events:
         if isinstance(e, Restart):
             rep.restarts[e.kind] = rep.restarts.get(e.kind, 0) + 1
@@ -169,7 +172,7 @@ def narrate(events: list[Event], sess: list[int] | None = None) -> list[str]:
                 elif fault is not None:
                     rank = f"rank {fault.rank}" if fault.rank is not None else "a rank"
                     what = f"{rank} {fault_verb(fault.kind)} at step {fault.step}"
-                elif e.layer == "pod":  # the start says which layer restarted
+                elif e.layer == POD:  # the start says which layer restarted
                     what = f"pods recreated after step {max(done, default=0)}"
                 else:
                     what = f"workers failed after step {max(done, default=0)}"

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kfp_nvrx.components.core.events import Event, Step, read_events
+from kfp_nvrx.components.core.events import IN_PROCESS, Event, Step, read_events
 from kfp_nvrx.components.core.rundir import COMMIT_MARKER, checkpoints_dir, committed_steps, step_dir
 from kfp_nvrx.components.drills import measure
 from kfp_nvrx.components.drills.actions import (
@@ -158,7 +158,7 @@ def _specific(row: Row, sc: Scenario, run_dir: Path, action: Any) -> None:
         resumed = [s.resumed_from for s in starts[1:]]
         row.check(torn not in resumed, f"resumed from the torn step {torn}")
     if "resilience.in_process=true" in sc.extra:
-        row.check(set(row.restarts) == {"in-process"}, f"expected in-process only: {row.restarts}")
+        row.check(set(row.restarts) == {IN_PROCESS}, f"expected in-process only: {row.restarts}")
         row.check(len({s.pid for s in starts}) == 1, "in-process restart changed worker PIDs")
 
 

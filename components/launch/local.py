@@ -308,7 +308,7 @@ def run_local(spec: ResolvedJob | JobSpec, *, log: Callable[[str], None] = print
                                  "leftover_processes_killed": leftovers, "command": argv,
                                  **received})
     events = read_events(run_path)  # read once: the report and the completion check share it
-    report = account(result, events)
+    account(result, events)
     completed = any(isinstance(e, End) and e.completed for e in events)
     failing = [a for a in agents if a.proc.returncode not in (0, None) and a.proc.returncode > 0]
     tail: list[str] = []
@@ -323,7 +323,7 @@ def run_local(spec: ResolvedJob | JobSpec, *, log: Callable[[str], None] = print
             tail = bad.disk_full.clean(list(bad.tail)[-20:])
             last_err = bad.disk_full.line or next(
                 (ln for ln in reversed(tail) if "error" in ln.lower()), "")
-            in_job, most = report.restarts_of("in-job"), cfg.resilience.max_restarts
+            in_job, most = result.restarts_in_job, cfg.resilience.max_restarts
             gave_up = (f" after {in_job} in-job restart(s), the most resilience.max_restarts="
                        f"{most} allows" if failing and in_job >= most else "")
             reason = (f"node{bad.idx} ft_launcher exited {bad.proc.returncode}{gave_up}"

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kfp_nvrx.components.core.events import Event, Restart, read_events
+from kfp_nvrx.components.core.events import IN_JOB, IN_PROCESS, POD, Event, Restart, read_events
 from kfp_nvrx.components.core.goodput import GoodputReport, restarts_in_words, summarize_events
 
 
@@ -93,9 +93,9 @@ def account(result: LaunchResult, events: list[Event]) -> GoodputReport:
     report = summarize_events(events)
     result.summary = report
     result.restarts = sum(report.restarts.values())
-    result.restarts_in_process = report.restarts_of("in-process")
-    result.restarts_in_job = report.restarts_of("in-job")
-    result.restarts_pod = report.restarts_of("pod")
+    result.restarts_in_process = report.restarts_of(IN_PROCESS)
+    result.restarts_in_job = report.restarts_of(IN_JOB)
+    result.restarts_pod = report.restarts_of(POD)
     result.goodput = report.goodput
     result.recovery_s = list(report.recovery_s)
     return report

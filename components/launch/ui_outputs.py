@@ -24,7 +24,7 @@ from kfp_nvrx.components.core.events import (
     Start,
     Step,
 )
-from kfp_nvrx.components.core.goodput import recovery_windows
+from kfp_nvrx.components.core.goodput import kept_steps, recovery_windows
 
 #: Colours of the timeline (also used by the legend).
 COLORS = {
@@ -74,13 +74,6 @@ def metrics_from_summary(summary: dict[str, Any]) -> dict[str, float]:
 def restart_metric(layer: str) -> str:
     """The ``Metrics`` name of the restarts of ``layer`` (``in-job`` -> ``restarts_in_job``)."""
     return "restarts_" + "".join(c if c.isalnum() else "_" for c in layer)
-
-
-def _classify_steps(events: list[Event]) -> list[tuple[Step, bool]]:
-    """Each step event with ``True`` when it was kept (the last execution of its step number)."""
-    steps = [e for e in events if isinstance(e, Step)]
-    last = {e.step: i for i, e in enumerate(steps)}
-    return [(e, last[e.step] == i) for i, e in enumerate(steps)]
 
 
 def _segments(steps: list[Step], tol: float) -> list[dict[str, Any]]:
@@ -163,7 +156,7 @@ def _rect(x: float, y: float, w: float, h: float, fill: str, tip: str = "", extr
 
 def _step_shapes(events: list[Event], ax: _Axis) -> list[str]:
     out = []
-    classified = _classify_steps(events)
+    classified = kept_steps(events)
     for lane, kept, color in ((0, True, COLORS["kept"]), (1, False, COLORS["redone"])):
         for s in _segments([e for e, k in classified if k == kept], 1.0 / ax.scale):
             label = f"steps {s['first']}-{s['last']}" if s["n"] > 1 else f"step {s['first']}"

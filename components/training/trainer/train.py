@@ -62,10 +62,10 @@ def restart_kind(iteration: int, previous_agent: str | None, agent: str) -> str:
     worker-1 was recreated, rank 0's agent only restarted its workers, so that reads ``in-job``.
     """
     if iteration:
-        return "in-process"
+        return ev.IN_PROCESS
     if not previous_agent or not agent or previous_agent == agent:
-        return "in-job"
-    return "pod"
+        return ev.IN_JOB
+    return ev.POD
 
 
 @dataclass
