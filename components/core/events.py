@@ -43,7 +43,7 @@ RESTART_LAYERS = (IN_JOB, IN_PROCESS, POD)
 _COUNT, _TIME, _NUMBER, _LOSS, _TEXT, _ANY = "count", "time", "number", "loss", "text", "any"
 #: Unix times up to 2100-01-01: a time of -1e18 or 1e300 is damage, not a run.
 _LATEST = 4_102_444_800.0
-#: Seconds an event may lie before the latest one read before it ere it is reported out of order
+#: Seconds an event may lie before the latest one read so far without being reported out of order
 #: (ranks write their own lines, a moment apart). A start carries the time its incarnation began,
 #: before the lines its set-up wrote: it is exempt.
 _ORDER_SLACK_S = 1.0
