@@ -119,7 +119,7 @@ def shipped_async(cfg, fwd_bwd, opt_step, state_fn, root: Path, device, mode: st
     since, done, saved_at = 0, 0, -1
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
     for s in range(1, max_steps + 1):
-        inflight = ckpt.inflight is not None
+        inflight, pinning = ckpt.inflight is not None, ckpt.preparing()
         torch.cuda.synchronize()
         ru0, cpu0 = resource.getrusage(RUSAGE_THREAD), time.thread_time()
         t0 = time.perf_counter()
@@ -139,7 +139,7 @@ def shipped_async(cfg, fwd_bwd, opt_step, state_fn, root: Path, device, mode: st
         # Where a slow step's time went: GPU time of forward/backward and of the optimizer
         # (CUDA events), the loop thread's CPU time and its involuntary context switches (a
         # descheduled launcher thread), the CPU time to queue the step, and finalize().
-        split.append({"step": s, "wall_s": round(dt, 5), "inflight": inflight,
+        split.append({"step": s, "wall_s": round(dt, 5), "inflight": inflight, "pinning": pinning,
                       "gpu_fwd_bwd_s": round(ev[0].elapsed_time(ev[1]) / 1e3, 5),
                       "gpu_opt_s": round(ev[1].elapsed_time(ev[2]) / 1e3, 5),
                       "launch_s": round(t_launch, 5), "finalize_s": round(dt - (t1 - t0), 5),
