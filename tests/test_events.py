@@ -26,8 +26,8 @@ from kfp_nvrx.components.core.events import (
 from kfp_nvrx.components.launch.logs import Progress
 from kfp_nvrx.components.launch.result import (
     LaunchResult,
+    RestartsSoFar,
     account_run_dir,
-    restarts_so_far,
 )
 
 T0 = 1_790_000_000.0
@@ -94,7 +94,14 @@ def test_every_layer_is_a_named_field_of_the_result(tmp_path: Path) -> None:
     assert len(result.recovery_s) == 4 and 0 < result.goodput < 1
     assert result.restarts_text() == "4 (in-job 2, in-process 1, pod 1)"
     assert result.to_dict()["summary"]["restarts"] == {"in-job": 2, "pod": 1, "in-process": 1}
-    assert restarts_so_far(run_dir) == 4
+    live = RestartsSoFar(run_dir, chunk=256)  # a small chunk: the lines come over several reads
+    assert [live.count() for _ in range(40)][-1] == 4
+    with open(run_dir / "events.jsonl", "a") as fh:  # a restart being written: not yet counted
+        fh.write('{"type":"restart","time":1790000100,"kind":"pod"')
+    assert live.count() == 4
+    with open(run_dir / "events.jsonl", "a") as fh:
+        fh.write("}\n")
+    assert live.count() == 5 and live.count() == 5  # counted once
 
 
 def test_a_run_dir_the_launcher_cannot_see_leaves_restarts_unknown(tmp_path: Path) -> None:
@@ -103,7 +110,7 @@ def test_a_run_dir_the_launcher_cannot_see_leaves_restarts_unknown(tmp_path: Pat
     assert account_run_dir(result, result.run_dir) is None
     assert result.restarts is None and result.goodput is None
     assert result.restarts_text().startswith("unknown")
-    assert restarts_so_far(result.run_dir) is None
+    assert RestartsSoFar(result.run_dir).count() is None
 
 
 def test_log_lines_count_no_restart() -> None:

@@ -23,7 +23,7 @@ from kfp_nvrx.components.launch.jobspec.resolve import ResolvedJob
 from kfp_nvrx.components.launch.jobspec.spec import DELETE_AFTER
 from kfp_nvrx.components.launch.k8s_api import ClusterError, hints
 from kfp_nvrx.components.launch.logs import PodLogFollower
-from kfp_nvrx.components.launch.result import LaunchResult, account_run_dir, restarts_so_far
+from kfp_nvrx.components.launch.result import LaunchResult, RestartsSoFar, account_run_dir
 
 #: Extra time past ``activeDeadlineSeconds`` before the launcher itself gives up, so the
 #: operator's own deadline (with its reason) normally ends the job first.
@@ -341,7 +341,7 @@ class JobRun:
                               run_dir=run_dir, started_at=created)
         last_state, last_progress, last_summary, errors = "", 0.0, "", 0
         failing_since, last_error = 0.0, ""
-        next_events, warned = time.monotonic() + 1.0, set()
+        next_events, warned, restarts = time.monotonic() + 1.0, set(), RestartsSoFar(run_dir)
         while True:
             if signals.event.is_set():
                 name = signal.Signals(signals.signum).name if signals.signum else "signal"
@@ -391,8 +391,8 @@ class JobRun:
                         warned.add(line)
                         say(line)
             if now - last_progress >= opts.progress_s:
-                summary = follower.progress.summary(restarts := restarts_so_far(run_dir))
-                if (follower.progress.step or restarts) and summary != last_summary:
+                summary = follower.progress.summary(so_far := restarts.count())
+                if (follower.progress.step or so_far) and summary != last_summary:
                     say(f"progress: {summary}, pod restarts {follower.pod_restarts()}")
                     last_summary, last_progress = summary, now
             signals.event.wait(opts.poll_s)

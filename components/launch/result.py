@@ -10,14 +10,26 @@ launcher that cannot (``kfp-nvrx launch`` on a laptop) leaves those fields None:
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kfp_nvrx.components.core.events import IN_JOB, IN_PROCESS, POD, Event, Restart, read_events
+from kfp_nvrx.components.core.bounded import open_regular
+from kfp_nvrx.components.core.events import (
+    IN_JOB,
+    IN_PROCESS,
+    POD,
+    Event,
+    Restart,
+    parse_event,
+    read_events,
+)
 from kfp_nvrx.components.core.goodput import GoodputReport, restarts_in_words, summarize_events
+from kfp_nvrx.components.core.rundir import EVENTS_FILE
+from kfp_nvrx.components.errors import UserError
 
 
 @dataclass
@@ -103,18 +115,52 @@ def account(result: LaunchResult, events: list[Event]) -> GoodputReport:
 
 def account_run_dir(result: LaunchResult, run_dir: str | os.PathLike,
                     warn: Callable[[str], None] | None = None) -> GoodputReport | None:
-    """:func:`account` from ``<run_dir>/events.jsonl``; None when ``run_dir`` is not here.
+    """:func:`account` from ``<run_dir>/events.jsonl``; None when it cannot be read here.
 
     A run directory that exists without events (the job failed before the trainer began) is
-    known: no restart, no step.
+    known: no restart, no step. One that cannot be read (permissions, too large) is said in one
+    ``warn`` line: the job's own outcome stands.
     """
     if not Path(run_dir).is_dir():
         return None
-    return account(result, read_events(run_dir, warn))
-
-
-def restarts_so_far(run_dir: str | os.PathLike) -> int | None:
-    """Restarts the events of a running job hold (for a progress line); None: not here."""
-    if not Path(run_dir).is_dir():
+    try:
+        events = read_events(run_dir, warn)
+    except UserError as err:
+        if warn is not None:
+            warn(f"the run's events are not readable: {err.message}")
         return None
-    return sum(isinstance(e, Restart) for e in read_events(run_dir))
+    return account(result, events)
+
+
+class RestartsSoFar:
+    """The restarts a running job's events hold so far, for its progress line.
+
+    Each call reads only the whole lines appended since the last one, at most ``chunk`` bytes:
+    a long run's events are never read again every poll. Lines that are no usable event are
+    passed over here (the final :func:`account_run_dir` reports them).
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, chunk: int = 8 << 20) -> None:
+        self.run_dir, self.chunk = Path(run_dir), chunk
+        self.offset = self.restarts = 0
+
+    def count(self) -> int | None:
+        """Restarts so far; None while the run dir is not here (a volume this side lacks)."""
+        if not self.run_dir.is_dir():
+            return None
+        try:
+            with os.fdopen(open_regular(self.run_dir / EVENTS_FILE, "run_dir"), "rb") as fh:
+                fh.seek(self.offset)
+                data = fh.read(self.chunk)
+        except UserError:  # no events yet (or unreadable): nothing counted, the end will say
+            return self.restarts
+        end = data.rfind(b"\n") + 1  # a line still being written is read once it is whole
+        if end == 0 and len(data) == self.chunk:
+            end = len(data)  # a line longer than a chunk is no event: step over it
+        self.offset += end
+        for line in data[:end].splitlines():
+            try:
+                self.restarts += isinstance(parse_event(json.loads(line)), Restart)
+            except (ValueError, RecursionError):
+                continue
+        return self.restarts
