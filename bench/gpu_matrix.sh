@@ -46,7 +46,7 @@ try:  # launch-local --json prints the streamed log first, the result object las
     r = json.loads(text[text.rindex("\n{\n") + 1:] if "\n{\n" in text else text)
 except ValueError:
     print(f"{name}: rc={rc} no result ({wall}s wall)"); sys.exit()
-g = r["extra"]["goodput"]
+g = r["summary"]  # the goodput report of the events (every backend)
 print(f"{name}: {r['state']} rc={rc} steps={g['steps_final']} restarts={g['restarts']} "
       f"recovery_s={g['recovery_s']} steps_redone={g['steps_redone']} goodput={g['goodput']:.3f} "
       f"final_loss={g.get('final_loss')} wall={wall}s {r['reason'][:200]}")
