@@ -269,12 +269,15 @@ def test_trainjob_fails_at_once_when_ft_launcher_gives_up(kube, dataset):
 
 
 def test_pytorchjob_trains_and_survives_a_killed_worker(kube, dataset, reference):
-    """The Training Operator recreates the killed worker (ExitCode, 137); it re-joins."""
+    """A rank killed at step 8: ft_launcher restarts the workers in the pods (no pod
+    recreated); then worker-1's processes killed (137): the Training Operator recreates it
+    (ExitCode) and it re-joins."""
     name = "e2e-pj"
-    run = Launch(kube, name, "pytorchjob", dataset)
+    run = Launch(kube, name, "pytorchjob", dataset, faults=["kill@8/1"])
     pods = _running(kube, f"{PYTORCHJOB_LABEL}={name}")
     newest = run.wait_committed(12)
-    _kill_group(kube, pods[1])  # worker-1: worker-0 hosts the rendezvous
+    assert len(run.starts()) == 2  # the in-job restart; the pods are the first ones (below)
+    _kill_group(kube, pods[1])
     rc, out = run.wait()
     assert rc == 0, out[-4000:]
     assert "PyTorchJob e2e-pj: Succeeded" in out and "[worker-0]" in out
@@ -290,5 +293,6 @@ def test_pytorchjob_trains_and_survives_a_killed_worker(kube, dataset, reference
     assert len(ran[pods[1].metadata.name]) == 2 and len(ran[pods[0].metadata.name]) == 1, ran
     resumed = [s["resumed_from"] for s in run.starts()]
     assert resumed[-1] is not None and resumed[-1] >= newest, resumed
+    assert run.goodput()["restarts"].get("in-job", 0) >= 1
     _assert_bitwise(run.weights(), reference[2])
     _assert_nothing_left(kube)
