@@ -23,11 +23,16 @@ demo: $(VENV)/.installed-all
 
 # The cluster tests (tests/cluster) need the control-plane binaries: built here when Go is on PATH
 # (cached outside the checkout, see cluster-bins); without Go they are skipped with one line.
+# TEST_WORKERS pytest-xdist workers: the cluster tests spend most of their time waiting on the
+# controllers, so a second worker runs the rest meanwhile. A module runs on one worker, and all of
+# tests/cluster on one (one session cluster; tests/conftest.py), started first as it is collected
+# first (no reordering). TEST_WORKERS=0 runs everything in this process.
+TEST_WORKERS ?= 2
 test: $(VENV)/.installed-test
 	$(PY) -m ruff check .
 	@if command -v go >/dev/null; then $(MAKE) --no-print-directory cluster-bins; \
 	else echo "make test: no Go on PATH; the cluster tests will be skipped (make cluster-bins)"; fi
-	$(PY) -m pytest -q -ra --durations=15
+	$(PY) -m pytest -q -ra --durations=15 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # A real control plane from Go modules (kube-apiserver, etcd, kube-controller-manager,
 # kube-scheduler, Kubeflow Trainer, JobSet, Training Operator), built once into
