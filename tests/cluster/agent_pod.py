@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .agent_env import ConfigError, container_argv, container_env
-from .procs import _die_with_parent, tail
+from .procs import _die_with_parent, start_time, tail
 
 if TYPE_CHECKING:
     from .agent import Agent
@@ -295,8 +295,11 @@ class PodRunner:
         return folder  # emptyDir (medium Memory too: a per-pod folder)
 
     def _write_pids(self) -> None:
-        """``<pod dir>/pids.json``: each container's process group (what a drill kills)."""
-        pids = {c.name: {"pgid": c.popen.pid, "restart": c.restarts}
+        """``<pod dir>/pids.json``: each container's process group (what a drill kills), with
+        its leader's start time: the record outlives the processes, and on a busy machine
+        (pid_max 32768) their pids soon name others."""
+        pids = {c.name: {"pgid": c.popen.pid, "started": start_time(c.popen.pid),
+                         "restart": c.restarts}
                 for c in self.init + self.containers if c.popen and c.exit_code is None}
         tmp = self.dir / "pids.json.tmp"
         tmp.write_text(json.dumps({"namespace": self.ns, "name": self.name, "node": self.node,

@@ -198,8 +198,10 @@ def test_delete_honours_grace_and_leaves_nothing(kube):
     folder = _claim_folder(kube)
     polite, stubborn = f"polite-{tag}", f"stubborn-{tag}"
     mounts = [{"name": "shared", "mountPath": "/fsx"}]
+    # This test's own grandchild, told apart from another run's on this machine by its argument.
+    grandchild = f"sleep 1000.{int(tag, 16)}"
     polite_sh = (f"trap 'echo term > /fsx/{polite}; exit 0' TERM; "
-                 f"setsid sleep 1000 & echo $! > /fsx/{polite}.child; "
+                 f"setsid {grandchild} & echo $! > /fsx/{polite}.child; "
                  "while true; do sleep 0.2; done")
     core.create_namespaced_pod(ns, _pod(polite, polite_sh, grace=30, volumes=[SHARED],
                                         mounts=mounts))
@@ -223,7 +225,7 @@ def test_delete_honours_grace_and_leaves_nothing(kube):
     # (Its pid was read inside that namespace; look it up among this machine's processes.)
     assert all(not alive(p) for p in pgids)
     assert not [p for p in Path("/proc").iterdir() if p.name.isdigit() and
-                _cmdline(p) == "sleep 1000"]
+                _cmdline(p) == grandchild]
 
 
 def _cmdline(p: Path) -> str:

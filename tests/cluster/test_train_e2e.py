@@ -172,7 +172,9 @@ def _assert_nothing_left(kube) -> None:
         if uid in pods and pods[uid].status.phase == "Running":
             continue
         for c in json.loads(f.read_text())["containers"].values():
-            assert not alive(c["pgid"]), f"pod {uid}: process group {c['pgid']} still running"
+            # started None: gone before the agent read its start time.
+            assert c["started"] is None or not alive(c["pgid"], c["started"]), \
+                f"pod {uid}: process group {c['pgid']} still running"
 
 
 @pytest.fixture(scope="module")
