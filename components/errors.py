@@ -28,3 +28,32 @@ class UserError(Exception):
 # One redaction for the whole process (components/redaction.py); re-exported here, where every
 # caller already imports UserError from.
 __all__ = ["REDACTED", "UserError", "redact"]
+
+
+class Surface:
+    """How one surface (the CLI, a KFP component, a pipeline) names the fields its user sets.
+
+    The libraries raise :class:`UserError` naming the domain field (``nodes``, ``pvc``,
+    ``train.steps``); each surface words it for its own user once, where it reports the error.
+
+    Args:
+        words: Domain field -> the name this surface's user typed.
+        prefix: Put before every field (``--param `` for pipeline parameters).
+        config_key: How a trainer config key (``train.steps``) reads, ``{}`` the key.
+    """
+
+    #: The trainer config's sections: a field ``<section>.<key>`` is a config key.
+    CONFIG_SECTIONS = ("model", "data", "train", "checkpoint", "resilience")
+
+    def __init__(self, words: dict[str, str], prefix: str = "", config_key: str = "{}") -> None:
+        self.words, self.prefix, self.config_key = words, prefix, config_key
+
+    def word(self, field: str) -> str:
+        """The name of ``field`` on this surface."""
+        if field.partition(".")[0] in self.CONFIG_SECTIONS and "." in field:
+            return self.prefix + self.config_key.format(field)
+        return self.prefix + self.words.get(field, field)
+
+    def reword(self, err: UserError) -> UserError:
+        """The same error, naming the field as this surface's user knows it."""
+        return UserError(self.word(err.field), err.message)

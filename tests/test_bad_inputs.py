@@ -283,7 +283,7 @@ COMPONENT_CASES = [  # (id, component, parameters, field the error must name)
     ("train-nodes", "train", {"nodes": "0"}, "nodes"),
     ("train-backend", "train", {"backend": "cloud"}, "backend"),
     ("train-instance-type", "train", {"instance_type": "p9.huge", "backend": "kubernetes"},
-     "instance-type"),
+     "instance_type"),
     ("train-fault", "train", {"faults": ["explode@3"]}, "fault"),
     ("train-override", "train", {"overrides": ["train.steps=abc"]}, "train.steps"),
     ("train-init-from", "train", {"init_from": "{fx}/nope/model.safetensors"}, "init_from"),

@@ -103,7 +103,7 @@ def test_binary_config_file_is_one_line_naming_config(tmp_path: Path) -> None:
     path.write_bytes(bytes(range(256)))
     with pytest.raises(UserError) as err:
         load_config(str(path))
-    assert err.value.field == "--config" and "UTF-8" in err.value.message
+    assert err.value.field == "config" and "UTF-8" in err.value.message
 
 
 def _tiny_weights(tmp_path: Path, **overrides: str) -> tuple[Config, Path]:
@@ -157,7 +157,7 @@ def test_fault_rank_is_checked_against_the_most_workers_started() -> None:
     cfg = load_config("tiny")
     spec = JobSpec(nodes="1:2", faults=["kill@3/1"])
     assert spec.checked_faults(cfg, 2 * 1) == ["kill@3/1"]
-    with pytest.raises(UserError, match="--fault"):
+    with pytest.raises(UserError, match="faults"):
         JobSpec(nodes="1:2", faults=["kill@3/2"]).checked_faults(cfg, 2)
     with pytest.raises(UserError, match="after the last step"):
         JobSpec(faults=["kill@999"]).checked_faults(cfg, 8)

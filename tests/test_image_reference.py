@@ -42,7 +42,7 @@ def test_valid_references_pass_unchanged(ref):
 def test_invalid_references_name_the_flag_in_one_line(ref, needle):
     with pytest.raises(UserError) as err:
         check_image(ref)
-    assert err.value.field == "--image" and needle in err.value.message
+    assert err.value.field == "image" and needle in err.value.message
     assert "\n" not in err.value.one_line()
     if ref.strip():
         assert "required" not in err.value.message  # a bad image is invalid, not missing

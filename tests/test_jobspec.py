@@ -144,7 +144,7 @@ def test_users_may_set_efa_and_nccl_variables_but_not_ours() -> None:
                          ("PET_NNODES", "elasticPolicy")):
         with pytest.raises(UserError, match=reason) as err:
             render(JobSpec(image=IMAGE, pvc="fsx", name="own", env={name: "x"}))
-        assert err.value.field == "--env" and f"{name} is ours" in str(err.value)
+        assert err.value.field == "env" and f"{name} is ours" in str(err.value)
 
 
 OPTIONS = {

@@ -172,11 +172,11 @@ def test_nvrx_parser_accepts_the_command_under_v2_env(filename: str) -> None:
 
 
 @pytest.mark.parametrize("change,field", [
-    (dict(namespace="Team_A"), "--namespace"),
-    (dict(service_account="bad name"), "--service-account"),
-    (dict(node_selector={"node.kubernetes.io/instance-type": "p5 48xl"}), "--node-selector"),
-    (dict(fs_group=-1), "--fs-group"),
-    (dict(mount="/proc"), "--mount"),
+    (dict(namespace="Team_A"), "namespace"),
+    (dict(service_account="bad name"), "service_account"),
+    (dict(node_selector={"node.kubernetes.io/instance-type": "p5 48xl"}), "node_selector"),
+    (dict(fs_group=-1), "fs_group"),
+    (dict(mount="/proc"), "mount"),
 ])
 def test_cluster_fields_are_checked_as_for_the_pytorchjob(change: dict, field: str) -> None:
     spec = JobSpec(image=IMAGE, pvc="fsx", **{"name": "job", "nodes": "2", **change})
@@ -187,14 +187,14 @@ def test_cluster_fields_are_checked_as_for_the_pytorchjob(change: dict, field: s
 
 
 @pytest.mark.parametrize("change,field", [
-    (dict(nodes="2:4"), "--nodes"),
-    (dict(priority_class="high"), "--priority-class"),
-    (dict(scheduler_name="volcano"), "--scheduler-name"),
-    (dict(image_pull_policy="Always"), "--image-pull-policy"),
-    (dict(ttl_after_finished_s=60), "--ttl-after-finished"),
-    (dict(backoff_limit=9), "--backoff-limit"),
-    (dict(env={"PET_MASTER_PORT": "1"}), "--env"),
-    (dict(name="a" * 55, nodes="16"), "--name"),
+    (dict(nodes="2:4"), "nodes"),
+    (dict(priority_class="high"), "priority_class"),
+    (dict(scheduler_name="volcano"), "scheduler_name"),
+    (dict(image_pull_policy="Always"), "image_pull_policy"),
+    (dict(ttl_after_finished_s=60), "ttl_after_finished_s"),
+    (dict(backoff_limit=9), "backoff_limit"),
+    (dict(env={"PET_MASTER_PORT": "1"}), "env"),
+    (dict(name="a" * 55, nodes="16"), "name"),
 ])
 def test_what_v2_cannot_express_is_refused(change: dict, field: str) -> None:
     spec = JobSpec(image=IMAGE, pvc="fsx", **{"name": "job", "nodes": "2", **change})
@@ -271,7 +271,7 @@ def test_cluster_training_runtime_option_validates_against_its_own_crd() -> None
     assert err.value.field == "spec.runtimeRef"
     with pytest.raises(UserError) as err:
         trainjob.render(spec, "kfp-nvrx-ft", "Runtime")
-    assert err.value.field == "--runtime-kind"
+    assert err.value.field == "runtime_kind"
 
 
 def test_render_job_cli_prints_a_cluster_training_runtime() -> None:

@@ -114,7 +114,7 @@ def test_same_name_from_another_run_is_refused_untouched(double: K8sDouble) -> N
     with pytest.raises(UserError) as err:
         launch_kubernetes(JobSpec(**SPEC), fast_opts(), log=lambda _: None,
                           client_configuration=double.configuration())
-    assert err.value.field == "--name" and "someone-else" in err.value.message
+    assert err.value.field == "name" and "someone-else" in err.value.message
     assert_untouched(double)
 
 
@@ -206,11 +206,11 @@ def test_bad_input_sends_nothing(double: K8sDouble) -> None:
     with pytest.raises(UserError) as err:
         launch_kubernetes(JobSpec(**{**SPEC, "nodes": "3:1"}), fast_opts(),
                           client_configuration=double.configuration())
-    assert err.value.field == "--nodes"
+    assert err.value.field == "nodes"
     with pytest.raises(UserError) as err:
         launch_kubernetes(JobSpec(**SPEC), fast_opts(delete_after="sometimes"),
                           client_configuration=double.configuration())
-    assert err.value.field == "--delete-after"
+    assert err.value.field == "delete_after"
     assert double.requests == []
 
 
@@ -231,4 +231,4 @@ def test_dispatcher_kubernetes_and_unknown_backend(double: K8sDouble) -> None:
     assert result.succeeded and result.backend == "kubernetes"
     with pytest.raises(UserError) as err:
         backends.launch(spec, "slurm")
-    assert err.value.field == "--backend"
+    assert err.value.field == "backend"

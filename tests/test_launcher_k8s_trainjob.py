@@ -99,7 +99,7 @@ def test_another_runs_trainjob_is_refused_untouched(double: K8sDouble) -> None:
     with pytest.raises(UserError) as err:
         launch_trainjob(JobSpec(**{**SPEC, "name": "clash"}), fast_opts(),
                         api_client=k8s_api.api_client(double.configuration()))
-    assert err.value.field == "--name" and "someone-else" in err.value.message
+    assert err.value.field == "name" and "someone-else" in err.value.message
     k8s_launch.assert_untouched(double)
 
 
@@ -193,7 +193,7 @@ def test_auto_reports_input_bad_for_every_api_before_asking_the_cluster(
     with pytest.raises(UserError) as err:
         backends.launch(JobSpec(**{**SPEC, "instance_type": "p9.huge"}), "kubernetes",
                         client_configuration=double.configuration(), job_api="auto")
-    assert err.value.field == "--instance-type"
+    assert err.value.field == "instance_type"
     assert double.requests == []  # not even API discovery
 
 
@@ -202,7 +202,7 @@ def test_auto_refuses_what_the_served_api_cannot_express(double: K8sDouble) -> N
     with pytest.raises(UserError) as err:
         backends.launch(JobSpec(**{**SPEC, "nodes": "1:2"}), "kubernetes",
                         client_configuration=double.configuration(), job_api="auto")
-    assert err.value.field == "--nodes"
+    assert err.value.field == "nodes"
     assert double.calls("GET", "/apis/") and not double.calls("POST")
 
 
@@ -210,5 +210,5 @@ def test_bad_v2_input_sends_nothing(double: K8sDouble) -> None:
     with pytest.raises(UserError) as err:
         backends.launch(JobSpec(**{**SPEC, "nodes": "2:4"}), "kubernetes",
                         client_configuration=double.configuration(), job_api="trainjob")
-    assert err.value.field == "--nodes"
+    assert err.value.field == "nodes"
     assert not double.calls("POST")

@@ -75,7 +75,7 @@ def test_second_holder_is_refused_with_the_first_ones_pid(tmp_path: Path) -> Non
     first = RunDirLock(tmp_path).acquire()
     with pytest.raises(UserError) as err:
         RunDirLock(tmp_path).acquire()
-    assert err.value.field == "--run-dir" and f"pid {os.getpid()}" in err.value.message
+    assert err.value.field == "run_dir" and f"pid {os.getpid()}" in err.value.message
     first.release()
     RunDirLock(tmp_path).acquire().release()
 

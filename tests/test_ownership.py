@@ -125,7 +125,7 @@ def test_run_dir_must_be_new_empty_or_ours(tmp_path: Path) -> None:
     (foreign / "config.yaml").write_text("database: {host: db}\n")
     with pytest.raises(UserError) as err:
         check_run_dir_owned(foreign, sections)
-    assert err.value.field == "--run-dir"
+    assert err.value.field == "run_dir"
     check_run_dir_owned(tmp_path / "new", sections)
     (tmp_path / "empty").mkdir()
     check_run_dir_owned(tmp_path / "empty", sections)

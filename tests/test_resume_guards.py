@@ -147,7 +147,7 @@ def test_a_checkpoints_dir_that_links_elsewhere_is_never_pruned(tmp_path) -> Non
                                                          for s in (1, 2, 3, 4)]
     with pytest.raises(UserError) as err:
         check_run_dir(run)
-    assert err.value.field == "--run-dir" and "symbolic link" in err.value.message
+    assert err.value.field == "run_dir" and "symbolic link" in err.value.message
 
 
 def test_a_step_dir_that_links_elsewhere_is_neither_pruned_nor_cleared(tmp_path) -> None:
@@ -181,7 +181,7 @@ def test_a_run_dir_holding_a_link_where_we_write_is_refused_before_anything(tmp_
     link.symlink_to(target)
     with pytest.raises(UserError) as err:
         check_run_dir(run)
-    assert err.value.field == "--run-dir" and name.split("/")[-1] in err.value.message
+    assert err.value.field == "run_dir" and name.split("/")[-1] in err.value.message
     assert target.read_text() == "keep me"
 
 

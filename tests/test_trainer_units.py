@@ -90,7 +90,7 @@ def test_fault_parsing_and_fire_once(tmp_path):
     assert parse_fault("kill@5/1") == Fault("kill", 5, 1)
     assert parse_fault("hang@3") == Fault("hang", 3, 0)
     for bad in ("kill", "kill@0", "boom@3", "kill@x/1", "kill@3/-1"):
-        with pytest.raises(UserError, match="--fault"):
+        with pytest.raises(UserError, match="faults"):
             parse_fault(bad)
     inj = FaultInjector([Fault("raise", 4, 1)], tmp_path, rank=1)
     assert inj.due(3, ("raise",)) is None

@@ -19,6 +19,7 @@ import warnings
 from collections.abc import Sequence
 
 from kfp_nvrx.components.core.disk import disk_full, disk_full_line
+from kfp_nvrx.components.core.fields import CLI
 from kfp_nvrx.components.errors import UserError, redact
 from kfp_nvrx.components.redaction import redacted_output
 from kfp_nvrx.components.redaction import register as register_secrets
@@ -100,8 +101,8 @@ def _field_of(args: argparse.Namespace, path: str | None) -> str:
 
 def _report(args: argparse.Namespace, err: BaseException) -> int:
     """One line on stderr for any error escaping a command; returns the exit code."""
-    if isinstance(err, UserError):
-        line, rc = err.one_line(), UserError.exit_code
+    if isinstance(err, UserError):  # the libraries name the field; a CLI user typed the flag
+        line, rc = CLI.reword(err).one_line(), UserError.exit_code
     elif disk_full(err):  # the run dir's marker, lock or a temp file on a full disk
         line, rc = disk_full_line(getattr(err, "filename", None) or "."), 1
     elif isinstance(err, OSError) and err.errno in _INPUT_ERRNOS:

@@ -201,7 +201,7 @@ def _apply(section_obj: Any, section: str, values: dict[str, Any]) -> None:
 def parse_override(item: str) -> tuple[str, str, str]:
     """Splits ``section.key=value`` into its parts (the value as text); raises UserError when malformed."""
     if "=" not in item or "." not in item.split("=", 1)[0]:
-        raise UserError("--set", f"expected section.key=value, got {item!r}")
+        raise UserError("overrides", f"expected section.key=value, got {item!r}")
     lhs, rhs = item.split("=", 1)
     section, key = lhs.strip().split(".", 1)
     return section, key, rhs.strip()
@@ -215,7 +215,7 @@ def resolve_config_path(name_or_path: str) -> Path:
     path = Path(name_or_path)
     if not path.is_file():
         presets = ", ".join(sorted(p.stem for p in PRESETS_DIR.glob("*.yaml")))
-        raise UserError("--config", f"{name_or_path!r} is neither a preset ({presets}) nor a file")
+        raise UserError("config", f"{name_or_path!r} is neither a preset ({presets}) nor a file")
     return path
 
 
@@ -235,7 +235,7 @@ def load_config(name_or_path: str, overrides: list[str] | tuple[str, ...] = ()) 
     path = resolve_config_path(name_or_path)
     raw = read_config_file(path) or {}
     if not isinstance(raw, dict):
-        raise UserError("--config", f"{path} must hold a mapping of sections")
+        raise UserError("config", f"{path} must hold a mapping of sections")
     cfg = Config()
     sections = {f.name for f in dataclasses.fields(Config)}
     for section, values in raw.items():

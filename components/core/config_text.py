@@ -208,11 +208,11 @@ def read_config_file(path: Path) -> Any:
     """The parsed YAML of a ``--config`` file (None when empty), read with a size cap.
 
     Raises:
-        UserError: Naming ``--config`` when the file is unreadable, too large, not UTF-8 text or
+        UserError: Naming ``config`` when the file is unreadable, too large, not UTF-8 text or
             not YAML (:func:`load_yaml`); naming the key when a mapping holds it twice.
     """
-    text = read_text(path, "--config", CONFIG_LIMIT, "config file")
-    return load_yaml(text, "--config", path, typed=True)
+    text = read_text(path, "config", CONFIG_LIMIT, "config file")
+    return load_yaml(text, "config", path, typed=True)
 
 
 _INT = re.compile(r"[-+]?[0-9]+(?:_[0-9]+)*")

@@ -44,11 +44,11 @@ def parse_fault(text: str) -> Fault:
     """Parses ``KIND@STEP[/RANK]``; raises UserError naming ``--fault`` when malformed."""
     m = _PATTERN.match(text.strip())
     if not m or m["kind"] not in KINDS:
-        raise UserError("--fault", f"expected KIND@STEP[/RANK] with KIND in {', '.join(KINDS)}, "
+        raise UserError("faults", f"expected KIND@STEP[/RANK] with KIND in {', '.join(KINDS)}, "
                         f"got {text!r}")
     step = int(m["step"])
     if step < 1:
-        raise UserError("--fault", f"step must be >= 1, got {text!r}")
+        raise UserError("faults", f"step must be >= 1, got {text!r}")
     return Fault(m["kind"], step, int(m["rank"] or 0))
 
 
@@ -67,12 +67,12 @@ def check_faults(texts: list[str], steps: int, interval: int,
     for text in texts:
         f = parse_fault(text)
         if f.step > steps:
-            raise UserError("--fault", f"{f.kind}@{f.step} is after the last step ({steps})")
+            raise UserError("faults", f"{f.kind}@{f.step} is after the last step ({steps})")
         if f.kind == "kill-in-ckpt" and (not interval or f.step % interval):
-            raise UserError("--fault", f"kill-in-ckpt@{f.step} needs a checkpoint step "
+            raise UserError("faults", f"kill-in-ckpt@{f.step} needs a checkpoint step "
                             f"(a multiple of checkpoint.interval={interval})")
         if world_size is not None and f.rank >= world_size:
-            raise UserError("--fault", f"{text.strip()!r} aims at rank {f.rank} but the job has "
+            raise UserError("faults", f"{text.strip()!r} aims at rank {f.rank} but the job has "
                             f"{world_size} worker(s) (ranks 0-{world_size - 1})")
         parsed.append(f)
     return parsed

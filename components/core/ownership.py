@@ -97,7 +97,7 @@ def is_run_dir(run_dir: str | os.PathLike[str], sections: Collection[str] = ()) 
     from kfp_nvrx.components.core.config_text import load_yaml
 
     try:
-        raw = load_yaml(read_text(d / "config.yaml", "--run-dir", CONFIG_LIMIT), "--run-dir",
+        raw = load_yaml(read_text(d / "config.yaml", "run_dir", CONFIG_LIMIT), "run_dir",
                         d / "config.yaml")
     except UserError:
         return False
@@ -105,7 +105,7 @@ def is_run_dir(run_dir: str | os.PathLike[str], sections: Collection[str] = ()) 
 
 
 def check_run_dir_owned(run_dir: str | os.PathLike[str], sections: Collection[str] = (),
-                        field: str = "--run-dir") -> None:
+                        field: str = "run_dir") -> None:
     """Refuse a run dir that is not new, empty or ours.
 
     We would overwrite its ``config.yaml`` and write checkpoints into a stranger's folder.

@@ -58,9 +58,9 @@ def read_recorded_config(run_dir: Path) -> dict[str, Any] | None:
     path = run_dir / CONFIG_FILE
     if not os.path.lexists(path):
         return None
-    raw = load_yaml(read_text(path, "--run-dir", CONFIG_LIMIT, "run config"), "--run-dir", path)
+    raw = load_yaml(read_text(path, "run_dir", CONFIG_LIMIT, "run config"), "run_dir", path)
     if not isinstance(raw, dict):
-        raise UserError("--run-dir", f"{path} is not a config record (not a mapping); restore "
+        raise UserError("run_dir", f"{path} is not a config record (not a mapping); restore "
                         "it or use a fresh --run-dir")
     return _flat(raw)
 
@@ -144,11 +144,11 @@ def check_run_dir(run_dir: Path, cfg: Config | None = None, crc: bool = False) -
     stops here (``crc``: a ``checkpoint.load_step`` checkpoint's CRC32s are checked too).
     """
     if not str(run_dir).strip():
-        raise UserError("--run-dir", "is empty; give the run directory (e.g. runs/r1)")
+        raise UserError("run_dir", "is empty; give the run directory (e.g. runs/r1)")
     if ".." in Path(run_dir).parts:
-        raise UserError("--run-dir", f"{run_dir} must not contain '..'")
+        raise UserError("run_dir", f"{run_dir} must not contain '..'")
     if run_dir.exists() and not run_dir.is_dir():
-        raise UserError("--run-dir", f"{run_dir} exists and is not a directory")
+        raise UserError("run_dir", f"{run_dir} exists and is not a directory")
     check_run_dir_owned(run_dir, [f.name for f in dataclasses.fields(Config)])
     check_run_dir_links(run_dir)
     if cfg is not None:

@@ -56,7 +56,7 @@ CRC_SIDECAR_PREFIX = ".crc32_rank"
 
 
 def refuse_link(path: str | os.PathLike[str], top: str | os.PathLike[str],
-                field: str = "--run-dir") -> Path:
+                field: str = "run_dir") -> Path:
     """``path``, after checking that no link lies between it and ``top`` (:func:`link_in`).
 
     Raises:

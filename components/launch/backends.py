@@ -84,7 +84,7 @@ def options(backend: str, **fields: Any) -> Options:
         return LocalOptions(**fields)
     if backend == "kubernetes":
         return KubernetesOptions(**fields)
-    raise UserError("--backend", f"must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    raise UserError("backend", f"must be one of {', '.join(BACKENDS)}, got {backend!r}")
 
 
 def check(spec: JobSpec, opts: Options) -> ResolvedJob:

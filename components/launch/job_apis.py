@@ -115,7 +115,7 @@ JOB_APIS: dict[str, JobApi] = {api.name: api for api in (
 )}
 
 
-def get(name: str, field: str = "--job-api") -> JobApi:
+def get(name: str, field: str = "job_api") -> JobApi:
     """Return the Kubernetes job API ``name`` (not ``auto``: see :func:`resolve_job_api`)."""
     if name not in KUBERNETES_APIS:
         raise UserError(field, f"must be {', '.join(JOB_API_CHOICES[:-1])} or "

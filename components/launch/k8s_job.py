@@ -212,7 +212,7 @@ class JobRun:
     def __init__(self, opts: K8sOptions | None, log: Callable[[str], None]) -> None:
         self.opts = opts or K8sOptions()
         if self.opts.delete_after not in DELETE_AFTER:
-            raise UserError("--delete-after", f"must be one of {', '.join(DELETE_AFTER)}, "
+            raise UserError("delete_after", f"must be one of {', '.join(DELETE_AFTER)}, "
                             f"got {self.opts.delete_after!r}")
         self._log = log
         self._lock = threading.Lock()
@@ -305,7 +305,7 @@ class JobRun:
                 if run_id and owner == run_id:
                     self.say(f"re-attaching to {jobs.where} (run {owner})")
                     return existing, True
-                raise UserError("--name", f"{jobs.where} already exists and belongs to run "
+                raise UserError("name", f"{jobs.where} already exists and belongs to run "
                                 f"{owner or '(none)'!r}, not {run_id or '(none)'!r}; delete it "
                                 "or choose another --name")
             if jobs.create(body):

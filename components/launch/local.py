@@ -210,7 +210,7 @@ def run_local(spec: ResolvedJob | JobSpec, *, log: Callable[[str], None] = print
     job = resolve_local(spec) if isinstance(spec, JobSpec) else spec
     lo, hi, nproc_per_node, cfg = job.min_nodes, job.max_nodes, job.procs_per_node, job.config
     if deadline_s is not None and not (math.isfinite(deadline_s) and deadline_s > 0):
-        raise UserError("--deadline", f"must be a finite number of seconds > 0, got {deadline_s}")
+        raise UserError("deadline_s", f"must be a finite number of seconds > 0, got {deadline_s}")
     # train.device=cuda on a host without GPUs fails here, naming train.device, before anything.
     slices = slice_gpus(hi, nproc_per_node, cfg.train.device)
     trainer = job.trainer_args()

@@ -75,6 +75,7 @@ def train_fsdp(
     import os
 
     from kfp_nvrx.components import images
+    from kfp_nvrx.components.core import fields
     from kfp_nvrx.components.errors import UserError
     from kfp_nvrx.components.launch import ui_outputs
     from kfp_nvrx.components.launch.backends import launch, options
@@ -95,17 +96,17 @@ def train_fsdp(
                    task=kfp_task, nodes=nodes, instance_type=instance_type,
                    nproc_per_node=nproc_per_node or None, mount=mount_path, config=config,
                    overrides=sets, faults=list(faults))
-    name = spec.job_name()
-    spec.run_dir = os.path.join(workspace, "runs", name)
     # Pod logs, API errors and the reason come from the cluster: no credential the launcher
     # authenticated with may reach the task log, Metrics or the HTML (one redaction).
     with redacted_output():
         try:
+            name = spec.job_name()
+            spec.run_dir = os.path.join(workspace, "runs", name)
             # job_api is a Kubernetes option; the local backend has none.
             kube = {"job_api": job_api} if backend == "kubernetes" else {}
             result = launch(spec, options(backend, deadline_s=deadline_s or None, **kube))
-        except UserError:
-            raise
+        except UserError as err:  # the library names the field; say this component's parameter
+            raise fields.COMPONENT.reword(err) from None
         except Exception as err:  # the executor prints it (and its chain) as a traceback
             raise RuntimeError(redact(f"{type(err).__name__}: {err}")) from None
     result.reason = redact(result.reason)

@@ -70,6 +70,7 @@ def local_arguments(name: str, params: list[str], out: Path) -> dict[str, Any]:
     """
     from kfp_nvrx.components.core.config import load_config
     from kfp_nvrx.components.core.faults import parse_fault
+    from kfp_nvrx.components.core.fields import PIPELINE
     from kfp_nvrx.components.data.prepare import SAMPLE_SCHEME
     from kfp_nvrx.components.data.sources import resolve_sources
     from kfp_nvrx.components.errors import UserError
@@ -95,11 +96,11 @@ def local_arguments(name: str, params: list[str], out: Path) -> dict[str, Any]:
         cfg = load_config(value("config"), list(value("overrides") or []))
         for fault in map(parse_fault, value("faults") or []):
             if fault.step > cfg.train.steps:
-                raise UserError("--fault", f"{fault.kind}@{fault.step} is after the last step "
+                raise UserError("faults", f"{fault.kind}@{fault.step} is after the last step "
                                 f"({cfg.train.steps})")
         parse_nodes(value("nodes"))
-    except UserError as err:
-        raise UserError(f"--param {_param_of(err.field)}", err.message) from None
+    except UserError as err:  # named as the pipeline parameter the user set
+        raise PIPELINE.reword(err) from None
     return args
 
 
@@ -116,18 +117,6 @@ def without_retries(pipeline: Any) -> Any:
         for task in dag.tasks.values():
             task.ClearField("retry_policy")
     return local_copy
-
-
-def _param_of(field: str) -> str:
-    if field == "source":
-        return "source"
-    if field.startswith("--fault"):
-        return "faults"
-    if field.startswith("--nodes"):
-        return "nodes"
-    if field.startswith("--config"):
-        return "config"
-    return f"overrides ({field.removeprefix('--set ')})"
 
 
 class _Filter(io.TextIOBase):

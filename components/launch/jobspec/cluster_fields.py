@@ -72,25 +72,25 @@ def check_cluster_fields(spec: Any) -> None:
 
     """
     if spec.namespace:
-        _check("--namespace", spec.namespace, _DNS_LABEL, 63, "namespace")
-    for flag, value in (("--service-account", spec.service_account),
-                        ("--priority-class", spec.priority_class),
-                        ("--scheduler-name", spec.scheduler_name)):
+        _check("namespace", spec.namespace, _DNS_LABEL, 63, "namespace")
+    for flag, value in (("service_account", spec.service_account),
+                        ("priority_class", spec.priority_class),
+                        ("scheduler_name", spec.scheduler_name)):
         if value:
             _check(flag, value, _DNS_SUBDOMAIN, 253, "Kubernetes name")
     for key, value in dict(spec.node_selector).items():
-        check_label_key("--node-selector", key)
-        check_label_value("--node-selector", value)
+        check_label_key("node_selector", key)
+        check_label_value("node_selector", value)
     fs_group = spec.fs_group
     if fs_group is not None and (isinstance(fs_group, bool) or not isinstance(fs_group, int)
                                  or not 0 <= fs_group <= MAX_GID):
-        raise UserError("--fs-group", f"must be a group id within 0-{MAX_GID}, got {fs_group!r}")
+        raise UserError("fs_group", f"must be a group id within 0-{MAX_GID}, got {fs_group!r}")
     if spec.mount and spec.mount.startswith("/"):
-        check_mount_path("--mount", spec.mount)
+        check_mount_path("mount", spec.mount)
     for item in spec.extra_pvcs:
         parts = str(item).split(":")
         if len(parts) >= 2 and parts[1].startswith("/"):
-            check_mount_path("--extra-pvc", parts[1])
+            check_mount_path("extra_pvcs", parts[1])
 
 
 def escape_expansion(value: str) -> str:

@@ -66,7 +66,7 @@ def check_name(name: str, max_replicas: int) -> None:
     """Raise UserError naming ``--name`` unless ``name`` works for the job and its Services."""
     if not DNS1035.match(name):
         raise UserError(
-            "--name",
+            "name",
             f"{name!r} is not a DNS-1035 label (lower-case letters, digits and '-', starting with "
             "a letter, ending with a letter or digit)",
         )
@@ -74,7 +74,7 @@ def check_name(name: str, max_replicas: int) -> None:
     most = MAX_LABEL - len(REPLICA_INFIX) - len(str(max_replicas - 1))
     if len(longest) > MAX_LABEL:
         raise UserError(
-            "--name",
+            "name",
             f"{name!r} is too long: the operator's Service {longest!r} would exceed {MAX_LABEL} "
             f"characters; use at most {most}",
         )

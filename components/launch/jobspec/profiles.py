@@ -126,5 +126,5 @@ def get_profile(name: str) -> InstanceProfile:
         return PROFILES[name]
     except KeyError:
         known = ", ".join(sorted(PROFILES))
-        raise UserError("--instance-type",
+        raise UserError("instance_type",
                         f"unknown instance type {name!r}; known: {known}") from None

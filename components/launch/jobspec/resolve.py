@@ -213,11 +213,11 @@ def resolve(spec: JobSpec) -> ResolvedJob:
     run_dir = spec.run_dir_path(name)
     cfg = load_config(spec.config, list(spec.overrides))  # validates --config / --set
     volumes = _volumes(spec)
-    _check_pod_paths(spec, cfg, profile, (check_abs_path("--mount", spec.mount),
+    _check_pod_paths(spec, cfg, profile, (check_abs_path("mount", spec.mount),
                                           *(v.path for v in volumes)))
-    check_seconds("--active-deadline", spec.active_deadline_s, 1)
-    check_seconds("--ttl-after-finished", spec.ttl_after_finished_s, 0)
-    check_seconds("--backoff-limit", spec.backoff_limit, 0)
+    check_seconds("active_deadline_s", spec.active_deadline_s, 1)
+    check_seconds("ttl_after_finished_s", spec.ttl_after_finished_s, 0)
+    check_seconds("backoff_limit", spec.backoff_limit, 0)
     pod = _pod(spec, cfg, profile, procs, run_dir, volumes)
     return ResolvedJob(name=name, min_nodes=lo, max_nodes=hi, procs_per_node=procs,
                        run_dir=run_dir, config=cfg, config_ref=spec.config,
@@ -229,12 +229,12 @@ def resolve(spec: JobSpec) -> ResolvedJob:
 
 def _volumes(spec: JobSpec) -> tuple[Volume, ...]:
     """The extra PVCs, each on a mount path of its own."""
-    taken = {check_abs_path("--mount", spec.mount), "/dev/shm"}
+    taken = {check_abs_path("mount", spec.mount), "/dev/shm"}
     out = []
     for item in spec.extra_pvcs:
         claim, path, read_only = parse_extra_pvc(item)
         if path in taken:
-            raise UserError("--extra-pvc", f"mount path {path} is already used")
+            raise UserError("extra_pvcs", f"mount path {path} is already used")
         taken.add(path)
         out.append(Volume(claim, path, read_only))
     return tuple(out)
@@ -251,7 +251,7 @@ def _check_pod_paths(spec: JobSpec, cfg: Config, profile: InstanceProfile,
         return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
 
     if not is_preset(spec.config) and not mounted(spec.config):
-        raise UserError("--config", f"{spec.config!r} is read by the pods at the same path: use a "
+        raise UserError("config", f"{spec.config!r} is read by the pods at the same path: use a "
                         f"preset or a file on the shared volume ({', '.join(roots)})")
     for key, value in (("data.path", cfg.data.path),
                        ("checkpoint.init_from", cfg.checkpoint.init_from)):
@@ -263,33 +263,33 @@ def _check_pod_paths(spec: JobSpec, cfg: Config, profile: InstanceProfile,
 def _pod(spec: JobSpec, cfg: Config, profile: InstanceProfile, procs: int, run_dir: str,
          volumes: tuple[Volume, ...]) -> Pod:
     """The worker pod's settings: the profile's values with the user's overrides, checked."""
-    pvc = check_resource_name("--pvc", spec.pvc) if spec.pvc else ""
+    pvc = check_resource_name("pvc", spec.pvc) if spec.pvc else ""
     if not pvc:
-        raise UserError("--pvc", "the shared volume's PersistentVolumeClaim is required "
+        raise UserError("pvc", "the shared volume's PersistentVolumeClaim is required "
                         "(FSx for Lustre: data, run dir and checkpoints live there)")
-    shm = check_quantity("--shm-size", spec.shm_size or profile.shm_size)
+    shm = check_quantity("shm_size", spec.shm_size or profile.shm_size)
     efa = profile.efa if spec.efa is None else spec.efa
     if isinstance(efa, bool) or not isinstance(efa, int) or efa < 0:
-        raise UserError("--efa", f"must be an integer >= 0, got {efa!r}")
+        raise UserError("efa", f"must be an integer >= 0, got {efa!r}")
     if efa and not profile.is_gpu:
-        raise UserError("--efa", f"EFA interfaces need a GPU instance type, not {profile.name!r}")
+        raise UserError("efa", f"EFA interfaces need a GPU instance type, not {profile.name!r}")
     if spec.image_pull_policy not in PULL_POLICIES:
-        raise UserError("--image-pull-policy", f"must be {', '.join(PULL_POLICIES[:-1])} or "
+        raise UserError("image_pull_policy", f"must be {', '.join(PULL_POLICIES[:-1])} or "
                         f"{PULL_POLICIES[-1]}, got {spec.image_pull_policy!r}")
     image = check_image(spec.image)
     env = _env(spec, cfg, profile, run_dir)
     secret_env = _secret_env(spec, {name for name, _ in env})
-    cpu = check_quantity("--cpu", spec.cpu or profile.cpu)
-    memory = check_quantity("--memory", spec.memory or profile.memory)
+    cpu = check_quantity("cpu", spec.cpu or profile.cpu)
+    memory = check_quantity("memory", spec.memory or profile.memory)
     hugepages = spec.hugepages or profile.hugepages
     # "0", "0Mi" and "0Gi" all mean no hugepages (an amount, not a text).
-    if hugepages and quantity(check_quantity("--hugepages", hugepages)) == 0:
+    if hugepages and quantity(check_quantity("hugepages", hugepages)) == 0:
         hugepages = ""
     selector = dict(spec.node_selector)
     if profile.instance_type:
         selector[INSTANCE_TYPE_LABEL] = profile.instance_type
     return Pod(image=image, pull_policy=spec.image_pull_policy, pvc=pvc,
-               mount=check_abs_path("--mount", spec.mount), shm_size=shm, volumes=volumes,
+               mount=check_abs_path("mount", spec.mount), shm_size=shm, volumes=volumes,
                cpu=cpu, memory=memory, gpus=procs if profile.is_gpu else 0, efa=efa,
                hugepages=hugepages, env=env, secret_env=secret_env,
                node_selector=tuple(selector.items()),
@@ -304,7 +304,7 @@ def _env(spec: JobSpec, cfg: Config, profile: InstanceProfile,
          run_dir: str) -> tuple[tuple[str, str], ...]:
     """Our defaults, then the user's env (a user value replaces a default of the same name)."""
     for name in spec.env:
-        check_env_name("--env", name)
+        check_env_name("env", name)
     merged = {**default_env(profile.is_gpu, cfg.resilience.in_process, run_dir),
               **{k: str(v) for k, v in spec.env.items()}}
     return tuple(merged.items())
@@ -315,7 +315,7 @@ def _secret_env(spec: JobSpec, seen: set[str]) -> tuple[SecretEnv, ...]:
     for item in spec.secret_env:
         ref = SecretEnv(*parse_secret_env(item))
         if ref.name in seen:
-            raise UserError("--secret-env",
+            raise UserError("secret_env",
                             f"{ref.name} is also set by --env or a default; set it once")
         seen = seen | {ref.name}
         out.append(ref)

@@ -133,7 +133,7 @@ class JobSpec:
         n = check_procs(prof.default_procs if self.nproc_per_node is None else self.nproc_per_node)
         if prof.is_gpu and n > prof.gpus:
             raise UserError(
-                "--nproc-per-node",
+                "nproc_per_node",
                 f"{n} processes need {n} GPUs but {prof.name} has {prof.gpus} per node",
             )
         return n
@@ -146,13 +146,13 @@ class JobSpec:
 
     def run_dir_path(self, name: str | None = None) -> str:
         """Return the run directory as the pods see it (on the shared volume)."""
-        mount = check_abs_path("--mount", self.mount)
+        mount = check_abs_path("mount", self.mount)
         if not self.run_dir:
             return posixpath.join(mount, "runs", name or self.job_name())
-        run_dir = check_abs_path("--run-dir", self.run_dir)
+        run_dir = check_abs_path("run_dir", self.run_dir)
         if run_dir != mount and not run_dir.startswith(mount.rstrip("/") + "/"):
             raise UserError(
-                "--run-dir",
+                "run_dir",
                 f"{run_dir!r} is not under the shared volume {mount!r}: checkpoints written "
                 "elsewhere are lost when a pod restarts and are invisible to the other pods",
             )
@@ -189,21 +189,21 @@ def parse_nodes(text: str | int) -> tuple[int, int]:
     raw = str(text).strip()
     parts = raw.split(":")
     if len(parts) not in (1, 2) or not all(re.fullmatch(r"-?[0-9]+", p.strip()) for p in parts):
-        raise UserError("--nodes", f"expected N or MIN:MAX (integers), got {raw!r}")
+        raise UserError("nodes", f"expected N or MIN:MAX (integers), got {raw!r}")
     lo, hi = int(parts[0]), int(parts[-1])
     if lo < 1:
-        raise UserError("--nodes", f"need at least 1 node, got {raw!r}")
+        raise UserError("nodes", f"need at least 1 node, got {raw!r}")
     if lo > hi:
-        raise UserError("--nodes", f"MIN must not exceed MAX, got {raw!r}")
+        raise UserError("nodes", f"MIN must not exceed MAX, got {raw!r}")
     if hi > MAX_NODES:  # 2**70 nodes raised OverflowError in the local launcher (exit 1)
-        raise UserError("--nodes", f"at most {MAX_NODES:,} nodes, got {raw!r}")
+        raise UserError("nodes", f"at most {MAX_NODES:,} nodes, got {raw!r}")
     return lo, hi
 
 
 def check_procs(n: object) -> int:
     """Processes per node: an integer >= 1 (raises UserError naming ``--nproc-per-node``)."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise UserError("--nproc-per-node", f"must be an integer >= 1, got {n!r}")
+        raise UserError("nproc_per_node", f"must be an integer >= 1, got {n!r}")
     return n
 
 
@@ -264,7 +264,7 @@ def check_image(value: str) -> str:
     """Check the trainer image: required, and a reference by the container reference grammar."""
     from kfp_nvrx.components.images import check_reference
 
-    return check_reference("--image", value)
+    return check_reference("image", value)
 
 
 def parse_key_values(flag: str, items: list[str]) -> dict[str, str]:
@@ -296,9 +296,9 @@ def parse_secret_env(item: str) -> tuple[str, str, str]:
     name, sep, ref = item.partition("=")
     secret, sep2, key = ref.partition(":")
     if not sep or not sep2 or not key:
-        raise UserError("--secret-env", f"expected NAME=SECRET:KEY, got {item!r}")
-    check_env_name("--secret-env", name.strip())
-    check_resource_name("--secret-env", secret.strip())
+        raise UserError("secret_env", f"expected NAME=SECRET:KEY, got {item!r}")
+    check_env_name("secret_env", name.strip())
+    check_resource_name("secret_env", secret.strip())
     return name.strip(), secret.strip(), key.strip()
 
 
@@ -306,9 +306,9 @@ def parse_extra_pvc(item: str) -> tuple[str, str, bool]:
     """``claim:/path[:ro]`` -> (claim, path, read_only)."""
     parts = item.split(":")
     if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in ("ro", "rw")):
-        raise UserError("--extra-pvc", f"expected CLAIM:/PATH[:ro], got {item!r}")
-    claim = check_resource_name("--extra-pvc", parts[0])
-    path = check_abs_path("--extra-pvc", parts[1])
+        raise UserError("extra_pvcs", f"expected CLAIM:/PATH[:ro], got {item!r}")
+    claim = check_resource_name("extra_pvcs", parts[0])
+    path = check_abs_path("extra_pvcs", parts[1])
     return claim, path, len(parts) == 3 and parts[2] == "ro"
 
 
@@ -317,7 +317,7 @@ def parse_toleration(item: str) -> dict[str, str]:
     spec, sep, effect = item.rpartition(":")
     effects = ("NoSchedule", "PreferNoSchedule", "NoExecute")
     if not sep or effect not in effects or not spec:
-        raise UserError("--toleration", f"expected KEY[=VALUE]:{'|'.join(effects)}, got {item!r}")
+        raise UserError("tolerations", f"expected KEY[=VALUE]:{'|'.join(effects)}, got {item!r}")
     key, eq, value = spec.partition("=")
     if eq:
         return {"key": key, "operator": "Equal", "value": value, "effect": effect}

@@ -73,32 +73,32 @@ def refuse(job: ResolvedJob, runtime_name: str = rt.RUNTIME_NAME,
     """
     pod = job.pod
     if job.elastic:
-        raise UserError("--nodes", f"'{job.min_nodes}:{job.max_nodes}': Trainer v2 has no elastic "
+        raise UserError("nodes", f"'{job.min_nodes}:{job.max_nodes}': Trainer v2 has no elastic "
                         "policy (fixed node count); use --nodes N, or --job-api pytorchjob for "
                         "MIN:MAX")
     if pod.priority_class:
-        raise UserError("--priority-class", "a TrainJob cannot set priorityClassName (v2 runtime "
+        raise UserError("priority_class", "a TrainJob cannot set priorityClassName (v2 runtime "
                         "patches do not carry it); set it in the TrainingRuntime or use "
                         "--job-api pytorchjob")
     if pod.scheduler_name:
-        raise UserError("--scheduler-name", "a TrainJob cannot set schedulerName (v2 runtime "
+        raise UserError("scheduler_name", "a TrainJob cannot set schedulerName (v2 runtime "
                         "patches do not carry it); set it in the TrainingRuntime or use "
                         "--job-api pytorchjob")
     if pod.pull_policy != rt.IMAGE_PULL_POLICY:
-        raise UserError("--image-pull-policy", f"a TrainJob takes the pull policy from the "
+        raise UserError("image_pull_policy", f"a TrainJob takes the pull policy from the "
                         f"TrainingRuntime ({rt.IMAGE_PULL_POLICY}); edit the runtime instead")
     if pod.ttl_after_finished_s != _default("ttl_after_finished_s"):
-        raise UserError("--ttl-after-finished", "a TrainJob has no TTL; `launch --delete-after` "
+        raise UserError("ttl_after_finished_s", "a TrainJob has no TTL; `launch --delete-after` "
                         "removes it, or use --job-api pytorchjob")
     if pod.backoff_limit != _default("backoff_limit"):
-        raise UserError("--backoff-limit", "whole-job restarts of a TrainJob come from the "
+        raise UserError("backoff_limit", "whole-job restarts of a TrainJob come from the "
                         f"runtime's failurePolicy.maxRestarts ({rt.MAX_RESTARTS}); edit the "
                         "runtime instead")
     for name, _ in job.user_env:
         if name in RESERVED_ENV:
-            raise UserError("--env", f"{name} is injected by Trainer v2's torch plugin; the "
+            raise UserError("env", f"{name} is injected by Trainer v2's torch plugin; the "
                             "TrainJob webhook rejects it")
-    check_resource_name("--runtime", runtime_name)
+    check_resource_name("runtime", runtime_name)
     check_runtime_kind(runtime_kind)
     check_name(job.name, job.max_nodes)
 
@@ -112,13 +112,13 @@ def check_name(name: str, nodes: int) -> None:
     creates it: the TrainJob itself would be accepted and never start.
     """
     if not naming.DNS1035.match(name) or len(name) > naming.MAX_LABEL:
-        raise UserError("--name", f"{name!r} is not a DNS-1035 label of at most "
+        raise UserError("name", f"{name!r} is not a DNS-1035 label of at most "
                         f"{naming.MAX_LABEL} characters (lower-case letters, digits and '-', "
                         "starting with a letter)")
     longest = f"{name}-{rt.REPLICATED_JOB}-0-{nodes - 1}{POD_SUFFIX}"
     if len(longest) > naming.MAX_LABEL:
         most = len(name) - (len(longest) - naming.MAX_LABEL)
-        raise UserError("--name", f"{name!r} is too long: the JobSet's pod names "
+        raise UserError("name", f"{name!r} is too long: the JobSet's pod names "
                         f"{longest[:-len(POD_SUFFIX)]}-xxxxx would exceed {naming.MAX_LABEL} "
                         f"characters; use at most {most}")
 
@@ -144,7 +144,7 @@ def _split_pod(pod: dict[str, Any]) -> tuple[dict, dict]:
     """Split a worker pod spec into (trainer, pod patch); refuse fields v2 cannot carry."""
     (container,) = pod.pop("containers")
     if container.get("imagePullPolicy", rt.IMAGE_PULL_POLICY) != rt.IMAGE_PULL_POLICY:
-        raise UserError("--image-pull-policy", f"the TrainingRuntime sets {rt.IMAGE_PULL_POLICY}")
+        raise UserError("image_pull_policy", f"the TrainingRuntime sets {rt.IMAGE_PULL_POLICY}")
     trainer = {"image": container["image"], "command": container["command"], "env": container["env"],
                "resourcesPerNode": container["resources"]}
     patch_c: dict[str, Any] = {"name": rt.CONTAINER_NAME,
@@ -165,7 +165,7 @@ def _split_pod(pod: dict[str, Any]) -> tuple[dict, dict]:
 def check_runtime_kind(kind: str) -> str:
     """Return ``kind`` if a TrainJob can refer to it; else raise UserError naming the flag."""
     if kind not in rt.RUNTIME_KINDS:
-        raise UserError("--runtime-kind", f"must be {' or '.join(rt.RUNTIME_KINDS)}, got {kind!r}")
+        raise UserError("runtime_kind", f"must be {' or '.join(rt.RUNTIME_KINDS)}, got {kind!r}")
     return kind
 
 

@@ -18,6 +18,7 @@ from pathlib import Path  # noqa: E402
 
 from kfp_nvrx.components.core.disk import disk_full, disk_full_line  # noqa: E402
 from kfp_nvrx.components.core.faults import KINDS as FAULT_KINDS  # noqa: E402
+from kfp_nvrx.components.core.fields import CLI  # noqa: E402
 from kfp_nvrx.components.core.rundir import checkpoints_dir  # noqa: E402
 from kfp_nvrx.components.errors import UserError  # noqa: E402
 
@@ -105,14 +106,14 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"trainer: error: TORCH_NCCL_DEBUG_INFO_TEMP_FILE: {err}\n")
         return UserError.exit_code
     except UserError as err:
-        sys.stderr.write(f"trainer: error: {err.one_line()}\n")
+        sys.stderr.write(f"trainer: error: {CLI.reword(err).one_line()}\n")
         return UserError.exit_code
     from kfp_nvrx.components.training.trainer.train import run
 
     try:
         run(job)
     except UserError as err:
-        sys.stderr.write(f"trainer: error: {err.one_line()}\n")
+        sys.stderr.write(f"trainer: error: {CLI.reword(err).one_line()}\n")
         return UserError.exit_code
     except Exception as err:
         where = checkpoints_dir(job.run_dir)
