@@ -142,9 +142,10 @@ def annotations(job: ResolvedJob) -> dict[str, str]:
     }
 
 
-#: The container's entrypoint in front of ft_launcher: a pod stopped by SIGTERM (deleted, drained,
-#: its JobSet recreated) exits 143 instead of ft_launcher's 1, which the failure policies read as
-#: "gave up" (:mod:`kfp_nvrx.components.core.pod_entry`; the table in docs/eks.md).
+#: The container's entrypoint in front of ft_launcher: ft_launcher exits 1 whether it gave up, was
+#: stopped or lost a peer; the failure policies read 1 as "gave up", so a pod stopped by SIGTERM
+#: (deleted, drained, its JobSet recreated) exits 143 and one whose peer or rendezvous host
+#: vanished exits 200 (:mod:`kfp_nvrx.components.core.pod_entry`; the table in docs/eks.md).
 POD_ENTRY = ["python", "-m", "kfp_nvrx.components.core.pod_entry"]
 
 
