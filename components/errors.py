@@ -9,7 +9,8 @@ class UserError(Exception):
     """Bad input: reported as a single line naming the field and the fix, exit code 2.
 
     Args:
-        field: The setting, flag or parameter that is wrong (e.g. ``train.steps``, ``--nodes``).
+        field: The setting that is wrong, by its domain name (``train.steps``, ``nodes``); the
+            surface that reports it words it for its user (:class:`Surface`).
         message: What is wrong and how to fix it.
     """
 

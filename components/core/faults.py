@@ -41,7 +41,7 @@ def fault_verb(kind: str) -> str:
 
 
 def parse_fault(text: str) -> Fault:
-    """Parses ``KIND@STEP[/RANK]``; raises UserError naming ``--fault`` when malformed."""
+    """Parses ``KIND@STEP[/RANK]``; raises UserError naming ``faults`` when malformed."""
     m = _PATTERN.match(text.strip())
     if not m or m["kind"] not in KINDS:
         raise UserError("faults", f"expected KIND@STEP[/RANK] with KIND in {', '.join(KINDS)}, "
@@ -54,7 +54,7 @@ def parse_fault(text: str) -> Fault:
 
 def check_faults(texts: list[str], steps: int, interval: int,
                  world_size: int | None = None) -> list[Fault]:
-    """Parses every fault and checks that it can fire in this run; raises UserError naming ``--fault``.
+    """Parses every fault and checks that it can fire in this run; raises UserError naming ``faults``.
 
     Args:
         texts: ``KIND@STEP[/RANK]`` strings.

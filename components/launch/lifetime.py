@@ -50,7 +50,7 @@ class RunDirLock:
         self.fd: int | None = None
 
     def acquire(self) -> RunDirLock:
-        """Take the lock or raise UserError naming ``--run-dir`` and the holder."""
+        """Take the lock or raise UserError naming ``run_dir`` and the holder."""
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -63,7 +63,7 @@ def derive_name(run_id: str, task: str) -> str:
 
 
 def check_name(name: str, max_replicas: int) -> None:
-    """Raise UserError naming ``--name`` unless ``name`` works for the job and its Services."""
+    """Raise UserError naming ``name`` unless ``name`` works for the job and its Services."""
     if not DNS1035.match(name):
         raise UserError(
             "name",

@@ -121,7 +121,7 @@ PROFILES: dict[str, InstanceProfile] = {
 
 
 def get_profile(name: str) -> InstanceProfile:
-    """Look up the profile of an instance type; raises UserError naming ``--instance-type``."""
+    """Look up the profile of an instance type; raises UserError naming ``instance_type``."""
     try:
         return PROFILES[name]
     except KeyError:

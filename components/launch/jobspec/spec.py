@@ -4,7 +4,7 @@ The Kubernetes backend turns it into a PyTorchJob (:mod:`.pytorchjob`) or a Trai
 (:mod:`.trainjob`); the local backend uses only the trainer part (nodes, processes, run dir,
 config, overrides, faults, env).
 Parsing helpers here turn CLI strings (``--nodes 2:4``, ``--extra-pvc claim:/path:ro``) into
-values and raise :class:`UserError` naming the flag.
+values and raise :class:`UserError` naming the JobSpec field (each surface words it: ``core.fields``).
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ class JobSpec:
     ttl_after_finished_s: int | None = 24 * 3600
     backoff_limit: int = 3
 
-    # -- derived values (each raises UserError naming the flag) --------------------------------
+    # -- derived values (each raises UserError naming its field) --------------------------------
 
     @property
     def profile(self) -> InstanceProfile:
@@ -185,7 +185,7 @@ MAX_NODES = 65_536
 
 
 def parse_nodes(text: str | int) -> tuple[int, int]:
-    """``"N"`` -> (N, N); ``"MIN:MAX"`` -> (MIN, MAX); raises UserError naming ``--nodes``."""
+    """``"N"`` -> (N, N); ``"MIN:MAX"`` -> (MIN, MAX); raises UserError naming ``nodes``."""
     raw = str(text).strip()
     parts = raw.split(":")
     if len(parts) not in (1, 2) or not all(re.fullmatch(r"-?[0-9]+", p.strip()) for p in parts):
@@ -201,7 +201,7 @@ def parse_nodes(text: str | int) -> tuple[int, int]:
 
 
 def check_procs(n: object) -> int:
-    """Processes per node: an integer >= 1 (raises UserError naming ``--nproc-per-node``)."""
+    """Processes per node: an integer >= 1 (raises UserError naming ``nproc_per_node``)."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise UserError("nproc_per_node", f"must be an integer >= 1, got {n!r}")
     return n

@@ -14,7 +14,7 @@ built by the same code (:mod:`.pod`) and then split the way v2 wants it:
 v2 has no elastic policy and injects no rendezvous settings: the command gets the c10d endpoint
 ``$(PET_MASTER_ADDR):$(PET_MASTER_PORT)`` (node 0's stable DNS name, port 29500) and the TrainJob
 name as rendezvous id, from the one ft_launcher command builder. What v2 cannot express is refused
-with a one-line error naming the flag.
+with a one-line error naming the field.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def refuse(job: ResolvedJob, runtime_name: str = rt.RUNTIME_NAME,
 
 
 def check_name(name: str, nodes: int) -> None:
-    """Raise UserError naming ``--name`` unless the JobSet-derived names stay valid.
+    """Raise UserError naming ``name`` unless the JobSet-derived names stay valid.
 
     The JobSet is named after the TrainJob and the headless Service is ``<name>``; the JobSet
     webhook refuses a JobSet whose longest pod name ``<name>-node-0-<index>-<5 characters>`` (the
@@ -163,7 +163,7 @@ def _split_pod(pod: dict[str, Any]) -> tuple[dict, dict]:
 
 
 def check_runtime_kind(kind: str) -> str:
-    """Return ``kind`` if a TrainJob can refer to it; else raise UserError naming the flag."""
+    """Return ``kind`` if a TrainJob can refer to it; else raise UserError naming the field."""
     if kind not in rt.RUNTIME_KINDS:
         raise UserError("runtime_kind", f"must be {' or '.join(rt.RUNTIME_KINDS)}, got {kind!r}")
     return kind
