@@ -284,3 +284,23 @@ def test_render_job_cli_prints_a_cluster_training_runtime() -> None:
         "ft-shared" and "namespace" not in runtime["metadata"]
     assert job["spec"]["runtimeRef"]["kind"] == "ClusterTrainingRuntime"
     assert job["metadata"]["namespace"] == "team-a"
+
+
+def test_each_surface_words_the_refusal_for_its_user() -> None:
+    """The library names the domain field; the CLI, the component and a pipeline word it."""
+    from kfp_nvrx.components.core.fields import CLI, COMPONENT, PIPELINE
+
+    with pytest.raises(UserError) as err:
+        trainjob.render(JobSpec(image=IMAGE, pvc="fsx", nodes="2:4"))
+    assert err.value.field == "nodes" and "`job_api=pytorchjob`" in err.value.message
+    cli = CLI.reword(err.value).one_line()
+    assert cli.startswith("--nodes: ") and "use --nodes N, or --job-api pytorchjob" in cli
+    kfp = COMPONENT.reword(err.value).one_line()
+    assert kfp.startswith("nodes: ") and "use nodes=N, or job_api=pytorchjob" in kfp
+    assert PIPELINE.reword(err.value).field == "--param nodes"
+    with pytest.raises(UserError) as err:
+        trainjob.render(JobSpec(image=IMAGE, pvc="Not_A_Claim"))
+    assert (err.value.field, CLI.word("pvc"), COMPONENT.word("pvc"), PIPELINE.word("pvc")) == (
+        "pvc", "--pvc", "pvc_name", "--param pvc_name")
+    assert PIPELINE.word("train.steps") == "--param overrides (train.steps)" == \
+        f"--param overrides ({COMPONENT.word('train.steps')})"

@@ -60,8 +60,9 @@ JOB_FIELDS: dict[str, tuple[str, str | None]] = {
 _PARAMETERS = {field: param for field, (_, param) in JOB_FIELDS.items() if param}
 
 #: ``kfp-nvrx ...`` and the trainer's own command line.
-CLI = Surface({field: flag for field, (flag, _) in JOB_FIELDS.items()})
-#: The ``train_fsdp`` KFP component's parameters.
-COMPONENT = Surface(_PARAMETERS)
+CLI = Surface({field: flag for field, (flag, _) in JOB_FIELDS.items()}, assign="{name} {value}")
+#: The ``train_fsdp`` KFP component's parameters (a field without one keeps its domain name).
+COMPONENT = Surface({**{field: field for field in JOB_FIELDS}, **_PARAMETERS})
 #: Pipeline parameters (``run-local --param``, ``submit --param``): config keys are overrides.
-PIPELINE = Surface(_PARAMETERS, prefix="--param ", config_key="overrides ({})")
+PIPELINE = Surface({**{field: field for field in JOB_FIELDS}, **_PARAMETERS}, prefix="--param ",
+                   config_key="overrides ({})")

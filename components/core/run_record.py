@@ -61,7 +61,7 @@ def read_recorded_config(run_dir: Path) -> dict[str, Any] | None:
     raw = load_yaml(read_text(path, "run_dir", CONFIG_LIMIT, "run config"), "run_dir", path)
     if not isinstance(raw, dict):
         raise UserError("run_dir", f"{path} is not a config record (not a mapping); restore "
-                        "it or use a fresh --run-dir")
+                        "it or use a fresh `run_dir`")
     return _flat(raw)
 
 
@@ -111,7 +111,7 @@ def check_resume(cfg: Config, run_dir: Path, crc: bool = False) -> None:
         if not _same(key, recorded[key], wanted[key]):
             raise UserError(key, f"is {wanted[key]!r}, but {run_dir}/{CONFIG_FILE} records "
                             f"{recorded[key]!r} for this run's checkpoints; use --set "
-                            f"{key}={recorded[key]}, a fresh --run-dir, or --set "
+                            f"{key}={recorded[key]}, a fresh `run_dir`, or --set "
                             f"checkpoint.allow_changes={key} to change it on purpose")
 
 

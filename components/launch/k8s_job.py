@@ -307,7 +307,7 @@ class JobRun:
                     return existing, True
                 raise UserError("name", f"{jobs.where} already exists and belongs to run "
                                 f"{owner or '(none)'!r}, not {run_id or '(none)'!r}; delete it "
-                                "or choose another --name")
+                                "or choose another `name`")
             if jobs.create(body):
                 self.say(f"created {jobs.where}: {describe}")
                 created = jobs.get()

@@ -58,7 +58,7 @@ class RunDirLock:
             holder = self._holder(fd)
             os.close(fd)
             raise UserError("run_dir", f"{self.path.parent} is in use by another run ({holder});"
-                            " wait for it to finish or choose another --run-dir") from None
+                            " wait for it to finish or choose another `run_dir`") from None
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                                  "since": dt.datetime.now().isoformat(timespec="seconds")}

@@ -245,7 +245,7 @@ def _check_pod_paths(spec: JobSpec, cfg: Config, profile: InstanceProfile,
     """What the trainer reads and uses must exist inside the pods (volumes, a GPU for cuda)."""
     if cfg.train.device == "cuda" and not profile.is_gpu:
         raise UserError("train.device", f"is cuda but instance type {profile.name} has no "
-                        "GPU; use --set train.device=cpu (or auto) or a GPU --instance-type")
+                        "GPU; use --set train.device=cpu (or auto) or a GPU `instance_type`")
 
     def mounted(path: str) -> bool:
         return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
@@ -316,7 +316,7 @@ def _secret_env(spec: JobSpec, seen: set[str]) -> tuple[SecretEnv, ...]:
         ref = SecretEnv(*parse_secret_env(item))
         if ref.name in seen:
             raise UserError("secret_env",
-                            f"{ref.name} is also set by --env or a default; set it once")
+                            f"{ref.name} is also set by `env` or a default; set it once")
         seen = seen | {ref.name}
         out.append(ref)
     return tuple(out)

@@ -286,7 +286,7 @@ def check_env_name(flag: str, name: str) -> str:
         raise UserError(flag, f"{name} is ours: {RESERVED_ENV[name]}; don't set it")
     if name.startswith("PET_"):
         raise UserError(flag, f"{name} is ours: the Training Operator sets PET_* from "
-                              "elasticPolicy (use --nodes, --nproc-per-node, "
+                              "elasticPolicy (use `nodes`, `nproc_per_node`, "
                               "--set resilience.max_restarts=N)")
     return name
 

@@ -74,22 +74,22 @@ def refuse(job: ResolvedJob, runtime_name: str = rt.RUNTIME_NAME,
     pod = job.pod
     if job.elastic:
         raise UserError("nodes", f"'{job.min_nodes}:{job.max_nodes}': Trainer v2 has no elastic "
-                        "policy (fixed node count); use --nodes N, or --job-api pytorchjob for "
+                        "policy (fixed node count); use `nodes=N`, or `job_api=pytorchjob` for "
                         "MIN:MAX")
     if pod.priority_class:
         raise UserError("priority_class", "a TrainJob cannot set priorityClassName (v2 runtime "
                         "patches do not carry it); set it in the TrainingRuntime or use "
-                        "--job-api pytorchjob")
+                        "`job_api=pytorchjob`")
     if pod.scheduler_name:
         raise UserError("scheduler_name", "a TrainJob cannot set schedulerName (v2 runtime "
                         "patches do not carry it); set it in the TrainingRuntime or use "
-                        "--job-api pytorchjob")
+                        "`job_api=pytorchjob`")
     if pod.pull_policy != rt.IMAGE_PULL_POLICY:
         raise UserError("image_pull_policy", f"a TrainJob takes the pull policy from the "
                         f"TrainingRuntime ({rt.IMAGE_PULL_POLICY}); edit the runtime instead")
     if pod.ttl_after_finished_s != _default("ttl_after_finished_s"):
         raise UserError("ttl_after_finished_s", "a TrainJob has no TTL; `launch --delete-after` "
-                        "removes it, or use --job-api pytorchjob")
+                        "removes it, or use `job_api=pytorchjob`")
     if pod.backoff_limit != _default("backoff_limit"):
         raise UserError("backoff_limit", "whole-job restarts of a TrainJob come from the "
                         f"runtime's failurePolicy.maxRestarts ({rt.MAX_RESTARTS}); edit the "
@@ -157,7 +157,7 @@ def _split_pod(pod: dict[str, Any]) -> tuple[dict, dict]:
     left |= set(pod) - set(_PATCHABLE_POD)
     if left:
         raise UserError(f"pod.{sorted(left)[0]}", "cannot be set on a TrainJob (v2 runtime "
-                        "patches do not carry it); use --job-api pytorchjob")
+                        "patches do not carry it); use `job_api=pytorchjob`")
     patch = {"containers": [patch_c], **{k: pod[k] for k in _PATCHABLE_POD if k in pod}}
     return trainer, patch
 
