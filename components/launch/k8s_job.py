@@ -244,8 +244,7 @@ class JobRun:
             found, attached = self._attach_or_create(jobs, body, job.run_id, describe)
             follower.start()
             try:
-                result = self._follow(jobs, found, job.run_dir, active_deadline_s, follower,
-                                      signals)
+                result = self._follow(jobs, found, job.run_dir, active_deadline_s, follower, signals)
             finally:
                 follower.stop(drain_s=0.0 if signals.event.is_set() else self.opts.drain_s)
         fill_failure(result, follower, self.opts.tail_lines)
