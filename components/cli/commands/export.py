@@ -35,7 +35,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Export and print a one-line summary."""
-    from kfp_nvrx.components.errors import UserError
+    from kfp_nvrx.components.errors import Surface, UserError
     from kfp_nvrx.components.training.export.consolidate import export_checkpoint, summary
 
     def log(msg: str) -> None:
@@ -46,6 +46,6 @@ def run(args: argparse.Namespace) -> int:
         info = export_checkpoint(args.run_dir, args.out, step=args.step, data=args.data,
                                  eval_batches=args.eval_batches, log=log)
     except UserError as err:
-        raise UserError(FLAGS.get(err.field, err.field), err.message) from None
+        raise Surface(FLAGS).reword(err) from None
     print(summary(info), flush=True)
     return 0

@@ -35,7 +35,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run)
 
 
-#: Library parameter names -> this command's flags (errors name the flag the user typed).
+#: Library parameter names -> this command's flags: its errors name the flag the user typed (a Surface).
 FLAGS = {"source": "--source", "out_dir": "--out", "tokenizer": "--tokenizer",
          "eos_token": "--eos-token", "seq_len": "--seq-len", "val_fraction": "--val-fraction",
          "text_field": "--text-field", "seed": "--seed"}
@@ -44,7 +44,7 @@ FLAGS = {"source": "--source", "out_dir": "--out", "tokenizer": "--tokenizer",
 def run(args: argparse.Namespace) -> int:
     """Prepare the dataset and print a one-line summary."""
     from kfp_nvrx.components.data.prepare import prepare_dataset, summary
-    from kfp_nvrx.components.errors import UserError
+    from kfp_nvrx.components.errors import Surface, UserError
 
     def log(msg: str) -> None:
         if not args.quiet:
@@ -57,6 +57,6 @@ def run(args: argparse.Namespace) -> int:
             eos_token=args.eos_token, overwrite=args.overwrite, log=log,
         )
     except UserError as err:
-        raise UserError(FLAGS.get(err.field, err.field), err.message) from None
+        raise Surface(FLAGS).reword(err) from None
     print(summary(result), flush=True)
     return 0
