@@ -24,25 +24,20 @@ import json
 import os
 import threading
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .agent_env import decode_secret
 from .agent_hosts import Hosts, Netns, dns_names
 from .agent_kubelet import KubeletServer
-from .agent_pod import PodRunner, now
+from .agent_node import CAPACITY, LEASE_NAMESPACE, lease_body, node_body, node_status
+from .agent_pod import PodRunner
 
 if TYPE_CHECKING:
     from .controlplane import ControlPlane
 
-#: The test nodes' capacity: room for two cpu-profile pods (2 cpu / 4Gi requests) each.
-CAPACITY = {"cpu": "8", "memory": "32Gi", "pods": "110", "ephemeral-storage": "100Gi"}
 NODE_PREFIX = "kfp-nvrx-node-"
-LEASE_NAMESPACE = "kube-node-lease"
-LEASE_S = 40
 HEARTBEAT_S = 5.0
-KUBELET_VERSION = "v1.35.4"
 
 
 class Agent:
@@ -108,35 +103,13 @@ class Agent:
     # -- nodes ---------------------------------------------------------------------------------
 
     def _node_status(self) -> dict[str, Any]:
-        t = now()
-        conds = [(kind, "False", reason) for kind, reason in (
-            ("MemoryPressure", "KubeletHasSufficientMemory"),
-            ("DiskPressure", "KubeletHasNoDiskPressure"),
-            ("PIDPressure", "KubeletHasSufficientPID"))]
-        conds.append(("Ready", "True", "KubeletReady"))
-        return {
-            "conditions": [{"type": k, "status": s, "reason": r, "lastHeartbeatTime": t,
-                            "lastTransitionTime": t, "message": "test node agent"}
-                           for k, s, r in conds],
-            "capacity": CAPACITY, "allocatable": self.allocatable,
-            # InternalIP only: the API server prefers a Hostname address, which would not resolve.
-            "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}],
-            "daemonEndpoints": {"kubeletEndpoint": {"Port": self.kubelet.port}},
-            "nodeInfo": {"kubeletVersion": KUBELET_VERSION, "kubeProxyVersion": KUBELET_VERSION,
-                         "operatingSystem": "linux", "architecture": "amd64",
-                         "containerRuntimeVersion": "agent://0", "osImage": "test node agent",
-                         "kernelVersion": os.uname().release, "machineID": "", "systemUUID": "",
-                         "bootID": "kfp-nvrx"}}
+        return node_status(self.allocatable, self.kubelet.port)
 
     def _register(self, name: str) -> None:
         from kubernetes.client.rest import ApiException
 
-        body = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": {
-            "kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
-            "kubernetes.io/arch": "amd64", "node.kubernetes.io/instance-type": "cpu",
-            "kfp-nvrx/test-node": "true"}}, "spec": {}}
         try:
-            self.core.create_node(body)
+            self.core.create_node(node_body(name))
         except ApiException as e:
             if e.status != 409:
                 raise
@@ -156,10 +129,7 @@ class Agent:
     def _renew(self, name: str) -> None:
         from kubernetes.client.rest import ApiException
 
-        ts = datetime.now(timezone.utc)  # MicroTime: the client keeps the microseconds
-        body = {"metadata": {"name": name, "namespace": LEASE_NAMESPACE},
-                "spec": {"holderIdentity": name, "leaseDurationSeconds": LEASE_S,
-                         "renewTime": ts}}
+        body = lease_body(name)
         try:
             self.coord.patch_namespaced_lease(name, LEASE_NAMESPACE, {"spec": body["spec"]})
         except ApiException as e:
