@@ -32,6 +32,30 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     return ClusterAsOneFile(config, log)
 
 
+#: Modules of a minute or more (test time in a loaded CI run: trainer runs, the bad-input sweep,
+#: fresh venvs, the drill), heaviest first. Under xdist they start right after the cluster tests,
+#: so the two workers end together instead of one waiting on a big module collected last. A
+#: module missing here only runs later.
+HEAVY = ("test_trainer_resume.py", "test_bad_inputs.py", "test_images.py", "test_drills.py",
+         "test_pipelines.py", "test_mounts.py", "test_launcher_lifetime.py",
+         "test_image_launcher_venv.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """On an xdist worker: tests/cluster first, then the HEAVY modules, then the rest (each
+    module stays in one piece, in its own order; every worker sorts alike)."""
+    if not hasattr(config, "workerinput"):
+        return
+    cluster = TESTS / "cluster"
+
+    def rank(item: pytest.Item) -> int:
+        path = Path(item.path)
+        if path.is_relative_to(cluster):
+            return 0
+        return 1 + HEAVY.index(path.name) if path.name in HEAVY else 1 + len(HEAVY)
+    items.sort(key=rank)  # stable
+
+
 @pytest.fixture()
 def kfp_local(tmp_path):
     """Run pipelines/components with ``kfp.local`` in this environment; yields the pipeline root.
