@@ -102,7 +102,7 @@ def launcher_venv(tmp_path_factory: pytest.TempPathFactory):
     path = base / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(path)], check=True, timeout=120)
     subprocess.run([str(path / "bin/python"), "-m", "pip", "install", "-q",
-                    "--disable-pip-version-check", f"{wheel}[{extras}]"],
+                    "--disable-pip-version-check", "--no-compile", f"{wheel}[{extras}]"],
                    check=True, timeout=600)
     yield path
     shutil.rmtree(path, ignore_errors=True)

@@ -331,8 +331,10 @@ def venv(wheels: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
     """A fresh venv with the replayed wheel and both extras (the CPU torch pin first)."""
     path = tmp_path_factory.mktemp("venv") / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(path)], check=True, timeout=120)
+    # --no-compile: byte-compiling the ~9000 modules of torch and the CUDA wheels costs CPU the
+    # checks never use (what they import is compiled as they import it).
     pip = [str(path / "bin/python"), "-m", "pip", "install", "-q",
-           "--disable-pip-version-check"]
+           "--disable-pip-version-check", "--no-compile"]
     # Torch first, pinned (the build pip already has cached); unpinned, the trainer extra would
     # pull whatever torch is newest.
     subprocess.run([*pip, _torch_pin()], check=True, timeout=600)
