@@ -76,8 +76,15 @@ def test_verify_catches_same_size_corruption_and_splits_the_crc_work(tmp_path) -
     os.truncate(ckpt / "__0_0.distcp", 10)
     assert "truncated" in verify(ckpt, share=(1, 2))
     (run / ".config.yaml.1.tmp").write_text("")
+    # A writer SIGKILLed mid-save: its temp file in a torn step (no marker) is no leak, the
+    # next start removes that folder; the same file in a committed step is one.
+    torn = run / "checkpoints" / "step_00000006"
+    torn.mkdir()
+    (torn / "..crc32_rank1.json.7.ab.tmp").write_text("")
     problems = measure.run_dir_problems(run)
     assert len(problems) == 2 and "committed step 4" in problems[0] and ".tmp" in problems[1]
+    (ckpt / "..crc32_rank1.json.7.ab.tmp").write_text("")
+    assert any("step_00000004/..crc32" in p for p in measure.run_dir_problems(run))
 
 
 def test_report_table_and_markdown() -> None:

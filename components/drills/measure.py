@@ -6,7 +6,14 @@ from pathlib import Path
 from typing import Any
 
 from kfp_nvrx.components.core.events import Checkpoint, End, Event, Start
-from kfp_nvrx.components.core.rundir import checkpoints_dir, committed_steps, step_dir, verify
+from kfp_nvrx.components.core.rundir import (
+    COMMIT_MARKER,
+    checkpoints_dir,
+    committed_steps,
+    parse_step,
+    step_dir,
+    verify,
+)
 
 
 def starts(events: list[Event]) -> list[Start]:
@@ -46,8 +53,22 @@ def run_dir_problems(run_dir: Path) -> list[str]:
         if problem:
             problems.append(f"committed step {step}: {problem}")
     for tmp in run_dir.rglob("*.tmp"):
-        problems.append(f"temporary file left: {tmp.relative_to(run_dir)}")
+        if not _in_torn_step(tmp, root):
+            problems.append(f"temporary file left: {tmp.relative_to(run_dir)}")
     return problems
+
+
+def _in_torn_step(path: Path, root: Path) -> bool:
+    """Whether ``path`` lies in a step folder under ``root`` that holds no commit marker.
+
+    A worker SIGKILLed mid-save leaves its temp files there: that step never commits and the next
+    start removes the torn folder (:func:`.rundir.remove_torn`), so a run that ends right there
+    (ft_launcher gave up) may hold one. A temp file anywhere else is a leak.
+    """
+    for folder in path.parents:
+        if folder.parent == root and parse_step(folder.name) is not None:
+            return not (folder / COMMIT_MARKER).exists()
+    return False
 
 
 def final_weights(run_dir: Path, step: int) -> dict[str, Any] | None:
