@@ -67,6 +67,31 @@ def submit(dyn, obj: dict[str, Any], namespace: str, dry_run: bool = True) -> Ve
     return Verdict(True)
 
 
+#: The Trainer webhook's refusal of a TrainJob whose runtime it does not know (yet).
+RUNTIME_UNSEEN = "must be created before the TrainJob"
+
+
+def wait_runtime_seen(dyn, runtime: dict[str, Any], namespace: str) -> None:
+    """Wait until the Trainer's TrainJob webhook knows a runtime that was just created.
+
+    The webhook looks runtimes up in the controller manager's informer cache, which trails the
+    API server: a TrainJob created right after its runtime can be refused with "specified
+    trainingRuntime must be created before the TrainJob" (seen once in CI on a busy box). A
+    dry-run TrainJob that names the runtime is refused for that reason until the cache has it.
+    """
+    probe = {"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob",
+             "metadata": {"name": f"seen-{uuid.uuid4().hex[:8]}", "namespace": namespace},
+             "spec": {"runtimeRef": {"name": runtime["metadata"]["name"],
+                                     "kind": runtime["kind"],
+                                     "apiGroup": "trainer.kubeflow.org"}}}
+
+    def seen() -> bool:
+        verdict = submit(dyn, probe, namespace)
+        return verdict.accepted or RUNTIME_UNSEEN not in verdict.message
+
+    wait_for(f"the Trainer webhook to see {runtime['kind']} {runtime['metadata']['name']}", seen)
+
+
 def wait_for(what: str, probe: Callable[[], Any], timeout_s: float = SETTLE_S) -> Any:
     """Poll ``probe`` until it returns something truthy; fail with ``what`` at the deadline."""
     deadline = time.monotonic() + timeout_s

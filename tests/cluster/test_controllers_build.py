@@ -22,6 +22,7 @@ from cluster.kutil import (
     new_namespace,
     submit,
     wait_for,
+    wait_runtime_seen,
 )
 from cluster.truth_rows import shape_spec
 from kfp_nvrx.components.launch.jobspec import pytorchjob, trainjob
@@ -84,7 +85,9 @@ def space(cluster):
     """A namespace with our TrainingRuntime and the ServiceAccount the placement shape names."""
     dyn = cluster.dynamic()
     ns = new_namespace(dyn, "built")
-    assert submit(dyn, build_runtime(namespace=ns), ns, dry_run=False).accepted
+    runtime = build_runtime(namespace=ns)
+    assert submit(dyn, runtime, ns, dry_run=False).accepted
+    wait_runtime_seen(dyn, runtime, ns)
     assert submit(dyn, {"apiVersion": "v1", "kind": "ServiceAccount",
                         "metadata": {"name": "trainer", "namespace": ns}}, ns,
                   dry_run=False).accepted

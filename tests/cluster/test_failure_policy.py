@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 
-from cluster.kutil import wait_for
+from cluster.kutil import wait_for, wait_runtime_seen
 from cluster.policy_jobs import (
     FT_POD,
     GAVE_UP,
@@ -153,6 +153,7 @@ def test_any_other_job_failure_fails_the_jobset(kube):
         "activeDeadlineSeconds"] = 5
     custom(kube).create_namespaced_custom_object(*TRAINER, kube.namespace, "trainingruntimes",
                                                  runtime)
+    wait_runtime_seen(kube.dynamic(), runtime, kube.namespace)
     try:
         create_trainjob(kube, name, "while :; do sleep 0.2; done", runtime=f"{name}-rt")
         outcome, status, restarts = trainjob_end(kube, name)

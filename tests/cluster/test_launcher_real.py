@@ -13,6 +13,7 @@ import signal
 import pytest
 from kubernetes import client
 
+from cluster.kutil import wait_runtime_seen
 from cluster.launch_real import (
     PODS,
     Background,
@@ -162,6 +163,7 @@ def test_trainjob_whose_jobset_is_refused_fails_in_one_line(kube, tmp_path) -> N
     rules[0]["name"] = "ft-launcher-gave-up"  # JobSet v0.12 refuses '-' in rule names
     api.create_namespaced_custom_object(rt.GROUP, "v1alpha1", kube.namespace,
                                         "trainingruntimes", runtime)
+    wait_runtime_seen(kube.dynamic(), runtime, kube.namespace)
     name = "real-tj-refused"
     try:
         cli = Cli(_args(name, "trainjob", "--runtime", "real-bad-rules"),

@@ -28,6 +28,7 @@ from cluster.kutil import (
     pytorchjob_outcome,
     submit,
     trainjob_outcome,
+    wait_runtime_seen,
 )
 from cluster.truth_rows import (
     EXPECT,
@@ -81,12 +82,15 @@ def truth(cluster):
     """A namespace with our TrainingRuntime, and our ClusterTrainingRuntime, created for real."""
     dyn = cluster.dynamic()
     ns = new_namespace(dyn, "server-truth")
-    assert submit(dyn, build_runtime(namespace=ns), ns, dry_run=False).accepted
+    runtime = build_runtime(namespace=ns)
+    assert submit(dyn, runtime, ns, dry_run=False).accepted
     ctr = build_runtime(kind=CLUSTER_RUNTIME_KIND)
     res = dyn.resources.get(api_version=ctr["apiVersion"], kind=CLUSTER_RUNTIME_KIND)
     made = submit(dyn, ctr, "", dry_run=False)
     if not made.accepted:  # one left by another test: ours only if the spec is the same
         assert res.get(name=RUNTIME_NAME).to_dict()["spec"] == ctr["spec"], made.message
+    wait_runtime_seen(dyn, runtime, ns)
+    wait_runtime_seen(dyn, ctr, ns)
     yield dyn, ns
     if made.accepted:
         res.delete(name=RUNTIME_NAME)
@@ -183,6 +187,7 @@ def _server(dyn, ns: str, row: Row, obj: dict[str, Any], runtime: dict[str, Any]
     if row.runtime is not None:  # a runtime of its own: runtimes are immutable where it matters
         made = submit(dyn, runtime, ns, dry_run=False)
         assert made.accepted, f"{row.id}: the runtime of a controller row must be accepted: {made}"
+        wait_runtime_seen(dyn, runtime, ns)
     first = submit(dyn, obj, ns)
     if row.stage == "admission":
         return first
