@@ -269,6 +269,13 @@ def quota_namespace(cluster):
     core.create_namespaced_resource_quota(ns, client.V1ResourceQuota(
         metadata=client.V1ObjectMeta(name="no-pods"), spec=client.V1ResourceQuotaSpec(
             hard={"pods": "0"})))
+    # Until the quota controller has written status.hard, admission refuses pods with "status
+    # unknown for quota", not the "exceeded quota" the test asserts on.
+    def counted() -> bool:
+        quota = core.read_namespaced_resource_quota("no-pods", ns)
+        return (quota.status.hard or {}).get("pods") == "0"
+
+    wait_for(f"the quota controller to count namespace {ns}", counted)
     yield ns
     core.delete_namespace(ns)
 
