@@ -144,7 +144,7 @@ def _probe(host: str, token: str | None, timeout: float) -> None:
     opener = urllib.request.build_opener(_NoRedirect)
     try:
         with opener.open(req, timeout=timeout) as resp:
-            body = resp.read()
+            body = resp.read(64 * 1024)  # bounded: more is no healthz (the JSON check fails)
     except urllib.error.HTTPError as err:
         if err.code in (301, 302, 303, 307, 308):
             where = redact(" ".join(err.headers.get("Location", "a login page").split()),

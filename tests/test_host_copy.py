@@ -129,6 +129,18 @@ def test_a_directory_open_to_others_is_not_trusted(tmp_path, pg):
     first.discard_host_copy()
 
 
+def test_a_manifest_that_is_no_file_is_not_read(tmp_path, pg):
+    """A FIFO in the manifest's place (nobody writes to it) is refused, not waited on."""
+    cfg, newest, first = _saved_run(tmp_path)
+    manifest = first.staging.home.manifest_path
+    manifest.unlink()
+    os.mkfifo(manifest, 0o600)
+    again, resumed, _, _ = _restart(tmp_path, cfg)
+    assert resumed == newest and not again.restored_from_memory
+    again.close()
+    first.discard_host_copy()
+
+
 def test_sweep_removes_copies_whose_agent_is_gone_and_keeps_live_ones(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)

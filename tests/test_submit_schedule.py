@@ -146,6 +146,15 @@ def test_login_redirect_is_auth_failure(capsys):
     assert "login required" in err and "/dex/auth" in err
 
 
+def test_a_huge_healthz_answer_is_read_only_in_part(capsys):
+    """A healthz body past 64 KiB is no KFP API's: refused in one line, not read whole."""
+    huge = {("GET", "/apis/v2beta1/healthz"): {"pad": "x" * (4 << 20)}}
+    with KfpApiDouble(reply=huge) as api:
+        err = _one_line_error(capsys, main(["submit", "--host", api.url]))
+        assert not api.calls("POST", "/apis/v2beta1/runs")
+    assert "did not answer like a KFP API" in err
+
+
 def test_token_file_is_sent_as_bearer(tmp_path, capsys):
     token = tmp_path / "token"
     token.write_text("s3cret\n")

@@ -64,7 +64,7 @@ def _cluster(args: argparse.Namespace) -> tuple[object, str]:
             config.load_incluster_config(client_configuration=cfg)
             sa_ns = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
             with open(sa_ns) as fh:
-                return cfg, fh.read().strip()
+                return cfg, fh.read(256).strip()
         config.load_kube_config(config_file=args.kubeconfig or None,
                                 context=args.context or None, client_configuration=cfg)
         _, active = config.list_kube_config_contexts(config_file=args.kubeconfig or None)

@@ -38,8 +38,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kfp_nvrx.components.core.bounded import JSON_LIMIT, read_bytes
 from kfp_nvrx.components.core.host_copy import SHM_ROOT, host_copy_base, host_copy_dir
 from kfp_nvrx.components.core.rundir import COMMIT_MARKER
+from kfp_nvrx.components.errors import UserError
 
 MANIFEST_VERSION = 1
 
@@ -51,8 +53,9 @@ class HostCopyUnavailable(RuntimeError):
 def marker_identity(step_path: Path) -> str | None:
     """SHA-256 of a checkpoint's commit marker (what a host copy must match); None when absent."""
     try:
-        return hashlib.sha256((step_path / COMMIT_MARKER).read_bytes()).hexdigest()
-    except OSError:
+        marker = read_bytes(step_path / COMMIT_MARKER, "checkpoint", JSON_LIMIT, "commit marker")
+        return hashlib.sha256(marker).hexdigest()
+    except UserError:
         return None
 
 
@@ -160,8 +163,8 @@ class HostCopyDir:
             st = self.path.lstat()
             if st.st_uid != os.getuid() or st.st_mode & 0o077:
                 return None
-            m = json.loads(self.manifest_path.read_bytes())
-        except (OSError, ValueError):
+            m = json.loads(read_bytes(self.manifest_path, "checkpoint", JSON_LIMIT, "manifest"))
+        except (OSError, ValueError, UserError):
             return None
         want = {"version": MANIFEST_VERSION, "run_dir": self.run_dir, "rank": self.rank,
                 "world_size": self.world_size, "step": step, "identity": identity}
@@ -209,8 +212,9 @@ class HostCopyDir:
             agents = []
             for rec in d.glob("rank*.owner"):
                 try:
-                    agents.append(int(json.loads(rec.read_bytes()).get("agent_pid", 0)))
-                except (OSError, ValueError, TypeError):
+                    owner = read_bytes(rec, "checkpoint", JSON_LIMIT, "owner record")
+                    agents.append(int(json.loads(owner).get("agent_pid", 0)))
+                except (OSError, ValueError, TypeError, UserError, AttributeError):
                     continue
             private_pid = d.name.split("-")[1] if d.name.startswith("private-") else None
             if private_pid is not None and private_pid.isdigit():
