@@ -310,9 +310,6 @@ class Checkpointer:
             if self.cfg.load_step >= 0:  # asked for this one: no fallback, no start from scratch
                 raise UserError("checkpoint.load_step", f"step {step} in {self.root} is damaged "
                                 f"({bad}); give another step, or -1 for the newest intact one")
-            if self.cfg.load_step >= 0:  # asked for this one: no fallback, no start from scratch
-                raise UserError("checkpoint.load_step", f"step {step} in {self.root} is damaged "
-                                f"({bad}); give another step, or -1 for the newest intact one")
             log(f"checkpoint step {step} is damaged ({bad}); falling back to an older one")
         return None
 
