@@ -297,10 +297,18 @@ class ControlPlane:
         self._create_secret_for_rotator(certs)
         private_tmp = certs.parents[1]
         shutil.copy(self.kubeconfig, private_tmp / "kubeconfig")
+        # The binary goes in too: a bin cache under /tmp (KFP_NVRX_CLUSTER_CACHE=/tmp/...) is
+        # hidden once the private /tmp is mounted over it (exit 127, "not found").
+        binary = private_tmp / "training-operator"
+        if not binary.exists():  # a restart of the operator finds it there
+            try:
+                os.link(self.bins / "training-operator", binary)
+            except OSError:  # another file system
+                shutil.copy2(self.bins / "training-operator", binary)
         wrapper = 'mount --bind "$0" /tmp && exec "$@"'
         return self._proc("training-operator", [
             "unshare", "--mount", "--propagation", "private", "sh", "-c", wrapper,
-            str(private_tmp), str(self.bins / "training-operator"),
+            str(private_tmp), "/tmp/training-operator",
             "--metrics-bind-address", "0",
             "--health-probe-bind-address", f"127.0.0.1:{ports['health']}",
             "--webhook-server-port", str(ports["webhook"]),
