@@ -262,9 +262,10 @@ def test_missing_secret_waits_like_a_kubelet(kube):
                                                             "key": "t"}}}]
     core.create_namespaced_pod(ns, _pod(name, "echo token=$TOKEN", env=env))
 
-    def waiting():
+    def waiting():  # ContainerCreating comes first (as from a kubelet), then the verdict
         cs = core.read_namespaced_pod(name, ns).status.container_statuses
-        return cs and cs[0].state.waiting and cs[0].state.waiting.reason
+        reason = cs and cs[0].state.waiting and cs[0].state.waiting.reason
+        return reason if reason != "ContainerCreating" else None
     assert _wait("config error", waiting) == "CreateContainerConfigError"
     core.create_namespaced_secret(ns, {"metadata": {"name": f"late-{tag}"},
                                        "stringData": {"t": "now"}})
