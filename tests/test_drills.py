@@ -49,6 +49,12 @@ def test_committed_steps_lost_counts_only_committed_progress_thrown_away() -> No
     ]
     assert measure.committed_steps_lost(events) == 16
     assert measure.committed_steps_lost(events[:4]) == 0
+    # Killed after writing step 12's marker, before logging it: the drill saw the commit on disk.
+    unlogged = [Start(time=0, resumed_from=None), Checkpoint(time=1, step=8),
+                Start(time=5, resumed_from=8)]
+    assert measure.committed_steps_lost(unlogged) == 0
+    assert measure.committed_steps_lost(unlogged, seen=((3.0, 12),)) == 4
+    assert measure.committed_steps_lost(unlogged, seen=((6.0, 12),)) == 0  # after the restart
 
 
 def _fake_checkpoint(path: Path, files: dict[str, bytes]) -> None:

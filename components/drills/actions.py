@@ -32,6 +32,8 @@ class Action:
         self.run_dir = run_dir
         self.notes: list[str] = []
         self.done = False
+        #: Commits this action saw on disk, as (time, step) (see measure.committed_steps_lost).
+        self.commits_seen: list[tuple[float, int]] = []
 
     def setup(self) -> None:
         """Before the launch."""
@@ -99,6 +101,7 @@ class DamageNewest(Action):
             self.notes.append("no committed checkpoint to damage")
             return True
         self.damaged = steps[0]
+        self.commits_seen.append((time.time(), steps[0]))
         target = max(step_dir(root, steps[0]).glob("*.distcp"), key=lambda p: p.stat().st_size)
         size = target.stat().st_size
         if self.mode == "truncate":

@@ -21,11 +21,14 @@ def starts(events: list[Event]) -> list[Start]:
     return [e for e in events if isinstance(e, Start)]
 
 
-def committed_steps_lost(events: list[Event]) -> int:
+def committed_steps_lost(events: list[Event],
+                         seen: tuple[tuple[float, int], ...] = ()) -> int:
     """Committed progress thrown away: for every restart, newest commit so far - step resumed.
 
     0 when each restart resumed from the newest committed checkpoint; positive when it had to
-    fall back (a damaged checkpoint) or started over.
+    fall back (a damaged checkpoint) or started over. ``seen`` adds commits the drill saw on disk,
+    as (time, step): a worker killed between writing a commit marker and logging its checkpoint
+    event leaves a commit the events do not show.
     """
     lost, newest = 0, 0
     seen_start = False
@@ -33,6 +36,7 @@ def committed_steps_lost(events: list[Event]) -> int:
         if isinstance(e, Checkpoint):
             newest = max(newest, int(e.step))
         elif isinstance(e, Start):
+            newest = max([newest, *(step for t, step in seen if t <= e.time)])
             if seen_start:
                 lost += max(0, newest - int(e.resumed_from or 0))
             seen_start = True

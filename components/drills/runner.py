@@ -102,7 +102,8 @@ def _common(row: Row, sc: Scenario, ctx: _Ctx, run_dir: Path, res: Any, token: s
     row.survived = res.succeeded and g.steps_final == STEPS
     row.restarts, row.steps_redone = dict(g.restarts), int(g.steps_redone)
     row.recovery_s = [float(s) for s in g.recovery_s]
-    row.committed_steps_lost = measure.committed_steps_lost(events)
+    seen = tuple(action.commits_seen) if action is not None else ()
+    row.committed_steps_lost = measure.committed_steps_lost(events, seen)
     resumed = [s.resumed_from for s in measure.starts(events)[1:]]
     if resumed:
         row.notes.append(f"restarts resumed from steps {resumed}")
