@@ -134,6 +134,17 @@ def delete_namespace(dyn, name: str) -> None:
     dyn.resources.get(api_version="v1", kind="Namespace").delete(name=name)
 
 
+#: Warnings a controller emits for a conflict with its own cache, then retries and succeeds: the
+#: Trainer re-creating a JobSet it had just created (seen once in CI: "... already exists") or
+#: updating a stale copy. They say nothing about the object, so they are no refusal.
+TRANSIENT = ("already exists", "the object has been modified")
+
+
+def _refusals(dyn, namespace: str, kind: str, name: str, reason: str) -> list[str]:
+    return [n for n in warnings_about(dyn, namespace, kind, name, reason)
+            if not any(t in n for t in TRANSIENT)]
+
+
 def trainjob_outcome(dyn, namespace: str, name: str) -> Verdict:
     """Wait until the controllers accepted (Job ``<name>-node-0`` exists) or refused a TrainJob.
 
@@ -143,7 +154,7 @@ def trainjob_outcome(dyn, namespace: str, name: str) -> Verdict:
     def probe() -> Verdict | None:
         for kind, obj, reason in (("TrainJob", name, TRAINER_FAILED),
                                   ("JobSet", name, JOB_CREATION_FAILED)):
-            notes = warnings_about(dyn, namespace, kind, obj, reason)
+            notes = _refusals(dyn, namespace, kind, obj, reason)
             if notes:
                 return Verdict(False, notes[0])
         jobs = items(dyn, "batch/v1", "Job", namespace,
@@ -157,7 +168,7 @@ def pytorchjob_outcome(dyn, namespace: str, name: str) -> Verdict:
     """Wait until the operator created a worker Pod and its Service, or said why it could not."""
     def probe() -> Verdict | None:
         for reason in (POD_CREATION_FAILED, SERVICE_CREATION_FAILED):
-            notes = warnings_about(dyn, namespace, "PyTorchJob", name, reason)
+            notes = _refusals(dyn, namespace, "PyTorchJob", name, reason)
             if notes:
                 return Verdict(False, notes[0])
         selector = f"training.kubeflow.org/job-name={name}"
