@@ -149,4 +149,7 @@ class KfpApiDouble:
         for k, v in (headers or {}).items():
             h.send_header(k, v)
         h.end_headers()
-        h.wfile.write(data)
+        try:
+            h.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # a client may hang up mid-body (ours stops reading a healthz past 64 KiB)
