@@ -187,3 +187,73 @@ def test_prepare_data_stopped_by_sigterm_leaves_nothing(tmp_path: Path) -> None:
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert list(work_parent.iterdir()) == [] and list(tmp.iterdir()) == []
+
+
+#: One rank's start (check, then claim and record, as ``bootstrap.prepare_job`` does) while a
+#: second rank checks the same run dir before each of the first rank's file-system calls and
+#: after the last: every state the folder passes through is one a concurrent rank may read.
+_CLAIM_SCRIPT = r"""
+import json, sys
+from pathlib import Path
+from kfp_nvrx.components.core.config import load_config
+from kfp_nvrx.components.core.run_record import check_run_dir, record_config
+from kfp_nvrx.components.errors import UserError
+
+run, cfg = Path(sys.argv[1]), load_config("tiny", ["data.path=/data/a"])
+refused, calls, active = [], [], False
+MUTATING = {"open", "os.mkdir", "os.rename", "os.link", "os.remove", "os.symlink"}
+
+def second_rank(event, args):
+    global active
+    if not active or event not in MUTATING:
+        return
+    active = False  # the second rank's own reads are not audited
+    try:
+        calls.append(event)
+        check_run_dir(run, cfg)
+    except UserError as err:
+        refused.append(f"before {event} {args[:1]}: {err.message}")
+    finally:
+        active = True
+
+sys.addaudithook(second_rank)
+active = True
+check_run_dir(run, cfg)
+record_config(cfg, run)
+second_rank("open", ("(after the last call)",))
+active = False
+print(json.dumps({"refused": refused, "calls": len(calls)}))
+"""
+
+
+def test_a_rank_checking_the_run_dir_while_another_claims_it_is_never_refused(
+        tmp_path: Path) -> None:
+    """Issue 30 item 1: a rank that read the run dir mid-claim refused it and exited 2.
+
+    Deterministic: the second rank's check runs at every step of the first rank's start (an
+    audit hook before each file-system call), instead of hoping two processes interleave.
+    """
+    for run in (tmp_path / "new", tmp_path / "made"):  # a folder to create, and one that exists
+        if run.name == "made":
+            run.mkdir()
+        proc = subprocess.run([sys.executable, "-c", _CLAIM_SCRIPT, str(run)],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        out = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert out["calls"] >= 2, out  # the claim and the record were watched
+        assert out["refused"] == [], out["refused"]
+        assert is_run_dir(run) and (run / "config.yaml").is_file()
+        assert sorted(p.name for p in run.iterdir()) == [RUN_MARKER, "config.yaml"]
+
+
+def test_ranks_claiming_one_run_dir_at_once_make_one_marker(tmp_path: Path) -> None:
+    """Many ranks claim the same folder: one create wins, the rest find the marker (no temp)."""
+    import concurrent.futures
+
+    from kfp_nvrx.components.core.ownership import claim_run_dir
+
+    run = tmp_path / "run"
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda _: claim_run_dir(run), range(16)))
+    assert [p.name for p in run.iterdir()] == [RUN_MARKER]
+    assert json.loads((run / RUN_MARKER).read_text())["kind"] == "run"

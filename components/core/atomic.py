@@ -43,7 +43,7 @@ def link_in(path: StrPath, top: StrPath) -> Path | None:
     return None
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
     """Makes a rename in ``directory`` durable.
 
     A file system that cannot fsync a directory (some FUSE and network mounts answer EINVAL)
@@ -107,7 +107,7 @@ class AtomicFile:
         except BaseException:
             self.abort()
             raise
-        _fsync_dir(self.path.parent)
+        fsync_dir(self.path.parent)
         return self.path
 
     def abort(self) -> None:

@@ -15,10 +15,11 @@ import datetime as dt
 import json
 import os
 import shutil
+import stat
 from collections.abc import Collection, Iterable
 from pathlib import Path
 
-from kfp_nvrx.components.core.atomic import write_atomic
+from kfp_nvrx.components.core.atomic import fsync_dir
 from kfp_nvrx.components.errors import UserError
 
 #: Written into every run dir we create; proves the folder is a kfp-nvrx run dir.
@@ -74,22 +75,64 @@ def refuse_foreign(directory: str | os.PathLike[str], ours: Collection[str], fie
                         "directory")
 
 
-def _write_marker(path: Path, kind: str) -> None:
-    if not path.exists():
-        write_atomic(path, json.dumps({"kind": kind, "created": dt.datetime.now(
-            dt.timezone.utc).isoformat(timespec="seconds")}) + "\n")
+def _write_marker(path: Path, kind: str) -> bool:
+    """Claim the folder holding ``path``: create the marker in one step, or find it there.
+
+    The marker is created with ``O_CREAT | O_EXCL``, never through a temporary file: the
+    folder goes from empty (or without a marker) to holding the marker in one atomic step, so a
+    rank checking the shared run dir at any moment sees either no entry of ours or the marker
+    (a temporary file of ours, seen by a rank that is checking, read as a stranger's file and
+    refused the run dir). Many ranks claim the same run dir at once: the one whose create
+    succeeds writes the record, the others find the marker and have nothing to do. Its
+    presence is the proof; the JSON inside is for people (an empty one, from a writer killed
+    between the create and the write, proves the same).
+
+    Returns:
+        True when this call created the marker.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o644)
+    except FileExistsError:
+        return False
+    try:
+        os.write(fd, (json.dumps({"kind": kind, "created": dt.datetime.now(
+            dt.timezone.utc).isoformat(timespec="seconds"), "pid": os.getpid()}) + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    fsync_dir(path.parent)
+    return True
 
 
-def is_run_dir(run_dir: str | os.PathLike[str], sections: Collection[str] = ()) -> bool:
+def _marked(d: Path, names: Collection[str]) -> bool:
+    """Whether the listing ``names`` of ``d`` holds our marker as a regular file."""
+    if RUN_MARKER not in names:
+        return False
+    try:
+        return stat.S_ISREG(os.lstat(d / RUN_MARKER).st_mode)
+    except FileNotFoundError:  # listed, then gone: only ``rm`` by a person removes it
+        return False
+
+
+def is_run_dir(run_dir: str | os.PathLike[str], sections: Collection[str] = (),
+               names: Collection[str] | None = None) -> bool:
     """Whether ``run_dir`` is a kfp-nvrx run dir.
 
     Proof: our marker, or (runs made before the marker existed) a config.yaml of only trainer
-    ``sections`` next to ``checkpoints/`` or ``events.jsonl``.
+    ``sections`` next to ``checkpoints/`` or ``events.jsonl``. ``names``: the folder's listing
+    the caller already read (the marker is looked for in that one listing, so an entry and
+    the proof of it come from the same read; see :func:`check_run_dir_owned`).
     """
     d = Path(run_dir)
-    if (d / RUN_MARKER).is_file():
+    if names is None:
+        try:
+            names = os.listdir(d)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+    if _marked(d, names):
         return True
-    if not sections or not (d / "config.yaml").is_file():
+    if not sections or "config.yaml" not in names or not (d / "config.yaml").is_file():
         return False
     if not ((d / "checkpoints").is_dir() or (d / "events.jsonl").is_file()):
         return False
@@ -108,16 +151,27 @@ def check_run_dir_owned(run_dir: str | os.PathLike[str], sections: Collection[st
                         field: str = "run_dir") -> None:
     """Refuse a run dir that is not new, empty or ours.
 
-    We would overwrite its ``config.yaml`` and write checkpoints into a stranger's folder.
+    We would overwrite its ``config.yaml`` and write checkpoints into a stranger's folder. The
+    folder is listed once, and that listing says both whether it is empty and whether it holds
+    our marker: ranks claim the shared run dir while others check it, and a second read could
+    see entries the first did not (the claim itself is one atomic create, :func:`claim_run_dir`).
     """
     d = Path(run_dir)
-    if d.is_dir() and any(d.iterdir()) and not is_run_dir(d, sections):
+    try:
+        names = os.listdir(d)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    if names and not is_run_dir(d, sections, names):
         raise UserError(field, f"{run_dir} is not empty and is not a kfp-nvrx run dir (no "
                         f"{RUN_MARKER}); give a new or empty directory")
 
 
 def claim_run_dir(run_dir: str | os.PathLike[str]) -> Path:
-    """Create ``run_dir`` (parents too) and mark it ours; returns it."""
+    """Create ``run_dir`` (parents too) and mark it ours in one atomic create; returns it.
+
+    Every rank of a job calls this on the same shared folder (and the local launcher before
+    them): one create wins, the others find the marker (see :func:`_write_marker`).
+    """
     d = Path(run_dir)
     d.mkdir(parents=True, exist_ok=True)
     _write_marker(d / RUN_MARKER, "run")
