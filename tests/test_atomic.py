@@ -5,13 +5,16 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import socket
+import stat
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from kfp_nvrx.components.core.atomic import AtomicFile, write_atomic
+from kfp_nvrx.components.core.atomic import AtomicFile, check_output, write_atomic
+from kfp_nvrx.components.errors import UserError
 
 
 def _temps(directory: Path) -> list[str]:
@@ -63,14 +66,83 @@ def test_an_exception_or_a_full_disk_leaves_the_old_file_and_no_temp(
     assert target.read_text() == "old" and _temps(tmp_path) == []
 
 
-def test_a_link_is_replaced_never_written_through(tmp_path: Path) -> None:
+def test_a_link_is_refused_never_replaced_or_written_through(tmp_path: Path) -> None:
     precious = tmp_path / "precious"
     precious.write_text("keep me")
     run = tmp_path / "run"
     run.mkdir()
     (run / "events.jsonl").symlink_to(precious)
-    write_atomic(run / "events.jsonl", "ours")
-    assert precious.read_text() == "keep me" and not (run / "events.jsonl").is_symlink()
+    with pytest.raises(OSError) as err:
+        write_atomic(run / "events.jsonl", "ours")
+    assert err.value.errno == errno.ELOOP and err.value.filename == str(run / "events.jsonl")
+    assert precious.read_text() == "keep me" and (run / "events.jsonl").is_symlink()
+    assert _temps(run) == []
+
+
+def _special(kind: str, path: Path) -> None:
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "device":  # a private /dev/null (char 1:3): only root may make one
+        if os.geteuid() != 0:
+            pytest.skip("mknod needs root")
+        os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    elif kind == "socket":
+        sock = socket.socket(socket.AF_UNIX)
+        sock.bind(str(path))
+        sock.close()
+    else:
+        path.mkdir()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "socket", "directory"])
+def test_fifos_devices_sockets_and_folders_are_never_replaced(tmp_path: Path, kind: str) -> None:
+    """As root, `render-job --out /dev/null` once replaced the machine's /dev/null (issue 30.11)."""
+    target = tmp_path / "out"
+    _special(kind, target)
+    mode = target.lstat().st_mode
+    with pytest.raises(OSError) as err:
+        write_atomic(target, "job: yaml\n")
+    assert err.value.filename == str(target) and "never replaces" in err.value.strerror
+    assert target.lstat().st_mode == mode and _temps(tmp_path) == []
+
+
+def test_a_fifo_put_in_place_while_writing_is_not_replaced(tmp_path: Path) -> None:
+    target = tmp_path / "job.yaml"
+    out = AtomicFile(target)
+    out.write(b"kind: PyTorchJob\n")
+    os.mkfifo(target)  # after the first check, before the rename
+    with pytest.raises(OSError) as err:
+        out.commit()
+    assert err.value.errno == errno.EEXIST and err.value.filename == str(target)
+    assert stat.S_ISFIFO(target.lstat().st_mode) and _temps(tmp_path) == []
+
+
+def test_errors_name_the_target_not_the_temporary_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(OSError) as err:
+        write_atomic(tmp_path / "missing" / "result.json", "{}")
+    assert err.value.errno == errno.ENOENT
+    assert err.value.filename == str(tmp_path / "missing" / "result.json")
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError) as err:
+        write_atomic(tmp_path / "result.json", "{}")
+    assert err.value.errno == errno.ENOSPC and err.value.filename == str(tmp_path / "result.json")
+
+
+def test_check_output_refuses_before_any_work(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "pipe")
+    (tmp_path / "file").write_text("x")
+    for path, says in ((tmp_path / "pipe", "FIFO"), (tmp_path / "file" / "r.json", "not a folder")):
+        with pytest.raises(UserError) as err:
+            check_output(path, "result")
+        assert err.value.field == "result" and says in err.value.message
+    check_output(tmp_path / "new" / "deeper" / "r.json", "result")  # its folders come later
+    check_output(tmp_path / "file", "result")  # a regular file is replaced
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "pipe"]
 
 
 def test_inside_refuses_a_linked_directory_on_the_way(tmp_path: Path) -> None:

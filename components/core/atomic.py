@@ -7,10 +7,16 @@ renamed over the target with ``os.replace``, then the directory fsync'd so the r
 survives a power cut. A crash at any point leaves the old file (or none) under the target's name;
 any other failure (a full disk, an exception while writing) also removes the temporary file.
 
-Links: the temporary file gets a fresh name and is created exclusively (``O_EXCL | O_NOFOLLOW``),
-so a link planted under its name is never written through, and ``os.replace`` replaces a link at
-the target instead of following it. ``inside=`` asks for more: no link may lie between that
-directory and the target (the run dir's rule, see :func:`.rundir.refuse_link`). Imports no torch.
+Only a regular file (or nothing) is ever replaced. A symbolic link, FIFO, device node, socket or
+directory at the target is refused (:func:`refuse_replacing`), before anything is written and
+again just before the rename: ``os.replace`` would swap any of them for our file, and as root
+``--out /dev/null`` once replaced the machine's /dev/null with a 0600 regular file. The temporary
+file gets a fresh name and is created exclusively (``O_EXCL | O_NOFOLLOW``), so a link planted
+under its name is never written through. ``inside=`` asks for more: no link may lie between that
+directory and the target (the run dir's rule, see :func:`.rundir.refuse_link`).
+
+Every error names the target, never the temporary file: the user named the target (a flag's
+value), and the CLI maps that path back to the flag. Imports no torch.
 """
 
 from __future__ import annotations
@@ -19,8 +25,11 @@ import contextlib
 import errno
 import os
 import secrets
+import stat
 from pathlib import Path
 from types import TracebackType
+
+from kfp_nvrx.components.core.bounded import kind_of
 
 StrPath = str | os.PathLike[str]
 
@@ -41,6 +50,36 @@ def link_in(path: StrPath, top: StrPath) -> Path | None:
         if part == ".." or cur.is_symlink():
             return cur
     return None
+
+
+def refuse_replacing(path: StrPath) -> None:
+    """Raises when ``path`` holds something a written output must never replace.
+
+    Nothing or a regular file is fine; anything else stays as it is.
+
+    Raises:
+        OSError: Naming ``path``: ``ELOOP`` for a symbolic link, ``EISDIR`` for a directory,
+            ``EEXIST`` for a FIFO, device node or socket; or what ``lstat`` raised.
+    """
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISREG(mode):
+        return
+    if stat.S_ISLNK(mode):
+        code, what = errno.ELOOP, "a symbolic link"
+    else:
+        code, what = (errno.EISDIR if stat.S_ISDIR(mode) else errno.EEXIST), kind_of(mode)
+    raise OSError(code, f"{what} is there, and an output never replaces one; give the path of "
+                  "a regular file", str(path))
+
+
+def _naming(err: OSError, path: Path, tmp: Path) -> OSError:
+    """``err`` about ``path`` where it named the temporary file ``tmp`` (or no file at all)."""
+    if err.filename not in (None, str(tmp)):
+        return err
+    return OSError(err.errno, err.strerror or str(err), str(path))
 
 
 def fsync_dir(directory: Path) -> None:
@@ -75,8 +114,10 @@ class AtomicFile:
             name, such as KFP's compiler, wants ``.yaml``).
 
     Raises:
-        OSError: ``ELOOP`` when ``inside`` is given and a link lies between it and ``path``;
-            whatever creating the temporary file raises (``ENOENT`` for a missing directory).
+        OSError: Naming ``path`` (never the temporary file): what :func:`refuse_replacing`
+            refuses; ``ELOOP`` when ``inside`` is given and a link lies between it and
+            ``path``; whatever creating the temporary file raises (``ENOENT`` for a missing
+            directory, ``EACCES``).
     """
 
     def __init__(self, path: StrPath, *, perms: int = 0o644, inside: StrPath | None = None,
@@ -90,20 +131,33 @@ class AtomicFile:
         # pid + random: ranks and retried pods writing the same target never share a temp file.
         name = f".{self.path.name[:200]}.{os.getpid()}.{secrets.token_hex(4)}{suffix}"
         self.tmp = self.path.with_name(name)
+        refuse_replacing(self.path)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        self.file = os.fdopen(os.open(self.tmp, flags, perms), "wb")
+        try:
+            fd = os.open(self.tmp, flags, perms)
+        except OSError as err:
+            raise _naming(err, self.path, self.tmp) from None
+        self.file = os.fdopen(fd, "wb")
 
     def write(self, data: bytes) -> int:
         """Appends ``data`` to the temporary file."""
         return self.file.write(data)
 
     def commit(self) -> Path:
-        """Flushes and fsyncs the temporary file and renames it to ``path`` (aborts on failure)."""
+        """Flushes and fsyncs the temporary file and renames it to ``path`` (aborts on failure).
+
+        What lies at ``path`` is checked again just before the rename: a FIFO or link put there
+        while the file was written is refused all the same.
+        """
         try:
             self.file.flush()
             os.fsync(self.file.fileno())
             self.file.close()
+            refuse_replacing(self.path)
             os.replace(self.tmp, self.path)
+        except OSError as err:
+            self.abort()
+            raise _naming(err, self.path, self.tmp) from None
         except BaseException:
             self.abort()
             raise
@@ -134,3 +188,35 @@ def write_atomic(path: StrPath, data: bytes | str, *, perms: int = 0o644,
     with AtomicFile(path, perms=perms, inside=inside) as out:
         out.write(data.encode("utf-8") if isinstance(data, str) else data)
     return out.path
+
+
+def check_output(path: StrPath, field: str) -> None:
+    """Refuses, before any work is done, an output path that could not or must not be written.
+
+    A command checks its output flags first, so that a bad one costs nothing (not a whole
+    training run before ``--result`` is found unwritable) and the error names the flag.
+
+    Args:
+        path: The file the command will write (its folder may not exist yet).
+        field: What named it, for the error.
+
+    Raises:
+        UserError: Naming ``field``: :func:`refuse_replacing` refuses what is there, or the
+            nearest existing folder on the way is no folder or cannot be written to.
+    """
+    from kfp_nvrx.components.errors import UserError
+
+    try:
+        refuse_replacing(path)
+    except OSError as err:
+        if err.errno != errno.ENOTDIR:  # a file on the way: said below, in words
+            raise UserError(field, f"{path}: {err.strerror}") from None
+    parent = Path(os.path.abspath(path)).parent
+    while not os.path.lexists(parent) and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UserError(field, f"{parent} is not a folder, so {path} cannot be created; give "
+                        "another path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(field, f"cannot create files in {parent} (permission denied); give a "
+                        "path you can write to")

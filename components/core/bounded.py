@@ -46,7 +46,8 @@ def _size(n: int) -> str:
     return f"{n} bytes"
 
 
-def _kind(mode: int) -> str:
+def kind_of(mode: int) -> str:
+    """What a file of ``mode`` is, in words ("a FIFO (named pipe)"), for a refusal."""
     for test, name in ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
                        (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
                        (stat.S_ISDIR, "a directory")):
@@ -68,7 +69,7 @@ def open_regular(path: str | os.PathLike[str], field: str) -> int:
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            raise UserError(field, f"{path} is {_kind(mode)}, not a file; give a regular file")
+            raise UserError(field, f"{path} is {kind_of(mode)}, not a file; give a regular file")
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)

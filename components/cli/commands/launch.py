@@ -15,6 +15,7 @@ import sys
 
 from kfp_nvrx.components.cli.commands.render_job import add_job_arguments, spec_from_args, write_atomic
 from kfp_nvrx.components.core import argtypes
+from kfp_nvrx.components.core.atomic import check_output
 from kfp_nvrx.components.launch.job_apis import DEFAULT_JOB_API, JOB_API_CHOICES
 
 
@@ -100,6 +101,8 @@ def _run(args: argparse.Namespace) -> int:
         raise UserError("--deadline", f"must be > 0 seconds, got {args.deadline:g}")
     if args.poll_interval <= 0:
         raise UserError("--poll-interval", f"must be > 0 seconds, got {args.poll_interval:g}")
+    if args.result:  # checked now: found unwritable after a whole training run, it cost the run
+        check_output(args.result, "--result")
     opts = _options(args)
     job = check(spec_from_args(args), opts)  # bad input is reported before credentials
 

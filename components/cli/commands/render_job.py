@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 from kfp_nvrx.components.core import argtypes
+from kfp_nvrx.components.core.atomic import check_output
 from kfp_nvrx.components.core.atomic import write_atomic as core_write_atomic
 from kfp_nvrx.components.launch.job_apis import JOB_API_CHOICES, RENDER_JOB_API
 
@@ -148,6 +149,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.out and os.path.isdir(args.out):
         raise UserError("--out", f"{args.out} is a directory; give a file name such as "
                         f"{os.path.join(args.out, 'job.yaml')}")
+    if args.out:
+        check_output(args.out, "--out")
     if args.with_runtime and args.job_api != "trainjob":
         raise UserError("--with-runtime", "only a TrainJob refers to a runtime; add "
                         "--job-api trainjob")
