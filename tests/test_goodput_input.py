@@ -123,3 +123,63 @@ def test_a_huge_line_is_skipped_without_being_held(tmp_path: Path) -> None:
     warnings: list[str] = []
     events = read_events(tmp_path, warnings.append)
     assert len(events) == 4 and len(warnings) == 1 and "longer than" in warnings[0]
+
+
+# -- issue 30 items 14 and 15: what is in events.jsonl's place, and a file with no events ------
+
+
+def _goodput_line(run_dir: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kfp_nvrx.components.cli", "goodput",
+                           "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=60)
+
+
+def test_goodput_of_an_events_file_without_events_is_refused_not_zero(tmp_path: Path) -> None:
+    """An empty events.jsonl printed goodput 0.0000 with exit 0: a run that wasted all its time."""
+    for name, text in (("empty", ""), ("blank", "\n\n"), ("damaged", '{"type": broken\n')):
+        _write(tmp_path / name, [text] if text else [])
+        proc = _goodput_line(tmp_path / name)
+        assert proc.returncode == 2 and proc.stdout == "", (name, proc.stdout, proc.stderr)
+        assert proc.stderr.strip().splitlines()[-1].startswith(
+            "kfp-nvrx goodput: error: --run-dir: "), proc.stderr
+        assert "holds no events" in proc.stderr and "goodput" not in proc.stdout
+
+
+def test_goodput_refuses_a_fifo_or_folder_at_events_jsonl_without_waiting(tmp_path: Path) -> None:
+    import os
+
+    (tmp_path / "fifo").mkdir()
+    os.mkfifo(tmp_path / "fifo" / "events.jsonl")  # nobody writes: a plain open would block
+    (tmp_path / "folder" / "events.jsonl").mkdir(parents=True)
+    for name, kind in (("fifo", "FIFO"), ("folder", "directory")):
+        proc = _goodput_line(tmp_path / name)
+        assert proc.returncode == 2 and kind in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+def test_an_event_is_never_written_into_a_fifo_or_device(tmp_path: Path) -> None:
+    """A FIFO at events.jsonl blocked the first event of every rank forever (issue 30.14)."""
+    import errno
+    import os
+    import threading
+
+    os.mkfifo(tmp_path / "events.jsonl")
+    log, raised = EventLog(tmp_path), []
+
+    def emit() -> None:
+        try:
+            log.emit(Step(time=T0, step=1, start=T0, end=T0, incarnation=0, iteration=0))
+        except OSError as err:
+            raised.append(err)
+
+    writer = threading.Thread(target=emit, daemon=True)
+    writer.start()
+    writer.join(10)
+    assert not writer.is_alive() and raised and raised[0].errno == errno.ENXIO
+    reader = os.open(tmp_path / "events.jsonl", os.O_RDONLY | os.O_NONBLOCK)  # one that reads
+    try:
+        raised.clear()
+        emit()
+        assert raised and raised[0].errno == errno.EEXIST
+        assert os.read(reader, 100) == b""  # nothing went down the pipe
+    finally:
+        os.close(reader)

@@ -91,3 +91,25 @@ def test_step_names_round_trip(tmp_path: Path) -> None:
     assert step_dir(tmp_path, 40).name == "step_00000040"
     assert rundir.parse_step("step_00000040") == 40
     assert rundir.parse_step("step_x") is None and rundir.parse_step(".trash-step_1") is None
+
+
+@pytest.mark.parametrize("entry, make, says", [
+    ("events.jsonl", "fifo", "a FIFO (named pipe), where kfp-nvrx writes a file"),
+    ("events.jsonl", "dir", "a directory, where kfp-nvrx writes a file"),
+    ("config.yaml", "fifo", "a FIFO (named pipe), where kfp-nvrx writes a file"),
+    ("checkpoints", "file", "a file, where kfp-nvrx writes a folder"),
+    ("logs/node0.log", "fifo", "a FIFO (named pipe), where kfp-nvrx writes a file"),
+])
+def test_a_special_file_where_we_write_is_refused_before_the_run(
+        tmp_path: Path, entry: str, make: str, says: str) -> None:
+    """A FIFO at events.jsonl hung the run; a folder there gave a traceback per restart (30.14)."""
+    from kfp_nvrx.components.errors import UserError
+
+    run = tmp_path / "run"
+    path = run / entry
+    path.parent.mkdir(parents=True)
+    {"fifo": os.mkfifo, "dir": os.mkdir, "file": lambda p: Path(p).write_text("x")}[make](path)
+    with pytest.raises(UserError) as err:
+        rundir.check_run_dir_links(run)
+    assert err.value.field == "run_dir" and says in err.value.message, err.value.message
+    assert str(path) in err.value.message

@@ -20,9 +20,11 @@ ours. A line of a type this version does not know reads as :class:`Other`.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import math
 import os
+import stat
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -217,8 +219,14 @@ class EventLog:
         """Writes one event (when enabled) and returns it."""
         if self.enabled:
             line = (json.dumps(_finite(event.to_dict()), separators=(",", ":")) + "\n").encode()
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            # O_NONBLOCK: a FIFO without a reader in its place fails the open (ENXIO) instead of
+            # blocking the rank forever; a FIFO with one, a device or a socket is refused below.
+            flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+            fd = os.open(self.path, flags, 0o644)
             try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise OSError(errno.EEXIST, "not a regular file; events go only to a file",
+                                  str(self.path))
                 os.write(fd, line)
             finally:
                 os.close(fd)
@@ -326,18 +334,21 @@ def read_events(run_dir: str | os.PathLike,
                 warn: Callable[[str], None] | None = None) -> list[Event]:
     """All well-formed events of a run, in time order.
 
-    Read line by line with a cap per line and in all (:mod:`.bounded`). A line that is not a
+    Read line by line with a cap per line and in all (:mod:`.bounded`); no file is no events,
+    anything but a regular file (a FIFO, a device, a folder) is refused. A line that is not a
     usable event (torn by a killed writer, edited, damaged, not UTF-8, NaN or a string where a
     number belongs, a time no run has) is skipped with one ``warn`` line naming it; a line out of
     time order is reported and put in its place (stable sort by when each event happened).
     """
     path = Path(run_dir) / EVENTS_FILE
-    if not path.is_file():
+    if not os.path.lexists(path):
         return []
     say = warn or (lambda _msg: None)
     events: list[Event] = []
     lines: list[int] = []
-    for lineno, raw in enumerate(iter_lines(path, "--run-dir", EVENT_LINE_LIMIT, EVENTS_LIMIT),
+    # A FIFO, device or folder in its place is refused by iter_lines (UserError naming run_dir),
+    # never waited on: "no events" would hide a run dir someone tampered with.
+    for lineno, raw in enumerate(iter_lines(path, "run_dir", EVENT_LINE_LIMIT, EVENTS_LIMIT),
                                  start=1):
         if raw is not None and not raw.strip():
             continue

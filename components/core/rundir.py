@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import time
 import zlib
 from collections.abc import Callable
@@ -36,7 +37,7 @@ from typing import Any
 
 # link_in and write_atomic live in .atomic; they are imported from here too (one run-dir API).
 from kfp_nvrx.components.core.atomic import link_in, write_atomic
-from kfp_nvrx.components.core.bounded import read_json
+from kfp_nvrx.components.core.bounded import kind_of, read_json
 from kfp_nvrx.components.errors import UserError
 
 CONFIG_FILE = "config.yaml"
@@ -74,15 +75,41 @@ def refuse_link(path: str | os.PathLike[str], top: str | os.PathLike[str],
 _WRITTEN_DIRS = (CHECKPOINTS_DIR, LOGS_DIR, FAULTS_DIR, NCCL_TRACE_DIR)
 
 
+#: Files of a run dir every start appends to or replaces: each must be a regular file.
+_WRITTEN_FILES = (CONFIG_FILE, RESUMED_CONFIG_FILE, EVENTS_FILE)
+
+
+def _refuse_special(entry: Path, folder: bool) -> None:
+    """Refuses ``entry`` unless it is a folder (``folder``) or a regular file.
+
+    A FIFO at events.jsonl blocked every rank's first event forever; a folder there gave a
+    traceback per restart.
+    """
+    mode = entry.lstat().st_mode
+    if stat.S_ISDIR(mode) if folder else stat.S_ISREG(mode):
+        return
+    what = "a file" if stat.S_ISREG(mode) else kind_of(mode)
+    raise UserError("run_dir", f"{entry} is {what}, where kfp-nvrx writes a "
+                    f"{'folder' if folder else 'file'}; remove it or use another `run_dir`")
+
+
 def check_run_dir_links(run_dir: Path) -> None:
-    """Refuses a run dir holding a symbolic link where we write or delete (one line, exit 2)."""
+    """Refuses a run dir holding a link, FIFO, device or socket where we write (one line, exit 2).
+
+    Also a folder where we write a file (events.jsonl, config.yaml) and a file where we write
+    a folder (checkpoints, logs).
+    """
     if not run_dir.is_dir():
         return
     for entry in run_dir.iterdir():  # config.yaml, events.jsonl, the lock, the marker, ...
         refuse_link(entry, run_dir)
-        if entry.name in _WRITTEN_DIRS and entry.is_dir():
+        if entry.name in _WRITTEN_FILES or entry.name in _WRITTEN_DIRS:
+            _refuse_special(entry, folder=entry.name in _WRITTEN_DIRS)
+        if entry.name in _WRITTEN_DIRS:
             for child in entry.iterdir():  # step_* folders, node logs, NCCL dumps
                 refuse_link(child, run_dir)
+                if entry.name == LOGS_DIR:  # the launcher appends to them
+                    _refuse_special(child, folder=False)
 
 
 def remove_torn(path: Path, run_dir: Path) -> None:
@@ -111,11 +138,13 @@ def parse_step(name: str) -> int | None:
 
 
 def committed_steps(root: Path) -> list[int]:
-    """Steps whose directory holds a commit marker, newest first (not yet :func:`verify`-ed)."""
-    if not root.is_dir():
-        return []
-    steps = [parse_step(p.name) for p in root.iterdir() if (p / COMMIT_MARKER).is_file()]
-    return sorted((s for s in steps if s is not None), reverse=True)
+    """Steps whose directory holds a commit marker, newest first (not yet :func:`verify`-ed).
+
+    Steps a pending ``checkpoint.load_step`` rollback abandons are not counted (:mod:`.timeline`).
+    """
+    from kfp_nvrx.components.core.timeline import committed_steps as in_timeline
+
+    return in_timeline(root)
 
 
 def crc32_file(path: Path) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -21,15 +22,22 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from kfp_nvrx.components.core.goodput import summarize
+    from kfp_nvrx.components.core.events import read_events
+    from kfp_nvrx.components.core.goodput import summarize_events
     from kfp_nvrx.components.core.rundir import EVENTS_FILE
 
-    if not (Path(args.run_dir) / EVENTS_FILE).is_file():
+    events_file = Path(args.run_dir) / EVENTS_FILE
+    if not os.path.lexists(events_file):
         raise UserError("--run-dir", f"{args.run_dir} has no {EVENTS_FILE} (not a training run)")
+
     def warn(msg: str) -> None:  # one line per bad line of events.jsonl; the report still comes
         sys.stderr.write(f"kfp-nvrx goodput: warning: {msg}\n")
 
-    rep = summarize(args.run_dir, warn).to_dict()
+    events = read_events(args.run_dir, warn)  # a FIFO or folder there: refused, not waited on
+    if not events:  # goodput 0.0 would read as a run that wasted all its time
+        raise UserError("--run-dir", f"{events_file} holds no events (the run has not started "
+                        "training yet, or every line was damaged): nothing to summarise")
+    rep = summarize_events(events).to_dict()
     if args.json:
         print(json.dumps(rep, indent=2, allow_nan=False))  # strict JSON: the events hold no NaN
         return 0
