@@ -43,8 +43,9 @@ def test_only_steady_steps_count_and_the_floor_holds() -> None:
     m.observe(1.0, 1.02, steady=True)
     assert m.maybe_learn(lambda v: v) and m.learned
     state = client.loaded[-1]["current_timeouts"]
-    assert state["heartbeat"] == {"initial": 600.0, "subsequent": 5 * 1.02, "were_calculated": True}
-    assert state["section"]["section"] == {"setup": 600.0, "step": 5.0, "checkpoint": 600.0}
+    # The configured start-up values (tiny preset), with the learned step and heartbeat.
+    assert state["heartbeat"] == {"initial": 120.0, "subsequent": 5 * 1.02, "were_calculated": True}
+    assert state["section"]["section"] == {"setup": 120.0, "step": 5.0, "checkpoint": 120.0}
     assert state["section"]["calculated_sections"] == ["step"]
     m.observe(50.0, 50.0, steady=True)  # after learning nothing moves them
     assert not m.maybe_learn(lambda v: v) and len(client.loaded) == 1
@@ -73,3 +74,99 @@ def test_a_rank_that_is_not_ready_holds_every_rank_back() -> None:
         m.observe(0.1, 0.1, steady=True)
     assert not m.maybe_learn(lambda v: [1.0, *v[1:]])  # the reduced "not ready" flag is set
     assert client.loaded == [] and not m.learned
+
+
+class _Server(_Client):
+    """A client whose monitor server kept the last incarnation's learned timeouts (NVRx does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.is_initialized = False
+        self.sent_at_init: list[dict] = []
+
+    def init_workload_monitoring(self) -> None:
+        self.is_initialized = True
+        self.hb_timeouts = SimpleNamespace(initial=600.0, subsequent=4.0)  # what the server kept
+
+    def end_all_sections(self) -> None:
+        pass
+
+    def shutdown_workload_monitoring(self) -> None:
+        self.is_initialized = False
+
+
+def _restarted(*sets: str) -> tuple[Monitor, _Server]:
+    cfg = load_config("tiny", ["resilience.learn_after=3", "resilience.safety_factor=5",
+                               "resilience.min_learned_timeout=4", *sets]).resilience
+    m = Monitor(cfg, "nccl")
+    m.enabled, m.client = True, _Server()
+    return m, m.client
+
+
+def _learned_4s() -> dict:
+    return {"current_timeouts": {
+        "heartbeat": {"initial": 120.0, "subsequent": 4.0, "were_calculated": True},
+        "section": {"section": {"setup": 120.0, "step": 4.0, "checkpoint": 120.0},
+                    "out_of_section": 60.0, "calculated_sections": ["step"],
+                    "is_out_of_section_calculated": False}}}
+
+
+def test_a_restarted_incarnation_starts_under_the_configured_timeouts() -> None:
+    """Issue 29: the 4 s learned step timeout came back at once and killed the start-up."""
+    m, client = _restarted()
+    m.connect()
+    startup = client.loaded[-1]["current_timeouts"]
+    assert startup["heartbeat"] == {"initial": 120.0, "subsequent": 60.0, "were_calculated": False}
+    assert startup["section"]["section"] == {"setup": 120.0, "step": 60.0, "checkpoint": 120.0}
+    m.load_state_dict(_learned_4s())  # the resumed checkpoint's: kept, not sent
+    assert len(client.loaded) == 1 and not m.learned and m.restored == (4.0, 4.0)
+    # Its start-up: a 9 s step while the banks pin is no reason to kill it (not steady).
+    m.observe(9.0, 9.0, steady=False)
+    for _ in range(3):
+        m.observe(0.2, 0.21, steady=True)
+    assert m.maybe_learn(lambda v: v)
+    got = client.loaded[-1]["current_timeouts"]
+    assert got["section"]["section"]["step"] == 4.0 and got["heartbeat"]["subsequent"] == 4.0
+
+
+def test_restored_timeouts_are_a_floor_and_persist_until_relearned() -> None:
+    m, client = _restarted()
+    m.connect()
+    m.load_state_dict({"current_timeouts": {
+        "heartbeat": {"initial": 120.0, "subsequent": 7.5, "were_calculated": True},
+        "section": {"section": {"setup": 120.0, "step": 6.0, "checkpoint": 120.0},
+                    "out_of_section": 60.0, "calculated_sections": ["step"],
+                    "is_out_of_section_calculated": False}}})
+    # A save during the start-up persists what was restored, not the start-up values.
+    saved = m.state_dict()["current_timeouts"]
+    assert saved["section"]["section"]["step"] == 6.0 and saved["heartbeat"]["subsequent"] == 7.5
+    for _ in range(3):
+        m.observe(0.1, 0.1, steady=True)
+    assert m.maybe_learn(lambda v: v)
+    got = client.loaded[-1]["current_timeouts"]
+    assert got["section"]["section"]["step"] == 6.0 and got["heartbeat"]["subsequent"] == 7.5
+
+
+def test_unlearned_state_is_not_taken_for_learned() -> None:
+    m, client = _restarted()
+    m.connect()
+    before = m.state_dict()  # nothing learned yet: the start-up values, flagged as such
+    assert before["current_timeouts"]["heartbeat"]["were_calculated"] is False
+    m.load_state_dict(before)
+    assert m.restored is None
+    assert set(before["current_timeouts"]) == set(_learned_4s()["current_timeouts"])
+
+
+def test_an_in_process_restart_relearns_with_the_last_learning_as_floor() -> None:
+    m, client = _restarted()
+    m.connect()
+    for _ in range(3):
+        m.observe(1.0, 1.0, steady=True)
+    assert m.maybe_learn(lambda v: v)  # 5.0 s
+    m.connect()  # in-process re-entry
+    assert not m.learned and m.restored == (5.0, 5.0)
+    assert client.loaded[-1]["current_timeouts"]["section"]["section"]["step"] == 60.0
+    for _ in range(3):
+        m.observe(0.1, 0.1, steady=True)
+    assert m.maybe_learn(lambda v: v)
+    assert client.loaded[-1]["current_timeouts"]["section"]["section"]["step"] == 5.0

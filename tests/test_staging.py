@@ -137,7 +137,7 @@ def test_reused_buffer_second_save_and_in_memory_restore(tmp_path, pg, monkeypat
     ckpt2.abort()
     assert not (step_dir(ckpt2.root, 4) / "COMMITTED").exists()
     ckpt3 = Checkpointer(tmp_path, cfg.checkpoint, torch.device("cpu"), staging=staging)
-    assert ckpt3.select() == 3 and ckpt3.memory_step() == 4
+    assert ckpt3.select() == 3 and ckpt3.memory_steps() == [4, 3]
     assert ckpt3.metadata_keys(4) >= set(want4)  # from the snapshot: step 4 has no .metadata
     notes, checked = [], []
     ckpt3.log = notes.append
@@ -156,7 +156,7 @@ def test_reused_buffer_second_save_and_in_memory_restore(tmp_path, pg, monkeypat
     ckpt3.abort()
     monkeypatch.undo()
     ckpt4 = Checkpointer(tmp_path, cfg.checkpoint, torch.device("cpu"), staging=staging)
-    assert ckpt4.memory_step() == 3
+    assert ckpt4.memory_steps() == [3]
     resumed, target3 = ckpt4.resume(lambda: _state(model2, opt2, sched2, train2))
     assert resumed == 3 and ckpt4.restored_from_memory
     for key, value in _tensors(disk).items():
@@ -179,7 +179,7 @@ def test_one_bank_torn_by_a_fault_while_staging_falls_back_to_the_files(tmp_path
     ckpt.abort()
     monkeypatch.undo()
     ckpt2 = Checkpointer(tmp_path, cfg.checkpoint, torch.device("cpu"), staging=staging)
-    assert ckpt2.memory_step() is None
+    assert ckpt2.memory_steps() == []
     resumed, _ = ckpt2.resume(lambda: _state(model, opt, sched, train))
     assert resumed == 1 and not ckpt2.restored_from_memory
     ckpt2.close()

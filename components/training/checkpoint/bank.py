@@ -135,6 +135,8 @@ class _Bank:
         self.step: int | None = None  # step of the complete snapshot it holds
         self.objects: dict[str, Any] = {}  # non-tensor leaves of that snapshot
         self.pinned: list[int] = []  # base addresses of its cudaHostRegister pieces
+        self.crc32: list[list[int]] | None = None  # [offset, length, crc] once sealed
+        self.token = 0  # bumped whenever it is staged or sealed (a stale seal does not publish)
         self._mm: mmap.mmap | None = None
 
     def map(self, nbytes: int, create: bool) -> None:
@@ -167,7 +169,8 @@ class _Bank:
             for ptr in self.pinned:
                 cudart.cudaHostUnregister(ptr)
             self.pinned = []
-        self.buffer, self.step, self.objects = None, None, {}
+        self.buffer, self.step, self.objects, self.crc32 = None, None, {}, None
+        self.token += 1
         if self._mm is not None:
             try:
                 self._mm.close()

@@ -35,15 +35,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint._traverse import set_element
 
 from kfp_nvrx.components.core.config import CheckpointConfig
+from kfp_nvrx.components.core.launch_command import iteration_file
 from kfp_nvrx.components.core.rundir import (
     checkpoints_dir,
     committed_steps,
     remove_torn,
     step_dir,
     verify,
+    write_atomic,
 )
+from kfp_nvrx.components.core.timeline import finish_rollback, roll_back
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.training.checkpoint.async_save import (
     AsyncSaver,
@@ -55,10 +60,11 @@ from kfp_nvrx.components.training.checkpoint.commit import (
     write_commit,
 )
 from kfp_nvrx.components.training.checkpoint.files import write_checksums
-from kfp_nvrx.components.training.checkpoint.hostcopy import HostCopyDir, marker_identity
+from kfp_nvrx.components.training.checkpoint.hostcopy import HostCopyDir
 from kfp_nvrx.components.training.checkpoint.reader import load as fast_load
 from kfp_nvrx.components.training.checkpoint.staging import (
     HostStaging,
+    SnapshotDamaged,
     StagingUnavailable,
     flat_state,
 )
@@ -116,6 +122,7 @@ class Checkpointer:
             if staging is None:  # a new worker process: the node-local host copy of this rank
                 home = HostCopyDir(run_dir, self.rank, self.world_size)
                 home.sweep()  # other runs' copies whose ft_launcher agents are gone
+                home.drop_other_ranks()  # ranks a relaunch on fewer nodes no longer has
                 staging = HostStaging(device, home)
             self.staging = staging
         self.writer = writer if writer is not None else NvrxWriter(device)
@@ -126,6 +133,7 @@ class Checkpointer:
                                 start_timeout=cfg.finalize_timeout)
         self.log = log
         self.restored_from_memory = False
+        self._loaded: dict[str, Any] | None = None
 
     # ---------------------------------------------------------------- policy
     @property
@@ -139,46 +147,122 @@ class Checkpointer:
                     or (self.cfg.save_final and step == self.final_step))
 
     def resume(self, state_fn: Callable[[], dict[str, Any]],
-               check: Callable[[set[str], int], None] | None = None,
+               check: Callable[[set[str], int], None] | None = None, first_start: bool = True,
                ) -> tuple[int | None, dict[str, Any] | None]:
         """Loads the newest state this run can resume from; ``(None, None)`` when there is none.
 
-        From host memory when every rank holds the newest committed step there (a restarted
-        worker adopts its node-local host copy, see :mod:`.hostcopy`) or a newer complete
-        snapshot (in-process restart); otherwise the newest intact committed checkpoint on disk
-        (CRC-checked, falling back to older ones). ``state_fn`` builds the state to load
-        into; only the keys the checkpoint holds are loaded (e.g. not another world size's per-rank
-        RNG). ``check(keys, step)`` may reject the checkpoint before anything is loaded.
+        The newest snapshot every rank holds complete in host memory, when it is at least as new
+        as the newest committed checkpoint: this process's own banks after an in-process
+        restart, the sealed banks an earlier worker left on this node after an in-job one (see
+        :mod:`.hostcopy`), even when that save's write is still in flight or was cut by the
+        fault. The ranks agree on the step first, and each checks its bank's CRC32s as it loads;
+        a mismatch on any rank sends every rank on, never to a mixed state. Otherwise the newest
+        intact committed checkpoint on disk (CRC-checked, falling back to older ones).
+        ``checkpoint.load_step`` pins the ``first_start`` of a launch only (and abandons the
+        commits after it, :mod:`kfp_nvrx.components.core.timeline`); restarts take the newest.
+        ``state_fn`` builds the state to load into; only the keys the checkpoint holds are
+        loaded (e.g. not another world size's per-rank RNG). ``check(keys, step)`` may reject
+        the checkpoint before anything is loaded.
+
+        Args:
+            state_fn: Builds the state dict to load into.
+            check: Rejects a checkpoint by its keys (raises).
+            first_start: Rank 0's word that this is the launch's first start (broadcast).
 
         Returns:
             The step resumed from and the state dict loaded in place.
         """
-        steps = self.committed()
+        steps, pinned = self._timeline(first_start)
         newest = steps[0] if steps else None
-        in_memory = self.memory_step()  # FT: in-process restart: the last snapshot survives
-        if in_memory is None and newest is None:
+        memory = [m for m in self.memory_steps(pinned) if newest is None or m >= newest]
+        if not memory:
+            self._forget_memory()
+        if not memory and newest is None:
             return None, None  # (state_fn would initialise the optimizer state: a fresh start)
         state = state_fn()
-        if in_memory is None and self._adopt(newest, state):
-            in_memory = newest  # FT: in-job restart on the same node: the host copy survives
-        if in_memory is not None and (newest is None or in_memory >= newest):
-            # Host memory holds this process's own snapshot, or a copy verified against the
-            # newest commit marker: the files need no CRC pass (13 GB: seconds).
-            if newest is None or in_memory > newest:
-                self.log(f"restoring step {in_memory} from host memory (newest committed on "
-                         f"disk: {newest})")
-            step = in_memory
-        else:
-            step = self.select(steps, log=self.log)
+        for step in memory:
+            if self._load_memory(step, state, check, newest):
+                return step, self._loaded
+        self._forget_memory()
+        step = self.select(steps, log=self.log)
         if step is None:
             return None, None
+        state = self._only_stored(state, step, check)
+        fast_load(state, str(step_dir(self.root, step)))
+        return step, state
+
+    def _timeline(self, first_start: bool) -> tuple[list[int], bool]:
+        """Committed steps as rank 0 sees them, and whether ``load_step`` pins this start.
+
+        Rank 0 finishes an interrupted rollback first. A pinned start in a run dir with newer
+        commits rolls back: every rank withdraws its newer host-memory snapshots, then rank 0
+        moves the newer commits out of the timeline (in that order: a crash in between leaves
+        no snapshot of the abandoned timeline for a later restart to take).
+        """
+        out: list[Any] = [None, None]
+        if self.rank == 0:
+            finish_rollback(self.root)
+            out = [committed_steps(self.root), first_start and self.cfg.load_step >= 0]
+        dist.broadcast_object_list(out, src=0)
+        steps, pinned = out
+        want = self.cfg.load_step
+        if pinned and any(s > want for s in steps):
+            if self.staging is not None:
+                self.staging.forget(newer_than=want)
+            dist.barrier()
+            if self.rank == 0:
+                moved, into = roll_back(self.root, want)
+                self.log(f"checkpoint.load_step={want}: steps {', '.join(map(str, moved))} "
+                         f"leave this run's timeline (kept in {into}; delete it when they are "
+                         "not needed)")
+        return [s for s in steps if not pinned or s == want], bool(pinned)
+
+    def _forget_memory(self) -> None:
+        """Nothing in host memory is taken: a later restart must not take it either."""
+        if self.staging is not None:
+            self.staging.forget()
+
+    def _only_stored(self, state: dict[str, Any], step: int,
+                     check: Callable[[set[str], int], None] | None) -> dict[str, Any]:
         keys = self.metadata_keys(step)
         if check is not None:
             check(keys, step)
-        state = {k: v for k, v in state.items()
-                 if any(s == k or s.startswith(f"{k}.") for s in keys)}
-        self.load(step, state)
-        return step, state
+        return {k: v for k, v in state.items()
+                if any(s == k or s.startswith(f"{k}.") for s in keys)}
+
+    def _load_memory(self, step: int, state: dict[str, Any],
+                     check: Callable[[set[str], int], None] | None, newest: int | None) -> bool:
+        """Loads ``step`` from every rank's bank (collective); False, and nothing taken, if any fails.
+
+        Every rank adopts its bank (a new process) and checks it fits; then every rank copies it
+        in, checking its CRC32s. ``self._loaded`` holds the state loaded.
+        """
+        staging = self.staging
+        flat, mapping = flatten_state_dict(state)
+        fits = staging.adopt(step, flat) if not staging.banks else True
+        fits = fits and staging.can_restore(flat, step)
+        if not all_ranks(fits, self.device):
+            return False
+        state = self._only_stored(state, step, check)
+        flat, mapping = flatten_state_dict(state)
+        problem = ""
+        try:
+            leaves = staging.restore(flat, step)
+        except SnapshotDamaged as err:
+            problem = str(err)
+            staging.drop(step)
+        if not all_ranks(not problem, self.device):
+            self.log(f"step {step} in host memory is damaged ({problem or 'on another rank'}); "
+                     "loading from disk")
+            return False
+        for key, value in leaves.items():
+            set_element(state, mapping[key], value)
+        if newest is None or step > newest:
+            self.log(f"restoring step {step} from host memory (newest committed on disk: {newest})")
+            if self.rank == 0:  # FT: ft_launcher's progress tracking: the run's recovery point
+                write_atomic(iteration_file(self.run_dir), f"{step}\n".encode())
+        self.restored_from_memory, self._loaded = True, state
+        return True
 
     # ---------------------------------------------------------------- save
     def warm_up(self) -> None:
@@ -279,7 +363,7 @@ class Checkpointer:
             self.on_commit(inf.step, inf.blocking_s, time.perf_counter() - inf.started,
                            inf.commit.result)
         if self.staging is not None:  # the bank now holds committed state: describe it
-            self.staging.commit(inf.step, marker_identity(inf.path))
+            self.staging.commit(inf.step)
         self.commits += 1
         self.commit_s.append(inf.loop_s + time.perf_counter() - t0)
         self.last_commit_step = inf.step
@@ -288,10 +372,10 @@ class Checkpointer:
 
     # ---------------------------------------------------------------- load
     def committed(self) -> list[int]:
-        """Committed steps (newest first; only ``load_step`` when set), as rank 0 sees them."""
+        """Committed steps, newest first, as rank 0 sees them (collective)."""
         steps = [committed_steps(self.root) if self.rank == 0 else None]
         dist.broadcast_object_list(steps, src=0)
-        return [s for s in steps[0] if self.cfg.load_step < 0 or s == self.cfg.load_step]
+        return steps[0]
 
     def select(self, steps: list[int] | None = None,
                log: Callable[[str], None] = print) -> int | None:
@@ -313,57 +397,39 @@ class Checkpointer:
             log(f"checkpoint step {step} is damaged ({bad}); falling back to an older one")
         return None
 
-    def memory_step(self) -> int | None:
-        """The step of the snapshot every rank holds in its staging buffer (collective), if any.
+    def load(self, step: int, state: dict[str, Any]) -> None:
+        """Loads ``step`` into ``state`` in place (collective).
 
-        After an in-process restart that can be newer than the newest committed checkpoint: a
-        save whose copies completed on every rank but whose write the fault interrupted.
+        From host memory when every rank holds that snapshot (CRC-checked), else from the files
+        (DCP reshards to this world size).
         """
-        mine = -1
-        if self.staging is not None and self.staging.valid_step is not None:
-            if self.cfg.load_step < 0 or self.staging.valid_step == self.cfg.load_step:
-                mine = self.staging.valid_step
-        t = torch.tensor([mine, -mine], dtype=torch.int64,
-                         device=self.device if self.device.type == "cuda" else "cpu")
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)  # [min, -max]
-        low, high = int(t[0]), -int(t[1])
-        return low if low == high and low >= 0 else None
+        self.restored_from_memory = False
+        if self.staging is None or not (step in self.memory_steps()
+                                         and self._load_memory(step, state, None, step)):
+            fast_load(state, str(step_dir(self.root, step)))
 
-    def _adopt(self, step: int, state: dict[str, Any]) -> bool:
-        """Whether every rank took over its host copy of committed ``step`` (collective)."""
-        ok = False
-        if self.staging is not None:
-            identity = marker_identity(step_dir(self.root, step))
-            ok = self.staging.adopt(step, identity, flat_state(state))
-        return all_ranks(ok, self.device)
+    def memory_steps(self, pinned: bool = False) -> list[int]:
+        """Steps of the snapshots every rank holds complete in host memory, newest first.
+
+        Collective. After an in-process restart a snapshot can be newer than the newest
+        committed checkpoint (a save whose copies completed on every rank but whose write the
+        fault interrupted); after an in-job restart the sealed banks an earlier worker left on
+        this node. ``pinned``: only ``checkpoint.load_step``.
+        """
+        mine = self.staging.held_steps() if self.staging is not None else []
+        if pinned:
+            mine = [s for s in mine if s == self.cfg.load_step]
+        every: list[Any] = [None] * self.world_size
+        dist.all_gather_object(every, mine)
+        common = set(every[0]).intersection(*every[1:])
+        return sorted(common, reverse=True)
 
     def metadata_keys(self, step: int) -> set[str]:
         """Flattened keys stored in a checkpoint (e.g. to skip per-rank RNG of another world size)."""
-        if self.staging is not None and self.staging.can_restore({}, step):
+        if self.staging is not None and step in self.staging.held_steps():
             return self.staging.keys(step)
         md = dcp.FileSystemReader(str(step_dir(self.root, step))).read_metadata()
         return set(md.state_dict_metadata)
-
-    def load(self, step: int, state: dict[str, Any]) -> None:
-        """Loads ``step`` into ``state`` in place (DCP reshards to this world size).
-
-        From the staging buffer when every rank holds that committed step in it (in-process
-        restart, same layout); otherwise from the files.
-        """
-        self.restored_from_memory = False
-        if self.staging is not None:
-            from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-            from torch.distributed.checkpoint._traverse import set_element
-
-            flat, mapping = flatten_state_dict(state)
-            if all_ranks(self.staging.can_restore(flat, step), self.device):
-                # FT: in-process restart: the last committed state is still in host memory.
-                for key, value in self.staging.restore(flat, step).items():
-                    set_element(state, mapping[key], value)
-                self.restored_from_memory = True
-                return
-        # Large sequential reads pipelined with deserialisation and (pinned) H2D copies.
-        fast_load(state, str(step_dir(self.root, step)))
 
     # ---------------------------------------------------------------- end
     def abort(self) -> None:

@@ -1,62 +1,108 @@
-"""The node-local host copy: the staging buffers as files under ``/dev/shm`` that outlive a worker.
+"""The node-local host copy: staged snapshots as files under ``/dev/shm`` that outlive a worker.
 
-An in-job restart (ft_launcher starts new worker processes on the same node) would otherwise read
-the whole state back from the run dir's file system (FSx for Lustre on a cluster: minutes for an
-8B job). The staging buffers that every save is copied into already hold the newest committed
-state in host memory; kept as files in a directory of their own, a restarted worker on the same
-node maps them and loads from memory instead.
+Every save is first copied into a staging bank (:mod:`.staging`) in host memory. Kept as files in
+a directory of their own, the banks let a restarted worker on the same node load the newest
+snapshot that *every* rank staged, even one whose write to the volume is still in flight or was
+cut by the fault, instead of the newest committed checkpoint on the file system (which lags the
+newest save by a write: tens of seconds at 1b, minutes on FSx).
 
 The mechanism, and what keeps it safe:
 
 * **Owned.** ``/dev/shm/kfp-nvrx-<uid>/<run key>/``: both directories are created by us with mode
-  0700 and used only when owned by this user and not writable by anyone else. Only our trainer
-  writes there (the buffers of rank R are ``rank<R>.bank<i>``, its manifest ``rank<R>.json``).
-* **Verified.** A rank publishes its manifest (atomically, tmp + rename) only after a save is
-  committed, naming the bank, the layout, the step and the *identity* of the commit marker (the
-  SHA-256 of ``COMMITTED``). A restarted worker uses a bank only when the manifest's step is the
-  newest committed step, its identity equals that of the marker on disk, the run, rank and world
-  size match and the layout is exactly the one the new state needs; otherwise it loads from disk.
-  Staging into a bank first withdraws a manifest naming it, so a torn bank is never described.
-* **Bounded.** At most two banks per local rank (the committed one and the one being staged), each
-  the size of the rank's state, and only two when ``/dev/shm`` has room for both on every local
-  rank; else one (a fault during a write then falls back to disk) or none (NVRx's staging).
-* **Cleaned up.** A run that ends removes its files. A copy outlives its worker but not its
-  ft_launcher agent: every worker start removes the directories of other runs whose agents are
-  gone (a pod's ``/dev/shm`` goes with the pod anyway).
+  0700 and used (written, read or swept) only when they are real directories owned by this user
+  and closed to everyone else; a link in their place is refused, never followed. Only our trainer
+  writes there: rank R's banks are ``rank<R>.bank<i>``, each described by ``rank<R>.bank<i>.json``.
+* **Verified.** A bank's manifest is published (atomically, tmp + rename) only once its snapshot
+  is complete, with the CRC32 of each of its pieces, the layout, the step, the rank, the world
+  size and the run's identity (:func:`run_identity`: a run dir deleted and made again is another
+  run). Staging into a bank first withdraws its manifest, so a torn bank is never described. A
+  restart agrees on one step every rank holds (:meth:`.checkpointer.Checkpointer.resume`) and
+  checks every piece's CRC32 as it loads; one mismatch on any rank sends every rank to the disk.
+  The manifest is JSON (no pickle): non-tensor leaves are encoded by :func:`encode_objects`.
+* **Bounded.** At most two banks per local rank (the one kept while the next save is staged, and
+  that save's), each the size of the rank's state. A finished run deletes its files; a restart
+  deletes the banks it does not adopt and the files of ranks the job no longer has; a run that
+  failed or was cancelled leaves files only until its launcher's agent is gone (the next worker
+  start on the node, or the local launcher's exit, sweeps them; a pod's ``/dev/shm`` goes with the
+  pod).
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
-import hashlib
 import json
+import math
 import os
-import pickle
-import shutil
+import re
+import stat
 import time
 from pathlib import Path
 from typing import Any
 
-from kfp_nvrx.components.core.bounded import JSON_LIMIT, read_bytes
-from kfp_nvrx.components.core.host_copy import SHM_ROOT, host_copy_base, host_copy_dir
-from kfp_nvrx.components.core.rundir import COMMIT_MARKER
+from kfp_nvrx.components.core.bounded import JSON_LIMIT, parse_json, read_bytes
+from kfp_nvrx.components.core.host_copy import (
+    SHM_ROOT,
+    HostCopyUnavailable,
+    host_copy_base,
+    host_copy_dir,
+    private_dir,
+    remove_copy,
+)
+from kfp_nvrx.components.core.rundir import CONFIG_FILE
 from kfp_nvrx.components.errors import UserError
 
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
+#: Names of the directories under the base that we create (a run key, or a private one).
+_OURS = re.compile(r"^([0-9a-f]{16}|private-\d+-\d+)$")
 
 
-class HostCopyUnavailable(RuntimeError):
-    """The host copy directory cannot be used (missing, not ours, or open to others)."""
+def run_identity(run_dir: str | os.PathLike[str]) -> str | None:
+    """Who the run in ``run_dir`` is: its ``config.yaml`` record's device, inode and mtime.
 
-
-def marker_identity(step_path: Path) -> str | None:
-    """SHA-256 of a checkpoint's commit marker (what a host copy must match); None when absent."""
+    The record is written by the run's first start and never replaced, so it names the run for
+    its whole life; a run dir deleted and created again at the same path gets a new record.
+    None when there is no record (nothing is then kept for a later worker).
+    """
     try:
-        marker = read_bytes(step_path / COMMIT_MARKER, "checkpoint", JSON_LIMIT, "commit marker")
-        return hashlib.sha256(marker).hexdigest()
-    except UserError:
+        st = os.lstat(Path(run_dir) / CONFIG_FILE)
+    except OSError:
         return None
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    return f"{st.st_dev}:{st.st_ino}:{st.st_mtime_ns}"
+
+
+# ---------------------------------------------------------------------- manifest codec
+def encode_objects(value: Any) -> Any:
+    """A state's non-tensor leaves as plain JSON (tuples, dicts with any keys, NaN tagged).
+
+    Raises:
+        TypeError: A leaf JSON cannot carry faithfully (the bank is then not published).
+    """
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else {"__float__": repr(value)}
+    if isinstance(value, tuple):
+        return {"__tuple__": [encode_objects(v) for v in value]}
+    if isinstance(value, list):
+        return [encode_objects(v) for v in value]
+    if isinstance(value, dict):
+        return {"__dict__": [[encode_objects(k), encode_objects(v)] for k, v in value.items()]}
+    raise TypeError(f"{type(value).__name__} leaf")
+
+
+def decode_objects(value: Any) -> Any:
+    """The inverse of :func:`encode_objects`."""
+    if isinstance(value, list):
+        return [decode_objects(v) for v in value]
+    if isinstance(value, dict):
+        if "__tuple__" in value:
+            return tuple(decode_objects(v) for v in value["__tuple__"])
+        if "__float__" in value:
+            return float(value["__float__"])
+        return {decode_objects(k): decode_objects(v) for k, v in value["__dict__"]}
+    return value
 
 
 def _pid_alive(pid: int) -> bool:
@@ -73,21 +119,17 @@ def _pid_alive(pid: int) -> bool:
 
 def _recent(path: Path, seconds: float = 60.0) -> bool:
     try:
-        return time.time() - path.stat().st_mtime < seconds
+        return time.time() - path.lstat().st_mtime < seconds
     except OSError:
         return False
 
 
-def _private_dir(path: Path) -> None:
-    """Creates ``path`` (0700) if needed; raises unless it is ours and closed to others."""
+def _read_json(path: Path, what: str) -> Any:
+    """A bounded read of one of our JSON files; None when missing, not a file or not JSON."""
     try:
-        path.mkdir(mode=0o700, exist_ok=True)
-        st = path.lstat()
-    except OSError as err:
-        raise HostCopyUnavailable(f"{path}: {err}") from None
-    if not path.is_dir() or path.is_symlink() or st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise HostCopyUnavailable(f"{path} is not a private directory of this user "
-                                  f"(uid {st.st_uid}, mode {oct(st.st_mode & 0o777)})")
+        return parse_json(read_bytes(path, "checkpoint", JSON_LIMIT, what), "checkpoint", path)
+    except (OSError, UserError):
+        return None
 
 
 class HostCopyDir:
@@ -107,6 +149,7 @@ class HostCopyDir:
         self.base = host_copy_base(self.root)
         self.run_dir = str(Path(run_dir).resolve()) if run_dir is not None else None
         self.persistent = run_dir is not None
+        self.run = run_identity(self.run_dir) if self.run_dir is not None else None
         if self.persistent:
             self.path = host_copy_dir(self.run_dir, self.root)
         else:
@@ -114,10 +157,15 @@ class HostCopyDir:
         self.rank = rank
         self.world_size = world_size
 
+    @property
+    def keeps(self) -> bool:
+        """Whether snapshots are described for a later worker (a run with a config record)."""
+        return self.persistent and self.run is not None
+
     def ensure(self) -> None:
         """Creates the directories (0700) and records who owns this rank's files."""
-        _private_dir(self.base)
-        _private_dir(self.path)
+        private_dir(self.base)
+        private_dir(self.path)
         owner = {"run_dir": self.run_dir, "pid": os.getpid(), "agent_pid": os.getppid(),
                  "time": time.time()}
         self._write(self.path / f"rank{self.rank}.owner", json.dumps(owner).encode())
@@ -126,102 +174,151 @@ class HostCopyDir:
         """The file of one staging bank of this rank."""
         return self.path / f"rank{self.rank}.bank{index}"
 
-    @property
-    def manifest_path(self) -> Path:
-        """This rank's manifest: which bank holds which committed step."""
-        return self.path / f"rank{self.rank}.json"
+    def manifest_path(self, index: int) -> Path:
+        """The manifest of one bank: which complete snapshot it holds."""
+        return self.path / f"rank{self.rank}.bank{index}.json"
 
     @staticmethod
     def _write(path: Path, data: bytes) -> None:
         # tmpfs: rename is the atomicity needed (no fsync: the copy does not outlive the node).
         tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_bytes(data)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
         os.replace(tmp, path)
 
-    def publish(self, *, step: int, identity: str, bank: int, nbytes: int,
-                slots: list[list[Any]], objects: dict[str, Any]) -> None:
-        """Describes ``bank`` as holding committed ``step`` (after the commit, never before)."""
-        if not self.persistent:
-            return
-        manifest = {"version": MANIFEST_VERSION, "run_dir": self.run_dir, "rank": self.rank,
-                    "world_size": self.world_size, "step": step, "identity": identity,
-                    "bank": bank, "nbytes": nbytes, "slots": slots,
-                    "objects": base64.b64encode(pickle.dumps(objects)).decode(),
-                    "pid": os.getpid(), "agent_pid": os.getppid(), "time": time.time()}
-        self._write(self.manifest_path, json.dumps(manifest).encode())
+    def publish(self, index: int, *, step: int, nbytes: int, slots: list[list[Any]],
+                objects: dict[str, Any], crc32: list[list[int]]) -> bool:
+        """Describes bank ``index`` as holding the complete snapshot of ``step``.
 
-    def withdraw(self) -> None:
-        """Removes the manifest (before its bank is written again)."""
-        with contextlib.suppress(FileNotFoundError):
-            self.manifest_path.unlink()
+        Args:
+            index: The bank.
+            step: The snapshot's step.
+            nbytes: The bank's size.
+            slots: The layout (rows of key, offset, nbytes, shape, dtype).
+            objects: The snapshot's non-tensor leaves.
+            crc32: ``[offset, length, crc]`` of every piece of the bank.
 
-    def manifest(self, step: int, identity: str | None) -> dict[str, Any] | None:
-        """The manifest when it describes committed ``step`` of ``identity`` for this run/rank."""
-        if not self.persistent or identity is None:
-            return None
+        Returns:
+            False when nothing was published (no run record, or a leaf JSON cannot carry).
+        """
+        if not self.keeps:
+            return False
         try:
-            st = self.path.lstat()
-            if st.st_uid != os.getuid() or st.st_mode & 0o077:
-                return None
-            m = json.loads(read_bytes(self.manifest_path, "checkpoint", JSON_LIMIT, "manifest"))
-        except (OSError, ValueError, UserError):
-            return None
-        want = {"version": MANIFEST_VERSION, "run_dir": self.run_dir, "rank": self.rank,
-                "world_size": self.world_size, "step": step, "identity": identity}
+            encoded = encode_objects(objects)
+        except TypeError:
+            return False
+        manifest = {"version": MANIFEST_VERSION, "run_dir": self.run_dir, "run": self.run,
+                    "rank": self.rank, "world_size": self.world_size, "step": step,
+                    "bank": index, "nbytes": nbytes, "slots": slots, "objects": encoded,
+                    "crc32": crc32, "pid": os.getpid(), "time": time.time()}
+        self._write(self.manifest_path(index), json.dumps(manifest).encode())
+        return True
+
+    def withdraw(self, index: int | None = None) -> None:
+        """Removes the manifest of bank ``index`` (before it is written again); None: all of them."""
+        paths = ([self.manifest_path(index)] if index is not None
+                 else list(self.path.glob(f"rank{self.rank}.bank*.json")))
+        for path in paths:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
+    def snapshots(self) -> list[dict[str, Any]]:
+        """This rank's described snapshots of this run and world size, newest first.
+
+        Only manifests in a private directory of ours whose bank is a regular file of at least
+        the described size; anything else (a stranger's file, a FIFO, another run's copy, an
+        older format) is not a snapshot of this run.
+        """
+        if not self.keeps:
+            return []
+        try:
+            private_dir(self.base, create=False)
+            private_dir(self.path, create=False)
+        except HostCopyUnavailable:
+            return []
+        found = []
+        for path in self.path.glob(f"rank{self.rank}.bank*.json"):
+            m = _read_json(path, "host copy manifest")
+            if self._describes(m, path):
+                found.append(m)
+        return sorted(found, key=lambda m: -m["step"])
+
+    def _describes(self, m: Any, path: Path) -> bool:
+        want = {"version": MANIFEST_VERSION, "run_dir": self.run_dir, "run": self.run,
+                "rank": self.rank, "world_size": self.world_size}
         if not isinstance(m, dict) or any(m.get(k) != v for k, v in want.items()):
-            return None
-        bank = self.bank_path(int(m["bank"]))
+            return False
+        if not all(isinstance(m.get(k), int) for k in ("step", "bank", "nbytes")):
+            return False
+        if path.name != self.manifest_path(m["bank"]).name:
+            return False
         try:
-            if bank.stat().st_size < int(m["nbytes"]):
-                return None
+            st = self.bank_path(m["bank"]).lstat()
         except OSError:
-            return None
-        m["objects"] = pickle.loads(base64.b64decode(m["objects"]))  # noqa: S301 - our own file
-        return m
+            return False
+        return stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and st.st_size >= m["nbytes"]
 
     def drop_banks(self, keep: set[int]) -> None:
-        """Deletes this rank's bank files other than ``keep`` (an earlier worker's, unused)."""
+        """Deletes this rank's bank files (and manifests) other than ``keep``."""
         for p in self.path.glob(f"rank{self.rank}.bank*"):
-            index = p.name.rsplit("bank", 1)[1]
+            index = p.name.removeprefix(f"rank{self.rank}.bank").removesuffix(".json")
             if not index.isdigit() or int(index) not in keep:
                 with contextlib.suppress(OSError):
                     p.unlink()
 
+    def drop_other_ranks(self) -> None:
+        """Deletes the files of ranks this job does not have (a relaunch on fewer nodes)."""
+        pattern = re.compile(r"^\.?rank(\d+)\.")
+        for p in self.path.iterdir() if self.path.is_dir() else ():
+            match = pattern.match(p.name)
+            if match and int(match.group(1)) >= self.world_size:
+                with contextlib.suppress(OSError):
+                    p.unlink()
+
     def remove_rank_files(self) -> None:
-        """Deletes this rank's banks, manifest and owner record; the directory once empty."""
+        """Deletes this rank's banks, manifests and owner record; the directory once empty."""
         for p in self.path.glob(f"rank{self.rank}.*"):
             with contextlib.suppress(OSError):
                 p.unlink()
         with contextlib.suppress(OSError):
             self.path.rmdir()  # only when no other rank's files are left
         if not self.persistent:
-            shutil.rmtree(self.path, ignore_errors=True)
+            remove_copy(self.path)
 
     def sweep(self) -> list[Path]:
         """Removes other runs' directories whose every ft_launcher agent has exited.
 
+        Only inside a base directory that is ours and private, and only entries that are real
+        directories named as we name them: a link in the base's place (or in it) is never
+        followed, so nothing outside our own copies can be deleted.
+
         Returns:
             The directories removed.
         """
-        removed = []
+        removed: list[Path] = []
         try:
-            dirs = [p for p in self.base.iterdir() if p.is_dir() and p != self.path]
-        except OSError:
+            private_dir(self.base, create=False)
+            entries = list(self.base.iterdir())
+        except (HostCopyUnavailable, OSError):
             return removed
-        for d in dirs:
-            agents = []
-            for rec in d.glob("rank*.owner"):
-                try:
-                    owner = read_bytes(rec, "checkpoint", JSON_LIMIT, "owner record")
-                    agents.append(int(json.loads(owner).get("agent_pid", 0)))
-                except (OSError, ValueError, TypeError, UserError, AttributeError):
-                    continue
-            private_pid = d.name.split("-")[1] if d.name.startswith("private-") else None
-            if private_pid is not None and private_pid.isdigit():
-                agents.append(int(private_pid))
-            if not agents and _recent(d):
-                continue  # being set up by a worker that has not written its owner record yet
-            if not any(_pid_alive(pid) for pid in agents):
-                shutil.rmtree(d, ignore_errors=True)
+        for d in entries:
+            if d == self.path or not _OURS.match(d.name) or not d.is_dir() or d.is_symlink():
+                continue
+            if _agents_gone(d) and remove_copy(d):
                 removed.append(d)
         return removed
+
+
+def _agents_gone(d: Path) -> bool:
+    """Whether every agent that wrote files into host copy ``d`` has exited."""
+    agents = []
+    for rec in d.glob("rank*.owner"):
+        owner = _read_json(rec, "owner record")
+        if isinstance(owner, dict) and isinstance(owner.get("agent_pid"), int):
+            agents.append(owner["agent_pid"])
+    if d.name.startswith("private-"):
+        agents.append(int(d.name.split("-")[1]))
+    if not agents and _recent(d):
+        return False  # being set up by a worker that has not written its owner record yet
+    return not any(_pid_alive(pid) for pid in agents)

@@ -18,13 +18,15 @@ from typing import Any
 import torch
 
 from kfp_nvrx.components.training.checkpoint.bank import Slot, _local, _pin_ranges
+from kfp_nvrx.components.training.checkpoint.integrity import check_piece, expected_by_offset
 
 #: Reader threads; each fills one bounce buffer at a time (plus one the GPU copies from).
 THREADS = 4
 
 
 def restore_bounced(buffer: torch.Tensor, slots: dict[str, Slot], nbytes: int,
-                    flat: dict[str, Any], threads: int = THREADS) -> None:
+                    flat: dict[str, Any], threads: int = THREADS,
+                    expected: list[list[int]] | None = None) -> None:
     """Copies every tensor of ``flat`` from the pageable ``buffer`` (at ``slots``) to its device.
 
     Args:
@@ -33,7 +35,13 @@ def restore_bounced(buffer: torch.Tensor, slots: dict[str, Slot], nbytes: int,
         nbytes: The bank's size.
         flat: Flattened state whose tensors (CUDA) are filled in place.
         threads: Reader threads.
+        expected: The bank's ``[offset, length, crc]`` pieces: each bounce buffer is checked
+            after it is filled, so what reaches the GPU is what was sealed.
+
+    Raises:
+        SnapshotDamaged: A piece's CRC32 differs from ``expected``.
     """
+    table = expected_by_offset(expected)
     pieces = _pin_ranges(slots, nbytes)
     targets: list[list[tuple[torch.Tensor, Slot]]] = [[] for _ in pieces]
     starts = [off for off, _ in pieces]
@@ -71,6 +79,8 @@ def restore_bounced(buffer: torch.Tensor, slots: dict[str, Slot], nbytes: int,
                     event.synchronize()  # the GPU copies out of this buffer are done
                 off, n = pieces[index]
                 buf[:n].copy_(buffer[off:off + n])
+                if table:
+                    check_piece(buf, off, table)
                 got: Any = (buf, off)
             except BaseException as err:  # noqa: BLE001 - handed to the calling thread
                 got = err

@@ -11,10 +11,12 @@ speed. On CUDA the copies are issued on a side stream:
   only the optimizer step waits for it, on the GPU (``wait_before_update``), never the CPU.
 
 Two banks where ``/dev/shm`` has room: a save is staged into the bank that does *not* hold the
-newest committed state, so that state stays in host memory while the next save is written. The
-banks restore an in-process restart (H2D, the newest complete snapshot every rank holds, even one
-whose write the fault interrupted) and an in-job restart on the same node (the committed bank, as
-its manifest describes it, see :meth:`HostStaging.adopt`) instead of a read from disk.
+newest committed state, so that state stays in host memory while the next save is written. Once a
+bank's copies are complete it is *sealed* in the background: the CRC32 of its pieces is taken and
+its manifest published (:mod:`.hostcopy`). The banks restore an in-process restart (H2D, the
+newest complete snapshot every rank holds) and an in-job restart on the same node (the newest
+sealed snapshot every rank holds, see :meth:`HostStaging.adopt`), even one whose write to the
+volume the fault interrupted, instead of a read from disk; every restore checks the CRC32s.
 """
 
 from __future__ import annotations
@@ -44,11 +46,17 @@ from kfp_nvrx.components.training.checkpoint.bank import (
 from kfp_nvrx.components.training.checkpoint.hostcopy import (
     HostCopyDir,
     HostCopyUnavailable,
+    decode_objects,
+)
+from kfp_nvrx.components.training.checkpoint.integrity import (
+    Sealer,
+    SnapshotDamaged,
+    check_pieces,
 )
 from kfp_nvrx.components.training.checkpoint.restore import restore_bounced
 
-__all__ = ["HostStaging", "Slot", "StagingUnavailable", "flat_state", "layout_of",
-           "shm_free_bytes"]
+__all__ = ["HostStaging", "Slot", "SnapshotDamaged", "StagingUnavailable", "flat_state",
+           "layout_of", "shm_free_bytes"]
 
 
 class HostStaging:
@@ -80,6 +88,7 @@ class HostStaging:
         self._prep: threading.Thread | None = None
         self._prep_error: BaseException | None = None
         self._lock = threading.Lock()
+        self.sealer = Sealer(self.home, self._lock)
 
     # ------------------------------------------------------------------ views of the banks
     @property
@@ -208,6 +217,8 @@ class HostStaging:
     def release(self) -> None:
         """Unpins and unmaps the banks and deletes their files (the layout changed, or the end)."""
         self.synchronize()
+        self.sealer.wait()  # it reads the banks
+        self.sealer.sealed_step = None
         for bank in self.banks:
             bank.unmap()
         self.banks, self.slots, self.target, self.committed = [], {}, None, None
@@ -236,6 +247,7 @@ class HostStaging:
             self.committed, free = None, self.banks
         bank = min(free, key=lambda b: -1 if b.step is None else b.step)
         self.target, self.staged_step = bank, step
+        self.sealer.unseal(bank, self.banks)  # its manifest goes before its bytes change
         bank.step = None
         bank.objects = {k: copy.deepcopy(v) for k, v in flat.items()
                         if not isinstance(v, torch.Tensor)}
@@ -255,6 +267,7 @@ class HostStaging:
                 self._event.record(self._stream)
         if not self.cuda:
             bank.step = step  # CPU copies are complete on return
+            self.sealer.seal(bank, self.slots, self.nbytes)
 
     def ready(self) -> bool:
         """Whether the last stage()'s copies are complete (never blocks)."""
@@ -272,6 +285,7 @@ class HostStaging:
             self._event = None
             if self.target is not None:
                 self.target.step = self.staged_step
+                self.sealer.seal(self.target, self.slots, self.nbytes)
 
     def invalidate(self) -> None:
         """After a fault while staging: the bank being staged may hold a torn snapshot."""
@@ -280,18 +294,11 @@ class HostStaging:
             self.target.step = None
         self.staged_step = None
 
-    def commit(self, step: int, identity: str | None) -> None:
-        """Save ``step`` is committed (marker ``identity``): its bank is the one kept, and described.
-
-        Called on every rank after the commit; the manifest is what a restarted worker trusts.
-        """
+    def commit(self, step: int) -> None:
+        """Save ``step`` is committed: its bank is the one kept while the next save is staged."""
         bank = self._holding(step)
-        if bank is None:
-            return
-        self.committed = bank
-        if identity is not None:
-            self.home.publish(step=step, identity=identity, bank=bank.index, nbytes=self.nbytes,
-                              slots=_slot_rows(self.slots), objects=bank.objects)
+        if bank is not None:
+            self.committed = bank
 
     # ------------------------------------------------------------------ restore
     def keys(self, step: int | None = None) -> set[str]:
@@ -310,11 +317,21 @@ class HostStaging:
                 and all(k in bank.objects or k in self.slots for k in flat))
 
     def restore(self, flat: dict[str, Any], step: int | None = None) -> dict[str, Any]:
-        """Copies the bank of ``step`` into ``flat``'s tensors (in place); returns the other leaves."""
+        """Copies the bank of ``step`` into ``flat``'s tensors (in place); returns the other leaves.
+
+        The bank's bytes are checked against its CRC32s (when it is sealed) while they are copied.
+
+        Raises:
+            SnapshotDamaged: The bank changed since its snapshot was complete (``flat``'s tensors
+                then hold some of its bytes: load them from elsewhere).
+        """
         bank = self._holding(step if step is not None else self.valid_step)
         if self.cuda and not bank.pinned:  # adopted, not pinned yet: through bounce buffers
-            restore_bounced(bank.buffer, self.slots, self.nbytes, flat)
+            restore_bounced(bank.buffer, self.slots, self.nbytes, flat, expected=bank.crc32)
         else:
+            pool = self.sealer.pool()
+            check = (pool.submit(check_pieces, bank.buffer, bank.crc32, pool)
+                     if bank.crc32 is not None else None)
             with torch.no_grad():
                 for key, value in flat.items():
                     if isinstance(value, torch.Tensor):
@@ -322,36 +339,72 @@ class HostStaging:
                         dst.copy_(self.view(key, bank), non_blocking=dst.is_cuda)
             if self.cuda:
                 torch.cuda.current_stream(self.device).synchronize()
+            if check is not None:
+                check.result()  # raises SnapshotDamaged
         return {k: copy.deepcopy(v) for k, v in bank.objects.items() if k in flat}
 
-    def adopt(self, step: int, identity: str | None, flat: dict[str, Any]) -> bool:
-        """Takes over an earlier worker's bank holding committed ``step`` (in-job restart).
+    def held_steps(self) -> list[int]:
+        """Steps of the complete snapshots this rank could restore, newest first.
 
-        Only when this rank's manifest describes exactly that commit (``identity``) and ``flat``'s
-        layout; the bank is mapped (and pinned) as this process's committed bank.
+        This process's own banks (an in-process restart), or else the sealed snapshots an
+        earlier worker of this run left on this node (an in-job restart), as their manifests
+        describe them.
         """
-        if self.banks or not self.home.persistent:
+        if self.banks:
+            return sorted({b.step for b in self.banks if b.step is not None}, reverse=True)
+        return [m["step"] for m in self.home.snapshots()]
+
+    def adopt(self, step: int, flat: dict[str, Any]) -> bool:
+        """Takes over an earlier worker's sealed bank holding ``step`` (in-job restart).
+
+        Only when this rank's manifest describes that step of this run, rank and world size, and
+        exactly ``flat``'s layout; the bank is mapped (not pinned) as this process's kept bank,
+        with the CRC32s the restore checks.
+        """
+        if self.banks:
             return False
-        manifest = self.home.manifest(step, identity)
-        if manifest is None:
-            return False
-        slots = layout_of(flat)
-        if _slot_rows(slots) != manifest["slots"]:
+        manifest = next((m for m in self.home.snapshots() if m["step"] == step), None)
+        if manifest is None or _slot_rows(layout_of(flat)) != manifest["slots"]:
             return False
         try:  # mapped, not pinned: restore() copies through bounce buffers, prepare() pins
+            objects = decode_objects(manifest["objects"])
+            crcs = [[int(o), int(n), int(c)] for o, n, c in manifest["crc32"]]
             self.home.ensure()
             bank = _Bank(int(manifest["bank"]), self.home.bank_path(int(manifest["bank"])))
             bank.map(int(manifest["nbytes"]), create=False)
-        except (OSError, StagingUnavailable, HostCopyUnavailable):
+        except (OSError, KeyError, TypeError, ValueError, StagingUnavailable, HostCopyUnavailable):
             return False
         self.generation += 1
         digest = hashlib.sha1(repr(manifest["slots"]).encode()).hexdigest()
         self.layout_key = f"{os.getpid()}-{self.generation}-{digest[:16]}"
         bank.key = f"{self.layout_key}-{bank.index}"
-        bank.step, bank.objects = step, manifest["objects"]
-        self.slots, self.nbytes = slots, int(manifest["nbytes"])
+        bank.step, bank.objects, bank.crc32 = step, objects, crcs
+        self.slots, self.nbytes = layout_of(flat), int(manifest["nbytes"])
         self.banks = [bank]
         self.committed = self.target = bank
-        self.adopted_step = step
+        self.adopted_step = self.sealer.sealed_step = step
+        self.home.drop_banks(keep={bank.index})  # the other bank's snapshot is older: unused
         return True
 
+    def drop(self, step: int) -> None:
+        """The bank holding ``step`` is damaged: it is never restored, described or kept again."""
+        bank = self._holding(step)
+        if bank is not None:
+            self.sealer.unseal(bank, self.banks)
+            bank.step, bank.objects = None, {}
+            if self.committed is bank:
+                self.committed = None
+
+    def forget(self, newer_than: int | None = None) -> None:
+        """Withdraws the snapshots an earlier worker described (a start that adopts none).
+
+        A later restart must never take them: they are older than what this start loads, or
+        (``newer_than``: only those) of a timeline a ``checkpoint.load_step`` rollback abandons.
+        """
+        if self.banks:
+            return
+        for m in self.home.snapshots():
+            if newer_than is None or m["step"] > newer_than:
+                self.home.withdraw(m["bank"])
+        if newer_than is None:
+            self.home.drop_banks(keep=set())

@@ -2,6 +2,13 @@
 
 The client opens sections and sends heartbeats, learns timeouts from observed times and persists
 them in checkpoints.
+
+Every incarnation (a new worker process after an in-job restart, a re-entry after an in-process
+one) starts under the *configured* timeouts and is held to learned ones only once it is itself
+past its start-up: the rank monitor server keeps the last timeouts it was sent across worker
+restarts and NVRx's client re-sends loaded ones at every ``init_workload_monitoring``, so without
+the reset a restarted worker's start-up (allocating and pinning its staging banks, its first save,
+a recompile) was judged by the previous incarnation's 4 s rhythm and killed, again and again.
 """
 
 from __future__ import annotations
@@ -49,7 +56,11 @@ class Monitor:
         self.cfg = cfg
         self.enabled = cfg.monitor != "off" and under_ft_launcher()
         self.client = None
-        self.learned = False
+        self.learned = False  # this incarnation applies learned timeouts
+        # Learned (step, heartbeat) timeouts an earlier incarnation persisted: applied (as a
+        # floor) once this one is past its start-up, never during it.
+        self.restored: tuple[float, float] | None = None
+        self._current: tuple[float, float] | None = None  # what this incarnation learned
         self._steady_steps: list[float] = []
         self._steady_gaps: list[float] = []
         self._open: set[str] = set()
@@ -70,14 +81,42 @@ class Monitor:
             self.client = RankMonitorClient()
 
     def connect(self) -> None:
-        """(Re)connects to the rank monitor; called at every (in-process) restart."""
+        """(Re)connects to the rank monitor; called at every (in-process) restart.
+
+        The incarnation starts under the configured timeouts (see the module docstring); what it
+        learns, or restores from a checkpoint, takes effect once it is past its start-up
+        (:meth:`maybe_learn`).
+        """
         if not self.enabled:
             return
         self.disconnect()
-        # FT: init_workload_monitoring; learned timeouts loaded earlier are sent right away.
+        if self._current is not None:  # an in-process restart: the last incarnation's learning
+            before = self.restored or self._current
+            self.restored = (max(before[0], self._current[0]), max(before[1], self._current[1]))
+        self.learned, self._current = False, None
+        self._steady_steps.clear()
+        self._steady_gaps.clear()
         with self._lock:
+            # FT: init_workload_monitoring; NVRx re-sends timeouts loaded earlier and the server
+            # kept the last ones it got: both are replaced by the start-up ones right away.
             self.client.init_workload_monitoring()
+            self.client.load_state_dict(self._startup_state())
         self._open.clear()
+
+    def _startup_state(self) -> dict[str, Any]:
+        """The configured timeouts in NVRx's state format (what an incarnation starts under)."""
+        cfg = self.cfg
+        key = self.client.CURRENT_TIMEOUTS_STATE_KEY
+        state: dict[str, Any] = {key: {"heartbeat": {
+            "initial": cfg.initial_heartbeat_timeout, "subsequent": cfg.heartbeat_timeout,
+            "were_calculated": False}}}
+        if cfg.monitor == "sections":
+            state[key]["section"] = {
+                "section": {"setup": cfg.setup_timeout, "step": cfg.step_timeout,
+                            "checkpoint": cfg.checkpoint_timeout},
+                "out_of_section": cfg.out_of_section_timeout,
+                "calculated_sections": [], "is_out_of_section_calculated": False}
+        return state
 
     def disconnect(self) -> None:
         """Closes every section and leaves the rank monitor (before an in-process restart).
@@ -179,7 +218,10 @@ class Monitor:
         """Collective: sets the step and heartbeat timeouts once ``learn_after`` steady steps ran.
 
         Each is ``safety_factor`` x the longest steady step (or gap between step heartbeats) on
-        any rank, at least ``self.floor``. NVRx's own calculation takes the
+        any rank, at least ``self.floor`` and at least what an earlier incarnation learned
+        (:attr:`restored`): every incarnation learns from its own steady steps, so a restarted
+        one is judged by a learned rhythm only once it is past its own start-up, and never by a
+        tighter one than a run before it survived. NVRx's own calculation takes the
         longest gap it ever saw (the first steps, a compile, the pinning of the staging buffers:
         a 21 s step timeout for 0.3 s steps); ours come from steady steps only and are handed to
         the monitor through the client's state API. The ``setup`` and ``checkpoint`` sections and
@@ -198,31 +240,30 @@ class Monitor:
         if longest[0] > 0:
             return False
         factor = self.cfg.safety_factor
-        step_to = max(self.floor, factor * longest[1])
-        beat_to = max(self.floor, factor * max(longest[2], longest[1]))
+        before_step, before_beat = self.restored or (0.0, 0.0)
+        step_to = max(self.floor, factor * longest[1], before_step)
+        beat_to = max(self.floor, factor * max(longest[2], longest[1]), before_beat)
         self._set(step_to, beat_to)
         self.learned = True
         return True
 
+    def _learned_state(self, step_to: float, beat_to: float) -> dict[str, Any]:
+        """The start-up timeouts with learned ``step`` and subsequent-heartbeat ones (NVRx format)."""
+        state = self._startup_state()
+        current = state[self.client.CURRENT_TIMEOUTS_STATE_KEY]
+        current["heartbeat"].update(subsequent=beat_to, were_calculated=True)
+        if "section" in current:
+            current["section"]["section"]["step"] = step_to
+            current["section"]["calculated_sections"] = ["step"]
+        return state
+
     def _set(self, step_to: float, beat_to: float) -> None:
         """Sends learned ``step`` section and subsequent-heartbeat timeouts to the rank monitor."""
-        key = self.client.CURRENT_TIMEOUTS_STATE_KEY
-        hb = self.client.hb_timeouts
-        state: dict[str, Any] = {key: {"heartbeat": {
-            "initial": hb.initial if hb is not None else self.cfg.initial_heartbeat_timeout,
-            "subsequent": beat_to, "were_calculated": True}}}
-        sec = self.client.section_timeouts
-        if self.cfg.monitor == "sections" and sec is not None:
-            state[key]["section"] = {
-                "section": {**dict(sec.section), "step": step_to},
-                "out_of_section": sec.out_of_section,
-                "calculated_sections": sorted(set(sec.calculated_sections) | {"step"}),
-                "is_out_of_section_calculated": bool(sec.is_out_of_section_calculated),
-            }
         # FT: load_state_dict sends the timeouts to the rank monitor right away; checkpoints
         # persist them (state_dict) for the next incarnations.
         with self._lock:
-            self.client.load_state_dict(state)
+            self.client.load_state_dict(self._learned_state(step_to, beat_to))
+        self._current = (step_to, beat_to)
 
     def timeouts(self) -> str:
         """Current timeouts in words, for the log ("hang detection after 4.0 s without a step")."""
@@ -231,16 +272,30 @@ class Monitor:
         return describe_timeouts(self.client.hb_timeouts, getattr(self.client, "section_timeouts", None))
 
     def state_dict(self) -> dict[str, Any]:
-        """Learned timeouts to persist in checkpoints."""
-        return dict(self.client.state_dict()) if self.enabled else {}
+        """Learned timeouts to persist in checkpoints (the restored ones while not yet re-learned)."""
+        if not self.enabled:
+            return {}
+        # The same keys at every save (a save plan is reused while the layout holds).
+        learned = self._current or self.restored
+        return self._learned_state(*learned) if learned else self._startup_state()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restores learned timeouts from a checkpoint."""
-        if self.enabled and state:
-            # FT: persisted learned timeouts survive restarts.
-            with self._lock:
-                self.client.load_state_dict(state)
-            self.learned = bool(state.get(self.client.CURRENT_TIMEOUTS_STATE_KEY))
+        """Keeps learned timeouts from a checkpoint for when this incarnation is past its start-up.
+
+        They are not sent now: the restarted worker's own start-up has not been timed yet.
+        """
+        if not self.enabled or not state:
+            return
+        # FT: persisted learned timeouts survive restarts (as a floor for the next learning).
+        current = state.get(self.client.CURRENT_TIMEOUTS_STATE_KEY) or {}
+        hb, sec = current.get("heartbeat") or {}, current.get("section") or {}
+        beat = hb.get("subsequent") if hb.get("were_calculated") else None
+        step = (sec.get("section") or {}).get("step") if "step" in (
+            sec.get("calculated_sections") or ()) else None
+        if beat is None and step is None:  # saved before anything was learned
+            return
+        beat = float(beat if beat is not None else step)
+        self.restored = (float(step if step is not None else beat), beat)
 
     def close(self) -> None:
         """Closes every section and shuts the client down."""

@@ -220,17 +220,18 @@ def incarnation(job: Job, base_store: Any = None, call_wrapper: Any = None) -> N
                               world, iteration, call_wrapper)
             ckpt.warm_up()
             marks.append(("checkpointer", time.time()))
+            agent, previous = agent_identity(), None
+            if iteration == 0 and rank == 0:
+                # Agents count restarts per node; the job-wide count is what rank 0 has logged.
+                starts = [e for e in read_events(job.run_dir) if isinstance(e, ev.Start)
+                          and e.run_id == job.run_id and e.iteration == 0]
+                job.restart_count = len(starts)
+                previous = starts[-1].agent if starts else None
             t_load = time.perf_counter()
-            resumed = trainer.resume()
+            # checkpoint.load_step pins the launch's first start only (rank 0's word counts).
+            resumed = trainer.resume(first_start=iteration == 0 and job.restart_count == 0)
             load_s = time.perf_counter() - t_load
             marks.append(("load", time.time()))
-        agent, previous = agent_identity(), None
-        if iteration == 0 and rank == 0:
-            # Agents count restarts per node; the job-wide count is what rank 0 has logged.
-            starts = [e for e in read_events(job.run_dir) if isinstance(e, ev.Start)
-                      and e.run_id == job.run_id and e.iteration == 0]
-            job.restart_count = len(starts)
-            previous = starts[-1].agent if starts else None
         layer = restart_kind(iteration, previous, agent)
         if job.restart_count or iteration:
             events.emit(ev.Restart(kind=layer, incarnation=job.restart_count, iteration=iteration))
@@ -256,14 +257,20 @@ def incarnation(job: Job, base_store: Any = None, call_wrapper: Any = None) -> N
             events.emit(ev.End(step=trainer.train.step, status="completed"))
         log0(f"done: step {trainer.train.step}/{cfg.train.steps}")
     except BaseException:
+        # The rank monitor first: what follows (a started commit's file work, stopping the
+        # writer process) is no step, and under a learned step timeout it once took long enough
+        # to get the rank SIGKILLed, turning an in-process restart into an in-job one.
+        if base_store is not None:
+            # FT: in-process restart: the wrapper's soft/hard timeouts bound the teardown.
+            monitor.disconnect()
+        else:
+            monitor.stop()
         if ckpt is not None:
             ckpt.abort()
         if base_store is not None:
-            # FT: in-process restart. The wrapper's abort (a monitor thread) tears the process
-            # group down; destroying it here as well races with that abort on another thread.
-            monitor.disconnect()
+            # FT: the wrapper's abort (a monitor thread) tears the process group down;
+            # destroying it here as well races with that abort on another thread.
             raise
-        monitor.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
         raise
@@ -294,10 +301,15 @@ class Trainer:
         return full_state(self.model, self.opt, self.sched, self.train,
                           self.job.monitor.state_dict(), self.rank)
 
-    def resume(self) -> int | None:
-        """Restores the newest saved state (or warm-starts the weights); returns its step."""
+    def resume(self, first_start: bool) -> int | None:
+        """Restores the newest saved state (or warm-starts the weights); returns its step.
+
+        Args:
+            first_start: This is the launch's first start (``checkpoint.load_step`` applies).
+        """
         resumed, state = self.ckpt.resume(
-            self.state, check=lambda keys, step: check_compatible(self.model, keys, step))
+            self.state, check=lambda keys, step: check_compatible(self.model, keys, step),
+            first_start=first_start)
         if state is not None:
             apply_state(self.model, self.opt, self.sched, self.train, state, self.rank)
             self.job.monitor.load_state_dict(state.get("ft", {}))

@@ -1,0 +1,132 @@
+"""CRC32 of a staging bank's pieces: taken when a snapshot is complete, checked when it is loaded.
+
+A bank outlives the worker that staged it (a file under ``/dev/shm``), so what a restarted worker
+loads from it must be the bytes that were staged: the same check the disk checkpoints get (their
+commit marker's CRC32s). The pieces are the bank's pinning ranges (whole tensors, ~256 MiB), so a
+restore that copies piece by piece checks each one as it goes. ``zlib.crc32`` releases the GIL, so
+a few threads take 13 GB in well under a second on a GPU host; the trainer's loop thread is not
+held (the check of a new snapshot runs in the background).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import zlib
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kfp_nvrx.components.training.checkpoint.bank import _Bank, _pin_ranges, _slot_rows
+
+if TYPE_CHECKING:
+    from kfp_nvrx.components.training.checkpoint.bank import Slot
+    from kfp_nvrx.components.training.checkpoint.hostcopy import HostCopyDir
+
+#: Threads per rank: a share of the host's cores (8 local ranks share a p5's 192).
+THREADS = max(1, min(8, (os.cpu_count() or 2) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
+
+
+class SnapshotDamaged(RuntimeError):
+    """A bank's bytes do not match the CRC32 taken when its snapshot was complete."""
+
+
+def crc_of(buffer: torch.Tensor) -> int:
+    """CRC32 of a contiguous host uint8 tensor's bytes (no copy)."""
+    return zlib.crc32(buffer.numpy()) if buffer.numel() else 0
+
+
+def piece_crcs(buffer: torch.Tensor, pieces: Iterable[tuple[int, int]],
+               pool: ThreadPoolExecutor | None = None) -> list[list[int]]:
+    """``[offset, length, crc]`` of every piece of ``buffer`` (threads when ``pool`` is given)."""
+    pieces = list(pieces)
+    views = [buffer[off:off + n] for off, n in pieces]
+    crcs = list(pool.map(crc_of, views)) if pool is not None else [crc_of(v) for v in views]
+    return [[off, n, crc] for (off, n), crc in zip(pieces, crcs, strict=True)]
+
+
+def check_pieces(buffer: torch.Tensor, expected: list[list[int]],
+                 pool: ThreadPoolExecutor | None = None) -> None:
+    """Raises :class:`SnapshotDamaged` naming the first piece whose CRC32 differs."""
+    got = piece_crcs(buffer, [(off, n) for off, n, _ in expected], pool)
+    for (off, n, want), (_, _, crc) in zip(expected, got, strict=True):
+        if want != crc:
+            raise SnapshotDamaged(f"bytes {off}..{off + n} changed since the snapshot was "
+                                  f"taken (CRC32 {crc:08x}, recorded {want:08x})")
+
+
+def expected_by_offset(expected: list[list[int]] | None) -> dict[int, tuple[int, int]]:
+    """``{offset: (length, crc)}`` for looking a piece up while restoring it."""
+    return {int(off): (int(n), int(crc)) for off, n, crc in expected or ()}
+
+
+def check_piece(data: Any, offset: int, table: dict[int, tuple[int, int]]) -> None:
+    """Checks one piece (a uint8 tensor holding the bank's bytes at ``offset``) against ``table``."""
+    length, want = table[offset]
+    crc = crc_of(data[:length])
+    if crc != want:
+        raise SnapshotDamaged(f"bytes {offset}..{offset + length} changed since the snapshot "
+                              f"was taken (CRC32 {crc:08x}, recorded {want:08x})")
+
+
+class Sealer:
+    """Seals complete snapshots: takes their CRC32s and publishes their manifests, off the loop.
+
+    Args:
+        home: The rank's host copy directory (where manifests are published).
+        lock: The staging's lock (held while a manifest is published or withdrawn, so a bank
+            being staged again is never described by a seal that started before).
+    """
+
+    def __init__(self, home: HostCopyDir, lock: threading.Lock) -> None:
+        self.home = home
+        self.lock = lock
+        self.sealed_step: int | None = None  # newest snapshot whose CRC32s are taken
+        self._thread: threading.Thread | None = None
+        self._pool: ThreadPoolExecutor | None = None
+
+    def pool(self) -> ThreadPoolExecutor:
+        """The CRC threads (made on first use)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="bank-crc")
+        return self._pool
+
+    def seal(self, bank: _Bank, slots: dict[str, Slot], nbytes: int) -> None:
+        """Starts sealing ``bank``'s complete snapshot (its ``step``) in the background."""
+        bank.crc32, bank.token = None, bank.token + 1
+        self._thread = threading.Thread(
+            target=self._run, args=(bank, bank.token, bank.step, slots, nbytes),
+            name="ckpt-seal", daemon=True)
+        self._thread.start()
+
+    def _run(self, bank: _Bank, token: int, step: int, slots: dict[str, Slot],
+             nbytes: int) -> None:
+        try:
+            crcs = piece_crcs(bank.buffer, _pin_ranges(slots, nbytes), self.pool())
+        except Exception:  # noqa: BLE001 - unmapped meanwhile (released): nothing to describe
+            return
+        with self.lock:
+            if bank.token != token or bank.step != step:
+                return  # staged again meanwhile: these CRCs describe nothing
+            bank.crc32 = crcs
+            self.home.publish(bank.index, step=step, nbytes=nbytes, slots=_slot_rows(slots),
+                              objects=bank.objects, crc32=crcs)
+            self.sealed_step = max(step, self.sealed_step or step)
+
+    def unseal(self, bank: _Bank, banks: list[_Bank]) -> None:
+        """Before ``bank`` is staged again: no manifest, no CRCs, no seal in flight for it."""
+        with self.lock:
+            bank.token += 1
+            bank.crc32 = None
+            self.home.withdraw(bank.index)
+            if self.sealed_step is not None and self.sealed_step == bank.step:
+                others = [b.step for b in banks if b is not bank and b.crc32 is not None]
+                self.sealed_step = max(others) if others else None
+
+    def wait(self) -> None:
+        """Waits for the seal in flight, if any (before the banks are unmapped; tests)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
