@@ -235,6 +235,63 @@ def test_no_committed_checkpoint_and_missing_data_path(tmp_path: Path) -> None:
     assert export_checkpoint(run_dir, tmp_path / "out", eval_batches=0)["source_step"] == 4
 
 
+def _prune_during_the_read(monkeypatch: pytest.MonkeyPatch, run_dir: Path) -> None:
+    """The first DCP read finds the run moved on: step 7 committed, step 5 pruned (keep=1)."""
+    import shutil
+
+    real = dcp.load
+
+    def load(*args, **kwargs):
+        step7 = run_dir / "checkpoints" / "step_00000007"
+        if not (step7 / "COMMITTED").exists():
+            files = {p.name: p.stat().st_size for p in sorted(step7.iterdir())}
+            (step7 / "COMMITTED").write_text(json.dumps(
+                {"step": 7, "world_size": 1, "time": time.time(),
+                 "bytes": sum(files.values()), "files": files}))
+            shutil.rmtree(run_dir / "checkpoints" / "step_00000005")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dcp, "load", load)
+
+
+def test_export_of_a_run_still_training_reads_the_newest_again(
+        run: tuple[Path, dict], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step pruned while it was read failed the export and blamed a --step never given (30.15)."""
+    run_dir, models = run
+    _prune_during_the_read(monkeypatch, run_dir)
+    said: list[str] = []
+    info = export_checkpoint(run_dir, tmp_path / "out", eval_batches=0, log=said.append)
+    assert info["source_step"] == 7 and any("removed while it was read" in m for m in said)
+    weights = load_file(tmp_path / "out" / "model.safetensors")
+    assert all(torch.equal(weights[k], v) for k, v in models[7].state_dict().items())
+
+
+def test_a_named_step_pruned_while_read_says_so(
+        run: tuple[Path, dict], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run_dir, _ = run
+    _prune_during_the_read(monkeypatch, run_dir)
+    with pytest.raises(UserError) as err:
+        export_checkpoint(run_dir, tmp_path / "out", step=5, eval_batches=0)
+    assert err.value.field == "step" and "removed while it was read" in err.value.message
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_run_made_on_fsx_names_its_data_path_not_a_data_flag_never_given(
+        run: tuple[Path, dict], tmp_path: Path) -> None:
+    """It said '--data: /fsx/... is not a dataset' to a user who gave no --data (issue 30.8)."""
+    run_dir, _ = run
+    cfg = load_config("tiny", ["data.path=/fsx/data/corpus"])
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
+    proc = subprocess.run([sys.executable, "-m", "kfp_nvrx.components.cli", "export",
+                           "--run-dir", str(run_dir), "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("kfp-nvrx export: error: data.path: the run's data.path"), lines[0]
+    assert "/fsx/data/corpus" in lines[0] and "--data" in lines[0]
+    assert "--eval-batches=0" in lines[0] and not (tmp_path / "out").exists()
+
+
 def test_checkpoint_not_matching_config(run: tuple[Path, dict], tmp_path: Path) -> None:
     run_dir, _ = run
     cfg = load_config("tiny", ["model.dim=32"])

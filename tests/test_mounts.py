@@ -113,6 +113,44 @@ def test_export_to_a_read_only_mount_fails_before_reading_the_checkpoint(tmp_pat
     assert "loading model tensors" not in proc.stderr + proc.stdout
 
 
+def test_export_onto_a_full_mount_names_out_and_its_room_before_reading(tmp_path,
+                                                                       mounts) -> None:
+    """It read the checkpoint first, then blamed the working dir's file system (issue 30.15)."""
+    run_dir = tmp_path / "run"
+    _small_run(run_dir)
+    small = tmp_path / "small"
+    _mount(small, "size=64k")  # the tiny model's weights alone are larger
+    mounts.append(small)
+    proc = subprocess.run([*CLI, "export", "--run-dir", str(run_dir), "--out",
+                           str(small / "model"), "--eval-batches", "0"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("kfp-nvrx export: error: --out: not enough room"), lines[0]
+    assert str(small / "model") in lines[0] and "free" in lines[0] and ".tmp-" not in lines[0]
+    assert "checkpoint.keep" not in lines[0]  # the trainer's advice does not apply here
+    assert "loading model tensors" not in proc.stderr + proc.stdout
+    assert list(small.iterdir()) == []
+
+
+def test_export_onto_a_mount_that_fills_while_writing_names_out(tmp_path, mounts,
+                                                               monkeypatch) -> None:
+    from kfp_nvrx.components.errors import UserError
+    from kfp_nvrx.components.training.export import consolidate
+
+    run_dir = tmp_path / "run"
+    _small_run(run_dir)
+    small = tmp_path / "small"
+    _mount(small, "size=64k")
+    mounts.append(small)
+    monkeypatch.setattr(consolidate, "free_bytes", lambda _p: 1 << 40)  # the check was fooled
+    with pytest.raises(UserError) as err:
+        consolidate.export_checkpoint(run_dir, small / "model", eval_batches=0)
+    assert err.value.field == "out_dir" and "filled up while the export was written" in str(
+        err.value) and str(small / "model") in str(err.value)
+    assert list(small.iterdir()) == []
+
+
 def test_a_log_file_on_a_full_device_is_given_up_once_and_the_stream_goes_on(tmp_path) -> None:
     from kfp_nvrx.components.launch.agent_log import AgentLog
 

@@ -15,137 +15,31 @@ import hashlib
 import os
 import shutil
 import tempfile
-import warnings
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kfp_nvrx.components.core.disk import disk_full, free_bytes
 from kfp_nvrx.components.core.ownership import check_output_dir, refuse_foreign
-from kfp_nvrx.components.core.rundir import (
-    CHECKPOINTS_DIR,
-    CONFIG_FILE,
-    RESUMED_CONFIG_FILE,
-    checkpoints_dir,
-    parse_step,
-    read_commit_marker,
-    verify,
-)
+from kfp_nvrx.components.core.rundir import CHECKPOINTS_DIR, CONFIG_FILE, RESUMED_CONFIG_FILE
 from kfp_nvrx.components.data.shards import publish_dir, write_json_atomic
 from kfp_nvrx.components.errors import UserError
 
+# Re-exported: the checkpoint a run's export reads, and reading it, live in .checkpoint_read.
+from kfp_nvrx.components.training.export.checkpoint_read import (  # noqa: F401
+    MODEL_PREFIX,
+    Checkpoint,
+    list_checkpoints,
+    load_model_state,
+    read_newest,
+    select_checkpoint,
+)
+
 EXPORT_FORMAT = "kfp-nvrx-export/1"
 ARCHITECTURE = "kfp-nvrx-llama"
-MODEL_PREFIX = "model."
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    """One ``step_XXXXXXXX`` directory, its commit marker and what is wrong with it, if anything.
-
-    ``commit`` is None for a torn checkpoint (no marker: crashed or still being written);
-    ``problem`` is set when a committed checkpoint's files no longer match its marker.
-    """
-
-    step: int
-    path: Path
-    commit: dict[str, Any] | None
-    problem: str | None = None
-
-    @property
-    def committed(self) -> bool:
-        """Whether the checkpoint is complete, intact and may be loaded."""
-        return self.commit is not None and self.problem is None
-
-
-def _inspect(step: int, path: Path) -> Checkpoint:
-    try:
-        commit = read_commit_marker(path)
-    except ValueError as err:
-        return Checkpoint(step, path, {}, str(err))
-    if commit is None:
-        return Checkpoint(step, path, None)
-    return Checkpoint(step, path, commit, verify(path))  # the one check trainer and drills use
-
-
-def list_checkpoints(run_dir: str | os.PathLike[str]) -> list[Checkpoint]:
-    """Return every ``step_*`` directory under ``<run_dir>/checkpoints``, oldest first."""
-    root = checkpoints_dir(run_dir)
-    if not root.is_dir():
-        return []
-    found = []
-    for child in root.iterdir():
-        step = parse_step(child.name)
-        if step is not None and child.is_dir():
-            found.append(_inspect(step, child))
-    return sorted(found, key=lambda c: c.step)
-
-
-def select_checkpoint(run_dir: str | os.PathLike[str], step: int | None = None,
-                      log: Callable[[str], None] | None = None) -> Checkpoint:
-    """Pick the newest intact committed checkpoint, or the one at ``step``.
-
-    Raises:
-        UserError: ``step`` when that checkpoint is missing, torn or damaged; ``run_dir`` when
-            there is no intact committed checkpoint at all.
-
-    """
-    ckpts = list_checkpoints(run_dir)
-    committed = [c for c in ckpts if c.committed]
-    steps = ", ".join(str(c.step) for c in committed) or "none"
-    if step is not None:
-        for c in ckpts:
-            if c.step != step:
-                continue
-            if c.committed:
-                return c
-            why = c.problem or "not committed (torn or still being written)"
-            raise UserError("step", f"checkpoint {c.path.name} is {why}; committed steps: {steps}")
-        raise UserError("step", f"no checkpoint for step {step} in {run_dir}; committed: {steps}")
-    for c in ckpts:
-        if c.commit is not None and c.problem and (not committed or c.step > committed[-1].step):
-            (log or (lambda _m: None))(f"skipping damaged checkpoint {c.path.name}: {c.problem}")
-    if not committed:
-        raise UserError("run_dir", f"no committed checkpoint under {checkpoints_dir(run_dir)}")
-    return committed[-1]
-
-
-def load_model_state(ckpt_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read the ``model.*`` tensors of a DCP checkpoint, full-size, on CPU, without a process group.
-
-    Returns:
-        ``{fqn: tensor}`` with the ``model.`` prefix stripped.
-
-    Raises:
-        UserError: (``step``) when the checkpoint cannot be read or holds no model tensors.
-
-    """
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    path = str(ckpt_dir)
-    try:
-        metadata = dcp.FileSystemReader(path).read_metadata()
-    except Exception as err:  # noqa: BLE001 - any read/unpickle failure means a bad checkpoint
-        raise UserError("step", f"cannot read DCP metadata of {path}: {err}") from None
-    state = {
-        key: torch.empty(meta.size, dtype=meta.properties.dtype)
-        for key, meta in metadata.state_dict_metadata.items()
-        if key.startswith(MODEL_PREFIX) and isinstance(meta, TensorStorageMetadata)
-    }
-    if not state:
-        raise UserError("step", f"{path} holds no '{MODEL_PREFIX}*' tensors")
-    try:
-        with warnings.catch_warnings():
-            # "torch.distributed is disabled ... assuming ... a single process": the intent here.
-            warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-            dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=True)
-    except Exception as err:  # noqa: BLE001
-        msg = " ".join(str(err).split())[:300]
-        raise UserError("step", f"cannot load model tensors from {path}: {msg}") from None
-    return {key[len(MODEL_PREFIX):]: t.contiguous() for key, t in state.items()}
+#: Bytes beyond the tensors an export writes (safetensors header, config.json, export.json).
+EXPORT_SLACK = 1 << 20
 
 
 def read_run_config(run_dir: str | os.PathLike[str]) -> Any:
@@ -227,6 +121,99 @@ def model_config_json(model_cfg: Any, dtype: str) -> dict[str, Any]:
             "torch_dtype": dtype, "format": EXPORT_FORMAT}
 
 
+def _size(n: float) -> str:
+    for unit, div in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= div:
+            return f"{n / div:.1f} {unit}"
+    return f"{int(n)} bytes"
+
+
+def _room_check(out: Path, log: Callable[[str], None]) -> Callable[[Any, dict[str, Any]], None]:
+    """``before_read`` for :func:`read_newest`: refuses an ``out`` without room for the export.
+
+    Asked before gigabytes are read, of the file system ``out`` is on (the export is built
+    next to it), with the sizes the checkpoint's metadata gives.
+    """
+    def check(ckpt: Any, state: dict[str, Any]) -> None:
+        need = sum(t.numel() * t.element_size() for t in state.values()) + EXPORT_SLACK
+        free = free_bytes(out.parent)
+        if free is not None and free < need:
+            raise UserError("out_dir", f"not enough room for the export on the file system of "
+                            f"{out}: it needs about {_size(need)}, {_size(free)} is free; free "
+                            "space there or export to another folder")
+        log(f"loading model tensors of {ckpt.path}")
+    return check
+
+
+def _full(out: Path) -> UserError:
+    """The error for a file system that filled up while the export was written."""
+    free = free_bytes(out.parent)
+    left = f" ({_size(free)} free now)" if free is not None else ""
+    return UserError("out_dir", f"the file system of {out} filled up while the export was "
+                     f"written{left}; free space there or export to another folder")
+
+
+def _write_export(work: Path, state: dict[str, Any], cfg: Any, ckpt: Any,
+                  run: Path) -> dict[str, Any]:
+    """model.safetensors and config.json into ``work``; returns export.json's first entries."""
+    from safetensors.torch import save_file
+
+    from kfp_nvrx.components.training.model import build_model
+
+    model = build_model(cfg.model)
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as err:
+        msg = " ".join(str(err).split())[:300]
+        raise UserError("run_dir", f"{ckpt.path} does not match config.yaml's model: {msg}"
+                        ) from None
+    del model
+    os.chmod(work, 0o755)
+    weights = work / "model.safetensors"
+    save_file(state, str(weights), metadata={"format": "pt"})
+    dtype = Counter(str(t.dtype).removeprefix("torch.") for t in state.values()).most_common(1)
+    write_json_atomic(work / "config.json", model_config_json(cfg.model, dtype[0][0]))
+    return {
+        "format": EXPORT_FORMAT, "source_step": ckpt.step, "source_dir": str(ckpt.path),
+        "run_dir": str(run), "sha256": _file_sha256(weights),
+        "num_params": sum(t.numel() for t in state.values()),
+        "world_size": (ckpt.commit or {}).get("world_size"),
+        "seq_len": cfg.data.seq_len,
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _check_args(run: Path, run_dir: Any, step: Any, eval_batches: Any) -> None:
+    if not run.is_dir():
+        raise UserError("run_dir", f"{run_dir} is not a directory")
+    if isinstance(eval_batches, bool) or not isinstance(eval_batches, int) or eval_batches < 0:
+        raise UserError("eval_batches", f"must be an integer >= 0, got {eval_batches!r}")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise UserError("step", f"must be an integer >= 0, got {step!r}")
+
+
+def _eval_data(cfg: Any, data: str | None, eval_batches: int) -> str | None:
+    """The dataset the eval loss reads (None: no eval), checked against the model."""
+    from kfp_nvrx.components.training.export.evaluate import check_dataset
+
+    if not eval_batches:
+        return None
+    data_dir = data or cfg.data.path
+    if not data_dir:
+        raise UserError("data", "config.yaml has no data.path; pass --data DIR or "
+                        "--eval-batches 0")
+    try:
+        check_dataset(data_dir, cfg.model.vocab_size, cfg.data.seq_len)
+    except UserError as err:
+        if data:
+            raise
+        # Not given: it is the run's own data.path (on /fsx for a cluster run), not a --data.
+        raise UserError("data.path", f"the run's data.path (from its config) cannot be read "
+                        f"here for the eval loss: {err.message}; give `data` (the dataset on "
+                        "this machine) or `eval_batches=0`") from None
+    return data_dir
+
+
 def export_checkpoint(run_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
                       step: int | None = None, data: str | None = None, eval_batches: int = 8,
                       log: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -245,64 +232,27 @@ def export_checkpoint(run_dir: str | os.PathLike[str], out_dir: str | os.PathLik
 
     Raises:
         UserError: On bad arguments, naming the field (``run_dir``, ``out_dir``, ``step``, ``data``,
-            ``eval_batches``).
+            ``eval_batches``); ``out_dir`` when its file system has no room for the export.
 
     """
-    from safetensors.torch import save_file
-
-    from kfp_nvrx.components.training.export.evaluate import (
-        check_dataset,
-        eval_loss,
-        load_exported_model,
-    )
-    from kfp_nvrx.components.training.model import build_model
+    from kfp_nvrx.components.training.export.evaluate import eval_loss, load_exported_model
 
     log = log or (lambda _msg: None)
-    run = Path(run_dir).absolute()
-    out = Path(out_dir).absolute()
-    if not run.is_dir():
-        raise UserError("run_dir", f"{run_dir} is not a directory")
-    if isinstance(eval_batches, bool) or not isinstance(eval_batches, int) or eval_batches < 0:
-        raise UserError("eval_batches", f"must be an integer >= 0, got {eval_batches!r}")
-    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
-        raise UserError("step", f"must be an integer >= 0, got {step!r}")
+    run, out = Path(run_dir).absolute(), Path(out_dir).absolute()
+    _check_args(run, run_dir, step, eval_batches)
     cfg = read_run_config(run)
-    ckpt = select_checkpoint(run, step, log)
-    data_dir = None
-    if eval_batches:
-        data_dir = data or cfg.data.path
-        if not data_dir:
-            raise UserError("data", "config.yaml has no data.path; pass --data DIR or "
-                            "--eval-batches 0")
-        check_dataset(data_dir, cfg.model.vocab_size, cfg.data.seq_len)
+    first = select_checkpoint(run, step, log)  # said before the data's and the output's errors
+    data_dir = _eval_data(cfg, data, eval_batches)
     _check_out(out, run)
     # Before reading gigabytes: a read-only --out fails here, naming it.
     work, created = _work_dir(out)
     done = False
     try:
-        log(f"loading model tensors of {ckpt.path}")
-        state = load_model_state(ckpt.path)
-        model = build_model(cfg.model)
+        ckpt, state = read_newest(run, step, _room_check(out, log), log, first)
         try:
-            model.load_state_dict(state, strict=True)
-        except RuntimeError as err:
-            msg = " ".join(str(err).split())[:300]
-            raise UserError("run_dir", f"{ckpt.path} does not match config.yaml's model: {msg}"
-                            ) from None
-        del model
-        os.chmod(work, 0o755)
-        weights = work / "model.safetensors"
-        save_file(state, str(weights), metadata={"format": "pt"})
-        dtype = Counter(str(t.dtype).removeprefix("torch.") for t in state.values()).most_common(1)
-        write_json_atomic(work / "config.json", model_config_json(cfg.model, dtype[0][0]))
-        info: dict[str, Any] = {
-            "format": EXPORT_FORMAT, "source_step": ckpt.step, "source_dir": str(ckpt.path),
-            "run_dir": str(run), "sha256": _file_sha256(weights),
-            "num_params": sum(t.numel() for t in state.values()),
-            "world_size": (ckpt.commit or {}).get("world_size"),
-            "seq_len": cfg.data.seq_len,
-            "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        }
+            info = _write_export(work, state, cfg, ckpt, run)
+        except Exception as err:  # safetensors' writer reports ENOSPC as its own error type
+            raise _full(out) if disk_full(err) else err from None
         del state
         if data_dir:
             log(f"evaluating on the val split of {data_dir}")
@@ -311,10 +261,13 @@ def export_checkpoint(run_dir: str | os.PathLike[str], out_dir: str | os.PathLik
                                vocab_size=cfg.model.vocab_size)
             info.update(eval_loss=result["loss"], eval_tokens=result["tokens"],
                         eval_data=str(Path(data_dir).resolve()))
-        write_json_atomic(work / "export.json", info)
-        for name in EXPORT_FILES:  # readable by the serving side of a shared volume
-            os.chmod(work / name, 0o644)
-        publish_dir(work, out, EXPORT_FILES, last="export.json")
+        try:
+            write_json_atomic(work / "export.json", info)
+            for name in EXPORT_FILES:  # readable by the serving side of a shared volume
+                os.chmod(work / name, 0o644)
+            publish_dir(work, out, EXPORT_FILES, last="export.json")
+        except OSError as err:
+            raise _full(out) if disk_full(err) else err from None
         done = True
     finally:
         shutil.rmtree(work, ignore_errors=True)
