@@ -9,12 +9,14 @@ them (:func:`read_events`). Every line has ``type`` and ``time`` (Unix seconds);
 - :class:`Checkpoint`: a save committed (``blocking_s`` stalled training);
 - :class:`Fault`: an injected fault fired (written by the faulting rank, or by a drill);
 - :class:`Restart`: a restart of one of :data:`RESTART_LAYERS`;
+- :class:`Join`: a node's agent started the workers of a rendezvous round (:mod:`.rounds`);
 - :class:`End`: the run completed.
 
-Rank 0 writes everything except :class:`Fault`. The on-disk form is unchanged from the dicts the
-trainer used to write: a field that is None is left out unless it has always been written as
-``null`` (``resumed_from``, ``loss``, ``rank``), so files of older runs read, and older readers read
-ours. A line of a type this version does not know reads as :class:`Other`.
+Rank 0 writes everything except :class:`Fault` and :class:`Join` (each node's first worker).
+The on-disk form is unchanged from the dicts the trainer used to write: a field that is None is
+left out unless it has always been written as ``null`` (``resumed_from``, ``loss``, ``rank``),
+so files of older runs read, and older readers read ours. A line of a type this version does
+not know reads as :class:`Other`.
 """
 
 from __future__ import annotations
@@ -175,6 +177,35 @@ class Restart(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class Join(Event):
+    """A node's agent started the workers of a rendezvous round (one line per node per round).
+
+    Written by each node's first worker (``LOCAL_RANK`` 0) before its process group exists, so
+    a round whose workers never trained is on record too. :mod:`.rounds` reads them: which
+    layer restarted (a new agent on any node: the pods were recreated) and the job-wide
+    restart budget.
+
+    Attributes:
+        agent: The agent that started the node's workers (see :func:`.rounds.agent_identity`).
+        node: The node's group rank in this round.
+        nodes: Nodes in this round (``GROUP_WORLD_SIZE``).
+        rank: Global rank of the worker that wrote it.
+        pid: Its process id (rank 0's is the ``pid`` of the round's :class:`Start`).
+        run_id: The rendezvous id.
+        endpoint: ``MASTER_ADDR:MASTER_PORT`` the round's workers were given.
+    """
+
+    TYPE: ClassVar[str] = "join"
+    agent: str = _f(_TEXT)
+    node: int = _f(_COUNT, 0)
+    nodes: int = _f(_COUNT, 1)
+    rank: int = _f(_COUNT, 0)
+    pid: int | None = _f(_ANY, None)
+    run_id: str | None = _f(_ANY, None)
+    endpoint: str | None = _f(_ANY, None)
+
+
+@dataclass(frozen=True, kw_only=True)
 class End(Event):
     """The run ended with ``status`` (``completed``) after ``step``."""
 
@@ -200,7 +231,8 @@ class Other(Event):
 
 
 #: Every event class by its ``type``.
-TYPES: dict[str, type[Event]] = {c.TYPE: c for c in (Start, Step, Checkpoint, Fault, Restart, End)}
+TYPES: dict[str, type[Event]] = {c.TYPE: c for c in (Start, Step, Checkpoint, Fault, Restart,
+                                                     Join, End)}
 
 
 class EventLog:

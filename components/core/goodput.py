@@ -10,6 +10,10 @@ Definitions:
 - goodput = time inside kept steps / wall time;
 - lost work = time inside redone steps;
 - recovery = fault (or the last step before a restart) -> first step of the next incarnation;
+- restarts by layer: in-process from the trainer's ``restart`` events; in-job and pod from the
+  rendezvous rounds each node's ``join`` records (:mod:`.rounds`: a new agent on any node is a
+  pod restart, which rank 0's own ``restart`` event cannot see), counting rounds whose workers
+  failed before training too; runs written before joins existed count their ``restart`` events;
 - checkpoint stall = sum of the blocking seconds of every save;
 - what happened = one sentence per restart: the fault (or failure), where training resumed, how
   long recovery took and how many steps were redone (:func:`narrate`).
@@ -29,12 +33,14 @@ from kfp_nvrx.components.core.events import (
     End,
     Event,
     Fault,
+    Join,
     Restart,
     Start,
     Step,
     read_events,
 )
 from kfp_nvrx.components.core.faults import fault_verb
+from kfp_nvrx.components.core.rounds import rounds, start_layers
 
 
 @dataclass
@@ -82,7 +88,7 @@ def sessions(events: list[Event]) -> list[int]:
     out: list[int] = []
     index, run_id, ended = 0, None, False
     for e in events:
-        rid = (e.run_id or None) if isinstance(e, Start) else None
+        rid = (e.run_id or None) if isinstance(e, (Start, Join)) else None
         if out and (ended or (rid is not None and run_id is not None and rid != run_id)):
             index, run_id, ended = index + 1, None, False
         if rid is not None:
@@ -128,10 +134,9 @@ def summarize_events(events: list[Event]) -> GoodputReport:
     rep.goodput = rep.productive_s / rep.wall_s if rep.wall_s > 0 else 0.0
     if final is not None:
         rep.steps_final, rep.final_loss = final.step, final.loss
+    rep.restarts = restart_counts(events, sess)
     for e in events:
-        if isinstance(e, Restart):
-            rep.restarts[e.kind] = rep.restarts.get(e.kind, 0) + 1
-        elif isinstance(e, Checkpoint):
+        if isinstance(e, Checkpoint):
             rep.checkpoints += 1
             rep.checkpoint_stall_s += float(e.blocking_s)
         elif isinstance(e, Fault):
@@ -144,6 +149,38 @@ def summarize_events(events: list[Event]) -> GoodputReport:
     return rep
 
 
+def restart_kinds(events: list[Event], sess: list[int]) -> dict[int, str]:
+    """The layer of each ``restart`` event (by ``id``): rank 0's word, unless the rounds know.
+
+    Rank 0 names the layer from its own agent only; the rounds (every node's agent) correct an
+    in-job restart that was a recreated pod of another node.
+    """
+    layers = start_layers(events)
+    starts = {(k, e.incarnation, e.iteration): layers[id(e)] for e, k in zip(events, sess,
+              strict=True) if isinstance(e, Start) and layers.get(id(e))}
+    return {id(e): starts.get((k, e.incarnation, e.iteration)) or e.kind
+            for e, k in zip(events, sess, strict=True) if isinstance(e, Restart)}
+
+
+def restart_counts(events: list[Event], sess: list[int]) -> dict[str, int]:
+    """Restarts by layer (see the module docstring), only the layers that restarted."""
+    out: dict[str, int] = {}
+    for kind in restart_kinds(events, sess).values():
+        out[kind] = out.get(kind, 0) + 1
+    session_of = {id(e): k for e, k in zip(events, sess, strict=True)}
+    started = {e.pid for e in events if isinstance(e, Start) and not e.iteration}
+    seen: set[int] = set()
+    for r in rounds(events):
+        k = session_of[id(next(iter(r.joins.values())))]
+        first, pid = k not in seen, r.pid_of_rank0()
+        seen.add(k)
+        # A round whose rank 0 never logged a start (its workers failed first, or refused the
+        # restart) is a restart all the same; one with a start has its restart event counted.
+        if not first and r.layer is not None and pid not in started:
+            out[r.layer] = out.get(r.layer, 0) + 1
+    return out
+
+
 def narrate(events: list[Event], sess: list[int] | None = None) -> list[str]:
     """Return one sentence per restart (and per relaunch of a resumed run).
 
@@ -154,6 +191,7 @@ def narrate(events: list[Event], sess: list[int] | None = None) -> list[str]:
     launcher invocations is no recovery.
     """
     sess = sessions(events) if sess is None else sess
+    layers = start_layers(events)
     out: list[str] = []
     fault: Fault | None = None
     current: tuple[int, int, int] | None = None
@@ -172,7 +210,7 @@ def narrate(events: list[Event], sess: list[int] | None = None) -> list[str]:
                 elif fault is not None:
                     rank = f"rank {fault.rank}" if fault.rank is not None else "a rank"
                     what = f"{rank} {fault_verb(fault.kind)} at step {fault.step}"
-                elif e.layer == POD:  # the start says which layer restarted
+                elif layers.get(id(e), e.layer) == POD:  # the rounds, else rank 0's word
                     what = f"pods recreated after step {max(done, default=0)}"
                 else:
                     what = f"workers failed after step {max(done, default=0)}"

@@ -19,7 +19,9 @@ ft_launcher's exit code says (docs/eks.md, "Why the failure policies are set thi
   JobSet restart a run that ft_launcher already gave up on.
 * **ft_launcher gave up** (``Some rank(s) exited with non-zero exit code``: a worker group failed
   with its in-job restarts used up, or NVRx 0.7 saw no progress): its 1 passes through at once,
-  the failure policies' "final verdict".
+  the failure policies' "final verdict". So does the job's restart budget: rank 0 prints
+  :data:`BUDGET_SPENT` and stops its agent (whose own exit then reads like a broken agent), when
+  the in-job restarts of all nodes together exceed ``resilience.max_restarts``.
 
 The two kinds of 1 are told apart by ft_launcher's own last log line (the same words from NVRx
 0.4.1 to 0.7 and later: its ``main``), read from the copy of its output. Any other exit code,
@@ -47,6 +49,9 @@ PEER_LOST = 200
 GAVE_UP_LINE = "Some rank(s) exited with non-zero exit code"
 #: ft_launcher's last line when its agent raised (store or rendezvous lost, closed, timed out).
 BROKE_LINE = "Agent run ended with exception"
+#: What rank 0 prints when the job's in-job restarts exceed ``resilience.max_restarts`` (all
+#: nodes together, :mod:`.rounds`), before it stops its agent: a give-up, never a lost peer.
+BUDGET_SPENT = "[trainer] gave up: the job's in-job restarts are used up"
 #: Environment override of :func:`peer_lost_wait_s` (seconds; the PyTorchJob sets 0).
 PEER_WAIT_ENV = "KFP_NVRX_PEER_LOST_WAIT_S"
 #: After its grace period a stopped peer is SIGKILLed; its status then takes a moment to reach
@@ -82,9 +87,9 @@ def verdict(code: int, output: str) -> int:
 
     Only ft_launcher's 1 is re-read: :data:`PEER_LOST` when its verdict line (its ``main`` writes
     one, once) says its agent broke (a store or rendezvous error), 1 when it says it gave up or
-    there is none.
+    there is none, or when rank 0 stopped it because the job's restart budget is spent.
     """
-    if code != 1 or GAVE_UP_LINE in output:
+    if code != 1 or GAVE_UP_LINE in output or BUDGET_SPENT in output:
         return code
     return PEER_LOST if BROKE_LINE in output else 1
 

@@ -33,6 +33,7 @@ from kfp_nvrx.components.core.launch_command import (
     pet_env,
 )
 from kfp_nvrx.components.core.ownership import claim_run_dir
+from kfp_nvrx.components.core.pod_entry import BUDGET_SPENT
 from kfp_nvrx.components.core.rundir import CHECKPOINTS_DIR, LOGS_DIR
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.launch.agent_log import AgentLog, DiskFullNotice
@@ -120,6 +121,7 @@ class _Agent:
                  verbose: bool, log_path: Path, keep_fds: tuple[int, ...] = ()) -> None:
         self.idx, self.tail = idx, deque(maxlen=40)
         self.exited_at: float | None = None  # when the launcher first saw it gone
+        self.gave_up = ""  # rank 0's line: the job's restart budget is spent
         self.disk_full = DiskFullNotice(log_path.parent.parent / CHECKPOINTS_DIR)
         # The kernel SIGTERMs the agent when the launcher dies (die_with_parent); keep_fds (the
         # run-dir lock) keeps the run dir taken until the agent has stopped its workers.
@@ -138,6 +140,8 @@ class _Agent:
                 line = line.rstrip()
                 full.write(line)
                 self.tail.append(line)
+                if BUDGET_SPENT in line and not self.gave_up:
+                    self.gave_up = line[line.index(BUDGET_SPENT):]
                 notice = self.disk_full.check(line)
                 if notice:
                     log(f"[node{self.idx}] {notice}")
@@ -279,6 +283,8 @@ def run_local(spec: ResolvedJob | JobSpec, *, log: Callable[[str], None] = print
             if deadline_s is not None and time.time() - started > deadline_s:
                 state, reason = "DeadlineExceeded", f"deadline of {deadline_s:g}s passed"
                 break
+            if any(a.gave_up for a in agents):  # a final verdict: the other nodes need not wait
+                break
             if watchdog.dead() is not None:
                 try:
                     watchdog = _replace_watchdog(watchdog, f"{_MARKER}={marker}", grace,
@@ -319,7 +325,7 @@ def run_local(spec: ResolvedJob | JobSpec, *, log: Callable[[str], None] = print
             state = "Failed"
             # The agent that failed first holds the cause; the others report its consequences.
             failing.sort(key=lambda a: a.exited_at or float("inf"))
-            bad = failing[0] if failing else agents[0]
+            bad = next((a for a in agents if a.gave_up), failing[0] if failing else agents[0])
             tail = bad.disk_full.clean(list(bad.tail)[-20:])
             last_err = bad.disk_full.line or next(
                 (ln for ln in reversed(tail) if "error" in ln.lower()), "")
@@ -328,5 +334,7 @@ def run_local(spec: ResolvedJob | JobSpec, *, log: Callable[[str], None] = print
                        f"{most} allows" if failing and in_job >= most else "")
             reason = (f"node{bad.idx} ft_launcher exited {bad.proc.returncode}{gave_up}"
                       + (f": {last_err.strip()[:300]}" if last_err else ""))
+            if bad.gave_up:  # rank 0's own verdict: the job's budget (all nodes together)
+                reason = f"node{bad.idx} {bad.gave_up[:400]}"
     result.state, result.reason, result.last_log_lines = state, reason, tail
     return result

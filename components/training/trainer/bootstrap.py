@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kfp_nvrx.components.core.config import Config, load_config
+from kfp_nvrx.components.core.events import EventLog
 from kfp_nvrx.components.core.faults import Fault, check_faults
+from kfp_nvrx.components.core.rounds import current_budget, join_event
 from kfp_nvrx.components.core.run_record import check_run_dir, record_config
 from kfp_nvrx.components.core.rundir import checkpoints_dir, committed_steps, step_dir
 from kfp_nvrx.components.core.safetensors_header import read_header
@@ -184,10 +188,40 @@ def check_job(config: str, overrides: list[str], faults: list[str], run_dir: Pat
 
 def env_restart_count() -> int:
     """``TORCHELASTIC_RESTART_COUNT``: worker-group restarts so far (ft_launcher, torchrun)."""
+    return env_int("TORCHELASTIC_RESTART_COUNT")
+
+
+def join_round(cfg: Config, run_dir: Path) -> None:
+    """Records this node's join of the rendezvous round; on rank 0, keeps the restart budget.
+
+    Each node's first worker writes the :class:`~.events.Join` (the run's rounds say which
+    layer restarted). ``resilience.max_restarts`` is the job's budget of in-job restarts, all
+    nodes together (:mod:`.rounds`); ft_launcher only counts its own node's failures, so rank 0
+    judges it for the job: when this round is one restart too many, it says so in one line
+    and stops its agent, which stops this node's workers and gives up (the pod's exit 1 ends
+    the job under both job APIs; ft_launcher's own count stays a backstop).
+    """
+    if env_int("LOCAL_RANK") != 0:
+        return
+    mine = EventLog(run_dir).emit(join_event())
+    if env_int("RANK") != 0:
+        return
+    res = cfg.resilience
+    used = current_budget(run_dir, mine, res.max_restarts, wait_s=res.barrier_timeout)
+    if not used.spent:
+        return
+    print(used.line(), file=sys.stderr, flush=True)
+    os.kill(os.getppid(), signal.SIGTERM)  # FT: the agent stops its workers (this one too)
+    time.sleep(res.workers_stop_timeout + 30)  # stopped by the agent meanwhile
+    raise SystemExit(1)
+
+
+def env_int(name: str, default: int = 0) -> int:
+    """An integer from the launcher's environment (``default`` when unset or not a number)."""
     try:
-        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        return int(os.environ.get(name, "") or default)
     except ValueError:
-        return 0
+        return default
 
 
 def prepare_job(config: str, overrides: list[str], faults: list[str], run_dir: Path):
@@ -207,6 +241,7 @@ def prepare_job(config: str, overrides: list[str], faults: list[str], run_dir: P
     from kfp_nvrx.components.training.trainer.train import Job, pg_backend, pick_device
 
     record_config(cfg, run_dir)
+    join_round(cfg, run_dir)
     t_checked = time.time()
     device = pick_device(cfg)
     t_device = time.time()
