@@ -57,3 +57,62 @@ def test_goodput_and_metrics_count_each_layer() -> None:
 def test_metrics_name_the_pod_layer_even_without_one() -> None:
     m = metrics_from_summary(summarize_events(parse_events(_run(["in-job"]))).to_dict())
     assert (m["restarts_pod"], m["restarts_in_job"]) == (0, 1)
+
+
+def _pod(name: str, uid: str, index: str, attempt: str = "0"):
+    from kubernetes import client as k8s
+
+    labels = {"jobset.sigs.k8s.io/job-index": "0",  # one Job, one pod per node (its index)
+              "jobset.sigs.k8s.io/restart-attempt": attempt,
+              "batch.kubernetes.io/job-completion-index": index}
+    return k8s.V1Pod(metadata=k8s.V1ObjectMeta(name=name, uid=uid, labels=labels),
+                     status=k8s.V1PodStatus(phase="Running"))
+
+
+def test_a_jobset_restart_counts_as_pod_restarts_although_the_names_are_new() -> None:
+    """Issue 30 item 3: the launcher's "pod restarts" counted pods by name, so a JobSet restart
+    (every pod recreated under a new name) read 0."""
+    from kfp_nvrx.components.launch.logs import PodLogFollower
+    from kfp_nvrx.components.launch.trainjob import node_replica
+
+    follower = PodLogFollower(None, "ns", "tj", emit=lambda _line: None, container="node",
+                              replica_name=node_replica)
+    for i in (0, 1):
+        follower._on_pod(_pod(f"tj-node-{i}-0-aaaa", f"uid-{i}", str(i)))
+    assert follower.pod_restarts() == 0
+    for i in (0, 1):  # the JobSet restart: new Jobs, new pod names, restart-attempt 1
+        follower._on_pod(_pod(f"tj-node-{i}-0-bbbb", f"uid-{i}-a1", str(i), attempt="1"))
+    assert follower.pod_restarts() == 2
+
+
+def test_restarts_unknown_says_how_to_know_them() -> None:
+    """The launcher on a workstation cannot read /fsx: say where the events are and how."""
+    from kfp_nvrx.components.launch.result import LaunchResult
+
+    result = LaunchResult(name="j", backend="kubernetes", state="Succeeded",
+                          run_dir="/fsx/runs/j", extra={"pvc": "fsx-claim",
+                                                        "run_dir_uri": "pvc://fsx-claim/runs/j"})
+    text = result.restarts_text()
+    assert text.startswith("unknown") and "--mount" in text and "fsx-claim" in text
+    assert "kfp-nvrx goodput --run-dir /fsx/runs/j" in text
+
+
+def test_the_timeline_names_the_layer_goodput_counts() -> None:
+    """A PyTorchJob whose worker-1 was recreated: rank 0 wrote "in-job"; every node's joins
+    say pod, and the timeline, goodput and the Metrics say the same."""
+    from kfp_nvrx.components.launch.ui_outputs import render_svg
+
+    ev = _run(["in-job"])
+    joins = [{"type": "join", "time": 99.0 + 0.1 * n, "agent": a, "node": n, "nodes": 2,
+              "rank": n, "pid": 500 + n, "run_id": "j"} for n, a in enumerate(("b/1/1", "b/2/1"))]
+    joins += [{"type": "join", "time": 106.0 + 0.1 * n, "agent": a, "node": n, "nodes": 2,
+               "rank": n, "pid": 600 + n, "run_id": "j"} for n, a in enumerate(("b/1/1", "b/3/1"))]
+    starts = [e for e in ev if e["type"] == "start"]
+    for start, pid in zip(starts, (500, 600), strict=True):
+        start.update(pid=pid, run_id="j")
+    events = parse_events(ev + joins)
+    rep = summarize_events(events)
+    assert rep.restarts == {"pod": 1}, rep.restarts
+    assert metrics_from_summary(rep.to_dict())["restarts_pod"] == 1
+    svg = render_svg(events)
+    assert "pod restart" in svg and "in-job restart" not in svg

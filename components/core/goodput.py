@@ -162,22 +162,33 @@ def restart_kinds(events: list[Event], sess: list[int]) -> dict[int, str]:
             for e, k in zip(events, sess, strict=True) if isinstance(e, Restart)}
 
 
-def restart_counts(events: list[Event], sess: list[int]) -> dict[str, int]:
-    """Restarts by layer (see the module docstring), only the layers that restarted."""
-    out: dict[str, int] = {}
-    for kind in restart_kinds(events, sess).values():
-        out[kind] = out.get(kind, 0) + 1
+def unstarted_restarts(events: list[Event], sess: list[int]) -> list[tuple[float, str]]:
+    """(time, layer) of each restart whose round never logged a start.
+
+    Its workers failed before training (in their set-up), or rank 0 refused the restart (the
+    job's budget was spent): ft_launcher restarted them all the same. A round with a start has
+    its ``restart`` event, counted there.
+    """
     session_of = {id(e): k for e, k in zip(events, sess, strict=True)}
     started = {e.pid for e in events if isinstance(e, Start) and not e.iteration}
+    out: list[tuple[float, str]] = []
     seen: set[int] = set()
     for r in rounds(events):
         k = session_of[id(next(iter(r.joins.values())))]
-        first, pid = k not in seen, r.pid_of_rank0()
+        first = k not in seen  # a session's first round is its launch, no restart
         seen.add(k)
-        # A round whose rank 0 never logged a start (its workers failed first, or refused the
-        # restart) is a restart all the same; one with a start has its restart event counted.
-        if not first and r.layer is not None and pid not in started:
-            out[r.layer] = out.get(r.layer, 0) + 1
+        if not first and r.layer is not None and r.pid_of_rank0() not in started:
+            out.append((r.time, r.layer))
+    return out
+
+
+def restart_counts(events: list[Event], sess: list[int]) -> dict[str, int]:
+    """Restarts by layer (see the module docstring), only the layers that restarted."""
+    out: dict[str, int] = {}
+    kinds = [*restart_kinds(events, sess).values(),
+             *(layer for _, layer in unstarted_restarts(events, sess))]
+    for kind in kinds:
+        out[kind] = out.get(kind, 0) + 1
     return out
 
 

@@ -168,9 +168,19 @@ class PodLogFollower:
             self._watcher.join(1.0)
 
     def pod_restarts(self) -> int:
-        """Container restarts plus pod recreations, over all worker pods."""
+        """Container restarts plus pod recreations, over all worker replicas.
+
+        A replica is counted by its place in the job (``worker-1``, ``node-0``), not by pod
+        name: the operator recreates a PyTorchJob pod under its name, but a JobSet restart
+        recreates every pod under new names (``node-0/a1``), which must count as well.
+        """
         with self._lock:
-            return sum(p.restart_count + p.recreations for p in self.pods.values())
+            uids: dict[str, set[str]] = {}
+            restarts = 0
+            for p in self.pods.values():
+                uids.setdefault(p.replica.split("/")[0], set()).update(p.uids)
+                restarts += p.restart_count
+            return restarts + sum(len(u) - 1 for u in uids.values() if u)
 
     def failed_pod(self) -> PodState | None:
         """Return the first worker whose container exited non-zero (earliest finish), if any."""

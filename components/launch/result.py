@@ -88,10 +88,22 @@ class LaunchResult:
         return max(0.0, self.finished_at - self.started_at)
 
     def restarts_text(self) -> str:
-        """``3 (in-job 2, in-process 0, pod 1)``, or why it is unknown, for a summary line."""
+        """``3 (in-job 2, in-process 0, pod 1)``, or why it is unknown and how to know it."""
         if self.restarts is None or self.summary is None:
-            return "unknown (the run's events are not readable from here)"
+            return f"unknown ({self._unreadable_why()})"
         return restarts_in_words(self.restarts, self.summary.restarts)
+
+    def _unreadable_why(self) -> str:
+        """Why the run's events were not read here, and what gets them read."""
+        uri = str(self.extra.get("run_dir_uri", ""))
+        rel = uri.split("/", 3)[3] if uri.startswith("pvc://") and uri.count("/") >= 3 else ""
+        if not rel or not self.run_dir.endswith(rel):
+            return "the run's events are not readable from here"
+        mount = self.run_dir[:-len(rel)].rstrip("/") or "/"
+        return (f"the run dir {self.run_dir} is on the volume {self.extra.get('pvc', '')!r}, "
+                f"which this machine does not have at {mount}: mount it here at the path the "
+                f"pods mount it at (--mount, default /fsx), or run `kfp-nvrx goodput --run-dir "
+                f"{self.run_dir}` where it is mounted")
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form."""

@@ -24,7 +24,13 @@ from kfp_nvrx.components.core.events import (
     Start,
     Step,
 )
-from kfp_nvrx.components.core.goodput import kept_steps, recovery_windows
+from kfp_nvrx.components.core.goodput import (
+    kept_steps,
+    recovery_windows,
+    restart_kinds,
+    sessions,
+    unstarted_restarts,
+)
 
 #: Colours of the timeline (also used by the legend).
 COLORS = {
@@ -188,15 +194,21 @@ def _fault_shapes(e: Fault, ax: _Axis, body_h: int) -> list[str]:
             f'{html.escape(e.kind)} @{e.step}</text>']
 
 
-def _restart_shapes(e: Restart | Start, ax: _Axis) -> list[str]:
+def _restart_dot(when: float, kind: str, what: str, ax: _Axis) -> list[str]:
+    """A restart of layer ``kind`` at ``when``; ``what`` goes into the hover text."""
+    cx, y = ax.x(when), _lane_y(4) + _LANE_H / 2 - 2
+    tip = html.escape(f"{kind} restart ({what})")
+    return [f'<circle cx="{cx}" cy="{y}" r="7" fill="{COLORS["restart"]}">'
+            f"<title>{tip}</title></circle>",
+            f'<text x="{cx - 10}" y="{y + 4}" font-size="11" text-anchor="end" '
+            f'fill="{COLORS["restart"]}">{html.escape(kind)} restart</text>']
+
+
+def _restart_shapes(e: Restart | Start, ax: _Axis, kind: str = "") -> list[str]:
     cx, y = ax.x(e.time), _lane_y(4) + _LANE_H / 2 - 2
-    if isinstance(e, Restart):
-        tip = html.escape(f"{e.kind} restart (incarnation {e.incarnation}, "
-                          f"iteration {e.iteration})")
-        return [f'<circle cx="{cx}" cy="{y}" r="7" fill="{COLORS["restart"]}">'
-                f"<title>{tip}</title></circle>",
-                f'<text x="{cx - 10}" y="{y + 4}" font-size="11" text-anchor="end" '
-                f'fill="{COLORS["restart"]}">{html.escape(e.kind)} restart</text>']
+    if isinstance(e, Restart):  # ``kind``: the layer the rounds give it (goodput's count)
+        return _restart_dot(e.time, kind or e.kind,
+                            f"incarnation {e.incarnation}, iteration {e.iteration}", ax)
     origin = "fresh" if e.resumed_from is None else f"resumed from step {e.resumed_from}"
     tip = (f"start: incarnation {e.incarnation}, iteration {e.iteration}, world size "
            f"{e.world_size}, {origin} (load {float(e.load_s or 0):.2f} s)")
@@ -228,13 +240,17 @@ def render_svg(events: list[Event]) -> str:
         svg.append(_rect(ax.x(a), _TOP, ax.w(b - a), len(_LANES) * _LANE_H - 4,
                          COLORS["recovery"], f"recovery {b - a:.2f} s", ' opacity="0.6"'))
     svg += _step_shapes(events, ax)
+    sess = sessions(events)
+    kinds = restart_kinds(events, sess)  # the layers goodput counts, not rank 0's word alone
     for e in events:
         if isinstance(e, Checkpoint):
             svg += _checkpoint_shapes(e, ax)
         elif isinstance(e, Fault):
             svg += _fault_shapes(e, ax, body_h)
         elif isinstance(e, (Restart, Start)):
-            svg += _restart_shapes(e, ax)
+            svg += _restart_shapes(e, ax, kinds.get(id(e), ""))
+    for when, layer in unstarted_restarts(events, sess):
+        svg += _restart_dot(when, layer, "its workers never started training", ax)
     svg += _axis_shapes(ax, body_h + 4)
     return (f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {_W} {body_h + 4 + _AXIS_H}" '
             f'role="img" aria-label="goodput timeline">{"".join(svg)}</svg>')
