@@ -22,7 +22,9 @@ from __future__ import annotations
 import base64
 import contextlib
 import io
+import os
 import re
+import stat
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -118,11 +120,24 @@ def redact(text: str, extra: Iterable[str] = ()) -> str:
 
 
 def _read_bounded(path: str | Path) -> str:
+    """At most :data:`MAX_CREDENTIAL_FILE` bytes of a regular file ('' for anything else).
+
+    Opened without blocking: a FIFO in a kubeconfig's place must not hang the redaction.
+    """
     try:
-        with open(path, "rb") as fh:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return ""
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return ""
+        os.set_blocking(fd, True)
+        with os.fdopen(os.dup(fd), "rb") as fh:
             return fh.read(MAX_CREDENTIAL_FILE).decode("utf-8", errors="replace")
     except OSError:
         return ""
+    finally:
+        os.close(fd)
 
 
 def _key_lines(pem: str) -> list[str]:
@@ -164,8 +179,6 @@ def register_kubeconfig(paths: str | None) -> None:
             means ``$KUBECONFIG`` or ``~/.kube/config``.
 
     """
-    import os
-
     import yaml
 
     raw = paths or os.environ.get("KUBECONFIG") or str(Path.home() / ".kube" / "config")

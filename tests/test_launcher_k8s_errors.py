@@ -130,7 +130,7 @@ def test_unreachable_api_server_is_one_line_without_retry_warnings(tmp_path, job
 @pytest.mark.parametrize(("mode", "job_api", "says"), [
     ("html", "pytorchjob", "answered with an HTML page, not the Kubernetes API"),
     ("html", "trainjob", "answered with an HTML page, not the Kubernetes API"),
-    ("redirect", "pytorchjob", "answered with an HTML page, not the Kubernetes API"),
+    ("redirect", "pytorchjob", "redirecting to /login?next=/apis/kubeflow.org/v1/namespaces"),
     ("html", "auto", "asking the API server for trainer.kubeflow.org/v1alpha1"),
     ("html403", "trainjob", "answered HTTP 403 Forbidden. RBAC forbids it (see docs/eks.md). "
                             "(an HTML page: a login page or a proxy"),

@@ -124,8 +124,11 @@ def launch(spec: JobSpec | ResolvedJob, backend: str | Options = "local", *,
     if isinstance(opts, LocalOptions):
         return job_apis.JOB_APIS[job_apis.LOCAL].launch(job, opts, log, None)
     from kfp_nvrx.components.launch import k8s_api
+    from kfp_nvrx.components.launch.k8s_config import check_kubeconfig
     from kfp_nvrx.components.redaction import register_kube_defaults
 
+    if opts.client_configuration is None:  # a FIFO or /dev/zero: refused before it is opened
+        check_kubeconfig(None)
     # Credentials the client loads by itself (TrainingClient) are redacted too.
     register_kube_defaults()
     client = None

@@ -14,17 +14,23 @@ the ``kubernetes`` client unless handled here:
 
 :func:`describe` turns each into one line; :func:`expect_object` refuses an answer that is not a
 Kubernetes object; :func:`configure` silences urllib3's retry warnings (our own loops retry and
-say so once).
+say so once). Every client made here is bounded (:mod:`.k8s_http`: time, size, no redirects,
+cut short by a stop signal); :func:`call` retries a 429 a few times, a short and interruptible
+wait each, never the hour a ``Retry-After`` may ask for.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 from typing import Any
 
 from kubernetes.client.rest import ApiException
+
+from kfp_nvrx.components.launch import k8s_http
+from kfp_nvrx.components.launch.k8s_config import check_kubeconfig
 
 #: (connect, read) seconds of one call: a connection that a load balancer dropped without a
 #: word must end in an error the loops retry, not block the launcher (and its SIGTERM) forever.
@@ -37,8 +43,17 @@ _OBJ_REPR = re.compile(r"<[\w.]+ object at 0x[0-9a-f]+>:?\s*")
 _POD_NAME = re.compile(r'pods "[^"]*"')
 
 
+#: Times :func:`call` retries a 429 (Too Many Requests), and the longest wait before each.
+THROTTLE_RETRIES = 3
+THROTTLE_WAIT_MAX_S = 10.0
+
+
 class ClusterError(RuntimeError):
     """The cluster refused or could not answer (RBAC, missing CRD, API server down)."""
+
+
+class Interrupted(ClusterError):
+    """A call cut short by a stop signal (:func:`.k8s_http.interrupt_calls`)."""
 
 
 def configure(configuration: Any) -> Any:
@@ -123,6 +138,16 @@ def describe(action: str, err: BaseException, host: str, hints: dict[int, str] |
     """
     if isinstance(err, ClusterError):
         return err
+    if isinstance(err, k8s_http.CallInterrupted):
+        return Interrupted(f"{action}: {err}")
+    if isinstance(err, k8s_http.CallLimit):
+        return ClusterError(f"{action}: {host} {err}")
+    if isinstance(err, ApiException) and 300 <= (err.status or 0) < 400:
+        where = (err.headers or {}).get("Location") or "elsewhere"
+        return ClusterError(f"{action}: {host} answered HTTP {err.status} {err.reason}, "
+                            f"redirecting to {body_text(where)} (a login page or a proxy in "
+                            "front of the API server?); redirects are not followed, a request "
+                            "and its body go only to the kubeconfig's server")
     if isinstance(err, ApiException):
         if not err.status:  # the client's TLS failure (status 0, reason "SSLError\n...")
             return ClusterError(f"{action}: TLS with {host} failed: {_one_line(err.reason)}")
@@ -156,27 +181,48 @@ def expect_object(resp: Any, action: str, host: str) -> dict[str, Any]:
                        f"object: {body_text(resp) or type(resp).__name__}")
 
 
+def _retry_after(err: ApiException) -> float:
+    """Seconds a 429 asks us to wait, capped at :data:`THROTTLE_WAIT_MAX_S` (1 s when unsaid)."""
+    try:
+        asked = float((err.headers or {}).get("Retry-After") or 1.0)
+    except ValueError:  # an HTTP date, or nonsense: a second
+        asked = 1.0
+    return min(max(asked, 0.0), THROTTLE_WAIT_MAX_S) if math.isfinite(asked) else 1.0
+
+
 def call(action: str, host: str, fn: Any, *args: Any, ok: tuple[int, ...] = (),
          hints: dict[int, str] | None = None, **kwargs: Any) -> Any:
     """Call ``fn``; an ``ApiException`` whose status is in ``ok`` is re-raised for the caller.
+
+    A 429 (the API server's flow control) is retried :data:`THROTTLE_RETRIES` times; a request
+    it answered so was not processed, so even a create is safe to send again.
 
     Returns:
         What ``fn`` returned.
 
     Raises:
         ApiException: The status is one of ``ok`` (404 on a read, 409 on a create).
+        Interrupted: A stop signal cut the call (or its wait) short.
         ClusterError: Any other failure, in one line.
 
     """
     kwargs.setdefault("_request_timeout", REQUEST_TIMEOUT)
-    try:
-        return fn(*args, **kwargs)
-    except ApiException as err:
-        if err.status in ok:
-            raise
-        raise describe(action, err, host, hints) from None
-    except Exception as err:  # noqa: BLE001 - every other way a call fails: one line
-        raise describe(action, err, host, hints) from None
+    for attempt in range(THROTTLE_RETRIES + 1):
+        try:
+            return fn(*args, **kwargs)
+        except ApiException as err:
+            if err.status in ok:
+                raise
+            if err.status == 429 and attempt < THROTTLE_RETRIES:
+                try:
+                    k8s_http.pause(_retry_after(err))
+                except k8s_http.CallInterrupted as stop:
+                    raise describe(action, stop, host) from None
+                continue
+            raise describe(action, err, host, hints) from None
+        except Exception as err:  # noqa: BLE001 - every other way a call fails: one line
+            raise describe(action, err, host, hints) from None
+    raise AssertionError("unreachable: the last attempt returns or raises")
 
 
 def warning_events(core: Any, namespace: str, host: str, kind: str, name: str,
@@ -222,6 +268,7 @@ def current_namespace() -> str:
     try:
         from kubernetes import config
 
+        check_kubeconfig(None)  # a FIFO there: "default", not a wait for a writer
         _, active = config.list_kube_config_contexts()
         return (active or {}).get("context", {}).get("namespace") or "default"
     except Exception:  # noqa: BLE001 - no kubeconfig: the API default
@@ -240,6 +287,7 @@ def api_client(configuration: Any = None) -> Any:
 
     if configuration is None:
         configuration = client.Configuration()
+        check_kubeconfig(None)  # no FIFO or /dev/zero for the loader (or the redaction) to open
         register_kubeconfig(None)  # before loading: a loader error must not quote a token
         try:
             config.load_incluster_config(client_configuration=configuration)
@@ -250,4 +298,4 @@ def api_client(configuration: Any = None) -> Any:
                 raise ClusterError(f"no Kubernetes credentials: {' '.join(str(err).split())}") \
                     from None
     register_kube_configuration(configuration)  # every later line we print is redacted
-    return client.ApiClient(configuration)
+    return k8s_http.bound(client.ApiClient(configuration))

@@ -22,6 +22,7 @@ from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.launch.jobspec.resolve import ResolvedJob
 from kfp_nvrx.components.launch.jobspec.spec import DELETE_AFTER
 from kfp_nvrx.components.launch.k8s_api import ClusterError, hints
+from kfp_nvrx.components.launch.k8s_http import StopSignals
 from kfp_nvrx.components.launch.logs import PodLogFollower
 from kfp_nvrx.components.launch.result import LaunchResult, RestartsSoFar, account_run_dir
 
@@ -40,7 +41,7 @@ EVENTS_EVERY_S = 10.0
 #: Attempts at the delete call itself (a job must not be left behind by one dropped connection).
 DELETE_ATTEMPTS = 3
 
-__all__ = ["ClusterError", "JobAPI", "JobRun", "K8sOptions", "Outcome", "hints"]
+__all__ = ["ClusterError", "JobAPI", "JobRun", "K8sOptions", "Outcome", "StopSignals", "hints"]
 
 
 @dataclass
@@ -137,30 +138,6 @@ class JobAPI(Protocol):
 
     def has_status(self, job: Any) -> bool:
         """Whether a controller has written the job's status."""
-
-
-class StopSignals:
-    """SIGTERM/SIGINT -> an Event, while inside the ``with`` block (main thread only)."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.event = threading.Event()
-        self.signum = 0
-        self._enabled = enabled and threading.current_thread() is threading.main_thread()
-        self._old: dict[int, Any] = {}
-
-    def _handler(self, signum: int, _frame: Any) -> None:
-        self.signum = signum
-        self.event.set()
-
-    def __enter__(self) -> StopSignals:
-        if self._enabled:
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self._old[sig] = signal.signal(sig, self._handler)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
 
 
 def should_delete(state: str, delete_after: str) -> bool:
@@ -309,10 +286,22 @@ class JobRun:
                                 "or choose another `name`")
             if jobs.create(body):
                 self.say(f"created {jobs.where}: {describe}")
-                created = jobs.get()
+                created = self._read_created(jobs)
                 if created is not None:
                     return created, False
         raise ClusterError(f"{jobs.where} could not be created or read")
+
+    def _read_created(self, jobs: JobAPI) -> Any | None:
+        """The job just created; a launcher that cannot read it deletes it before it exits."""
+        try:
+            return jobs.get()
+        except ClusterError as err:
+            self.say(f"warning: {err}; deleting {jobs.where}, which this launcher created")
+            try:
+                self._delete(jobs)
+            except ClusterError as also:
+                self.say(f"warning: {also}")
+            raise
 
     def _why_no_pods(self, jobs: JobAPI, job: Any, created: float) -> list[str]:
         """Why the job has no pod: a controller's refused pods (quota, admission), or no status.

@@ -20,11 +20,12 @@ from kubeflow.training.utils import utils as sdk_utils
 from kubernetes import client as k8s
 from kubernetes.client.rest import ApiException
 
-from kfp_nvrx.components.launch import k8s_api, k8s_job
+from kfp_nvrx.components.launch import k8s_api, k8s_http, k8s_job
 from kfp_nvrx.components.launch.jobspec import naming
 from kfp_nvrx.components.launch.jobspec.pytorchjob import RenderedJob, render
 from kfp_nvrx.components.launch.jobspec.resolve import ResolvedJob
 from kfp_nvrx.components.launch.jobspec.spec import JobSpec
+from kfp_nvrx.components.launch.k8s_config import check_kubeconfig
 from kfp_nvrx.components.launch.logs import PodLogFollower
 from kfp_nvrx.components.launch.result import LaunchResult
 
@@ -131,6 +132,30 @@ class _Job:
         return None
 
 
+def bound_training_client(tc: TrainingClient) -> TrainingClient:
+    """Bounds every call ``tc`` makes (:mod:`.k8s_http`: time, size, no redirects, signals)."""
+    for api in (tc.custom_api, tc.core_api):
+        k8s_http.bound(api.api_client)
+    return tc
+
+
+def training_client_for(client_configuration: k8s.Configuration | None,
+                        namespace: str) -> TrainingClient:
+    """A TrainingClient for ``namespace`` whose every call is bounded.
+
+    Raises:
+        ClusterError: No credentials could be loaded (one line).
+    """
+    if client_configuration is None:  # the SDK loads the kubeconfig itself: checked first
+        check_kubeconfig(None)
+    try:
+        tc = TrainingClient(client_configuration=client_configuration, namespace=namespace)
+    except Exception as err:  # noqa: BLE001 - no kubeconfig / not in a cluster
+        raise k8s_job.ClusterError(
+            f"no Kubernetes credentials: {' '.join(str(err).split())}") from None
+    return bound_training_client(tc)
+
+
 def launch_kubernetes(spec: RenderedJob | ResolvedJob | JobSpec, opts: k8s_job.K8sOptions | None = None, *,
                       log: Callable[[str], None] = print,
                       client_configuration: k8s.Configuration | None = None,
@@ -160,14 +185,9 @@ def launch_kubernetes(spec: RenderedJob | ResolvedJob | JobSpec, opts: k8s_job.K
     if training_client is None:
         # The SDK's own default is the service account's namespace or "default"; a user
         # outside a pod means the kubeconfig context's namespace, as kubectl does.
-        kwargs: dict[str, Any] = {"client_configuration": client_configuration,
-                                  "namespace": run.opts.namespace or job.namespace
-                                  or k8s_api.current_namespace()}
-        try:
-            training_client = TrainingClient(**kwargs)
-        except Exception as err:  # noqa: BLE001 - no kubeconfig / not in a cluster
-            raise k8s_job.ClusterError(
-                f"no Kubernetes credentials: {' '.join(str(err).split())}") from None
+        training_client = training_client_for(client_configuration, run.opts.namespace
+                                              or job.namespace or k8s_api.current_namespace())
+    bound_training_client(training_client)
     namespace = run.opts.namespace or job.namespace or training_client.namespace
     rendered.job.metadata.namespace = namespace
     follower = PodLogFollower(training_client.core_api, namespace, job.name, emit=run.say,

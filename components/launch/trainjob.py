@@ -22,7 +22,7 @@ from typing import Any
 from kubernetes import client as k8s
 from kubernetes.client.rest import ApiException
 
-from kfp_nvrx.components.launch import k8s_api
+from kfp_nvrx.components.launch import k8s_api, k8s_http
 from kfp_nvrx.components.launch.jobspec import naming
 from kfp_nvrx.components.launch.jobspec import runtime as rt
 from kfp_nvrx.components.launch.jobspec.resolve import ResolvedJob
@@ -250,7 +250,7 @@ def launch_trainjob(spec: RenderedTrainJob | ResolvedJob | JobSpec, opts: K8sOpt
     rendered = (spec if isinstance(spec, RenderedTrainJob)
                 else render(spec, runtime, runtime_kind))
     job = rendered.resolved
-    api = api_client or k8s.ApiClient(client_configuration)
+    api = k8s_http.bound(api_client or k8s.ApiClient(client_configuration))
     k8s_api.configure(api.configuration)
     namespace = run.opts.namespace or job.namespace or k8s_api.current_namespace()
     rendered.job["metadata"]["namespace"] = namespace

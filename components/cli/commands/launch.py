@@ -50,6 +50,7 @@ def _cluster(args: argparse.Namespace) -> tuple[object, str]:
 
     from kubernetes import client, config
 
+    from kfp_nvrx.components.launch.k8s_config import check_kubeconfig
     from kfp_nvrx.components.launch.k8s_job import ClusterError
     from kfp_nvrx.components.redaction import register_kube_configuration, register_kubeconfig
 
@@ -59,6 +60,8 @@ def _cluster(args: argparse.Namespace) -> tuple[object, str]:
     register_kube_configuration(cfg)
     in_cluster = "KUBERNETES_SERVICE_HOST" in os.environ and not (args.kubeconfig or args.context)
     if not in_cluster:
+        # Before anything opens it: a FIFO hung the loader, a tokenFile of /dev/zero filled memory.
+        check_kubeconfig(args.kubeconfig or None, "--kubeconfig")
         register_kubeconfig(args.kubeconfig or None)
     try:
         if in_cluster:
