@@ -13,11 +13,9 @@ shows). Restarts are not read from log lines: the run's events count them (:mod:
 from __future__ import annotations
 
 import collections
-import re
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from kubernetes import client as k8s
@@ -25,85 +23,20 @@ from kubernetes import watch as k8s_watch
 from kubernetes.client.rest import ApiException
 
 from kfp_nvrx.components.launch import k8s_api
+from kfp_nvrx.components.launch.pods import (
+    Ended,
+    PodState,
+    Progress,
+    container_status,
+    prefix,
+    pytorchjob_replica,
+)
+
+__all__ = ["Ended", "PodLogFollower", "PodState", "Progress"]
 
 #: Pause after the first failed or empty pod watch, and the most it grows to.
 WATCH_BACKOFF_S = (0.8, 30.0)
 JOB_NAME_LABEL = "training.kubeflow.org/job-name"
-REPLICA_TYPE_LABEL = "training.kubeflow.org/replica-type"
-REPLICA_INDEX_LABEL = "training.kubeflow.org/replica-index"
-
-
-class Progress:
-    """The step a live progress line shows, parsed from log lines (thread-safe).
-
-    The trainer prints ``[trainer] step 120/1000 loss ...``: the total is in no event, and the
-    line reaches a launcher that cannot read the run directory too. Only for the display.
-    """
-
-    STEP = re.compile(r"\bstep (\d+)/(\d+)\b")
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.step = 0
-        self.total = 0
-
-    def feed(self, line: str) -> bool:
-        """Parse one line; return True when the step changed."""
-        with self._lock:
-            before = self.step
-            if m := self.STEP.search(line):
-                self.step, self.total = int(m[1]), int(m[2])
-            return self.step != before
-
-    def summary(self, restarts: int | None = None) -> str:
-        """Return e.g. ``step 120/1000 (12%), restarts 1`` (``restarts``: from the events)."""
-        with self._lock:
-            done = "no step yet"
-            if self.total:
-                done = f"step {self.step}/{self.total} ({100 * self.step // self.total}%)"
-        return done + ("" if restarts is None else f", restarts {restarts}")
-
-
-@dataclass
-class PodState:
-    """What the follower knows about one pod name (across its incarnations)."""
-
-    name: str
-    replica: str
-    uids: list[str] = field(default_factory=list)
-    phase: str = ""
-    restart_count: int = 0
-    exit_code: int | None = None
-    exit_reason: str = ""
-    finished_at: float = 0.0
-    note: str = ""
-    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=200))
-
-    @property
-    def recreations(self) -> int:
-        """How often the operator replaced this pod (new uid, same name)."""
-        return max(0, len(self.uids) - 1)
-
-
-def _replica_name(pod: k8s.V1Pod) -> str:
-    labels = pod.metadata.labels or {}
-    rtype, index = labels.get(REPLICA_TYPE_LABEL), labels.get(REPLICA_INDEX_LABEL)
-    if rtype and index is not None:
-        return f"{rtype.lower()}-{index}"
-    return pod.metadata.name
-
-
-def _prefix(state: PodState, restart: int) -> str:
-    """Return ``worker-1``, ``worker-1/r2`` (2nd container restart), ``worker-1/p1/r2`` (pod #2)."""
-    pod = f"/p{len(state.uids) - 1}" if len(state.uids) > 1 else ""
-    return state.replica + pod + (f"/r{restart}" if restart else "")
-
-
-def _container_status(pod: k8s.V1Pod, container: str) -> Any:
-    for status in (pod.status and pod.status.container_statuses) or []:
-        if status.name == container:
-            return status
-    return None
 
 
 class PodLogFollower:
@@ -132,7 +65,7 @@ class PodLogFollower:
         self.container = container
         self.watch_timeout_s = watch_timeout_s
         self.selector = selector or f"{JOB_NAME_LABEL}={job_name}"
-        self.replica_name = replica_name or _replica_name
+        self.replica_name = replica_name or pytorchjob_replica
         self.progress = Progress()
         self.pods: dict[str, PodState] = {}
         self._lock = threading.Lock()
@@ -182,17 +115,47 @@ class PodLogFollower:
                 restarts += p.restart_count
             return restarts + sum(len(u) - 1 for u in uids.values() if u)
 
-    def failed_pod(self) -> PodState | None:
-        """Return the first worker whose container exited non-zero (earliest finish), if any."""
-        with self._lock:
-            failed = [p for p in self.pods.values() if p.exit_code not in (None, 0)]
-        return min(failed, key=lambda p: p.finished_at) if failed else None
+    def failed_pod(self) -> Ended | None:
+        """The pod instance whose exit decided a failure, if any exited non-zero.
 
-    def tail(self, pod_name: str, lines: int) -> list[str]:
-        """Return the last ``lines`` log lines streamed from ``pod_name``."""
+        A final exit (1..127: ft_launcher gave up, bad input; no policy retries it) decides
+        over the exits a controller answers with a new pod (a signal, a stop, a lost peer,
+        200): in a PyTorchJob whose worker-1 gave up, worker-0 lost its peer and exited 200
+        first, and was recreated. Among equals, the earliest.
+        """
+        with self._lock:
+            ended = [i for p in self.pods.values() for i in p.instances.values()
+                     if i.exit_code not in (None, 0)]
+        return min(ended, key=lambda i: (not i.final, i.finished_at)) if ended else None
+
+    def tail(self, pod_name: str, lines: int, uid: str = "") -> list[str]:
+        """The last ``lines`` log lines streamed from ``pod_name`` (instance ``uid``: its own)."""
         with self._lock:
             pod = self.pods.get(pod_name)
-            return list(pod.tail)[-lines:] if pod else []
+            if pod is None:
+                return []
+            kept = [i.tail for i in pod.instances.values() if not uid or i.uid == uid]
+            return [line for t in kept for line in t][-lines:]
+
+    def last_lines(self, ended: Ended, lines: int) -> list[str]:
+        """``ended``'s last lines: streamed, else read from the API while that pod is there.
+
+        Never another instance's: a recreated pod of the same name has lines of its own.
+        """
+        tail = self.tail(ended.name, lines, ended.uid)
+        if tail:
+            return tail
+        try:
+            pod = self.core.read_namespaced_pod(ended.name, self.namespace,
+                                                _request_timeout=k8s_api.REQUEST_TIMEOUT)
+            if pod.metadata.uid != ended.uid:
+                return []
+            text = self.core.read_namespaced_pod_log(
+                ended.name, self.namespace, container=self.container, tail_lines=lines,
+                _request_timeout=k8s_api.REQUEST_TIMEOUT)
+        except Exception:  # noqa: BLE001 - no log to show (gone, API unreachable): no tail
+            return []
+        return [t for t in (text or "").splitlines() if t]
 
     # -- pods -----------------------------------------------------------------------------------
 
@@ -262,7 +225,7 @@ class PodLogFollower:
 
     def _on_pod(self, pod: k8s.V1Pod) -> None:
         name, uid = pod.metadata.name, pod.metadata.uid
-        status = _container_status(pod, self.container)
+        status = container_status(pod, self.container)
         with self._lock:
             state = self.pods.setdefault(name, PodState(name=name,
                                                             replica=self.replica_name(pod)))
@@ -282,16 +245,18 @@ class PodLogFollower:
             term = (status.state and status.state.terminated) or (
                 status.last_state and status.last_state.terminated)
             if term is not None and term.exit_code is not None:
-                state.exit_code = term.exit_code
-                state.exit_reason = term.reason or ""
                 done = term.finished_at
-                state.finished_at = done.timestamp() if done else time.time()
+                ended = state.instance(uid)
+                ended.exit_code = state.exit_code = term.exit_code
+                ended.exit_reason = state.exit_reason = term.reason or ""
+                ended.finished_at = state.finished_at = (done.timestamp() if done
+                                                         else time.time())
             started = status.state and (status.state.running or status.state.terminated)
             key = (uid, state.restart_count)
             if not started or key in self._streamed or self._stop.is_set():
                 return
             self._streamed.add(key)
-        thread = threading.Thread(target=self._stream, args=(state, key, _prefix(state, key[1])),
+        thread = threading.Thread(target=self._stream, args=(state, key, prefix(state, key[1])),
                                   name=f"log-{name}", daemon=True)
         thread.start()  # registered only once started: stop() may join it at any time
         self._streams.setdefault(key, (thread, None))
@@ -308,13 +273,13 @@ class PodLogFollower:
 
     # -- log streams ----------------------------------------------------------------------------
 
-    def _line(self, state: PodState, prefix: str, line: str) -> None:
+    def _line(self, state: PodState, uid: str, prefix: str, line: str) -> None:
         with self._lock:
-            state.tail.append(line)
+            state.instance(uid).tail.append(line)
         self.progress.feed(line)
         self.emit(f"[{prefix}] {line}")
 
-    def _previous(self, state: PodState, prefix: str) -> None:
+    def _previous(self, state: PodState, uid: str, prefix: str) -> None:
         """Emit the whole log of the container instance before the current one."""
         try:
             text = self.core.read_namespaced_pod_log(
@@ -322,7 +287,7 @@ class PodLogFollower:
         except Exception:  # noqa: BLE001 - gone (kubelet GC) or the API unreachable: skip it
             return
         for line in filter(None, (text or "").splitlines()):
-            self._line(state, prefix, line)
+            self._line(state, uid, prefix, line)
 
     def _stream(self, state: PodState, key: tuple[str, int], prefix: str) -> None:
         uid, instance = key
@@ -330,19 +295,19 @@ class PodLogFollower:
             # Pod events can arrive late: the log endpoint serves the *current* container, so make
             # sure it is still the instance this stream is for.
             pod = self.core.read_namespaced_pod(state.name, self.namespace)
-            status = _container_status(pod, self.container)
+            status = container_status(pod, self.container)
             if pod.metadata.uid != uid or status is None:
                 return  # replaced by a new pod; its own events start its stream
             current = status.restart_count or 0
             if current > instance:
                 if current == instance + 1:  # the instance just before the current one
-                    self._previous(state, prefix)
+                    self._previous(state, uid, prefix)
                 return
             with self._lock:
                 missed = instance > 0 and (uid, instance - 1) not in self._streamed
                 self._streamed.add((uid, instance - 1))
             if missed:  # it ran and ended between two of our pod reads: show it first
-                self._previous(state, _prefix(state, instance - 1))
+                self._previous(state, uid, prefix(state, instance - 1))
             resp = self.core.read_namespaced_pod_log(
                 state.name, self.namespace, container=self.container, follow=True,
                 _preload_content=False)
@@ -355,7 +320,7 @@ class PodLogFollower:
         self._streams[key] = (threading.current_thread(), resp)
         try:
             for line in k8s_watch.watch.iter_resp_lines(resp):
-                self._line(state, prefix, line)
+                self._line(state, uid, prefix, line)
         except Exception:  # noqa: BLE001 - stream cut (shutdown, pod deleted): nothing to add
             pass
         finally:

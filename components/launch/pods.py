@@ -1,0 +1,129 @@
+"""What the pod-log follower knows about each pod: its instances, how they ended, their lines.
+
+:class:`PodState` is one pod name across its instances (a PyTorchJob pod the operator recreates
+keeps its name; each instance has its own uid). :class:`Ended` is one instance: its exit and its
+own last lines, so a failure report shows the lines of the pod that failed, not those of the pod
+recreated in its place. :class:`Progress` is the step a progress line shows.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from kubernetes import client as k8s
+
+REPLICA_TYPE_LABEL = "training.kubeflow.org/replica-type"
+REPLICA_INDEX_LABEL = "training.kubeflow.org/replica-index"
+
+
+class Progress:
+    """The step a live progress line shows, parsed from log lines (thread-safe).
+
+    The trainer prints ``[trainer] step 120/1000 loss ...``: the total is in no event, and the
+    line reaches a launcher that cannot read the run directory too. Only for the display.
+    """
+
+    STEP = re.compile(r"\bstep (\d+)/(\d+)\b")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.step = 0
+        self.total = 0
+
+    def feed(self, line: str) -> bool:
+        """Parse one line; return True when the step changed."""
+        with self._lock:
+            before = self.step
+            if m := self.STEP.search(line):
+                self.step, self.total = int(m[1]), int(m[2])
+            return self.step != before
+
+    def summary(self, restarts: int | None = None) -> str:
+        """Return e.g. ``step 120/1000 (12%), restarts 1`` (``restarts``: from the events)."""
+        with self._lock:
+            done = "no step yet"
+            if self.total:
+                done = f"step {self.step}/{self.total} ({100 * self.step // self.total}%)"
+        return done + ("" if restarts is None else f", restarts {restarts}")
+
+
+#: Log lines kept per pod instance for a failure report.
+TAIL_KEPT = 200
+
+
+@dataclass
+class Ended:
+    """How one pod instance (one uid) ended, and its own last lines."""
+
+    name: str
+    uid: str
+    replica: str
+    exit_code: int | None = None
+    exit_reason: str = ""
+    finished_at: float = 0.0
+    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_KEPT))
+
+    @property
+    def final(self) -> bool:
+        """An exit no failure policy retries (1..127: ft_launcher gave up, bad input).
+
+        Unlike a signal, a stop or a lost peer (>= 128), which the job's controller recreates.
+        """
+        return self.exit_code is not None and 0 < self.exit_code < 128
+
+
+@dataclass
+class PodState:
+    """What the follower knows about one pod name (across its incarnations)."""
+
+    name: str
+    replica: str
+    uids: list[str] = field(default_factory=list)
+    phase: str = ""
+    restart_count: int = 0
+    exit_code: int | None = None
+    exit_reason: str = ""
+    finished_at: float = 0.0
+    note: str = ""
+    #: Each instance (uid) of the pod: its exit and its own lines (a recreated pod's are not
+    #: the failed one's).
+    instances: dict[str, Ended] = field(default_factory=dict)
+
+    @property
+    def recreations(self) -> int:
+        """How often the operator replaced this pod (new uid, same name)."""
+        return max(0, len(self.uids) - 1)
+
+    def instance(self, uid: str) -> Ended:
+        """The record of instance ``uid`` (named as its log lines are prefixed)."""
+        if uid not in self.instances:
+            nth = self.uids.index(uid) if uid in self.uids else 0
+            self.instances[uid] = Ended(self.name, uid, self.replica + (f"/p{nth}" if nth else ""))
+        return self.instances[uid]
+
+
+def pytorchjob_replica(pod: k8s.V1Pod) -> str:
+    """``worker-<index>`` from a PyTorchJob pod's labels (its name when it has none)."""
+    labels = pod.metadata.labels or {}
+    rtype, index = labels.get(REPLICA_TYPE_LABEL), labels.get(REPLICA_INDEX_LABEL)
+    if rtype and index is not None:
+        return f"{rtype.lower()}-{index}"
+    return pod.metadata.name
+
+
+def prefix(state: PodState, restart: int) -> str:
+    """Return ``worker-1``, ``worker-1/r2`` (2nd container restart), ``worker-1/p1/r2`` (pod #2)."""
+    pod = f"/p{len(state.uids) - 1}" if len(state.uids) > 1 else ""
+    return state.replica + pod + (f"/r{restart}" if restart else "")
+
+
+def container_status(pod: k8s.V1Pod, container: str) -> Any:
+    """The status of ``container`` in ``pod`` (None before it has one)."""
+    for status in (pod.status and pod.status.container_statuses) or []:
+        if status.name == container:
+            return status
+    return None
