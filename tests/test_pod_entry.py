@@ -245,3 +245,20 @@ def test_the_job_apis_read_its_codes_as_the_table_says() -> None:
     names = [e["name"] for e in pj["template"]["spec"]["containers"][0]["env"]]
     assert names.count(PEER_WAIT_ENV) == 1
     assert env(pj, ["template", "spec", "containers", 0, "env"])[PEER_WAIT_ENV] == "30"
+
+
+def test_library_warnings_are_silenced_for_every_process_of_the_pod() -> None:
+    """Every pod printed torch's pynvml FutureWarning, from each of its Python processes (30.8)."""
+    import os
+
+    warn = ("import warnings\n"
+            "warnings.warn('The pynvml package is deprecated. Please install nvidia-ml-py', "
+            "FutureWarning)\n"
+            "warnings.warn('a warning of the run itself', FutureWarning)\n")
+    grandchild = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {warn!r}])"
+    env = {**os.environ, "PYTHONWARNINGS": "default::DeprecationWarning"}
+    for script in (warn, grandchild):
+        out = subprocess.run([*ENTRY, sys.executable, "-c", script], capture_output=True,
+                             text=True, timeout=60, env=env)
+        assert out.returncode == 0 and "pynvml" not in out.stderr + out.stdout, out.stderr
+        assert "a warning of the run itself" in out.stderr  # only the library's noise goes

@@ -66,6 +66,19 @@ TAIL_BYTES = 64 * 1024
 #: How long the copy may take to catch up with a child that has exited.
 DRAIN_S = 5.0
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+#: Library warnings, not the run's, that every Python process of a job printed (torch imports
+#: the deprecated pynvml package; ft_launcher, its rank monitor and every worker import torch).
+QUIET_WARNINGS = ("ignore:The pynvml package is deprecated:FutureWarning",)
+
+
+def quiet_warnings(env: dict[str, str] | os._Environ) -> str:
+    """``PYTHONWARNINGS`` for a job's processes: ``env``'s own filters, then :data:`QUIET_WARNINGS`.
+
+    Through the environment every process of the job inherits, whatever Python it runs and
+    whenever it imports torch (a filter set in one process reaches none of its children).
+    """
+    have = [w for w in env.get("PYTHONWARNINGS", "").split(",") if w]
+    return ",".join([*have, *(w for w in QUIET_WARNINGS if w not in have)])
 #: What a training container's exit code says (the failure-policy table in docs/eks.md).
 MEANINGS = {
     1: "ft_launcher gave up: in-job restarts used up (resilience.max_restarts) or no start",
@@ -208,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                 signal.signal(sig, signal.SIG_DFL)
             os.dup2(pipes[0][1], 1)
             os.dup2(pipes[-1][1], 2)
+            os.environ["PYTHONWARNINGS"] = quiet_warnings(os.environ)
             for r, w in pipes:
                 os.close(r)
                 os.close(w)

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple, Protocol
 
 from kfp_nvrx.components.core.pod_entry import exit_meaning
 from kfp_nvrx.components.errors import UserError
+from kfp_nvrx.components.launch.jobspec import naming
 from kfp_nvrx.components.launch.jobspec.resolve import ResolvedJob
 from kfp_nvrx.components.launch.jobspec.spec import DELETE_AFTER
 from kfp_nvrx.components.launch.k8s_api import ClusterError, hints
@@ -152,7 +153,7 @@ def should_delete(state: str, delete_after: str) -> bool:
 
 
 def fill_failure(result: LaunchResult, follower: PodLogFollower, lines: int) -> None:
-    """Name the replica whose exit decided the failure and attach that pod's last lines."""
+    """Name the failing replica and attach its last log lines to a non-success result."""
     if result.succeeded or result.state == "Cancelled":
         return
     pod = follower.failed_pod()
@@ -163,8 +164,15 @@ def fill_failure(result: LaunchResult, follower: PodLogFollower, lines: int) -> 
     result.reason += f" ({pod.replica} exited with code {pod.exit_code}" + (
         f", {pod.exit_reason}" if pod.exit_reason else "") + (
         f": {meaning})" if meaning else ")")
-    # That instance's own lines: a PyTorchJob pod recreated under its name has lines of its own.
-    result.last_log_lines = follower.last_lines(pod, lines)
+    tail = follower.tail(pod.name, lines)
+    if not tail:
+        try:
+            text = follower.core.read_namespaced_pod_log(
+                pod.name, follower.namespace, container=follower.container, tail_lines=lines)
+            tail = [t for t in (text or "").splitlines() if t]
+        except Exception:  # noqa: BLE001 - no log to show (gone, API unreachable): no tail
+            tail = []
+    result.last_log_lines = tail
 
 
 class JobRun:
@@ -274,9 +282,7 @@ class JobRun:
                 if run_id and owner == run_id:
                     self.say(f"re-attaching to {jobs.where} (run {owner})")
                     return existing, True
-                raise UserError("name", f"{jobs.where} already exists and belongs to run "
-                                f"{owner or '(none)'!r}, not {run_id or '(none)'!r}; delete it "
-                                "or choose another `name`")
+                raise naming.name_taken(jobs.where, owner, run_id)
             if jobs.create(body):
                 self.say(f"created {jobs.where}: {describe}")
                 created = self._read_created(jobs)

@@ -33,7 +33,7 @@ from kfp_nvrx.components.core.launch_command import (
     pet_env,
 )
 from kfp_nvrx.components.core.ownership import claim_run_dir
-from kfp_nvrx.components.core.pod_entry import BUDGET_SPENT
+from kfp_nvrx.components.core.pod_entry import BUDGET_SPENT, quiet_warnings
 from kfp_nvrx.components.core.rundir import CHECKPOINTS_DIR, LOGS_DIR
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.launch.agent_log import AgentLog, DiskFullNotice
@@ -228,6 +228,7 @@ def run_local(spec: ResolvedJob | JobSpec, *, log: Callable[[str], None] = print
     argv = ft_launcher_argv(cfg.resilience, trainer, local_addr="127.0.0.1", executable=exe)
     threads = max(1, (os.cpu_count() or 1) // (hi * nproc_per_node))
     base = {**os.environ, **dict(job.user_env), _MARKER: marker, "PYTHONUNBUFFERED": "1",
+            "PYTHONWARNINGS": quiet_warnings({**os.environ, **dict(job.user_env)}),
             # NVRx >= 0.6 closes the rendezvous when two agents share a host unless told this
             # is deliberate (local "nodes" are agents on one machine).
             "NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE": "1",

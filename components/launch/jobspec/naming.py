@@ -87,3 +87,23 @@ def label_value(text: str) -> str:
     digest = hashlib.sha256(text.encode()).hexdigest()[:10]
     slug = _slug(text)[: MAX_LABEL - 11].strip("-")
     return f"{slug}-{digest}" if slug else digest
+
+
+def name_taken(where: str, owner: str, run_id: str) -> UserError:
+    """The error for a job name held by a job that is not this run's (``owner``: its run id).
+
+    Says whose it is in words: "belongs to run '(none)', not '(none)'" told a user who gave no
+    run id nothing.
+    """
+    fix = "delete it or choose another `name`"
+    if not owner and not run_id:
+        return UserError("name", f"{where} already exists; neither it nor this launch has a run "
+                         f"id to tell whether it is this run's: {fix}, or give both a `run_id`")
+    if not run_id:
+        return UserError("name", f"{where} already exists and belongs to run {owner!r}; give "
+                         f"`run_id={owner}` to follow it, or {fix}")
+    if not owner:
+        return UserError("name", f"{where} already exists and was made without a run id, not by "
+                         f"run {run_id!r}; {fix}")
+    return UserError("name", f"{where} already exists and belongs to run {owner!r}, not "
+                     f"{run_id!r}; {fix}")

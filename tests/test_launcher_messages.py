@@ -1,0 +1,42 @@
+"""What the launcher says when a job name is taken (issue 30 item 8), against the API double."""
+
+from __future__ import annotations
+
+import pytest
+from k8s_launch import fast_opts
+
+from kfp_nvrx.components.core.fields import CLI
+from kfp_nvrx.components.errors import UserError
+from kfp_nvrx.components.launch.jobspec import naming
+from kfp_nvrx.components.launch.jobspec.pytorchjob import render
+from kfp_nvrx.components.launch.jobspec.spec import JobSpec
+from kfp_nvrx.components.launch.kubernetes import launch_kubernetes
+
+SPEC = dict(image="img:1", pvc="fsx", instance_type="cpu", nodes="1", name="reused")
+
+
+def _existing(double, owner: str) -> None:
+    job = render(JobSpec(**SPEC)).to_dict()
+    job["metadata"]["namespace"] = "default"
+    annotations = job["metadata"].setdefault("annotations", {})
+    annotations.pop(naming.RUN_ID_KEY, None)
+    if owner:
+        annotations[naming.RUN_ID_KEY] = owner
+    double.put_job(job)
+
+
+@pytest.mark.parametrize(("owner", "run_id", "says"), [
+    ("", "", "neither it nor this launch has a run id"),
+    ("run-a", "", "belongs to run 'run-a'; give --run-id run-a to follow it"),
+    ("", "run-b", "was made without a run id, not by run 'run-b'"),
+    ("run-a", "run-b", "belongs to run 'run-a', not 'run-b'"),
+])
+def test_a_taken_name_says_whose_it_is(double, owner: str, run_id: str, says: str) -> None:
+    """Without --run-id it said "belongs to run '(none)', not '(none)'"."""
+    _existing(double, owner)
+    with pytest.raises(UserError) as err:
+        launch_kubernetes(JobSpec(**SPEC, run_id=run_id), fast_opts(),
+                          client_configuration=double.configuration(), log=lambda _l: None)
+    line = CLI.reword(err.value).one_line()
+    assert line.startswith("--name: ") and says in line and "(none)" not in line, line
+    assert not double.calls("POST") and not double.calls("DELETE")
