@@ -153,7 +153,7 @@ def should_delete(state: str, delete_after: str) -> bool:
 
 
 def fill_failure(result: LaunchResult, follower: PodLogFollower, lines: int) -> None:
-    """Name the failing replica and attach its last log lines to a non-success result."""
+    """Name the replica whose exit decided the failure and attach that pod's last lines."""
     if result.succeeded or result.state == "Cancelled":
         return
     pod = follower.failed_pod()
@@ -164,15 +164,8 @@ def fill_failure(result: LaunchResult, follower: PodLogFollower, lines: int) -> 
     result.reason += f" ({pod.replica} exited with code {pod.exit_code}" + (
         f", {pod.exit_reason}" if pod.exit_reason else "") + (
         f": {meaning})" if meaning else ")")
-    tail = follower.tail(pod.name, lines)
-    if not tail:
-        try:
-            text = follower.core.read_namespaced_pod_log(
-                pod.name, follower.namespace, container=follower.container, tail_lines=lines)
-            tail = [t for t in (text or "").splitlines() if t]
-        except Exception:  # noqa: BLE001 - no log to show (gone, API unreachable): no tail
-            tail = []
-    result.last_log_lines = tail
+    # That instance's own lines: a PyTorchJob pod recreated under its name has lines of its own.
+    result.last_log_lines = follower.last_lines(pod, lines)
 
 
 class JobRun:
