@@ -21,6 +21,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import urllib3.util
 import yaml
 
 from kfp_nvrx.components.core.argtypes import parse_bool
@@ -170,6 +171,12 @@ def _probe(host: str, token: str | None, timeout: float) -> None:
                         "give the pipelines API/UI base URL") from None
 
 
+#: Connection attempts only; a status (429, 503) and a redirect come back to the caller.
+_NO_STATUS_RETRIES = urllib3.util.Retry(total=2, connect=2, read=0, redirect=False, status=0,
+                                        other=0, respect_retry_after_header=False,
+                                        raise_on_status=False)
+
+
 def _refuse_redirects(client: Any, seen: list[tuple[str, str, str]]) -> None:
     """Make every request of ``client`` hand a 3xx back instead of following it.
 
@@ -182,6 +189,9 @@ def _refuse_redirects(client: Any, seen: list[tuple[str, str, str]]) -> None:
     follow = pool.urlopen
 
     def urlopen(method: str, url: str, redirect: bool = True, **kw: Any) -> Any:
+        # A 429's Retry-After is not slept on inside the call either: it outlasted --timeout
+        # and read "did not answer"; the 429 itself comes back and says what it is.
+        kw["retries"] = _NO_STATUS_RETRIES
         resp = follow(method, url, redirect=False, **kw)
         if 300 <= resp.status < 400:
             seen.append((method, url, urllib.parse.urljoin(url, resp.headers.get("Location")
@@ -209,6 +219,12 @@ def api_error(host: str, err: Exception, secrets: tuple[str, ...] = (),
     if status in (401, 403):
         return UserError("--host", f"the KFP API at {host} refused the request (HTTP {status}); "
                          f"{_AUTH_HINT}")
+    if status == 429:
+        headers = getattr(err, "headers", None) or {}
+        wait = " ".join(str(headers.get("Retry-After") or "").split())[:40]
+        return UserError("--host", f"the KFP API at {host} is throttling requests (HTTP 429"
+                         f"{', Retry-After ' + wait + ' s' if wait else ''}); nothing was done, "
+                         "try again later")
     if status:
         detail = ""
         body = getattr(err, "body", None)
@@ -239,6 +255,15 @@ def normalize_host(host: str) -> str:
     if not re.match(r"^https?://[^/\s]+", host):
         raise UserError("--host", f"expected an http(s) URL such as http://localhost:8080, "
                         f"got {host!r}")
+    try:  # what urllib and urllib3 parse it with later: a bad port or IPv6 literal fails here
+        parts = urllib.parse.urlsplit(host)
+        _ = parts.port
+    except ValueError as err:
+        raise UserError("--host", f"is not a valid URL ({err}): {host!r}; give one URL such as "
+                        "http://localhost:8080") from None
+    if not parts.hostname:
+        raise UserError("--host", f"names no host: {host!r}; give one URL such as "
+                        "http://localhost:8080")
     return host
 
 

@@ -113,7 +113,9 @@ class KfpApiDouble:
             return self._send(h, 200, self.reply[route])
         if route in self.fail:
             status, message = self.fail[route]
-            return self._send(h, status, {"error": message, "code": 3, "message": message})
+            throttled = {"Retry-After": "3600"} if status == 429 else None  # an API's flow control
+            return self._send(h, status, {"error": message, "code": 3, "message": message},
+                              throttled)
         if route == ("GET", "/apis/v2beta1/healthz"):
             return self._send(h, 200, {"multi_user": False})
         if route == ("GET", "/apis/v2beta1/experiments"):

@@ -171,6 +171,29 @@ def test_api_refusal_is_one_line(capsys):
     assert "HTTP 400" in err and "pipeline spec is invalid" in err
 
 
+@pytest.mark.parametrize("host, says", [
+    ("http://[::1", "Invalid IPv6 URL"), ("http://kfp:99999", "Port out of range"),
+    ("http://:8080", "names no host"),
+])
+def test_a_malformed_host_is_one_line_naming_it(capsys, host, says):
+    """``--host http://[::1`` printed "unexpected ValueError" with exit 1 (issue 30.17)."""
+    err = _one_line_error(capsys, main(["submit", "--host", host]))
+    assert err.startswith("kfp-nvrx submit: error: --host: ") and says in err, err
+
+
+def test_a_throttling_api_says_so_at_once_not_did_not_answer(capsys):
+    """urllib3 slept its Retry-After: 3600 inside the call; it read "did not answer" (30.17)."""
+    import time
+
+    route = ("GET", "/apis/v2beta1/experiments")
+    with KfpApiDouble(fail={route: (429, "too many requests")}) as api:
+        started = time.monotonic()
+        err = _one_line_error(capsys, main(["submit", "--host", api.url, "--timeout", "30"]))
+        assert time.monotonic() - started < 20
+    assert "is throttling requests (HTTP 429, Retry-After 3600 s)" in err, err
+    assert "did not answer" not in err and not any(r.method == "POST" for r in api.requests)
+
+
 # -- schedule -----------------------------------------------------------------------------------
 
 def test_schedule_creates_recurring_run(api, capsys):
