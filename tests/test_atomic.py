@@ -13,7 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from kfp_nvrx.components.core.atomic import AtomicFile, check_output, write_atomic
+from kfp_nvrx.components.core.atomic import (
+    AtomicFile,
+    check_output,
+    check_output_folder,
+    write_atomic,
+)
 from kfp_nvrx.components.errors import UserError
 
 
@@ -171,3 +176,21 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def test_check_output_folder_refuses_what_is_no_folder(tmp_path: Path) -> None:
+    """``run-local --out /dev/null`` ran the pipeline into a traceback per task (issue 30.17)."""
+    os.mkfifo(tmp_path / "pipe")
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    (tmp_path / "tolinked").mkdir()
+    (tmp_path / "linked").symlink_to(tmp_path / "tolinked")
+    for path, says in (("/dev/null", "a character device, not a folder"),
+                       (tmp_path / "pipe", "FIFO"), (tmp_path / "file", "a file, not a folder"),
+                       (tmp_path / "dangling", "a symbolic link to nothing"),
+                       (tmp_path / "file" / "out", "is not a folder")):
+        with pytest.raises(UserError) as err:
+            check_output_folder(path, "--out")
+        assert err.value.field == "--out" and says in err.value.message, err.value.message
+    for fine in (tmp_path / "tolinked", tmp_path / "linked", tmp_path / "new" / "deeper"):
+        check_output_folder(fine, "--out")

@@ -211,6 +211,13 @@ def check_output(path: StrPath, field: str) -> None:
     except OSError as err:
         if err.errno != errno.ENOTDIR:  # a file on the way: said below, in words
             raise UserError(field, f"{path}: {err.strerror}") from None
+    _creatable(path, field)
+
+
+def _creatable(path: StrPath, field: str) -> None:
+    """Refuses ``path`` when the nearest existing folder on its way is none, or not writable."""
+    from kfp_nvrx.components.errors import UserError
+
     parent = Path(os.path.abspath(path)).parent
     while not os.path.lexists(parent) and parent != parent.parent:
         parent = parent.parent
@@ -220,3 +227,26 @@ def check_output(path: StrPath, field: str) -> None:
     if not os.access(parent, os.W_OK | os.X_OK):
         raise UserError(field, f"cannot create files in {parent} (permission denied); give a "
                         "path you can write to")
+
+
+def check_output_folder(path: StrPath, field: str) -> None:
+    """Refuses, before any work, an output folder that is something else or cannot be made.
+
+    ``--out /dev/null`` for a command that writes a folder ran a whole pipeline into errors.
+
+    Raises:
+        UserError: Naming ``field``: ``path`` is a file, FIFO or device (a link to a folder is
+            a folder), or :func:`check_output` would refuse its parent.
+    """
+    from kfp_nvrx.components.errors import UserError
+
+    if os.path.isdir(path):
+        return
+    if os.path.lexists(path):
+        mode = os.stat(path).st_mode if os.path.exists(path) else os.lstat(path).st_mode
+        what = "a file" if stat.S_ISREG(mode) else kind_of(mode)
+        if stat.S_ISLNK(mode):
+            what = "a symbolic link to nothing"
+        raise UserError(field, f"{path} is {what}, not a folder; give a folder (new or one "
+                        "this command made)")
+    _creatable(path, field)

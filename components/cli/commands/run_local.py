@@ -208,10 +208,12 @@ def run(args: argparse.Namespace) -> int:
     """Run the pipeline locally and print the summary table."""
     from kfp import local
 
+    from kfp_nvrx.components.core.atomic import check_output_folder
     from kfp_nvrx.pipelines.compile import check_name, load_pipeline
 
     name = check_name(args.pipeline)
     out = Path(args.out).absolute()
+    check_output_folder(args.out, "--out")  # not /dev/null: found only by each task, failing
     arguments = local_arguments(name, args.param, out)
     local.init(runner=local.SubprocessRunner(use_venv=False),
                pipeline_root=str(out / "pipeline_root"), raise_on_error=True)
