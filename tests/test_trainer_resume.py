@@ -168,7 +168,10 @@ def test_kill_during_async_checkpoint_never_loads_torn_one(tmp_path, dataset, re
     res = _train(tmp_path / "run", dataset, faults=["kill-in-ckpt@12/1"])
     _report("kill-in-ckpt", res)
     starts = [e for e in read_events(tmp_path / "run") if e["type"] == "start"]
-    assert starts[1]["resumed_from"] == 6  # step 12 was torn: never committed, never loaded
+    # Step 12's write was cut: its files are never loaded. Its snapshot in host memory is, when
+    # every rank sealed it before the kill (issue 29); else the restart takes committed step 6.
+    resumed = starts[1]["resumed_from"]
+    assert resumed == 6 or (resumed == 12 and starts[1]["from_memory"])
     _assert_bitwise(_final_weights(tmp_path / "run"), reference[2])
 
 
