@@ -110,7 +110,7 @@ def test_restarted_worker_loads_the_newest_sealed_bank_and_skips_the_files(run_d
     assert manifests == [newest - 1, newest] and oct(home.path.stat().st_mode & 0o777) == "0o700"
 
     # No CRC pass over the files on this path: verify() must not be called.
-    import kfp_nvrx.components.training.checkpoint.checkpointer as ckpt_mod
+    import kfp_nvrx.components.training.checkpoint.recovery as ckpt_mod
 
     monkeypatch.setattr(ckpt_mod, "verify", lambda *a, **k: pytest.fail("files verified"))
     again, resumed, target, _ = _restart(run_dir, cfg)
