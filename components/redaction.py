@@ -239,8 +239,28 @@ def register_kube_defaults() -> None:
     register_source(current)
 
 
+#: What a terminal would act on instead of showing: an escape sequence other than a colour, a
+#: C0 control but tab and newline (a lone carriage return too), DEL, and C1 (``\x9b`` is CSI).
+_CONTROL = re.compile(r"(\x1b\[[0-9;]*m)|\r\n|[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def _shown(match: re.Match[str]) -> str:
+    if match.group(1) or match.group(0) == "\r\n":
+        return match.group(0)  # a colour (kfp's own output) and a CRLF line end stay as they are
+    return f"\\x{ord(match.group(0)):02x}"
+
+
+def neutralize(text: str) -> str:
+    r"""``text`` with every control a terminal acts on written out visibly (ESC as ``\x1b``).
+
+    Pod logs and server answers reach the user's terminal: an escape sequence in them could
+    retitle the window, clear the screen, move the cursor over earlier lines or hide text.
+    """
+    return _CONTROL.sub(_shown, text)
+
+
 class RedactingStream(io.TextIOBase):
-    """A text stream that redacts whole lines before passing them on.
+    """A text stream that redacts whole lines, their controls shown inertly, before passing them on.
 
     Text is held back until its line is complete, so a credential split over two writes is
     still seen whole; :meth:`flush` passes a partial line on (redacted) as it is.
@@ -265,9 +285,9 @@ class RedactingStream(io.TextIOBase):
             head, newline, rest = self._pending.rpartition("\n")
             if newline:
                 self._pending = rest
-                self.inner.write(redact(head + newline))
+                self.inner.write(neutralize(redact(head + newline)))
             if len(self._pending) > self.MAX_PENDING:
-                self.inner.write(redact(self._pending))
+                self.inner.write(neutralize(redact(self._pending)))
                 self._pending = ""
         return len(text)
 
@@ -275,7 +295,7 @@ class RedactingStream(io.TextIOBase):
         """Pass a partial line on (redacted) and flush the inner stream."""
         with self._wlock:
             if self._pending:
-                self.inner.write(redact(self._pending))
+                self.inner.write(neutralize(redact(self._pending)))
                 self._pending = ""
         self.inner.flush()
 

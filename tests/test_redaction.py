@@ -221,3 +221,19 @@ def test_the_training_component_prints_and_raises_no_credential(tmp_path, monkey
     everything = str(err.value) + printed.out + printed.err
     assert "500" in everything and "q7zebra" in everything
     assert not _standalone(SHORT, everything), everything
+
+
+def test_terminal_controls_from_pod_logs_are_shown_not_acted_on():
+    """A pod's escape sequences reached the terminal raw: retitle, clear, cursor moves (30.17)."""
+    out = io.StringIO()
+    stream = RedactingStream(out)
+    stream.write("[worker-1] \x1b]0;pwned\x07title \x1b[2Jcleared \x1b[1A up\r over\n")
+    stream.write("[worker-0] \x9b31m c1 \x1b[31mred\x1b[0m tab\there\r\n")
+    stream.write("partial \x08 no newline")
+    stream.flush()
+    text = out.getvalue()
+    assert "\x1b]" not in text and "\x1b[2J" not in text and "\x1b[1A" not in text
+    assert "\x07" not in text and "\x9b" not in text and "\x08" not in text
+    assert "\\x1b]0;pwned\\x07title \\x1b[2Jcleared \\x1b[1A up\\x0d over\n" in text
+    assert "\\x9b31m c1 \x1b[31mred\x1b[0m tab\there\r\n" in text  # colours and CRLF stay
+    assert text.endswith("partial \\x08 no newline")
