@@ -10,13 +10,15 @@ KFP components' Python functions in-process (the KFP executor would wrap any exc
 traceback); they must raise :class:`UserError` naming the parameter before anything is created.
 No case may start training.
 
-The table is tests/bad_input_cases.py plus, when present, tests/bad_input_cases_proc.py (its
+The table is tests/bad_input_cases.py plus, when present, tests/bad_input_cases_proc.py and
+tests/bad_input_cases_io.py (their
 ``CASES``, ``COMPONENT_CASES`` and ``fixtures(fx) -> {placeholder: path}``). ``pytest -k <id>``
 runs only the selected cases' processes.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -35,19 +37,25 @@ from kfp_nvrx.components.training.trainer.bootstrap import LAUNCHER_ENV
 SWEEP_ENV = "KFP_NVRX_SWEEP"
 
 
-def _proc_module():
-    """tests/bad_input_cases_proc.py (the secrets/network/process classes), if it exists."""
-    try:
-        import bad_input_cases_proc
-    except ModuleNotFoundError as err:
-        if err.name != "bad_input_cases_proc":
-            raise
-        return None
-    return bad_input_cases_proc
+#: More case tables: the secrets/network/process classes, and what is read and written around
+#: a run (outputs, run-dir files, init_from, kubeconfigs); each is used when it exists.
+EXTRA_TABLES = ("bad_input_cases_proc", "bad_input_cases_io")
 
 
-PROC = _proc_module()
-CASES: list[Case] = [*BASE_CASES, *getattr(PROC, "CASES", [])]
+def _extra_modules() -> list:
+    """The modules of :data:`EXTRA_TABLES` that exist."""
+    found = []
+    for name in EXTRA_TABLES:
+        try:
+            found.append(importlib.import_module(name))
+        except ModuleNotFoundError as err:
+            if err.name != name:
+                raise
+    return found
+
+
+EXTRA = _extra_modules()
+CASES: list[Case] = [*BASE_CASES, *(c for m in EXTRA for c in getattr(m, "CASES", []))]
 
 
 def _snapshot(root: Path) -> dict[str, tuple[int, int]]:
@@ -209,8 +217,9 @@ def fixtures(tmp_path_factory) -> dict[str, str]:
     _recorded_run(fx / "damaged", data, damaged=True)
     extra = {**_link_fixtures(fx), **_input_fixtures(fx), "data2": str(fx / "data2"),
              "recorded": str(fx / "recorded"), "damaged": str(fx / "damaged")}
-    if hasattr(PROC, "fixtures"):
-        extra.update(PROC.fixtures(fx))
+    for module in EXTRA:
+        if hasattr(module, "fixtures"):
+            extra.update(module.fixtures(fx))
     return {**extra, "src": str(fx / "src"), "foreign": str(fx / "foreign"),
             "token2": str(fx / "token2"), "tokenbin": str(fx / "tokenbin"),
             "dupkey": str(fx / "dup.yaml"), "binconfig": str(fx / "binary.yaml"),
@@ -229,7 +238,7 @@ def _run_case(case: Case, fixtures: dict[str, str], root: Path) -> dict:
               else "kfp_nvrx.components.training.trainer")
     token = uuid.uuid4().hex
     env = {**os.environ, SWEEP_ENV: token, "KUBECONFIG": str(Path(fixtures["fx"], "kubeconfig")),
-           **dict(case.env)}
+           **{k: v.format(ws=ws, **fixtures) for k, v in case.env}}
     for key in ("KFP_NVRX_REGISTRY", *LAUNCHER_ENV):
         env.pop(key, None)
     proc = subprocess.run([sys.executable, "-m", module, *argv], cwd=ws, env=env,
@@ -253,7 +262,7 @@ def results(fixtures, tmp_path_factory, request) -> dict[str, dict]:
 
 
 def test_sweep_is_large_and_spans_every_surface() -> None:
-    assert len(CASES) + len(COMPONENT_CASES) >= 160 and len({c.id for c in CASES}) == len(CASES)
+    assert len(CASES) + len(COMPONENT_CASES) >= 300 and len({c.id for c in CASES}) == len(CASES)
     commands = {c.argv[0] for c in CASES if c.program == "cli"}
     assert {"prepare-data", "launch-local", "export", "render-job", "launch", "compile",
             "run-local", "submit", "schedule"} <= commands
@@ -292,7 +301,7 @@ COMPONENT_CASES = [  # (id, component, parameters, field the error must name)
     ("export-no-checkpoint", "export", {"run_path": "{empty}"}, "run_dir"),
     ("export-step", "export", {"step": 7}, "step"),
     ("compare-min-improvement", "compare", {"min_improvement": -1.0}, "min_improvement"),
-    *getattr(PROC, "COMPONENT_CASES", []),
+    *(c for m in EXTRA for c in getattr(m, "COMPONENT_CASES", [])),
 ]
 
 

@@ -40,3 +40,17 @@ def test_a_taken_name_says_whose_it_is(double, owner: str, run_id: str, says: st
     line = CLI.reword(err.value).one_line()
     assert line.startswith("--name: ") and says in line and "(none)" not in line, line
     assert not double.calls("POST") and not double.calls("DELETE")
+
+
+def test_demo_picks_its_fault_from_steps_and_blames_only_what_was_given() -> None:
+    """``demo --steps 10`` was refused for a default --fault kill@25/1 the user never gave,
+    after the data had been written (issue 30.17)."""
+    import argparse
+
+    from kfp_nvrx.components.cli.commands.demo import _checked
+
+    assert _checked(argparse.Namespace(steps=10, fault=None)) == "kill@4/1"
+    assert _checked(argparse.Namespace(steps=60, fault=None)) == "kill@25/1"  # as documented
+    with pytest.raises(UserError) as err:
+        _checked(argparse.Namespace(steps=10, fault="kill@25/1"))
+    assert err.value.field == "--fault" and "after the last step (10)" in err.value.message

@@ -11,8 +11,32 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="prepare -> train on 2 local nodes with a fault -> export")
     p.add_argument("--out", default="runs/demo", help="where data, run dir and model go")
     p.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
-    p.add_argument("--fault", default="kill@25/1", help="fault to inject (default kill@25/1)")
+    p.add_argument("--fault", default=None,
+                   help="fault to inject (default: kill rank 1 at 5/12 of --steps, kill@25/1 "
+                   "for 60)")
     p.set_defaults(handler=_run)
+
+
+def _checked(args: argparse.Namespace) -> str:
+    """The fault to inject, after checking --steps and --fault (before anything is written).
+
+    The default fault follows ``--steps``: a fixed ``kill@25/1`` refused ``--steps 10`` naming a
+    ``--fault`` the user never gave, after the data had been written.
+    """
+    from kfp_nvrx.components.core.config import load_config
+    from kfp_nvrx.components.core.faults import check_faults
+    from kfp_nvrx.components.errors import UserError
+
+    if args.steps < 2:
+        raise UserError("--steps", f"must be >= 2 (a fault, then a step to recover into), got "
+                        f"{args.steps}")
+    fault = args.fault or f"kill@{max(1, args.steps * 5 // 12)}/1"
+    interval = load_config("tiny").checkpoint.interval
+    try:
+        check_faults([fault], args.steps, interval, world_size=2)  # 2 nodes x 1 process
+    except UserError as err:
+        raise UserError("--fault", err.message) from None
+    return fault
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -22,12 +46,13 @@ def _run(args: argparse.Namespace) -> int:
     from kfp_nvrx.components.launch.local import run_local
     from kfp_nvrx.components.training.export.consolidate import export_checkpoint
 
+    fault = _checked(args)
     out = reset_out_dir(args.out, ("run", "model"), "--out")  # only a folder we made
     run_dir, data_dir, model_dir = out / "run", out / "data", out / "model"
     print("== 1/3 prepare-data (bundled sample corpus, byte tokenizer)")
     print(summary(prepare_dataset("sample:", data_dir, seq_len=64)))
-    print(f"== 2/3 launch-local: 2 nodes x 1 process, tiny model, fault {args.fault}")
-    res = run_local(JobSpec(nodes="2", run_dir=str(run_dir), config="tiny", faults=[args.fault],
+    print(f"== 2/3 launch-local: 2 nodes x 1 process, tiny model, fault {fault}")
+    res = run_local(JobSpec(nodes="2", run_dir=str(run_dir), config="tiny", faults=[fault],
                             overrides=[f"data.path={data_dir}", f"train.steps={args.steps}"]))
     if not res.succeeded:
         sys.stderr.write(f"demo: training {res.state}: {res.reason}\n")

@@ -30,13 +30,15 @@ def _run(args: argparse.Namespace) -> int:
     if not os.path.lexists(events_file):
         raise UserError("--run-dir", f"{args.run_dir} has no {EVENTS_FILE} (not a training run)")
 
-    def warn(msg: str) -> None:  # one line per bad line of events.jsonl; the report still comes
-        sys.stderr.write(f"kfp-nvrx goodput: warning: {msg}\n")
-
-    events = read_events(args.run_dir, warn)  # a FIFO or folder there: refused, not waited on
+    skipped: list[str] = []  # one line per bad line of events.jsonl; the report still comes
+    events = read_events(args.run_dir, skipped.append)  # a FIFO or folder: refused, not read
     if not events:  # goodput 0.0 would read as a run that wasted all its time
-        raise UserError("--run-dir", f"{events_file} holds no events (the run has not started "
-                        "training yet, or every line was damaged): nothing to summarise")
+        why = (f"{len(skipped)} damaged line(s), the first: {skipped[0]}" if skipped else
+               "the run has not started training yet")
+        raise UserError("--run-dir", f"{events_file} holds no events ({why}): nothing to "
+                        "summarise")
+    for msg in skipped:
+        sys.stderr.write(f"kfp-nvrx goodput: warning: {msg}\n")
     rep = summarize_events(events).to_dict()
     if args.json:
         print(json.dumps(rep, indent=2, allow_nan=False))  # strict JSON: the events hold no NaN
