@@ -145,6 +145,11 @@ CASES: list[Case] = [
        "--cron", "0 0 3 * * *", says="Invalid IPv6 URL"),
     _c("submit-throttled", "--host", "submit", "--host", "{throttled}",
        says="throttling requests (HTTP 429"),
+    # 17. a relative path the pods would resolve in their own working directory
+    _c("job-data-path-relative", "data.path", *RENDER, "--set", "data.path=data/corpus",
+       says="relative path"),
+    _c("trainjob-init-from-relative", "checkpoint.init_from", *TRAINJOB_NO_OUT, "--set",
+       "checkpoint.init_from=models/m", says="relative path"),
     # 17. demo checks --steps and --fault before it writes the data
     _c("demo-steps-one", "--steps", "demo", "--out", "{ws}/demo", "--steps", "1"),
     _c("demo-fault-after-the-end", "--fault", "demo", "--out", "{ws}/demo", "--steps", "10",

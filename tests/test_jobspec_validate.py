@@ -59,6 +59,9 @@ BAD_SPECS = [
     ({"mount": "fsx"}, "mount"),
     ({"config": "/home/me/my.yaml"}, "config"),
     ({"overrides": ["data.path=/home/me/data"]}, "data.path"),
+    # Relative: each pod would resolve it in its own working directory (issue 30.17).
+    ({"overrides": ["data.path=data/corpus"]}, "data.path"),
+    ({"overrides": ["checkpoint.init_from=models/m"]}, "checkpoint.init_from"),
     ({"instance_type": "cpu", "efa": 4}, "efa"),
     ({"efa": -1}, "efa"),
     ({"image_pull_policy": "Sometimes"}, "image_pull_policy"),

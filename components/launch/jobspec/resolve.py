@@ -255,6 +255,10 @@ def _check_pod_paths(spec: JobSpec, cfg: Config, profile: InstanceProfile,
                         f"preset or a file on the shared volume ({', '.join(roots)})")
     for key, value in (("data.path", cfg.data.path),
                        ("checkpoint.init_from", cfg.checkpoint.init_from)):
+        if value and not value.startswith("/"):  # the pods would resolve it in their own cwd
+            raise UserError(key, f"{value!r} is a relative path: each pod would look for it in "
+                            "its own working directory, not yours; give the absolute path on "
+                            f"the shared volume ({', '.join(roots)})")
         if value.startswith("/") and not mounted(value):
             raise UserError(key, f"{value!r} is not on a volume the pods mount "
                             f"({', '.join(roots)})")
