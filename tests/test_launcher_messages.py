@@ -54,3 +54,48 @@ def test_demo_picks_its_fault_from_steps_and_blames_only_what_was_given() -> Non
     with pytest.raises(UserError) as err:
         _checked(argparse.Namespace(steps=10, fault="kill@25/1"))
     assert err.value.field == "--fault" and "after the last step (10)" in err.value.message
+
+
+def test_a_stopped_agents_shutdown_noise_stays_in_its_node_log(tmp_path) -> None:
+    """Every normal cancel printed NVRx's CancelledError traceback and SignalException lines
+    from the agents the launcher itself stopped (issue 30.17)."""
+    import os
+    import sys
+    import time
+
+    from kfp_nvrx.components.launch.local import _Agent
+
+    script = ("import signal, sys, time\n"
+              "def stop(*_):\n"
+              "    print('[ERROR] Exception in callback StreamReaderProtocol', flush=True)\n"
+              "    print('Traceback (most recent call last):', flush=True)\n"
+              "    print('asyncio.exceptions.CancelledError', flush=True)\n"
+              "    print('[ERROR] Agent .run() raised SignalException: got signal: 15', flush=True)\n"
+              "    sys.exit(1)\n"
+              "signal.signal(signal.SIGTERM, stop)\n"
+              "print('[trainer] step 1/9 loss 2.0', flush=True)\n"
+              "time.sleep(60)\n")
+    shown: list[str] = []
+    (tmp_path / "logs").mkdir()
+    agent = _Agent(0, [sys.executable, "-c", script], dict(os.environ), shown.append, False,
+                   tmp_path / "logs" / "node0.log")
+    deadline = time.monotonic() + 30
+    while not shown and time.monotonic() < deadline:
+        time.sleep(0.05)
+    agent.stop(grace=10)
+    agent.thread.join(10)
+    assert shown == ["[node0] [trainer] step 1/9 loss 2.0"], shown
+    kept = (tmp_path / "logs" / "node0.log").read_text()
+    assert "CancelledError" in kept and "SignalException" in kept  # nothing lost
+
+
+def test_ctrl_c_while_the_commands_load_is_one_line(monkeypatch, capsys) -> None:
+    """Ctrl-C in the first moments printed a KeyboardInterrupt traceback (issue 30.17)."""
+    from kfp_nvrx.components.cli import main as cli
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    assert cli.main(["goodput", "--run-dir", "x"]) == 130
+    assert capsys.readouterr().err == "kfp-nvrx: interrupted (SIGINT)\n"

@@ -151,8 +151,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kfp-nvrx`` console script."""
     # torch imports pynvml on CPU-only machines and warns about it on every command.
     warnings.filterwarnings("ignore", message="The pynvml package is deprecated")
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+    except KeyboardInterrupt:  # Ctrl-C while the commands load: a line, not a traceback
+        sys.stderr.write("kfp-nvrx: interrupted (SIGINT)\n")
+        return 128 + signal.SIGINT
     _check_number_flags(parser, args)
     register_secrets(*_secrets(args))
     with redacted_output():  # no credential reaches stdout/stderr, whoever prints it

@@ -122,6 +122,10 @@ class _Agent:
         self.idx, self.tail = idx, deque(maxlen=40)
         self.exited_at: float | None = None  # when the launcher first saw it gone
         self.gave_up = ""  # rank 0's line: the job's restart budget is spent
+        # Set once the launcher stops this agent (a cancel, another node's failure): what it
+        # prints while stopping (NVRx's asyncio CancelledError traceback, SignalException
+        # lines) is its shutdown, not news; it goes to the node log only.
+        self.stopping = False
         self.disk_full = DiskFullNotice(log_path.parent.parent / CHECKPOINTS_DIR)
         # The kernel SIGTERMs the agent when the launcher dies (die_with_parent); keep_fds (the
         # run-dir lock) keeps the run dir taken until the agent has stopped its workers.
@@ -140,6 +144,8 @@ class _Agent:
                 line = line.rstrip()
                 full.write(line)
                 self.tail.append(line)
+                if self.stopping and not verbose:
+                    continue
                 if BUDGET_SPENT in line and not self.gave_up:
                     self.gave_up = line[line.index(BUDGET_SPENT):]
                 notice = self.disk_full.check(line)
@@ -162,6 +168,7 @@ class _Agent:
             full.close()
 
     def terminate(self) -> None:
+        self.stopping = True
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)  # ft_launcher stops its workers on SIGTERM
 
