@@ -40,6 +40,8 @@ import sys
 import threading
 import time
 
+from kfp_nvrx.components.core.pod_child import BARRIER_ENV, SUCCEEDED_LINE, Child, exit_barrier_s
+
 #: The exit code of a container stopped on request (128 + SIGTERM).
 TERMINATED = 128 + signal.SIGTERM
 #: ft_launcher lost a peer pod or its rendezvous host (another pod's infrastructure failure).
@@ -122,6 +124,15 @@ def peer_lost_wait_s(argv: list[str], env: dict[str, str] | os._Environ) -> floa
         if not value >= 0 or value == float("inf"):
             raise ValueError(value)
         return value
+    return term_timeout_s(argv) + POD_STOP_MARGIN_S + PEER_REPORT_S
+
+
+def term_timeout_s(argv: list[str]) -> float:
+    """ft_launcher's ``--term-timeout`` in ``argv`` (its default when it names none).
+
+    Raises:
+        ValueError: The value is not a number.
+    """
     term = DEFAULT_TERM_TIMEOUT_S
     for i, arg in enumerate(argv):
         if arg == "-m":  # the worker's module and its own flags follow
@@ -130,7 +141,7 @@ def peer_lost_wait_s(argv: list[str], env: dict[str, str] | os._Environ) -> floa
             term = float(arg.split("=", 1)[1])
         elif arg in ("--term-timeout", "--term_timeout") and i + 1 < len(argv):
             term = float(argv[i + 1])
-    return term + POD_STOP_MARGIN_S + PEER_REPORT_S
+    return term
 
 
 class _Copy(threading.Thread):
@@ -195,15 +206,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         wait_s = peer_lost_wait_s(argv, os.environ)
+        barrier_s = exit_barrier_s(os.environ)
     except ValueError:
-        print(f"pod_entry: {PEER_WAIT_ENV} must be a number of seconds >= 0, got "
-              f"{os.environ.get(PEER_WAIT_ENV)!r}; unset it for the default", file=sys.stderr)
+        print(f"pod_entry: {PEER_WAIT_ENV} and {BARRIER_ENV} must be numbers of seconds >= 0, "
+              f"got {os.environ.get(PEER_WAIT_ENV)!r}, {os.environ.get(BARRIER_ENV)!r}; unset "
+              "them for the defaults", file=sys.stderr)
         return 2
     stopped: list[int] = []
     child_alive = [True]
+    watch: list[Child] = []
 
     def forward(signum: int, _frame) -> None:
         stopped.append(signum)
+        if signum == signal.SIGTERM and watch and watch[0].stop_asked is None:
+            watch[0].stop_asked = time.monotonic()  # FT: bounded from here (pod_child)
         if child_alive[0]:
             try:
                 os.kill(pid, signum)
@@ -237,7 +253,11 @@ def main(argv: list[str] | None = None) -> int:
         os.close(w)
         copies.append(_Copy(r, fd))
         copies[-1].start()
-    code = _wait_child(pid)
+    watch.append(Child(pid, argv, term_timeout_s(argv), barrier_s,
+                       lambda: any(SUCCEEDED_LINE in c.text() for c in copies)))
+    if stopped and signal.SIGTERM in stopped:  # asked to stop before the watch existed
+        watch[0].stop_asked = time.monotonic()
+    code = watch[0].wait(lambda: _reaped(pid))
     child_alive[0] = False
     deadline = time.monotonic() + DRAIN_S
     for c in copies:  # the child's last lines were written before it exited: copy them out
@@ -246,6 +266,12 @@ def main(argv: list[str] | None = None) -> int:
         # Asked to stop: report the stop, never ft_launcher's "gave up" 1 (nor a 0 from workers
         # that exited cleanly on the signal: this pod did not finish the job).
         return TERMINATED
+    if watch[0].cut == "exit barrier":
+        # FT: this node's workers succeeded; a peer that never reaches the barrier (its pod lost
+        # after training ended) must not hold the job for ft_launcher's 300 s.
+        print(f"pod_entry: this node's workers succeeded; stopped ft_launcher after {barrier_s:g} "
+              "s at its exit barrier (a peer agent did not arrive)", file=sys.stderr, flush=True)
+        return 0
     code = verdict(code, "".join(c.text() for c in copies))
     if code != PEER_LOST:
         return code
@@ -268,15 +294,20 @@ def _same_file(a: int, b: int) -> bool:
     return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
 
 
-def _wait_child(pid: int) -> int:
-    """Wait for ``pid`` (reaping orphans meanwhile); return its status as a container reports it."""
+def _reaped(pid: int) -> int | None:
+    """``pid``'s status as a container reports it once it exited, else None (without waiting).
+
+    Orphans re-parented to the entrypoint (PID 1 in a container) are reaped meanwhile.
+    """
     while True:
         try:
-            done, status = os.wait()  # orphans are re-parented to PID 1: reap them too
+            done, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
             return 1
         except InterruptedError:
             continue
+        if done == 0:
+            return None
         if done == pid:
             return 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
