@@ -5,7 +5,7 @@
 # time limit (LIMIT seconds, default 585): a sweep stops starting runs when one would not fit.
 #
 #   OUT=DIR [SKIP=N] [ONLY=kinds] bash bench/issue29_gpu.sh PART...
-#   PART: setup sweep1b sweep125m tests
+#   PART: setup probe sweep1b sweep125m tests
 set -uo pipefail
 OUT=${OUT:?set OUT}
 LIMIT=${LIMIT:-585}
@@ -33,6 +33,7 @@ for part in "$@"; do
     export PATH=$(dirname "$(python3 -c 'import sys; print(sys.executable)')"):$PATH
     python3 -m bench.recovery_sweep --preset "$preset" --out "$OUT/sweep_${preset}_from${SKIP:-0}.json" \
       --skip-runs "${SKIP:-0}" --budget "$(left)" ${ONLY:+--only "$ONLY"} 2>&1 | grep -v "Warning\|import pynvml" ;;
+  probe) python3 -m bench.pin_stall_probe --out "$OUT/pin_stall.json" 2>&1 | grep -v "Warning\|import pynvml" ;;
   tests) python3 -m pytest -q -ra -p no:cacheprovider tests/gpu 2>&1 | tail -15 ;;
   *) echo "unknown part $part" ;;
   esac

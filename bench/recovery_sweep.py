@@ -34,7 +34,7 @@ from bench.runs import run_trainer
 #: Per preset: checkpoint interval, steps after every restart, least run length, where hangs may
 #: start (after the first incarnation learned its timeouts), the expected seconds of one run.
 PRESETS = {
-    "1b": {"interval": 40, "lead": 60, "min_steps": 100, "hang_from": 45, "run_s": 80},
+    "1b": {"interval": 40, "lead": 60, "min_steps": 100, "hang_from": 45, "run_s": 105},
     "125m": {"interval": 20, "lead": 60, "min_steps": 100, "hang_from": 30, "run_s": 45},
     "tiny": {"interval": 10, "lead": 60, "min_steps": 100, "hang_from": 20, "run_s": 60},
 }
@@ -200,16 +200,18 @@ def main(argv: list[str] | None = None) -> int:
                            "plan": "bench.recovery_sweep.plan", "runs": []}
     for run in runs:
         left = args.budget - (time.time() - t0)
-        if args.budget and left < pre["run_s"] * 1.3:
-            log(f"sweep: {left:.0f}s left, stopping before run {run['index']}")
+        # A run's length: the longest so far per planned step (or the preset's guess), + 30 %.
+        per_step = max([r["wall_s"] / r["steps"] for r in res["runs"]] or [pre["run_s"] / 100])
+        need = per_step * run["steps"] * 1.3
+        if args.budget and left < need:
+            log(f"sweep: {left:.0f}s left, run {run['index']} needs ~{need:.0f}s: stopping")
             break
         run_dir = work / f"run_{run['index']}"
         base = [f"data.path={data}", f"train.steps={run['steps']}",
                 f"checkpoint.interval={pre['interval']}", "checkpoint.keep=1",
                 "checkpoint.save_final=false", "resilience.workers_stop_timeout=5"]
         layer_set = KINDS.get(run["kind"], {"set": []})["set"]
-        timeout = max(pre["run_s"] * 3, args.budget - (time.time() - t0) - 5) if args.budget \
-            else pre["run_s"] * 4
+        timeout = left - 5 if args.budget else pre["run_s"] * 4
         result = run_trainer("ft", args.preset, run_dir, [*base, *layer_set], run["faults"],
                              timeout=timeout)
         row = {"index": run["index"], **measure(run, result, pre["interval"])}

@@ -118,8 +118,8 @@ def test_restarted_worker_loads_the_newest_sealed_bank_and_skips_the_files(run_d
     assert again.staging.adopted_step == newest
     _assert_equal(_tensors(target), _tensors(_disk(run_dir, newest)))
     assert target["train"]["step"] == newest and target["ft"] == {"note": "ft"}
-    # The older bank is dropped at adoption: one bank, one manifest left.
-    assert [p.name for p in sorted(home.path.glob("rank0.bank*"))] == ["rank0.bank1", "rank0.bank1.json"]
+    # The older bank is withdrawn at adoption: one manifest left (its file is reused later).
+    assert [p.name for p in home.path.glob("rank0.bank*.json")] == ["rank0.bank1.json"]
 
     # The adopted bank is kept while the next save goes to the other bank.
     again.save(newest + 1, target)

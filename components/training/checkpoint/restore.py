@@ -18,10 +18,11 @@ from typing import Any
 import torch
 
 from kfp_nvrx.components.training.checkpoint.bank import Slot, _local, _pin_ranges
-from kfp_nvrx.components.training.checkpoint.integrity import check_piece, expected_by_offset
-
-#: Reader threads; each fills one bounce buffer at a time (plus one the GPU copies from).
-THREADS = 4
+from kfp_nvrx.components.training.checkpoint.integrity import (
+    THREADS,
+    check_piece,
+    expected_by_offset,
+)
 
 
 def restore_bounced(buffer: torch.Tensor, slots: dict[str, Slot], nbytes: int,
@@ -34,7 +35,8 @@ def restore_bounced(buffer: torch.Tensor, slots: dict[str, Slot], nbytes: int,
         slots: Where each tensor lives in ``buffer``.
         nbytes: The bank's size.
         flat: Flattened state whose tensors (CUDA) are filled in place.
-        threads: Reader threads.
+        threads: Reader threads (each fills one bounce buffer at a time and checks its CRC32;
+            one more buffer is the GPU's to copy from).
         expected: The bank's ``[offset, length, crc]`` pieces: each bounce buffer is checked
             after it is filled, so what reaches the GPU is what was sealed.
 
