@@ -10,6 +10,7 @@ import ctypes
 import functools
 import mmap
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,9 +23,17 @@ from torch.distributed.tensor import DTensor
 # Every tensor starts on its own page: the banks are pinned in page-aligned ranges of whole
 # tensors (see _pin_ranges), and two registrations may not share a page.
 _ALIGN = 4096
-#: Bytes per cudaHostRegister call: pinning 13 GB in one call holds the driver for seconds,
-#: during which the training thread's kernel launches wait; pieces let them through.
-PIN_CHUNK = 256 << 20
+#: Bytes per cudaHostRegister call (a piece holds whole tensors, so a larger tensor is a piece of
+#: its own). Registrations back to back starve the training thread of the driver: on an H200 a
+#: 13 GB bank pinned in 256 MiB pieces held one step of a matmul loop for the whole 4.6 s
+#: (docs/benchmarks/pin_stall.json) and restarted 1b workers had 4-5 s steps; 32 MiB pieces,
+#: each followed by a pause as long as it took (:data:`PIN_DUTY`), held no step at all.
+PIN_CHUNK = 32 << 20
+#: Seconds paused after a registration, per second it took.
+PIN_DUTY = 1.0
+#: madvise(MADV_POPULATE_WRITE) (Linux 5.14): maps every page of a bank up front, outside the
+#: driver, so the registrations only pin (Python's mmap module names it from 3.13 on).
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 #: Headroom left in /dev/shm beyond the banks (NCCL, DataLoader workers use it too).
 SHM_RESERVE = 1 << 30
 
@@ -153,15 +162,26 @@ class _Bank:
         self.buffer = torch.frombuffer(self._mm, dtype=torch.uint8)
 
     def pin(self, ranges: list[tuple[int, int]]) -> None:
+        """Page-locks the bank piece by piece, paced so the training thread is never starved."""
         register = _host_register()
+        self._populate()
         base = self.buffer.data_ptr()
         for offset, length in ranges:
+            t0 = time.perf_counter()
             # Portable: page-locked for every device context of this process.
             rc = register(base + offset, length, 1)
             if rc != 0:
                 raise StagingUnavailable(f"cudaHostRegister of {length / 1e9:.2f} GB failed "
                                          f"(error {rc})")
             self.pinned.append(base + offset)
+            time.sleep(PIN_DUTY * (time.perf_counter() - t0))
+
+    def _populate(self) -> None:
+        """Maps every page now (no data changes); best effort: pinning maps what is left."""
+        try:
+            self._mm.madvise(_MADV_POPULATE_WRITE)
+        except (OSError, ValueError, AttributeError):
+            pass
 
     def unmap(self) -> None:
         if self.pinned:

@@ -15,8 +15,9 @@ import threading
 import zlib
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from kfp_nvrx.components.training.checkpoint.bank import _Bank, _pin_ranges, _slot_rows
@@ -57,15 +58,35 @@ def check_pieces(buffer: torch.Tensor, expected: list[list[int]],
                                   f"taken (CRC32 {crc:08x}, recorded {want:08x})")
 
 
+#: Bytes copied and checked at a time by :func:`copy_checked` (stays in the core's cache).
+BLOCK = 1 << 20
+
+
+def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> int:
+    """Copies host uint8 ``src`` into ``dst`` and returns the CRC32 of the bytes copied.
+
+    Block by block, each checksummed while it is still in the cache: one pass over memory
+    instead of a copy and then a second read for the check (a 13 GB restore is bound by it).
+    """
+    d, s = dst.numpy(), src.numpy()
+    crc = 0
+    for i in range(0, s.shape[0], BLOCK):
+        block = d[i:i + BLOCK]
+        np.copyto(block, s[i:i + BLOCK])
+        crc = zlib.crc32(block, crc)
+    return crc
+
+
 def expected_by_offset(expected: list[list[int]] | None) -> dict[int, tuple[int, int]]:
     """``{offset: (length, crc)}`` for looking a piece up while restoring it."""
     return {int(off): (int(n), int(crc)) for off, n, crc in expected or ()}
 
 
-def check_piece(data: Any, offset: int, table: dict[int, tuple[int, int]]) -> None:
-    """Checks one piece (a uint8 tensor holding the bank's bytes at ``offset``) against ``table``."""
-    length, want = table[offset]
-    crc = crc_of(data[:length])
+def check_piece(crc: int, offset: int, length: int, table: dict[int, tuple[int, int]]) -> None:
+    """Checks the CRC32 of the bank's ``length`` bytes at ``offset`` against ``table``."""
+    if table.get(offset, (None, None))[0] != length:
+        raise SnapshotDamaged(f"no CRC32 recorded for bytes {offset}..{offset + length}")
+    want = table[offset][1]
     if crc != want:
         raise SnapshotDamaged(f"bytes {offset}..{offset + length} changed since the snapshot "
                               f"was taken (CRC32 {crc:08x}, recorded {want:08x})")

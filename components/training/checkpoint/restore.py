@@ -21,6 +21,7 @@ from kfp_nvrx.components.training.checkpoint.bank import Slot, _local, _pin_rang
 from kfp_nvrx.components.training.checkpoint.integrity import (
     THREADS,
     check_piece,
+    copy_checked,
     expected_by_offset,
 )
 
@@ -80,9 +81,10 @@ def restore_bounced(buffer: torch.Tensor, slots: dict[str, Slot], nbytes: int,
                 if event is not None:
                     event.synchronize()  # the GPU copies out of this buffer are done
                 off, n = pieces[index]
-                buf[:n].copy_(buffer[off:off + n])
                 if table:
-                    check_piece(buf, off, table)
+                    check_piece(copy_checked(buf[:n], buffer[off:off + n]), off, n, table)
+                else:
+                    buf[:n].copy_(buffer[off:off + n])
                 got: Any = (buf, off)
             except BaseException as err:  # noqa: BLE001 - handed to the calling thread
                 got = err
