@@ -25,6 +25,7 @@ from kfp_nvrx.components.launch.jobspec.spec import DELETE_AFTER
 from kfp_nvrx.components.launch.k8s_api import ClusterError, hints
 from kfp_nvrx.components.launch.k8s_http import StopSignals
 from kfp_nvrx.components.launch.logs import PodLogFollower
+from kfp_nvrx.components.launch.missing import MISSING_S, MissingWatch, missing_error
 from kfp_nvrx.components.launch.result import LaunchResult, RestartsSoFar, account_run_dir
 
 #: Extra time past ``activeDeadlineSeconds`` before the launcher itself gives up, so the
@@ -62,6 +63,8 @@ class K8sOptions:
         drain_s: Seconds open log streams may run on after the end (last lines of the pods).
         no_controller_s: Seconds without any job status before the launcher asks whether the
             job's controller runs (a CRD installed without its controller).
+        missing_s: Seconds the pods may wait for a PVC or Secret that does not exist before
+            the launch fails (:mod:`.missing`).
 
     """
 
@@ -75,6 +78,7 @@ class K8sOptions:
     handle_signals: bool = True
     drain_s: float = 5.0
     no_controller_s: float = 120.0
+    missing_s: float = MISSING_S
 
 
 class Outcome(NamedTuple):
@@ -218,6 +222,9 @@ class JobRun:
                 result = self._follow(jobs, found, job.run_dir, active_deadline_s, follower, signals)
             finally:
                 follower.stop(drain_s=0.0 if signals.event.is_set() else self.opts.drain_s)
+        if "missing" in result.extra:  # bad input: the job we made can never start
+            self._delete(jobs)
+            raise missing_error(result.extra["missing"], jobs.namespace, job, self.opts.missing_s)
         fill_failure(result, follower, self.opts.tail_lines)
         result.pod_restarts = follower.pod_restarts()
         # FT: restarts by layer, goodput, recovery: the trainer's events (when the volume is here)
@@ -322,6 +329,7 @@ class JobRun:
         last_state, last_progress, last_summary, errors = "", 0.0, "", 0
         failing_since, last_error = 0.0, ""
         next_events, warned, restarts = time.monotonic() + 1.0, set(), RestartsSoFar(run_dir)
+        missing = MissingWatch(jobs.namespace, opts.missing_s, say)
         while True:
             if signals.event.is_set():
                 name = signal.Signals(signals.signum).name if signals.signum else "signal"
@@ -364,6 +372,10 @@ class JobRun:
                 result.reason = f"launcher deadline of {deadline_s:g}s after job creation passed"
                 break
             now = time.monotonic()
+            if (blocker := missing.check(follower.missing(), now)) is not None:
+                result.state, result.reason = "Failed", f"the pods need {blocker}, which is missing"
+                result.extra["missing"] = blocker
+                break
             if not follower.pods and now >= next_events:  # events: every EVENTS_EVERY_S
                 next_events = now + EVENTS_EVERY_S
                 for line in self._why_no_pods(jobs, job, created):

@@ -28,6 +28,7 @@ from kfp_nvrx.components.launch.pods import (
     PodState,
     Progress,
     container_status,
+    missing_objects,
     prefix,
     pytorchjob_replica,
 )
@@ -99,6 +100,11 @@ class PodLogFollower:
             thread.join(1.0)
         if self._watcher:
             self._watcher.join(1.0)
+
+    def missing(self) -> list[str]:
+        """What the pods wait for that does not exist (``PersistentVolumeClaim fsx``), sorted."""
+        with self._lock:
+            return sorted({m for p in self.pods.values() for m in p.waiting_on})
 
     def pod_restarts(self) -> int:
         """Container restarts plus pod recreations, over all worker replicas.
@@ -239,6 +245,7 @@ class PodLogFollower:
                 self._note(state, f"pod {phase}")
             if phase == "Pending":  # a finished pod keeps its old PodScheduled condition
                 self._note_unschedulable(state, pod)
+            state.waiting_on = missing_objects(pod, self.container) if phase == "Pending" else []
             if status is None:
                 return
             state.restart_count = status.restart_count or 0

@@ -92,6 +92,8 @@ class PodState:
     #: Each instance (uid) of the pod: its exit and its own lines (a recreated pod's are not
     #: the failed one's).
     instances: dict[str, Ended] = field(default_factory=dict)
+    #: What it waits for that does not exist (``PersistentVolumeClaim fsx``): see missing_objects.
+    waiting_on: list[str] = field(default_factory=list)
 
     @property
     def recreations(self) -> int:
@@ -127,3 +129,28 @@ def container_status(pod: k8s.V1Pod, container: str) -> Any:
         if status.name == container:
             return status
     return None
+
+
+#: What a pod waits for that only its user can create, as the scheduler and the kubelet say it:
+#: (pattern, kind); the pattern's last group is the object's name.
+_MISSING = (
+    (re.compile(r'persistentvolumeclaim "([^"]+)" not found'), "PersistentVolumeClaim"),
+    (re.compile(r'secret "([^"]+)" not found'), "Secret"),
+    (re.compile(r"couldn't find key \S+ in Secret [^/\s]+/(\S+)"), "Secret"),
+)
+
+
+def missing_objects(pod: k8s.V1Pod, container: str) -> list[str]:
+    """``Kind name`` of each object ``pod`` waits for and the cluster does not have.
+
+    Read from the scheduler's ``PodScheduled`` condition (a claim that does not exist) and the
+    container's waiting state (``CreateContainerConfigError``: a Secret or one of its keys).
+    """
+    texts = [c.message or "" for c in (pod.status and pod.status.conditions) or []
+             if c.type == "PodScheduled" and c.status == "False"]
+    status = container_status(pod, container)
+    waiting = status is not None and status.state is not None and status.state.waiting
+    if waiting and waiting.reason == "CreateContainerConfigError":
+        texts.append(waiting.message or "")
+    return sorted({f"{kind} {m.group(m.lastindex or 1)}" for text in texts
+                   for pattern, kind in _MISSING for m in pattern.finditer(text)})

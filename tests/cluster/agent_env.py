@@ -111,7 +111,10 @@ def _key_ref(kind: str, ref: dict[str, Any], namespace: str, lookup: Lookup) -> 
     if data is None or ref["key"] not in data:
         if ref.get("optional"):
             return None
-        raise ConfigError(f"{kind} {namespace}/{ref['name']} key {ref['key']!r} not found")
+        if data is None:  # the kubelet's words (what the launcher reads back)
+            raise ConfigError(f'{kind} "{ref["name"]}" not found')
+        title = "Secret" if kind == "secret" else "ConfigMap"
+        raise ConfigError(f"couldn't find key {ref['key']} in {title} {namespace}/{ref['name']}")
     return data[ref["key"]]
 
 
@@ -137,7 +140,7 @@ def container_env(pod: dict[str, Any], container: dict[str, Any], lookup: Lookup
             if key in src:
                 data = lookup(kind, ns, src[key]["name"])
                 if data is None and not src[key].get("optional"):
-                    raise ConfigError(f"{kind} {ns}/{src[key]['name']} not found")
+                    raise ConfigError(f'{kind} "{src[key]["name"]}" not found')
                 env.update({prefix + k: v for k, v in (data or {}).items()})
     for item in container.get("env") or []:
         name, vf = item["name"], item.get("valueFrom")
