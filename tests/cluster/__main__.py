@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -19,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from . import owner
 from .controlplane import bin_dir
 from .procs import alive, start_time, tail
 from .supervisor import read_state, serve
@@ -39,9 +41,17 @@ def up(root: Path, nodes: int, timeout_s: float) -> int:
         print("cluster: no control-plane binaries; run `make cluster-bins` first (needs Go 1.26)",
               file=sys.stderr)
         return 2
+    rec = owner.read_owner(root)
+    if rec and rec.get("checkout") != str(owner.CHECKOUT):
+        print(f"cluster: {root} is owned by a running cluster of another checkout "
+              f"({owner.describe(rec)}); stop it from there with {owner.stop_hint(root)}, or "
+              "give this one its own folder: make cluster-up CLUSTER_DIR=/tmp/another-folder",
+              file=sys.stderr)
+        return 2
     state = read_state(root)
     if state and alive(state.get("supervisor", -1)):
-        print(f"cluster: already running in {root}; KUBECONFIG={state['kubeconfig']}")
+        print(f"cluster: already running in {root}; KUBECONFIG={state['kubeconfig']}; "
+              f"stop with {owner.stop_hint(root)}")
         return 0
     root.mkdir(parents=True, exist_ok=True)
     log = open(root / "supervisor.log", "ab")
@@ -58,7 +68,7 @@ def up(root: Path, nodes: int, timeout_s: float) -> int:
                 print(f"KUBECONFIG={state['kubeconfig']}")
                 for claim, folder in sorted(state.get("volumes", {}).items()):
                     print(f"PVC {claim} -> {folder}")
-                print(f"logs: {root / 'logs'}; stop with `make cluster-down`")
+                print(f"logs: {root / 'logs'}; stop with {owner.stop_hint(root)}")
                 return 0
             if state.get("failed"):
                 break
@@ -72,9 +82,16 @@ def up(root: Path, nodes: int, timeout_s: float) -> int:
     return 1
 
 
-def down(root: Path, timeout_s: float = 120.0) -> int:
+def down(root: Path, timeout_s: float = 120.0, any_owner: bool = False) -> int:
+    rec = owner.read_owner(root)
+    if rec and rec.get("checkout") != str(owner.CHECKOUT) and not any_owner:
+        print(f"cluster: {root} is owned by a running cluster of another checkout "
+              f"({owner.describe(rec)}); stop it from there, or here with --any-owner",
+              file=sys.stderr)
+        return 2
     state = read_state(root)
     if not state:
+        shutil.rmtree(root / "etcd", ignore_errors=True)  # a crashed cluster's data goes too
         print(f"cluster: nothing running in {root}")
         return 0
     pid = state.get("supervisor", -1)
@@ -93,6 +110,8 @@ def down(root: Path, timeout_s: float = 120.0) -> int:
     time.sleep(0.5)
     busy = [p for p in state.get("ports", []) if _port_open(p)]
     (root / "state.json").unlink(missing_ok=True)
+    if not alive(pid):  # its etcd data would bring its objects (and pods) back in the next one
+        shutil.rmtree(root / "etcd", ignore_errors=True)
     if alive(pid) or busy:
         print(f"cluster: stopped, but supervisor alive={alive(pid)} ports open={busy}",
               file=sys.stderr)
@@ -108,12 +127,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nodes", type=int, default=int(os.environ.get("CLUSTER_NODES", "2")),
                     help="test nodes run by the node agent (0: control plane only)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds for `up`")
+    ap.add_argument("--any-owner", action="store_true",
+                    help="down: stop the cluster even when another checkout started it")
     a = ap.parse_args(argv)
     root = a.dir.resolve()
     if a.command == "up":
         return up(root, a.nodes, a.timeout)
     if a.command == "down":
-        return down(root)
+        return down(root, any_owner=a.any_owner)
     if a.command == "status":
         print(json.dumps(read_state(root), indent=1))
         return 0

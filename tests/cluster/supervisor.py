@@ -16,7 +16,7 @@ import threading
 import time
 from pathlib import Path
 
-from . import install
+from . import install, owner
 from .controlplane import SYSTEM_NAMESPACE, USER_NAMESPACE, ControlPlane
 from .procs import wait_until
 
@@ -31,8 +31,11 @@ class Lock:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(self.fd)
-            raise SystemExit(f"cluster: {root} is in use by a running cluster "
-                             "(`make cluster-down` stops it)") from None
+            rec = owner.read_owner(root)
+            who = f" ({owner.describe(rec)})" if rec else ""
+            raise SystemExit(f"cluster: {root} is in use by a running cluster{who}; "
+                             f"{owner.stop_hint(root)} from its checkout stops it") from None
+        owner.claim(root)
 
 
 class _Stopped(BaseException):
@@ -68,7 +71,7 @@ def serve(root: Path, bins: Path, nodes: int = 0) -> int:
     compact = threading.Event()
     signal.signal(signal.SIGUSR1, lambda *_: restart.set())
     signal.signal(signal.SIGUSR2, lambda *_: (compact.set(), restart.set()))
-    (root / "state.json").unlink(missing_ok=True)
+    owner.clean(root)  # an earlier cluster's etcd, agent control files, pods, volumes
     cp = ControlPlane(root, bins)
     agent = None
     status = 0
