@@ -75,12 +75,13 @@ def _slot_rows(slots: dict[str, Slot]) -> list[list[Any]]:
             for k, s in slots.items()]
 
 
-def _pin_ranges(slots: dict[str, Slot], nbytes: int) -> list[tuple[int, int]]:
-    """(offset, length) pieces of about PIN_CHUNK bytes, each holding whole tensors."""
+def _pin_ranges(slots: dict[str, Slot], nbytes: int,
+                chunk: int = PIN_CHUNK) -> list[tuple[int, int]]:
+    """(offset, length) pieces of about ``chunk`` bytes, each holding whole tensors."""
     ranges: list[tuple[int, int]] = []
     start = end = 0
     for s in sorted(slots.values(), key=lambda s: s.offset):
-        if end > start and s.offset + s.nbytes - start > PIN_CHUNK:
+        if end > start and s.offset + s.nbytes - start > chunk:
             ranges.append((start, s.offset - start))
             start = s.offset
         end = s.offset + s.nbytes

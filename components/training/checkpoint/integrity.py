@@ -17,7 +17,6 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from kfp_nvrx.components.training.checkpoint.bank import _Bank, _pin_ranges, _slot_rows
@@ -28,6 +27,10 @@ if TYPE_CHECKING:
 
 #: Threads per rank: a share of the host's cores (8 local ranks share a p5's 192).
 THREADS = max(1, min(8, (os.cpu_count() or 2) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
+
+
+#: Bytes per CRC32 piece of a bank (whole tensors; a check runs one piece per thread).
+CRC_CHUNK = 256 << 20
 
 
 class SnapshotDamaged(RuntimeError):
@@ -58,38 +61,32 @@ def check_pieces(buffer: torch.Tensor, expected: list[list[int]],
                                   f"taken (CRC32 {crc:08x}, recorded {want:08x})")
 
 
-#: Bytes copied and checked at a time by :func:`copy_checked` (stays in the core's cache).
-BLOCK = 1 << 20
+class BackgroundCheck:
+    """:func:`check_pieces` on a thread of its own (its pieces on ``pool``), started at once.
 
-
-def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> int:
-    """Copies host uint8 ``src`` into ``dst`` and returns the CRC32 of the bytes copied.
-
-    Block by block, each checksummed while it is still in the cache: one pass over memory
-    instead of a copy and then a second read for the check (a 13 GB restore is bound by it).
+    A restore copies the bank out while this reads it: the check adds its share of memory
+    bandwidth to the restore, not its time. :meth:`result` waits and raises what it found.
     """
-    d, s = dst.numpy(), src.numpy()
-    crc = 0
-    for i in range(0, s.shape[0], BLOCK):
-        block = d[i:i + BLOCK]
-        np.copyto(block, s[i:i + BLOCK])
-        crc = zlib.crc32(block, crc)
-    return crc
 
+    def __init__(self, buffer: torch.Tensor, expected: list[list[int]],
+                 pool: ThreadPoolExecutor) -> None:
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(buffer, expected, pool),
+                                        name="bank-check", daemon=True)
+        self._thread.start()
 
-def expected_by_offset(expected: list[list[int]] | None) -> dict[int, tuple[int, int]]:
-    """``{offset: (length, crc)}`` for looking a piece up while restoring it."""
-    return {int(off): (int(n), int(crc)) for off, n, crc in expected or ()}
+    def _run(self, buffer: torch.Tensor, expected: list[list[int]],
+             pool: ThreadPoolExecutor) -> None:
+        try:
+            check_pieces(buffer, expected, pool)
+        except BaseException as err:  # noqa: BLE001 - handed to result()
+            self.error = err
 
-
-def check_piece(crc: int, offset: int, length: int, table: dict[int, tuple[int, int]]) -> None:
-    """Checks the CRC32 of the bank's ``length`` bytes at ``offset`` against ``table``."""
-    if table.get(offset, (None, None))[0] != length:
-        raise SnapshotDamaged(f"no CRC32 recorded for bytes {offset}..{offset + length}")
-    want = table[offset][1]
-    if crc != want:
-        raise SnapshotDamaged(f"bytes {offset}..{offset + length} changed since the snapshot "
-                              f"was taken (CRC32 {crc:08x}, recorded {want:08x})")
+    def result(self) -> None:
+        """Waits for the check; raises :class:`SnapshotDamaged` (or what else it hit)."""
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
 
 
 class Sealer:
@@ -125,7 +122,7 @@ class Sealer:
     def _run(self, bank: _Bank, token: int, step: int, slots: dict[str, Slot],
              nbytes: int) -> None:
         try:
-            crcs = piece_crcs(bank.buffer, _pin_ranges(slots, nbytes), self.pool())
+            crcs = piece_crcs(bank.buffer, _pin_ranges(slots, nbytes, CRC_CHUNK), self.pool())
         except Exception:  # noqa: BLE001 - unmapped meanwhile (released): nothing to describe
             return
         with self.lock:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import queue
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -20,14 +21,18 @@ import torch
 from kfp_nvrx.components.training.checkpoint.bank import Slot, _local, _pin_ranges
 from kfp_nvrx.components.training.checkpoint.integrity import (
     THREADS,
-    check_piece,
-    copy_checked,
-    expected_by_offset,
+    BackgroundCheck,
 )
+
+#: Reader threads; each fills one bounce buffer at a time (plus one the GPU copies from).
+READERS = 4
+#: Bytes per bounce buffer piece (whole tensors): 4 readers x 256 MiB restored 13.25 GB at
+#: 11 GB/s on an H200 host.
+BOUNCE_CHUNK = 256 << 20
 
 
 def restore_bounced(buffer: torch.Tensor, slots: dict[str, Slot], nbytes: int,
-                    flat: dict[str, Any], threads: int = THREADS,
+                    flat: dict[str, Any], threads: int = READERS,
                     expected: list[list[int]] | None = None) -> None:
     """Copies every tensor of ``flat`` from the pageable ``buffer`` (at ``slots``) to its device.
 
@@ -36,16 +41,18 @@ def restore_bounced(buffer: torch.Tensor, slots: dict[str, Slot], nbytes: int,
         slots: Where each tensor lives in ``buffer``.
         nbytes: The bank's size.
         flat: Flattened state whose tensors (CUDA) are filled in place.
-        threads: Reader threads (each fills one bounce buffer at a time and checks its CRC32;
-            one more buffer is the GPU's to copy from).
-        expected: The bank's ``[offset, length, crc]`` pieces: each bounce buffer is checked
-            after it is filled, so what reaches the GPU is what was sealed.
+        threads: Reader threads (each fills one bounce buffer at a time; one more buffer is the
+            GPU's to copy from).
+        expected: The bank's ``[offset, length, crc]`` pieces, checked on other threads while
+            the readers copy (the tensors are filled either way: on a mismatch, load them from
+            elsewhere).
 
     Raises:
         SnapshotDamaged: A piece's CRC32 differs from ``expected``.
     """
-    table = expected_by_offset(expected)
-    pieces = _pin_ranges(slots, nbytes)
+    pool = ThreadPoolExecutor(THREADS, thread_name_prefix="bank-check") if expected else None
+    checker = BackgroundCheck(buffer, expected, pool) if pool is not None else None
+    pieces = _pin_ranges(slots, nbytes, BOUNCE_CHUNK)
     targets: list[list[tuple[torch.Tensor, Slot]]] = [[] for _ in pieces]
     starts = [off for off, _ in pieces]
     for key, value in flat.items():
@@ -81,10 +88,7 @@ def restore_bounced(buffer: torch.Tensor, slots: dict[str, Slot], nbytes: int,
                 if event is not None:
                     event.synchronize()  # the GPU copies out of this buffer are done
                 off, n = pieces[index]
-                if table:
-                    check_piece(copy_checked(buf[:n], buffer[off:off + n]), off, n, table)
-                else:
-                    buf[:n].copy_(buffer[off:off + n])
+                buf[:n].copy_(buffer[off:off + n])
                 got: Any = (buf, off)
             except BaseException as err:  # noqa: BLE001 - handed to the calling thread
                 got = err
@@ -118,3 +122,8 @@ def restore_bounced(buffer: torch.Tensor, slots: dict[str, Slot], nbytes: int,
         for w in workers:
             w.join()
         stream.synchronize()
+    if checker is not None:
+        try:
+            checker.result()  # raises SnapshotDamaged
+        finally:
+            pool.shutdown(wait=False)

@@ -49,9 +49,9 @@ from kfp_nvrx.components.training.checkpoint.hostcopy import (
     decode_objects,
 )
 from kfp_nvrx.components.training.checkpoint.integrity import (
+    BackgroundCheck,
     Sealer,
     SnapshotDamaged,
-    check_pieces,
 )
 from kfp_nvrx.components.training.checkpoint.restore import restore_bounced
 
@@ -329,8 +329,7 @@ class HostStaging:
         if self.cuda and not bank.pinned:  # adopted, not pinned yet: through bounce buffers
             restore_bounced(bank.buffer, self.slots, self.nbytes, flat, expected=bank.crc32)
         else:
-            pool = self.sealer.pool()
-            check = (pool.submit(check_pieces, bank.buffer, bank.crc32, pool)
+            check = (BackgroundCheck(bank.buffer, bank.crc32, self.sealer.pool())
                      if bank.crc32 is not None else None)
             with torch.no_grad():
                 for key, value in flat.items():
