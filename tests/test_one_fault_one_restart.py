@@ -120,3 +120,16 @@ def test_two_faults_in_a_row_cost_two_restarts(tmp_path, dataset, reference):
     assert [r.kind for r in _restarts(run)] == [ev.IN_JOB, ev.IN_JOB]
     assert [s.resumed_from for s in _starts(run)] == [None, 6, 12]
     _assert_bitwise(run, reference)
+
+
+def test_a_failed_run_leaves_no_host_copy_behind(tmp_path, dataset):
+    """Issue 30 item 10: a Failed or cancelled run's banks held /dev/shm until a later run."""
+    from kfp_nvrx.components.core.host_copy import host_copy_dir
+
+    run = tmp_path / "run"
+    spec = JobSpec(nodes="2", run_dir=str(run), config="tiny", faults=["kill@14/1"],
+                   overrides=[f"data.path={dataset}", *BASE, "resilience.max_restarts=0"])
+    res = run_local(spec, log=lambda _line: None, deadline_s=480)
+    assert res.state == "Failed", res.reason
+    assert committed_steps(run / "checkpoints")  # it saved (and so staged) before it failed
+    assert not host_copy_dir(run).exists()

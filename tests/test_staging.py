@@ -7,7 +7,9 @@ CUDA side (pinned buffer, side-stream copies, overlap with the next step) runs i
 
 from __future__ import annotations
 
+import errno
 import io
+import os
 
 import pytest
 import torch
@@ -223,3 +225,29 @@ def test_first_allocation_leaves_room_for_every_local_rank(monkeypatch):
     ok.stage(flat, 1)
     assert ok.valid_step == 1 and torch.equal(ok.view("w"), flat["w"])
     ok.release()
+
+
+@pytest.mark.parametrize("err", [errno.EROFS, errno.ENOSPC])
+def test_a_read_only_or_full_dev_shm_is_said_as_host_memory_and_falls_back(tmp_path, pg,
+                                                                           monkeypatch, err):
+    """Issue 30 item 10: it was reported as a full checkpoint disk, or with no path."""
+    from kfp_nvrx.components.training.checkpoint import bank as bank_mod
+
+    real_open = os.open
+
+    def refusing_open(path, flags, *args):
+        if ".bank" in str(path):
+            raise OSError(err, os.strerror(err), str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(bank_mod.os, "open", refusing_open)
+    cfg, model, opt, sched, train, step = _trainer(["checkpoint.staging=blocking"])
+    step()
+    notes = []
+    ckpt = Checkpointer(tmp_path, cfg.checkpoint, torch.device("cpu"), log=notes.append)
+    ckpt.save(1, _state(model, opt, sched, train))
+    ckpt.close()
+    assert ckpt.mode == "nvrx" and len(notes) == 1
+    assert "host memory" in notes[0] and os.strerror(err) in notes[0] and "/dev/shm" in notes[0]
+    assert "checkpoint.staging=nvrx" in notes[0]
+    assert (step_dir(ckpt.root, 1) / "COMMITTED").is_file()  # saved through NVRx's staging

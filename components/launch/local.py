@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kfp_nvrx.components.core.events import End, read_events
+from kfp_nvrx.components.core.host_copy import remove_run_copy
 from kfp_nvrx.components.core.launch_command import (
     TRAINER_MODULE,
     TrainerArgs,
@@ -312,6 +313,10 @@ def run_local(spec: ResolvedJob | JobSpec, *, log: Callable[[str], None] = print
         for a in agents:
             a.thread.join(timeout=5)
         leftovers = _reap(marker)
+        # Every worker is gone: the run's node-local host copy (up to two banks of each rank's
+        # state in /dev/shm) would hold that RAM until some later run swept it. Ours to delete
+        # while we hold the run dir (a relaunch resumes from the committed checkpoints).
+        remove_run_copy(run_path)
         watchdog.finish()
         lock.release()
         for s, h in old.items():

@@ -150,16 +150,27 @@ class _Bank:
         self._mm: mmap.mmap | None = None
 
     def map(self, nbytes: int, create: bool) -> None:
-        fd = os.open(self.path, os.O_RDWR | (os.O_CREAT | os.O_TRUNC if create else 0), 0o600)
+        """Maps the bank's file (created and allocated first when ``create``).
+
+        Raises:
+            StagingUnavailable: Naming the file and the file system's own error (a read-only or
+                full /dev/shm is host memory, not the checkpoint disk).
+        """
+        flags = os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT | os.O_TRUNC if create else 0)
         try:
-            if create:
-                try:  # allocates the pages now: a full tmpfs fails here, not with SIGBUS later
+            fd = os.open(self.path, flags, 0o600)
+            try:
+                if create:  # allocates the pages now: a full tmpfs fails here, not with SIGBUS
                     os.posix_fallocate(fd, 0, nbytes)
-                except OSError as err:
-                    raise StagingUnavailable(f"{self.path}: {err}") from None
-            self._mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
+                self._mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED,
+                                     mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                os.close(fd)
+        except OSError as err:
+            raise StagingUnavailable(
+                f"host memory for the staging buffers: {self.path}: {err.strerror or err} "
+                f"({nbytes / 1e9:.2f} GB; mount a larger, writable /dev/shm, e.g. a "
+                "memory-backed emptyDir, or set checkpoint.staging=nvrx)") from None
         self.buffer = torch.frombuffer(self._mm, dtype=torch.uint8)
 
     def pin(self, ranges: list[tuple[int, int]]) -> None:

@@ -212,7 +212,10 @@ class HostCopyDir:
                     "rank": self.rank, "world_size": self.world_size, "step": step,
                     "bank": index, "nbytes": nbytes, "slots": slots, "objects": encoded,
                     "crc32": crc32, "pid": os.getpid(), "time": time.time()}
-        self._write(self.manifest_path(index), json.dumps(manifest).encode())
+        try:
+            self._write(self.manifest_path(index), json.dumps(manifest).encode())
+        except OSError:  # a full or read-only /dev/shm: this snapshot is not kept, that is all
+            return False
         return True
 
     def withdraw(self, index: int | None = None) -> None:
