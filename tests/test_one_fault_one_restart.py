@@ -133,3 +133,27 @@ def test_a_failed_run_leaves_no_host_copy_behind(tmp_path, dataset):
     assert res.state == "Failed", res.reason
     assert committed_steps(run / "checkpoints")  # it saved (and so staged) before it failed
     assert not host_copy_dir(run).exists()
+
+
+def test_a_non_finite_loss_ends_the_job_in_one_line_without_restarts(tmp_path, dataset):
+    """Issue 30 item 14: a warm start from NaN weights ended Succeeded, loss NaN at every step."""
+    from safetensors.torch import save_file
+
+    from kfp_nvrx.components.core.config import load_config
+    from kfp_nvrx.components.training.model import build_model
+
+    cfg = load_config("tiny", [])
+    weights = {k: torch.full_like(v, float("nan")).contiguous()
+               for k, v in build_model(cfg.model).state_dict().items()}
+    init = tmp_path / "nan.safetensors"
+    save_file(weights, str(init))
+    run = tmp_path / "run"
+    spec = JobSpec(nodes="2", run_dir=str(run), config="tiny",
+                   overrides=[f"data.path={dataset}", *BASE, f"checkpoint.init_from={init}"])
+    res = run_local(spec, log=lambda _line: None, deadline_s=480)
+    assert res.state == "Failed"
+    assert "gave up: the loss is not finite (nan) at step 1" in res.reason, res.reason
+    assert "checkpoint.init_from" in res.reason and "\n" not in res.reason
+    assert not _restarts(run)  # ended, not restarted into the same divergence
+    ends = [e for e in read_events(run) if isinstance(e, ev.End)]
+    assert [(e.step, e.status) for e in ends] == [(1, "diverged")]

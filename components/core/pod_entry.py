@@ -51,9 +51,12 @@ PEER_LOST = 200
 GAVE_UP_LINE = "Some rank(s) exited with non-zero exit code"
 #: ft_launcher's last line when its agent raised (store or rendezvous lost, closed, timed out).
 BROKE_LINE = "Agent run ended with exception"
+#: How a worker's own verdict that the job must end (not restart) begins; it then stops its
+#: agent, whose exit reads as a give-up, never as a lost peer.
+GAVE_UP = "[trainer] gave up:"
 #: What rank 0 prints when the job's in-job restarts exceed ``resilience.max_restarts`` (all
-#: nodes together, :mod:`.rounds`), before it stops its agent: a give-up, never a lost peer.
-BUDGET_SPENT = "[trainer] gave up: the job's in-job restarts are used up"
+#: nodes together, :mod:`.rounds`).
+BUDGET_SPENT = f"{GAVE_UP} the job's in-job restarts are used up"
 #: Environment override of :func:`peer_lost_wait_s` (seconds; the PyTorchJob sets 0).
 PEER_WAIT_ENV = "KFP_NVRX_PEER_LOST_WAIT_S"
 #: After its grace period a stopped peer is SIGKILLed; its status then takes a moment to reach
@@ -102,9 +105,10 @@ def verdict(code: int, output: str) -> int:
 
     Only ft_launcher's 1 is re-read: :data:`PEER_LOST` when its verdict line (its ``main`` writes
     one, once) says its agent broke (a store or rendezvous error), 1 when it says it gave up or
-    there is none, or when rank 0 stopped it because the job's restart budget is spent.
+    there is none, or when a worker stopped it with its own verdict (:data:`GAVE_UP`: the job's
+    restart budget is spent, the loss diverged).
     """
-    if code != 1 or GAVE_UP_LINE in output or BUDGET_SPENT in output:
+    if code != 1 or GAVE_UP_LINE in output or GAVE_UP in output:
         return code
     return PEER_LOST if BROKE_LINE in output else 1
 

@@ -34,7 +34,7 @@ from kfp_nvrx.components.core.launch_command import (
     pet_env,
 )
 from kfp_nvrx.components.core.ownership import claim_run_dir
-from kfp_nvrx.components.core.pod_entry import BUDGET_SPENT, quiet_warnings
+from kfp_nvrx.components.core.pod_entry import GAVE_UP, quiet_warnings
 from kfp_nvrx.components.core.rundir import CHECKPOINTS_DIR, LOGS_DIR
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.launch.agent_log import AgentLog, DiskFullNotice
@@ -122,7 +122,7 @@ class _Agent:
                  verbose: bool, log_path: Path, keep_fds: tuple[int, ...] = ()) -> None:
         self.idx, self.tail = idx, deque(maxlen=40)
         self.exited_at: float | None = None  # when the launcher first saw it gone
-        self.gave_up = ""  # rank 0's line: the job's restart budget is spent
+        self.gave_up = ""  # a worker's verdict: the job's restart budget is spent, or divergence
         # Set once the launcher stops this agent (a cancel, another node's failure): what it
         # prints while stopping (NVRx's asyncio CancelledError traceback, SignalException
         # lines) is its shutdown, not news; it goes to the node log only.
@@ -147,8 +147,8 @@ class _Agent:
                 self.tail.append(line)
                 if self.stopping and not verbose:
                     continue
-                if BUDGET_SPENT in line and not self.gave_up:
-                    self.gave_up = line[line.index(BUDGET_SPENT):]
+                if GAVE_UP in line and not self.gave_up:
+                    self.gave_up = line[line.index(GAVE_UP):]
                 notice = self.disk_full.check(line)
                 if notice:
                     log(f"[node{self.idx}] {notice}")
@@ -347,7 +347,7 @@ def run_local(spec: ResolvedJob | JobSpec, *, log: Callable[[str], None] = print
                        f"{most} allows" if failing and in_job >= most else "")
             reason = (f"node{bad.idx} ft_launcher exited {bad.proc.returncode}{gave_up}"
                       + (f": {last_err.strip()[:300]}" if last_err else ""))
-            if bad.gave_up:  # rank 0's own verdict: the job's budget (all nodes together)
+            if bad.gave_up:  # a worker's own verdict (the job's budget, a diverged loss)
                 reason = f"node{bad.idx} {bad.gave_up[:400]}"
     result.state, result.reason, result.last_log_lines = state, reason, tail
     return result

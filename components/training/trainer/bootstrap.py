@@ -210,9 +210,20 @@ def join_round(cfg: Config, run_dir: Path) -> None:
     used = current_budget(run_dir, mine, res.max_restarts, wait_s=res.barrier_timeout)
     if not used.spent:
         return
-    print(used.line(), file=sys.stderr, flush=True)
-    os.kill(os.getppid(), signal.SIGTERM)  # FT: the agent stops its workers (this one too)
-    time.sleep(res.workers_stop_timeout + 30)  # stopped by the agent meanwhile
+    give_up(used.line(), res.workers_stop_timeout)
+
+
+def give_up(line: str, stop_timeout: float) -> None:
+    """Ends the job, not just this incarnation: says ``line`` and stops this node's agent.
+
+    ``line`` starts with :data:`~kfp_nvrx.components.core.pod_entry.GAVE_UP`, which the pod
+    entrypoint and the local launcher read as a final verdict (exit 1, never restarted). Without
+    an elastic agent above this worker (no ``TORCHELASTIC_RUN_ID``) it only exits 1.
+    """
+    print(line, file=sys.stderr, flush=True)
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        os.kill(os.getppid(), signal.SIGTERM)  # FT: the agent stops its workers (this one too)
+        time.sleep(stop_timeout + 30)  # stopped by the agent meanwhile
     raise SystemExit(1)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -16,7 +17,9 @@ from kfp_nvrx.components.core import events as ev
 from kfp_nvrx.components.core.config import Config
 from kfp_nvrx.components.core.events import EventLog, read_events
 from kfp_nvrx.components.core.faults import Fault
+from kfp_nvrx.components.core.pod_entry import GAVE_UP
 from kfp_nvrx.components.training.checkpoint import Checkpointer, HostStaging, NvrxWriter
+from kfp_nvrx.components.training.trainer.bootstrap import give_up
 from kfp_nvrx.components.training.trainer.build import (
     TrainState,
     apply_state,
@@ -336,6 +339,8 @@ class Trainer:
             with timed:
                 self._fault(step, ("kill", "raise", "hang", "stall"))
                 loss_value = self._step(step, tokens_per_step)
+                if not math.isfinite(loss_value):
+                    self._diverged(step, loss_value)
                 ckpt.finalize(blocking=False)
             step_s = time.perf_counter() - t_sec
             monitor.heartbeat()
@@ -368,6 +373,16 @@ class Trainer:
                 eta = (t.steps - step) * elapsed / steps_here
                 log0(f"step {step}/{t.steps} loss {loss_value:.4f} tok/s {tps:,.0f} "
                      f"eta {eta:.0f}s")
+
+    def _diverged(self, step: int, loss_value: float) -> None:
+        """A non-finite loss ends the job in one line: a restart would only diverge again."""
+        self.job.monitor.stop()  # the wait for the agent's stop is no hang
+        if self.rank == 0:
+            self.events.emit(ev.End(step=step, status="diverged"))
+        give_up(f"{GAVE_UP} the loss is not finite ({loss_value}) at step {step} on rank "
+                f"{self.rank}: training diverged, or started from non-finite weights; resume "
+                "an earlier step (checkpoint.load_step) with e.g. a lower train.lr, or check "
+                "checkpoint.init_from", self.job.cfg.resilience.workers_stop_timeout)
 
     def _reduce_max(self, values: list[float]) -> list[float]:
         """Element-wise maximum of ``values`` over every rank (collective)."""
