@@ -1,11 +1,14 @@
 """``make bench``: every benchmark as a subprocess, then the report in ``docs/benchmarks/``.
 
-``python -m bench.run [--out docs/benchmarks] [--only ckpt_stall,throughput,recovery] [--quick]``
+``python -m bench.run [--out docs/benchmarks] [--only ckpt_stall,throughput,recovery,recovery_sweep]
+[--quick]``
 
 Needs a CUDA GPU. With 2 or more visible GPUs it also runs the 2-GPU figures: throughput on 1
 and 2 GPUs in one run (``throughput.json``) and the recovery scenarios on 2 GPUs
-(``recovery_2gpu.json``). ``--gpus 1`` keeps to one GPU. ``--quick`` uses the ``125m`` preset
-and fewer steps (a smoke run of the benchmarks themselves, not figures to publish).
+(``recovery_2gpu.json``). ``recovery_sweep`` samples fault steps over long runs at 1b and 125m
+(``recovery_sweep_1b.json``, ``recovery_sweep_125m.json``). ``--gpus 1`` keeps to one GPU.
+``--quick`` uses the ``125m`` preset and fewer steps (a smoke run of the benchmarks themselves,
+not figures to publish).
 ``--report-only`` rebuilds the markdown, plots and summary from the JSON files already in ``--out``.
 """
 
@@ -20,13 +23,18 @@ from pathlib import Path
 
 from bench.common import SAFE_ENV, log
 
-BENCHES = ("ckpt_stall", "throughput", "recovery")
+BENCHES = ("ckpt_stall", "throughput", "recovery", "recovery_sweep")
 
 
 def jobs(only: list[str], quick: bool, gpus: int) -> list[tuple[str, str, list[str]]]:
     """``(module, output JSON name, arguments)`` of each benchmark process to run, in order."""
     out = []
     for name in only:
+        if name == "recovery_sweep":  # each preset its own report
+            presets = ["125m"] if quick else ["1b", "125m"]
+            out += [(name, f"recovery_sweep_{p}", ["--preset", p, *_args(name, quick)])
+                    for p in presets]
+            continue
         extra = ["--gpus", "2"] if name == "throughput" and gpus >= 2 else []
         out.append((name, name, [*_args(name, quick), *extra]))
         if name == "recovery":  # 125m above, 1b beside it (13 GB of state: a p5 GPU's share)
@@ -43,6 +51,8 @@ def _args(name: str, quick: bool) -> list[str]:
         return ["--steps-125m", "20", "--steps-1b", "16", "--skip", "5"] if quick else []
     if name == "recovery":
         return ["--preset", "125m"]
+    if name == "recovery_sweep":
+        return ["--per-kind", "1"] if quick else []
     return []
 
 

@@ -221,3 +221,60 @@ def test_p5_projection_reads_every_nodes_state_from_fsx_only_without_the_host_co
                - (10 + 128 * node_gb / 1.56)) < 1e-6
     assert n128["host copy, node kept"]["best_goodput"] > n128["file path, every node (burst)"][
         "best_goodput"]
+
+
+def test_make_bench_publishes_the_recovery_sweep_per_preset():
+    from bench.run import jobs
+
+    assert [(m, o, a) for m, o, a in jobs(["recovery_sweep"], quick=False, gpus=1)] == [
+        ("recovery_sweep", "recovery_sweep_1b", ["--preset", "1b"]),
+        ("recovery_sweep", "recovery_sweep_125m", ["--preset", "125m"])]
+
+
+def test_the_sweep_samples_fault_steps_as_the_issue_asks():
+    """Issue 29: >= 4 steps per kind spread over >= 100-step runs, >= 60 steps after each
+    restart, saves at the preset's interval, a two-fault run; the same seed, the same plan."""
+    from bench.recovery_sweep import KINDS, PRESETS, plan
+
+    for preset in ("1b", "125m"):
+        runs = plan(preset, 29, 4, list(KINDS))
+        assert runs == plan(preset, 29, 4, list(KINDS)) and runs != plan(preset, 30, 4, list(KINDS))
+        p = PRESETS[preset]
+        for kind in KINDS:
+            steps = sorted(r["fault_steps"][0] for r in runs if r["kind"] == kind)
+            assert len(set(steps)) == 4, (kind, steps)
+            assert steps[-1] - steps[0] >= p["min_steps"] / 3, (kind, steps)  # spread out
+            if kind == "kill-in-ckpt":
+                assert all(s % p["interval"] == 0 for s in steps)
+        [two] = [r for r in runs if r["faults"] == 2 or len(r["fault_steps"]) == 2]
+        assert two["fault_steps"][1] - two["fault_steps"][0] >= p["lead"]
+        for r in runs:
+            assert r["steps"] >= max(p["min_steps"], max(r["fault_steps"]) + p["lead"])
+        assert [r["index"] for r in runs] == list(range(len(runs)))
+        assert [r["kind"] for r in runs[:5]] == [*KINDS, "kill+hang"]  # every kind early
+
+
+def test_a_sweep_row_counts_restarts_redone_steps_and_the_source():
+    from bench.recovery_sweep import measure, summarise
+
+    events = [
+        {"type": "start", "time": 0.0, "resumed_from": None, "incarnation": 0, "iteration": 0},
+        *[{"type": "step", "step": s, "start": s - 1.0, "end": float(s), "incarnation": 0,
+           "iteration": 0} for s in range(1, 15)],
+        {"type": "checkpoint", "step": 10, "total_s": 20.0, "bytes": 1},
+        {"type": "fault", "kind": "kill", "step": 15, "rank": 0, "time": 14.5},
+        {"type": "restart", "kind": "in-job", "incarnation": 1, "iteration": 0, "time": 20.0},
+        {"type": "start", "time": 20.0, "resumed_from": 10, "from_memory": True, "load_s": 1.0,
+         "incarnation": 1, "iteration": 0},
+        *[{"type": "step", "step": s, "start": 21.0 + s - 11, "end": 22.0 + s - 11,
+           "incarnation": 1, "iteration": 0} for s in range(11, 20)],
+    ]
+    lines = [(15.0, "[node0] failed (exitcode: -9)")]
+    run = {"kind": "kill", "faults": ["kill@15"], "fault_steps": [15], "steps": 19}
+    row = measure(run, {"events": events, "lines": lines, "state": "Succeeded", "wall_s": 30.0},
+                  interval=10)
+    assert row["restarts"] == 1 and row["faults"] == 1 and row["from"] == ["memory"]
+    assert row["steps_redone"] == 4  # step 14 was done, the restart took 10
+    assert row["recovery_s"] == 22.0 - 14.5 and row["commit_lag_s"] == {"median": 20.0, "max": 20.0}
+    s = summarise([{**row, "index": 0}])
+    assert s["restarts_equal_faults"] and s["kill"]["steps_redone_worst"] == 4
