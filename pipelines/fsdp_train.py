@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 from kfp import dsl, kubernetes
 
 from kfp_nvrx.components import images
+from kfp_nvrx.components.core.faults import with_fault_kinds
 from kfp_nvrx.components.export_checkpoint.component import export_checkpoint, size_export
 from kfp_nvrx.components.prepare_dataset.component import prepare_dataset
 from kfp_nvrx.components.train_fsdp.component import DEFAULT_JOB_API, train_fsdp
@@ -77,6 +78,7 @@ class Outputs(NamedTuple):
 @dsl.pipeline(name="fsdp-train",
               description="Prepare a dataset, train with FSDP2 made resilient by NVIDIA "
                           "Resiliency Extension, and export the model.")
+@with_fault_kinds  # the faults description lists the registered kinds
 def fsdp_train(
     source: str = "sample:",
     workspace: str = MOUNT_PATH + "/kfp-nvrx",
@@ -119,7 +121,7 @@ def fsdp_train(
         overrides: Trainer overrides as a JSON list of 'section.key=value' strings, e.g.
             ["train.steps=200"].
         faults: Fault drills as a JSON list of 'KIND@STEP[/RANK]' strings, e.g.
-            ["kill@20/1"] (KIND: kill, raise, hang, kill-in-ckpt, stall).
+            ["kill@20/1"] (KIND: {fault_kinds}).
         nodes: 'N' or 'MIN:MAX' nodes.
         nproc_per_node: Processes per node; 0 = the instance profile's GPUs (1 on cpu).
         instance_type: Worker instance profile (p5.48xlarge, p4d.24xlarge, cpu).

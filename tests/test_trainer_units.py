@@ -9,7 +9,7 @@ import torch
 
 from kfp_nvrx.components.core.config import load_config
 from kfp_nvrx.components.core.events import parse_events
-from kfp_nvrx.components.core.faults import Fault, parse_fault
+from kfp_nvrx.components.core.faults import FAULT_KINDS, Fault, When, parse_fault
 from kfp_nvrx.components.core.goodput import summarize_events
 from kfp_nvrx.components.core.launch_command import (
     POD_STOP_MARGIN_S,
@@ -87,17 +87,19 @@ def test_model_factory_hook():
 
 
 def test_fault_parsing_and_fire_once(tmp_path):
-    assert parse_fault("kill@5/1") == Fault("kill", 5, 1)
-    assert parse_fault("hang@3") == Fault("hang", 3, 0)
+    kill, hang, raise_ = (FAULT_KINDS.get(k) for k in ("kill", "hang", "raise"))
+    assert parse_fault("kill@5/1") == Fault(kill, 5, 1)
+    assert parse_fault("hang@3") == Fault(hang, 3, 0)
     for bad in ("kill", "kill@0", "boom@3", "kill@x/1", "kill@3/-1"):
         with pytest.raises(UserError, match="faults"):
             parse_fault(bad)
-    inj = FaultInjector([Fault("raise", 4, 1)], tmp_path, rank=1)
-    assert inj.due(3, ("raise",)) is None
-    assert inj.due(4, ("raise",)) == Fault("raise", 4, 1)
-    again = FaultInjector([Fault("raise", 4, 1)], tmp_path, rank=1)  # a restarted worker
-    assert again.due(4, ("raise",)) is None
-    assert FaultInjector([Fault("raise", 4, 1)], tmp_path, rank=0).faults == []
+    inj = FaultInjector([Fault(raise_, 4, 1)], tmp_path, rank=1)
+    assert inj.due(3, When.STEP) is None
+    assert inj.due(4, When.CHECKPOINT) is None
+    assert inj.due(4, When.STEP) == Fault(raise_, 4, 1)
+    again = FaultInjector([Fault(raise_, 4, 1)], tmp_path, rank=1)  # a restarted worker
+    assert again.due(4, When.STEP) is None
+    assert FaultInjector([Fault(raise_, 4, 1)], tmp_path, rank=0).faults == []
 
 
 def test_goodput_recovery_and_redone_steps():

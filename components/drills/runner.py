@@ -116,7 +116,7 @@ def _common(row: Row, sc: Scenario, ctx: _Ctx, run_dir: Path, res: Any, token: s
         row.check(False, problem)
     if sc.expect == SURVIVE:
         row.check(row.survived, f"expected to finish {STEPS} steps, got {res.state}: {res.reason}")
-        least = 0 if _hot_spare(action, events) else sc.min_restarts
+        least = 0 if _hot_spare(action, events) else sc.least_restarts()
         row.check(sum(row.restarts.values()) >= least,
                   f"expected >= {least} restart(s), saw {row.restarts}")
     elif sc.expect == FAIL:
@@ -154,8 +154,7 @@ def _specific(row: Row, sc: Scenario, run_dir: Path, action: Any) -> None:
                              "falling back")
     if isinstance(action, DiskFull):
         row.check(action.enospc_seen, "no 'No space left on device' error surfaced")
-    if any(f.startswith("kill-in-ckpt@") for f in sc.faults):
-        torn = int(sc.faults[0].split("@")[1].split("/")[0])
+    for torn in sc.torn_steps():
         resumed = [s.resumed_from for s in starts[1:]]
         row.check(torn not in resumed, f"resumed from the torn step {torn}")
     if "resilience.in_process=true" in sc.extra:

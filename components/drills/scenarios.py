@@ -10,8 +10,9 @@ ranks talk over NCCL and the steps are deterministic, so the bitwise column hold
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from kfp_nvrx.components.core.faults import Fault, When, parse_fault
 from kfp_nvrx.components.errors import UserError
 
 STEPS = 16
@@ -39,14 +40,15 @@ class Scenario:
         name: Identifier (``--scenario``).
         what: One line: what is done to the job.
         expect: :data:`SURVIVE`, :data:`FAIL` or :data:`STOP`.
-        faults: Trainer ``--fault`` items.
+        faults: The trainer's faults (``KIND@STEP[/RANK]``, :mod:`...core.faults`).
         extra: ``--set`` items on top of :data:`BASE_OVERRIDES`.
         nodes: ``N`` or ``MIN:MAX`` local nodes.
         action: What the drill itself does during the run: ``kill-node``, ``flip-newest``,
             ``truncate-newest``, ``disk-full`` or ``sigterm`` ('' = nothing).
         bitwise: Whether the final weights must equal the reference (False when the world size
             changes: each rank draws its own batches, so fewer ranks train on other data).
-        min_restarts: Restarts the run must show.
+        min_restarts: Restarts the run must show (None: one per fault of a failure kind,
+            :func:`restarts_expected`).
         quick: Part of ``drill --quick`` (CI).
     """
 
@@ -58,14 +60,33 @@ class Scenario:
     nodes: str = "2"
     action: str = ""
     bitwise: bool = True
-    min_restarts: int = 1
+    min_restarts: int | None = None
     quick: bool = False
+
+    def parsed_faults(self) -> list[Fault]:
+        """The scenario's faults, typed."""
+        return [parse_fault(text) for text in self.faults]
+
+    def torn_steps(self) -> list[int]:
+        """The steps whose checkpoint one of the faults tears (it fires while it is written)."""
+        return [f.step for f in self.parsed_faults() if f.kind.when is When.CHECKPOINT]
+
+    def least_restarts(self) -> int:
+        """Restarts the run must show: :attr:`min_restarts`, else one per failure fault."""
+        if self.min_restarts is not None:
+            return self.min_restarts
+        return restarts_expected(self.parsed_faults())
+
+
+def restarts_expected(faults: list[Fault]) -> int:
+    """Restarts a run must show for ``faults``: one per failure; a healthy stall causes none."""
+    return sum(1 for f in faults if f.kind.failure)
 
 
 SCENARIOS: tuple[Scenario, ...] = (
     Scenario("kill-rank", "SIGKILL rank 1 at step 10", faults=("kill@10/1",)),
     Scenario("kill-node", "SIGKILL node 1's ft_launcher agent and its worker (--nodes 1:2) after "
-             "the first commit", nodes="1:2", action="kill-node", bitwise=False),
+             "the first commit", nodes="1:2", action="kill-node", bitwise=False, min_restarts=1),
     Scenario("hang-rank", "rank 1 stops (no heartbeats, blocked) at step 10", faults=("hang@10/1",)),
     Scenario("raise-in-process", "exception on rank 1 at step 6 (the first checkpoint still in "
              "flight), in-process restart on", faults=("raise@6/1",), extra=IN_PROCESS),
@@ -78,9 +99,9 @@ SCENARIOS: tuple[Scenario, ...] = (
              "checkpoint to half before the restart", faults=("kill@14/1",),
              action="truncate-newest"),
     Scenario("disk-full", "checkpoint volume (tmpfs) fills up while the step-8 checkpoint is "
-             "written; space is freed once the failure shows", action="disk-full"),
+             "written; space is freed once the failure shows", action="disk-full", min_restarts=1),
     Scenario("two-faults", "SIGKILL rank 1 at step 9 and rank 0 at step 11 (both before the next "
-             "commit at 12)", faults=("kill@9/1", "kill@11/0"), min_restarts=2),
+             "commit at 12)", faults=("kill@9/1", "kill@11/0")),
     Scenario("launcher-sigterm", "SIGTERM to `kfp-nvrx launch-local` after the first commit; "
              "then launch again (not with --quick)", expect=STOP, action="sigterm", min_restarts=0,
              quick=True),
@@ -118,12 +139,8 @@ class Placement:
         return ["train.device=cuda", "train.deterministic=true", *extra]
 
     def faults(self, sc: Scenario) -> list[str]:
-        """The scenario's faults with ranks folded onto the ranks that exist."""
-        out = []
-        for f in sc.faults:
-            head, _, rank = f.partition("/")
-            out.append(f"{head}/{int(rank or 0) % self.world}")
-        return out
+        """The scenario's faults with ranks folded onto the ranks that exist, as the trainer's text."""
+        return [str(replace(f, rank=f.rank % self.world)) for f in sc.parsed_faults()]
 
     def nodes(self, nodes: str) -> str | None:
         """The scenario's ``--nodes`` here, or None when it needs more nodes than there are."""

@@ -10,6 +10,7 @@ Caching must stay off for this task (the pipelines do that): its cache key cover
 
 from kfp import dsl
 
+from kfp_nvrx.components.core.faults import with_fault_kinds
 from kfp_nvrx.components.images import components_image
 from kfp_nvrx.components.launch.job_apis import DEFAULT_JOB_API
 
@@ -18,8 +19,11 @@ __all__ = ["DEFAULT_JOB_API", "train_fsdp"]
 
 
 # KFP runs this function's source alone, so its defaults are literals; job_api's is
-# job_apis.DEFAULT_JOB_API (tests/test_pipelines.py holds them equal).
+# job_apis.DEFAULT_JOB_API (tests/test_pipelines.py holds them equal). KFP takes the parameter
+# descriptions from the docstring, where with_fault_kinds lists the registered fault kinds (the
+# source KFP runs keeps the placeholder).
 @dsl.component(base_image=components_image(), install_kfp_package=False)
+@with_fault_kinds
 def train_fsdp(
     dataset: dsl.Input[dsl.Dataset],
     workspace: str,
@@ -55,7 +59,7 @@ def train_fsdp(
         mount_path: Where that PVC is mounted (the same path in this task and in the workers).
         config: Trainer preset (tiny, 125m, 1b, 8b) or a YAML path on the shared volume.
         overrides: Trainer ``section.key=value`` overrides.
-        faults: Fault drills ``KIND@STEP[/RANK]`` (kill, raise, hang, kill-in-ckpt, stall).
+        faults: Fault drills ``KIND@STEP[/RANK]`` ({fault_kinds}).
         nodes: ``N`` or ``MIN:MAX`` nodes (pods, or local ft_launcher agents).
         nproc_per_node: Processes per node; 0 = the instance profile's (its GPUs; 1 locally).
         instance_type: Instance profile of the worker pods (p5.48xlarge, p4d.24xlarge, cpu).

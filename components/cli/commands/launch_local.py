@@ -8,7 +8,7 @@ import signal
 import sys
 
 from kfp_nvrx.components.core import argtypes
-from kfp_nvrx.components.core.faults import KINDS as FAULT_KINDS
+from kfp_nvrx.components.core.faults import FAULT_KINDS
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -22,7 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", default="tiny", help="preset or YAML (default tiny)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--fault", action="append", default=[], metavar="KIND@STEP[/RANK]",
-                   help=f"inject a fault once per run (repeatable): {', '.join(FAULT_KINDS)}")
+                   help=f"inject a fault once per run (repeatable): {FAULT_KINDS.listing()}")
     p.add_argument("--deadline", type=argtypes.seconds, default=None,
                    help="wall-clock limit in seconds")
     p.add_argument("--verbose", action="store_true", help="stream every launcher log line")

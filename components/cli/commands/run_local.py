@@ -69,7 +69,7 @@ def local_arguments(name: str, params: list[str], out: Path) -> dict[str, Any]:
 
     """
     from kfp_nvrx.components.core.config import load_config
-    from kfp_nvrx.components.core.faults import parse_fault
+    from kfp_nvrx.components.core.faults import check_faults
     from kfp_nvrx.components.core.fields import PIPELINE
     from kfp_nvrx.components.data.prepare import SAMPLE_SCHEME
     from kfp_nvrx.components.data.sources import resolve_sources
@@ -94,10 +94,7 @@ def local_arguments(name: str, params: list[str], out: Path) -> dict[str, Any]:
         if not source.strip().startswith(SAMPLE_SCHEME):
             resolve_sources(source)
         cfg = load_config(value("config"), list(value("overrides") or []))
-        for fault in map(parse_fault, value("faults") or []):
-            if fault.step > cfg.train.steps:
-                raise UserError("faults", f"{fault.kind}@{fault.step} is after the last step "
-                                f"({cfg.train.steps})")
+        check_faults(list(value("faults") or []), cfg.train.steps, cfg.checkpoint.interval)
         parse_nodes(value("nodes"))
     except UserError as err:  # named as the pipeline parameter the user set
         raise PIPELINE.reword(err) from None

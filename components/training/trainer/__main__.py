@@ -17,7 +17,7 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from kfp_nvrx.components.core.disk import disk_full, disk_full_line  # noqa: E402
-from kfp_nvrx.components.core.faults import KINDS as FAULT_KINDS  # noqa: E402
+from kfp_nvrx.components.core.faults import FAULT_KINDS  # noqa: E402
 from kfp_nvrx.components.core.fields import CLI  # noqa: E402
 from kfp_nvrx.components.core.rundir import checkpoints_dir  # noqa: E402
 from kfp_nvrx.components.errors import UserError  # noqa: E402
@@ -32,7 +32,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config value (repeatable)")
     p.add_argument("--fault", action="append", default=[], metavar="KIND@STEP[/RANK]",
-                   help=f"inject a fault once per run: {', '.join(FAULT_KINDS)}")
+                   help=f"inject a fault once per run: {FAULT_KINDS.listing()}")
     # The launcher's preflight: every check a worker makes before training, without a launcher
     # environment and without writing the run dir; a UserError comes back as one JSON line.
     p.add_argument("--check", action="store_true", help=argparse.SUPPRESS)

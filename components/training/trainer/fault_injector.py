@@ -1,31 +1,28 @@
-"""Fires the ``--fault`` items of this rank, each once per run.
+"""Fires the ``faults`` of this rank, each once per run, at the point of a step its kind names.
 
-A marker file in ``<run_dir>/faults/`` is created (O_EXCL) before a fault fires, so a restarted
-worker does not fire it again.
+What a kind does and when it fires is its :class:`~kfp_nvrx.components.core.faults.FaultKind`
+in the registry; this module only decides which fault is due and fires it once. A marker file in
+``<run_dir>/faults/`` is created (O_EXCL) before a fault fires, so a restarted worker does not
+fire it again.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import time
 from pathlib import Path
 
-from kfp_nvrx.components.core.faults import Fault
+from kfp_nvrx.components.core.faults import Fault, InjectedFault, When
 from kfp_nvrx.components.core.rundir import FAULTS_DIR
 
-#: How much longer a ``stall`` fault makes its step (a slow shared-storage read).
-STALL_S = 3.0
-
-
-class InjectedFault(RuntimeError):
-    """The exception a ``raise`` fault throws."""
+#: Re-exported: the exception a ``raise`` fault throws.
+__all__ = ["FaultInjector", "InjectedFault"]
 
 
 class FaultInjector:
     """Fires the configured faults of this rank once per run."""
 
-    def __init__(self, faults: list[Fault], run_dir: str | os.PathLike, rank: int) -> None:
+    def __init__(self, faults: list[Fault], run_dir: str | os.PathLike[str], rank: int) -> None:
         self.faults = [f for f in faults if f.rank == rank]
         self.marker_dir = Path(run_dir) / FAULTS_DIR
         self.rank = rank
@@ -41,25 +38,14 @@ class FaultInjector:
         os.close(fd)
         return True
 
-    def due(self, step: int, kinds: tuple[str, ...]) -> Fault | None:
-        """The unfired fault of one of ``kinds`` for ``step``, claimed, or None."""
+    def due(self, step: int, when: When) -> Fault | None:
+        """The unfired fault of ``step`` that fires at ``when``, claimed, or None."""
         for fault in self.faults:
-            if fault.step == step and fault.kind in kinds and self._claim(fault):
+            if fault.step == step and fault.kind.when is when and self._claim(fault):
                 return fault
         return None
 
     @staticmethod
-    def fire(fault: Fault, on_hang=None) -> None:
-        """Carries the fault out. ``on_hang`` runs before blocking (e.g. stop heartbeats)."""
-        if fault.kind in ("kill", "kill-in-ckpt"):
-            os.kill(os.getpid(), signal.SIGKILL)
-        if fault.kind == "raise":
-            raise InjectedFault(f"injected fault {fault.key}")
-        if fault.kind == "stall":
-            time.sleep(STALL_S)
-            return
-        if fault.kind == "hang":
-            if on_hang is not None:
-                on_hang()
-            while True:  # blocked "forever": only the rank monitor's timeout ends this
-                time.sleep(3600)
+    def fire(fault: Fault) -> None:
+        """Carries the fault out: its kind's action (a kill or a hang never returns)."""
+        fault.kind.action(fault)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from kfp_nvrx.components.core import events as ev
 from kfp_nvrx.components.core.config import Config
 from kfp_nvrx.components.core.events import EventLog, read_events
-from kfp_nvrx.components.core.faults import Fault
+from kfp_nvrx.components.core.faults import Fault, When
 from kfp_nvrx.components.core.pod_entry import GAVE_UP
 from kfp_nvrx.components.training.checkpoint import Checkpointer, HostStaging, NvrxWriter
 from kfp_nvrx.components.training.trainer.bootstrap import give_up
@@ -337,7 +337,7 @@ class Trainer:
             commits, pinning = ckpt.commits, ckpt.preparing()
             t_sec = time.perf_counter()
             with timed:
-                self._fault(step, ("kill", "raise", "hang", "stall"))
+                self._fault(step, When.STEP)
                 loss_value = self._step(step, tokens_per_step)
                 if not math.isfinite(loss_value):
                     self._diverged(step, loss_value)
@@ -356,7 +356,7 @@ class Trainer:
             if after_save:
                 with monitor.phase("checkpoint", bound=cfg.resilience.checkpoint_timeout):
                     ckpt.save(step, self.state())
-                    self._fault(step, ("kill-in-ckpt",))
+                    self._fault(step, When.CHECKPOINT)
                 last_beat = time.perf_counter()  # the phase ends with a heartbeat
             self.events.emit(ev.Step(step=step, start=t0, end=time.time(),
                                      incarnation=self.job.restart_count, iteration=self.iteration,
@@ -413,12 +413,13 @@ class Trainer:
             time.sleep(t.step_sleep)
         return loss_value
 
-    def _fault(self, step: int, kinds: tuple[str, ...]) -> None:
-        """Fires the injected fault of one of ``kinds`` due at ``step``, if any."""
-        fault = self.injector.due(step, kinds)
+    def _fault(self, step: int, when: When) -> None:
+        """Fires the injected fault due at this point (``when``) of ``step``, if any."""
+        fault = self.injector.due(step, when)
         if fault is None:
             return
+        kind = fault.kind.name
         # The faulting rank writes its own event (rank 0's log is not the only writer here).
-        EventLog(self.events.path.parent).emit(ev.Fault(kind=fault.kind, step=step, rank=self.rank))
-        print(f"[trainer] rank {self.rank}: injecting fault {fault.kind} at step {step}", flush=True)
-        FaultInjector.fire(fault)
+        EventLog(self.events.path.parent).emit(ev.Fault(kind=kind, step=step, rank=self.rank))
+        print(f"[trainer] rank {self.rank}: injecting fault {kind} at step {step}", flush=True)
+        self.injector.fire(fault)
