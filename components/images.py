@@ -25,7 +25,7 @@ import sys
 from collections.abc import Sequence
 
 from kfp_nvrx.components import __version__
-from kfp_nvrx.components.errors import UserError
+from kfp_nvrx.components.errors import Surface, UserError
 
 #: Environment variable that overrides the registry.
 REGISTRY_ENV = "KFP_NVRX_REGISTRY"
@@ -119,7 +119,7 @@ def registry(value: str | None = None) -> str:
         UserError: The registry is not a valid image reference prefix.
 
     """
-    field = "--registry" if value is not None else REGISTRY_ENV
+    field = "registry" if value is not None else REGISTRY_ENV
     raw = value if value is not None else os.environ.get(REGISTRY_ENV, "")
     reg = raw.strip() or DEFAULT_REGISTRY
     if "://" in reg:
@@ -184,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         print(image_ref(args.kind, args.registry))
     except UserError as err:
-        sys.stderr.write(f"error: {err.one_line()}\n")
+        sys.stderr.write(f"error: {Surface({'registry': '--registry'}).reword(err).one_line()}\n")
         return UserError.exit_code
     return 0
 

@@ -35,7 +35,7 @@ def test_scenario_selection() -> None:
         ["hang-rank", "kill-rank"]
     with pytest.raises(UserError) as err:
         select(["kill-rank", "nuke"], quick=False)
-    assert err.value.field == "--scenario" and "'nuke'" in err.value.message
+    assert err.value.field == "scenario" and "'nuke'" in err.value.message
 
 
 def test_committed_steps_lost_counts_only_committed_progress_thrown_away() -> None:

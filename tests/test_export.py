@@ -229,7 +229,7 @@ def test_no_committed_checkpoint_and_missing_data_path(tmp_path: Path) -> None:
     _save(run_dir, 4, _model(4), commit=True)
     with pytest.raises(UserError) as err:  # config.yaml has no data.path and no --data given
         export_checkpoint(run_dir, tmp_path / "out")
-    assert err.value.field == "data" and "--eval-batches 0" in err.value.message
+    assert err.value.field == "data" and "`eval_batches=0`" in err.value.message
     assert export_checkpoint(run_dir, tmp_path / "out", eval_batches=0)["source_step"] == 4
     # Re-exporting over an earlier export replaces it.
     assert export_checkpoint(run_dir, tmp_path / "out", eval_batches=0)["source_step"] == 4

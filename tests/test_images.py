@@ -232,8 +232,9 @@ def test_image_refs_come_from_the_package_version(monkeypatch: pytest.MonkeyPatc
     assert img.components_image() == f"{ecr}/kfp-nvrx-components:{__version__}"
     assert img.image_tag("1.2.0+g1234") == "1.2.0-g1234"
     for bad in ("https://ghcr.io/x", "ghcr.io/x/", "ghcr.io/X", "ghcr.io/x:1.0", "a b"):
-        with pytest.raises(img.UserError, match="--registry"):
+        with pytest.raises(img.UserError) as err:
             img.registry(bad)
+        assert err.value.field == "registry"
     # The Dockerfile folder of every image kind exists: kinds and Dockerfiles cannot drift.
     assert {k: (ROOT / "images" / k / "Dockerfile").is_file() for k in img.IMAGES} == {
         k: True for k in img.IMAGES}
@@ -247,6 +248,7 @@ def test_images_cli_prints_reference_or_one_line_error() -> None:
     bad = subprocess.run([*run, "trainer", "--registry", "https://r"], capture_output=True,
                          text=True)
     assert bad.returncode == 2 and len(bad.stderr.splitlines()) == 1 and not bad.stdout
+    assert bad.stderr.startswith("error: --registry: ")
 
 
 # --------------------------------------------------------------------------------------------

@@ -55,6 +55,8 @@ JOB_FIELDS: dict[str, tuple[str, str | None]] = {
     "runtime_kind": ("--runtime-kind", None),
     "delete_after": ("--delete-after", None),
     "poll_s": ("--poll-interval", None),
+    # Where the job's images come from (compile, submit); the pipelines take trainer_image.
+    "registry": ("--registry", None),
 }
 
 _PARAMETERS = {field: param for field, (_, param) in JOB_FIELDS.items() if param}

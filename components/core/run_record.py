@@ -110,9 +110,9 @@ def check_resume(cfg: Config, run_dir: Path, crc: bool = False) -> None:
             continue
         if not _same(key, recorded[key], wanted[key]):
             raise UserError(key, f"is {wanted[key]!r}, but {run_dir}/{CONFIG_FILE} records "
-                            f"{recorded[key]!r} for this run's checkpoints; use --set "
-                            f"{key}={recorded[key]}, a fresh `run_dir`, or --set "
-                            f"checkpoint.allow_changes={key} to change it on purpose")
+                            f"{recorded[key]!r} for this run's checkpoints; use "
+                            f"`overrides={key}={recorded[key]}`, a fresh `run_dir`, or "
+                            f"`overrides=checkpoint.allow_changes={key}` to change it on purpose")
 
 
 def record_config(cfg: Config, run_dir: Path) -> None:

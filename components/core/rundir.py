@@ -67,7 +67,7 @@ def refuse_link(path: str | os.PathLike[str], top: str | os.PathLike[str],
     if link is not None:
         raise UserError(field, f"{link} is a symbolic link (to {os.readlink(link)!r}); kfp-nvrx "
                         "never writes or deletes through a link inside a run dir: replace it "
-                        "with a real directory or use a fresh --run-dir")
+                        "with a real directory or use a fresh `run_dir`")
     return Path(path)
 
 

@@ -151,7 +151,7 @@ def _existing(out: Path, fp: str, overwrite: bool) -> tuple[dict[str, Any] | Non
     if not overwrite:
         have = str(index.get("fingerprint", "unknown"))[:12]
         raise UserError("out_dir", f"{out} holds a different dataset (fingerprint {have}, "
-                        f"wanted {fp[:12]}); pass --overwrite or choose another directory")
+                        f"wanted {fp[:12]}); pass `overwrite` or choose another directory")
     refuse_foreign(out, ours, "out_dir", "dataset being replaced")
     return None, ours
 

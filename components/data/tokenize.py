@@ -77,7 +77,7 @@ class JsonTokenizer:
             raise UserError(
                 "tokenizer",
                 "a tokenizer.json needs the 'tokenizers' package: pip install 'kfp-nvrx[launcher]' "
-                "(or pip install tokenizers), or use --tokenizer byte",
+                "(or pip install tokenizers), or use `tokenizer=byte`",
             ) from None
         data = read_bytes(path, "tokenizer", TOKENIZER_LIMIT, "tokenizer.json")
         try:
@@ -102,7 +102,7 @@ class JsonTokenizer:
         raise UserError(
             "eos_token",
             f"the tokenizer has none of {', '.join(EOS_CANDIDATES)}; name its end-of-text token "
-            "with --eos-token",
+            "with `eos_token`",
         )
 
     def encode(self, text: str) -> np.ndarray:
@@ -129,7 +129,7 @@ def load_tokenizer(spec: str, eos_token: str | None = None) -> ByteTokenizer | J
     """
     if spec in ("", "byte"):
         if eos_token:
-            raise UserError("eos_token", "the byte tokenizer's eos is fixed (0); drop --eos-token")
+            raise UserError("eos_token", "the byte tokenizer's eos is fixed (0); drop `eos_token`")
         return ByteTokenizer()
     path = Path(spec)
     if not path.is_file():

@@ -313,7 +313,7 @@ def run_drill(out: str | os.PathLike, *, quick: bool = False, names: list[str] |
     from kfp_nvrx.components.core.ownership import reset_out_dir
 
     place = place or Placement()
-    out = reset_out_dir(Path(out).absolute(), ("runs", "logs"), "--out")  # only a folder we made
+    out = reset_out_dir(Path(out).absolute(), ("runs", "logs"), "out")  # only a folder we made
     for sub in ("runs", "logs"):
         (out / sub).mkdir(parents=True)
     data = out / "data"

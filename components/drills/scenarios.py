@@ -156,7 +156,7 @@ def select(names: list[str] | None, quick: bool) -> list[Scenario]:
     if names:
         unknown = [n for n in names if n not in by_name]
         if unknown:
-            raise UserError("--scenario", f"unknown {', '.join(map(repr, unknown))}; known: "
+            raise UserError("scenario", f"unknown {', '.join(map(repr, unknown))}; known: "
                             f"{', '.join(by_name)}")
         return [by_name[n] for n in dict.fromkeys(names)]
     return [s for s in SCENARIOS if s.quick or not quick]

@@ -31,7 +31,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_run)
 
 
+#: The drill library's fields -> this command's flags (its errors name the flag the user typed).
+FLAGS = {"scenario": "--scenario", "out": "--out"}
+
+
 def _run(args: argparse.Namespace) -> int:
+    from kfp_nvrx.components.errors import Surface, UserError
+
+    try:
+        return _drill(args)
+    except UserError as err:
+        raise Surface(FLAGS).reword(err) from None
+
+
+def _drill(args: argparse.Namespace) -> int:
     from kfp_nvrx.components.drills.scenarios import SCENARIOS, select
 
     if args.list:

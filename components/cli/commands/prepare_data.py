@@ -38,7 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 #: Library parameter names -> this command's flags: its errors name the flag the user typed (a Surface).
 FLAGS = {"source": "--source", "out_dir": "--out", "tokenizer": "--tokenizer",
          "eos_token": "--eos-token", "seq_len": "--seq-len", "val_fraction": "--val-fraction",
-         "text_field": "--text-field", "seed": "--seed"}
+         "text_field": "--text-field", "seed": "--seed", "overwrite": "--overwrite"}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -57,6 +57,6 @@ def run(args: argparse.Namespace) -> int:
             eos_token=args.eos_token, overwrite=args.overwrite, log=log,
         )
     except UserError as err:
-        raise Surface(FLAGS).reword(err) from None
+        raise Surface(FLAGS, assign="{name} {value}").reword(err) from None
     print(summary(result), flush=True)
     return 0

@@ -200,8 +200,8 @@ def _eval_data(cfg: Any, data: str | None, eval_batches: int) -> str | None:
         return None
     data_dir = data or cfg.data.path
     if not data_dir:
-        raise UserError("data", "config.yaml has no data.path; pass --data DIR or "
-                        "--eval-batches 0")
+        raise UserError("data", "config.yaml has no data.path; give the dataset as `data`, or "
+                        "`eval_batches=0`")
     try:
         check_dataset(data_dir, cfg.model.vocab_size, cfg.data.seq_len)
     except UserError as err:

@@ -39,7 +39,8 @@ def validate_inputs(config: str, overrides: list[str], faults: list[str], *,
     parsed = check_faults(faults, cfg.train.steps, cfg.checkpoint.interval)
     check_in_process_timeouts(cfg)
     if not cfg.data.path:
-        raise UserError("data.path", "not set; pass --set data.path=DIR (from prepare-data)")
+        raise UserError("data.path", "not set; give the prepare-data directory with "
+                        "`overrides=data.path=DIR`")
     from kfp_nvrx.components.training.trainer.data import TokenDataset
 
     dataset = TokenDataset(cfg.data.path, cfg.data.split)
@@ -116,7 +117,7 @@ def check_checkpoint_model(cfg: Config, run_dir: Path) -> None:
     if steps[0] > cfg.train.steps:
         raise UserError("train.steps", f"{cfg.train.steps} is below the newest committed "
                         f"checkpoint (step {steps[0]}) in {root}: the run would end at once "
-                        "without training; raise train.steps or use a fresh --run-dir")
+                        "without training; raise train.steps or use a fresh `run_dir`")
     import torch.distributed.checkpoint as dcp
 
     try:
@@ -132,7 +133,7 @@ def check_checkpoint_model(cfg: Config, run_dir: Path) -> None:
         if theirs and ours.get(key) != theirs.get(key):
             raise UserError("checkpoint", f"step {steps[0]} in {root} was written by a different "
                             f"model ({key}: checkpoint {theirs.get(key, 'none')}, this config "
-                            f"{ours.get(key, 'none')}); use a fresh --run-dir or the model.* "
+                            f"{ours.get(key, 'none')}); use a fresh `run_dir` or the model.* "
                             "settings it was trained with")
 
 
@@ -163,8 +164,8 @@ def check_device(cfg: Config) -> None:
     import torch
 
     if not torch.cuda.is_available():
-        raise UserError("train.device", "is cuda but this process sees no CUDA GPU; use --set "
-                        "train.device=cpu (or auto) or run on a GPU node")
+        raise UserError("train.device", "is cuda but this process sees no CUDA GPU; use "
+                        "`overrides=train.device=cpu` (or auto) or run on a GPU node")
 
 
 def check_job(config: str, overrides: list[str], faults: list[str], run_dir: Path) -> int:

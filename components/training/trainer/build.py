@@ -115,7 +115,7 @@ def check_compatible(model: nn.Module, stored_keys: set[str], step: int) -> None
     if theirs and ours != theirs:
         missing = sorted(ours - theirs)[:3]
         raise UserError("checkpoint", f"step {step} was written by a different model "
-                        f"(e.g. missing {missing}); use a fresh --run-dir or matching model.* keys")
+                        f"(e.g. missing {missing}); use a fresh `run_dir` or matching model.* keys")
 
 
 def warm_start(model: nn.Module, path: str) -> None:
