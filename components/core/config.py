@@ -247,7 +247,8 @@ def load_config(name_or_path: str, overrides: list[str] | tuple[str, ...] = ()) 
     for item in overrides:  # applied in order: a key set twice keeps the last (CLI convention)
         section, key, text = parse_override(item)
         if section not in sections:
-            raise UserError(f"--set {section}", f"unknown section; known: {', '.join(sorted(sections))}")
+            raise UserError("overrides", f"unknown section {section!r} in {item!r}; known: "
+                            f"{', '.join(sorted(sections))}")
         obj = getattr(cfg, section)
         if key in obj.__dataclass_fields__:  # unknown keys: _apply names them
             text = parse_set_value(f"{section}.{key}", text, _hints(type(obj))[key])
