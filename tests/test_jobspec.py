@@ -105,8 +105,9 @@ def test_container_command_is_the_launch_local_builder() -> None:
         assert "--ft-enable-nic-monitor=False" in command
         assert not any(a.startswith("--ft-restart-policy=") for a in command)
         pod = _worker(rendered.to_dict())["template"]["spec"]
-        assert f"--term-timeout={res.workers_stop_timeout:g}" in command
-        assert pod["terminationGracePeriodSeconds"] > res.workers_stop_timeout
+        term = res.workers_stop_timeout + res.stop_save_timeout  # a stopped pod saves first
+        assert f"--term-timeout={term:g}" in command
+        assert pod["terminationGracePeriodSeconds"] > term
         assert any(a.startswith("--ft-rank-heartbeat-timeout=") for a in command)
 
 
@@ -154,7 +155,7 @@ OPTIONS = {
     "placement": {"node_selector": {"topology.kubernetes.io/zone": "us-west-2a"},
                   "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "ml",
                                    "effect": "NoSchedule"}],
-                  "priority_class": "training-high", "scheduler_name": "volcano",
+                  "pod_priority_class": "training-high", "scheduler_name": "volcano",
                   "service_account": "trainer",
                   "affinity": {"podAntiAffinity": {
                       "requiredDuringSchedulingIgnoredDuringExecution": [{

@@ -168,11 +168,16 @@ def test_fsdp2_build_with_activation_checkpointing_single_rank(one_rank_env):
         dist.destroy_process_group()
 
 
-def test_one_stop_timeout_for_restarts_sigterm_and_the_pod():
-    res = load_config("tiny", ["resilience.workers_stop_timeout=12.5"]).resilience
+def test_stop_timeouts_for_restarts_a_stopped_pod_and_its_grace_period():
+    """A restart stops workers at once; a stopped pod's workers save first (issue 31)."""
+    res = load_config("tiny", ["resilience.workers_stop_timeout=12.5",
+                               "resilience.stop_save_timeout=20"]).resilience
     argv = ft_launcher_argv(res, TrainerArgs("tiny", "/r"), local_addr="x")
-    assert "--workers-stop-timeout=12.5" in argv and "--term-timeout=12.5" in argv
-    assert pod_grace_period_s(res) == 13 + POD_STOP_MARGIN_S > 12.5
+    assert "--workers-stop-timeout=12.5" in argv and "--term-timeout=32.5" in argv
+    assert pod_grace_period_s(res) == 33 + POD_STOP_MARGIN_S > 32.5
+    off = load_config("tiny", ["resilience.stop_save_timeout=0"]).resilience
+    assert f"--term-timeout={off.workers_stop_timeout:g}" in ft_launcher_argv(
+        off, TrainerArgs("tiny", "/r"), local_addr="x")
 
 
 def test_trainer_creates_the_flight_recorder_folder_the_pod_env_names(tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import os
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -152,6 +153,10 @@ class ResilienceConfig(Section):
     # auto (= any-failed) | any-failed | min-healthy (NVRx <= 0.5)
     restart_policy: str = one_of("auto", "any-failed", "min-healthy")
     workers_stop_timeout: float = positive(15.0)
+    # Seconds a stopped node's workers may spend saving the newest state before they exit (a pod
+    # asked to stop: Kueue preemption, a drain, a deleted pod, a cancelled launch-local). Added to
+    # ft_launcher's --term-timeout and the pod's grace period; 0: no save on a stop.
+    stop_save_timeout: float = non_negative(60.0)
     in_process: bool = False
     in_process_max_iterations: int = positive(3)
     soft_timeout: float = positive(60.0)
@@ -184,9 +189,13 @@ class Config:
         return dataclasses.asdict(self)
 
 
-@functools.cache
-def _hints(cls: type) -> dict[str, Any]:
+def _type_hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
+
+
+#: A section class's declared types, read once per class. Typed as a plain callable: mypy takes
+#: a dataclass type for unhashable (its instances are) and refuses it as a cache key.
+_hints: Callable[[type], dict[str, Any]] = functools.cache(_type_hints)
 
 
 def _apply(section_obj: Any, section: str, values: dict[str, Any]) -> None:

@@ -95,18 +95,26 @@ def restart_policy_flags(res: ResilienceConfig, nvrx_version: str | None) -> lis
 
 
 def stop_timeout_s(res: ResilienceConfig) -> float:
-    """How long ft_launcher waits for its workers to exit before SIGKILL, whatever stops them.
+    """How long ft_launcher waits for its workers to exit before SIGKILL when it restarts them.
 
-    The same value goes to ``--workers-stop-timeout`` (stopping workers to restart them) and
-    ``--term-timeout`` (the pod got SIGTERM; NVRx's default is 1800 s, far past any pod's grace
-    period, so the kubelet would SIGKILL everything before ft_launcher's own deadline).
+    ``--workers-stop-timeout``: a peer failed; the workers exit at once on SIGTERM.
     """
     return float(res.workers_stop_timeout)
 
 
+def term_timeout_s(res: ResilienceConfig) -> float:
+    """``--term-timeout``: how long a stopped node's workers have before SIGKILL.
+
+    They first save (up to ``resilience.stop_save_timeout``, :mod:`.stop_request`), then exit.
+    NVRx's default is 1800 s, far past any pod's grace period, so the kubelet would SIGKILL
+    everything first.
+    """
+    return stop_timeout_s(res) + float(res.stop_save_timeout)
+
+
 def pod_grace_period_s(res: ResilienceConfig) -> int:
-    """``terminationGracePeriodSeconds``: ft_launcher's stop timeout plus its own shutdown."""
-    return math.ceil(stop_timeout_s(res)) + POD_STOP_MARGIN_S
+    """``terminationGracePeriodSeconds``: ft_launcher's term timeout plus its own shutdown."""
+    return math.ceil(term_timeout_s(res)) + POD_STOP_MARGIN_S
 
 
 def _version_tuple(version: str | None) -> tuple[int, ...]:
@@ -211,9 +219,9 @@ def ft_launcher_argv(
         *rdzv,
         f"--local-addr={local_addr}",
         f"--max-restarts={res.max_restarts}",
-        # FT: one stop timeout for restarts and for the pod's SIGTERM (see pod_grace_period_s).
+        # FT: restarts stop workers at once; a stopped pod's workers save first (term_timeout_s).
         f"--workers-stop-timeout={stop_timeout_s(res):g}",
-        f"--term-timeout={stop_timeout_s(res):g}",
+        f"--term-timeout={term_timeout_s(res):g}",
         # FT: how often the agent checks its workers (and, in NVRx 0.7, whether a peer opened a
         # restart round): the failure-detection latency of an in-job restart (torchrun: 0.1 s).
         f"--monitor-interval={res.launcher_poll_interval:g}",

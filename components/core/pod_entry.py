@@ -37,10 +37,18 @@ import os
 import select
 import signal
 import sys
+import tempfile
 import threading
 import time
 
 from kfp_nvrx.components.core.pod_child import BARRIER_ENV, SUCCEEDED_LINE, Child, exit_barrier_s
+from kfp_nvrx.components.core.stop_request import (
+    SAVE_MARGIN_S,
+    STOP_FILE_ENV,
+    request_stop,
+    stop_file,
+    withdraw_stop,
+)
 
 #: The exit code of a container stopped on request (128 + SIGTERM).
 TERMINATED = 128 + signal.SIGTERM
@@ -219,9 +227,15 @@ def main(argv: list[str] | None = None) -> int:
     stopped: list[int] = []
     child_alive = [True]
     watch: list[Child] = []
+    # FT: this node's stop request: a SIGTERM of the pod (not one of ft_launcher's restarts)
+    # lets the workers save first, within ft_launcher's --term-timeout (core.stop_request).
+    stop_path = stop_file(tempfile.gettempdir(), f"{os.getpid()}-{time.time_ns()}")
+    term_s = term_timeout_s(argv)
 
-    def forward(signum: int, _frame) -> None:
+    def forward(signum: int, _frame: object) -> None:
         stopped.append(signum)
+        if signum == signal.SIGTERM and not os.path.lexists(stop_path):
+            request_stop(stop_path, term_s - SAVE_MARGIN_S)
         if signum == signal.SIGTERM and watch and watch[0].stop_asked is None:
             watch[0].stop_asked = time.monotonic()  # FT: bounded from here (pod_child)
         if child_alive[0]:
@@ -242,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
             os.dup2(pipes[0][1], 1)
             os.dup2(pipes[-1][1], 2)
             os.environ["PYTHONWARNINGS"] = quiet_warnings(os.environ)
+            os.environ[STOP_FILE_ENV] = str(stop_path)
             for r, w in pipes:
                 os.close(r)
                 os.close(w)
@@ -263,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         watch[0].stop_asked = time.monotonic()
     code = watch[0].wait(lambda: _reaped(pid))
     child_alive[0] = False
+    withdraw_stop(stop_path)
     deadline = time.monotonic() + DRAIN_S
     for c in copies:  # the child's last lines were written before it exited: copy them out
         c.caught_up(max(0.0, deadline - time.monotonic()))

@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -32,10 +33,17 @@ from kfp_nvrx.components.core.launch_command import (
     ft_launcher_argv,
     in_process_env,
     pet_env,
+    term_timeout_s,
 )
 from kfp_nvrx.components.core.ownership import claim_run_dir
 from kfp_nvrx.components.core.pod_entry import GAVE_UP, quiet_warnings
 from kfp_nvrx.components.core.rundir import CHECKPOINTS_DIR, LOGS_DIR
+from kfp_nvrx.components.core.stop_request import (
+    SAVE_MARGIN_S,
+    STOP_FILE_ENV,
+    request_stop,
+    stop_file,
+)
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.launch.agent_log import AgentLog, DiskFullNotice
 from kfp_nvrx.components.launch.gpus import slice_gpus
@@ -171,7 +179,10 @@ class _Agent:
     def terminate(self) -> None:
         self.stopping = True
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)  # ft_launcher stops its workers on SIGTERM
+            # ft_launcher alone, as a pod's entry point signals it: it stops its workers (who
+            # save first on a stop request) and then its own helpers; SIGTERM to the whole
+            # group would kill those helpers (rank monitors, the checkpoint writer) under a save.
+            os.kill(self.proc.pid, signal.SIGTERM)
 
     def stop(self, grace: float) -> None:
         if self.proc.poll() is None:
@@ -250,7 +261,10 @@ def run_local(spec: ResolvedJob | JobSpec, *, log: Callable[[str], None] = print
     lock = RunDirLock(run_path).acquire()
     logs = run_path / LOGS_DIR  # every agent's full output; the stream shows what matters
     logs.mkdir(exist_ok=True)
-    grace = float(cfg.resilience.workers_stop_timeout) + 10
+    grace = term_timeout_s(cfg.resilience) + 10
+    # FT: each node's stop request (core.stop_request): a cancelled run, or one past its
+    # deadline, lets its workers save first; a failed one stops them at once.
+    stops = Path(tempfile.mkdtemp(prefix="kfp-nvrx-stop-"))
     # Stops everything of this run if the launcher itself dies (SIGKILL included); it holds the
     # lock until then. If the watchdog dies first, the loop below starts a new one.
     watchdog = Watchdog(f"{_MARKER}={marker}", grace, keep_fds=(lock.fd,))
@@ -275,7 +289,8 @@ def run_local(spec: ResolvedJob | JobSpec, *, log: Callable[[str], None] = print
                for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         for i in range(hi):
-            agent_env = {**base, "PET_RDZV_CONF": f"is_host={1 if i == 0 else 0}"}
+            agent_env = {**base, "PET_RDZV_CONF": f"is_host={1 if i == 0 else 0}",
+                         STOP_FILE_ENV: str(stop_file(stops, f"node{i}"))}
             if slices[i] is not None:
                 # Each local node sees only its own GPUs, as a pod would; LOCAL_RANK indexes them.
                 agent_env["CUDA_VISIBLE_DEVICES"] = slices[i]
@@ -304,6 +319,10 @@ def run_local(spec: ResolvedJob | JobSpec, *, log: Callable[[str], None] = print
                     break
             stop.wait(0.2)
     finally:
+        if state in ("Cancelled", "DeadlineExceeded"):  # asked to stop: the workers save first
+            for i in range(len(agents)):
+                request_stop(stop_file(stops, f"node{i}"), term_timeout_s(cfg.resilience)
+                             - SAVE_MARGIN_S)
         # Tell every node first, then wait: stopping them one at a time would take N x grace.
         for a in agents:
             a.terminate()
@@ -317,6 +336,7 @@ def run_local(spec: ResolvedJob | JobSpec, *, log: Callable[[str], None] = print
         # state in /dev/shm) would hold that RAM until some later run swept it. Ours to delete
         # while we hold the run dir (a relaunch resumes from the committed checkpoints).
         remove_run_copy(run_path)
+        shutil.rmtree(stops, ignore_errors=True)
         watchdog.finish()
         lock.release()
         for s, h in old.items():

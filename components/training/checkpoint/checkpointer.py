@@ -59,7 +59,7 @@ from kfp_nvrx.components.training.checkpoint.staging import (
     StagingUnavailable,
     flat_state,
 )
-from kfp_nvrx.components.training.checkpoint.writer import NvrxWriter
+from kfp_nvrx.components.training.checkpoint.writer import CheckpointError, NvrxWriter
 
 
 def staging_mode(cfg: CheckpointConfig, device: torch.device) -> str:
@@ -106,6 +106,7 @@ class Checkpointer:
         self.inflight: InFlight | None = None
         self.commits = 0  # saves committed by this incarnation
         self.commit_s: list[float] = []  # seconds each commit held the training loop
+        self.write_s: list[float] = []  # seconds from each save's start to its commit
         self.last_commit_step = -1
         self.mode = staging_mode(cfg, device)
         self.staging = None
@@ -170,8 +171,12 @@ class Checkpointer:
         if self.cfg.async_save:
             self.writer.warm_up()
 
-    def save(self, step: int, state: dict[str, Any]) -> float:
-        """Starts saving ``state`` as ``step``; returns the seconds this call blocked."""
+    def save(self, step: int, state: dict[str, Any], sync: bool = False) -> float:
+        """Starts saving ``state`` as ``step``; returns the seconds this call blocked.
+
+        ``sync`` (or ``checkpoint.async_save=false``): written here with ``dcp.save`` and
+        committed before it returns, without the writer process.
+        """
         self.finalize(blocking=True)
         t0 = time.perf_counter()
         path = step_dir(self.root, step)
@@ -179,20 +184,20 @@ class Checkpointer:
             remove_torn(path, self.root.parent)  # a torn leftover; never through a symlink
             path.mkdir(parents=True)
         dist.barrier()
-        flat = flat_state(state) if self.staging is not None else None
-        if self.staging is not None and self._staging_ok(flat):
-            finalize_fns = [self.saver.staged(path, state, flat, self.staging, step,
-                                              submit=self.mode == "blocking")]
-        elif self.cfg.async_save:
-            finalize_fns = [self.saver.nvrx_staged(path, state)]
-        else:
+        sync = sync or not self.cfg.async_save
+        flat = flat_state(state) if self.staging is not None and not sync else None
+        if sync:
             dcp.save(state, checkpoint_id=str(path))
             write_checksums(sorted(str(p) for p in path.glob(f"__{self.rank}_*")), self.rank)
             finalize_fns = []
+        elif self.staging is not None and self._staging_ok(flat):
+            finalize_fns = [self.saver.staged(path, state, flat, self.staging, step,
+                                              submit=self.mode == "blocking")]
+        else:
+            finalize_fns = [self.saver.nvrx_staged(path, state)]
         blocking = time.perf_counter() - t0
-        self.inflight = InFlight(step, path, t0, blocking, finalize_fns,
-                                  local_done=not self.cfg.async_save)
-        if not self.cfg.async_save:
+        self.inflight = InFlight(step, path, t0, blocking, finalize_fns, local_done=sync)
+        if sync:
             self.finalize(blocking=True)
         return blocking
 
@@ -241,22 +246,23 @@ class Checkpointer:
         inf.local_done = self.writer.done(blocking_wait, f"checkpoint step {inf.step}")
         return inf.local_done
 
-    def finalize(self, blocking: bool) -> bool:
+    def finalize(self, blocking: bool, timeout: float | None = None) -> bool:
         """Commits the in-flight save once all ranks wrote it; True when nothing is pending.
 
         Two phases, each ended by a collective (:func:`.commit.advance`): every rank's write done
         -> rank 0's file work (``.metadata``, marker, progress file, pruning) starts on a thread;
         that work done -> the save counts as committed everywhere. With ``blocking`` it waits up to
-        ``checkpoint.finalize_timeout`` and raises :class:`CheckpointError` after that, or when
-        the commit failed.
+        ``timeout`` (default ``checkpoint.finalize_timeout``) and raises :class:`CheckpointError`
+        after that, or when the commit failed.
         """
         inf = self.inflight
         if inf is None:
             return True
         files = functools.partial(write_commit, self.run_dir, inf.path, inf.step, self.world_size,
                                   self.cfg.keep)
+        limit = self.cfg.finalize_timeout if timeout is None else max(0.0, timeout)
         if not advance(inf, self._poll_local, files if self.rank == 0 else None, self.device,
-                       blocking, self.cfg.finalize_timeout):
+                       blocking, limit):
             return False
         t0 = time.perf_counter()
         if self.rank == 0 and self.on_commit is not None:
@@ -266,11 +272,37 @@ class Checkpointer:
             self.staging.commit(inf.step)
         self.commits += 1
         self.commit_s.append(inf.loop_s + time.perf_counter() - t0)
+        self.write_s.append(time.perf_counter() - inf.started)
         self.last_commit_step = inf.step
         self.inflight = None
         return True
 
-    # ---------------------------------------------------------------- load
+    def save_on_stop(self, step: int, state_fn: Callable[[], dict[str, Any]],
+                     seconds: float) -> int | None:
+        """The node is being stopped: commits ``step`` within ``seconds`` if it fits (collective).
+
+        ft_launcher signals its workers' whole process groups, so the writer process (and NVRx's
+        results queue) got the SIGTERM too: the save in flight is dropped and ``step`` is
+        written here, synchronously, unless ``step`` is already committed or the slowest save
+        of this incarnation says it would not commit in the time left (then the work since the
+        newest commit is lost, as it would be without this). A save cut by ft_launcher's SIGKILL
+        never gets its commit marker.
+
+        Returns:
+            The newest step committed when it returns (None: none this incarnation).
+        """
+        deadline = time.monotonic() + seconds
+        if self.last_commit_step != step:
+            expected = max(self.write_s, default=0.0)
+            fits = all_ranks(deadline - time.monotonic() > expected, self.device)
+            self.abort()  # the writer is gone or going: nothing more comes from it
+            if fits:
+                try:
+                    self.save(step, state_fn(), sync=True)
+                except CheckpointError as err:
+                    self.log(f"stop: the save of step {step} did not commit ({err})")
+        return self.last_commit_step if self.last_commit_step >= 0 else None
+
     # ---------------------------------------------------------------- end
     def abort(self) -> None:
         """Error path: drops the pending save and kills the writer.

@@ -108,10 +108,14 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:
         sys.stderr.write(f"trainer: error: {CLI.reword(err).one_line()}\n")
         return UserError.exit_code
+    from kfp_nvrx.components.training.trainer.stopping import StopRequested
     from kfp_nvrx.components.training.trainer.train import run
 
     try:
         run(job)
+    except StopRequested as stop:  # FT: the node was stopped; its save is over
+        print(stop, file=sys.stderr, flush=True)
+        return 0 if stop.asked else 1
     except UserError as err:
         sys.stderr.write(f"trainer: error: {CLI.reword(err).one_line()}\n")
         return UserError.exit_code

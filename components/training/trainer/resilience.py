@@ -64,6 +64,10 @@ class Monitor:
         self._steady_steps: list[float] = []
         self._steady_gaps: list[float] = []
         self._open: set[str] = set()
+        # Set (from a signal handler) when this node is being stopped: ft_launcher is shutting
+        # down and its rank monitors with it, and the save that follows is bounded by its
+        # --term-timeout, not by sections or heartbeats: nothing more is sent.
+        self.quiet = False
         # The least a learned timeout may be (resilience.min_learned_timeout). Under in-process
         # restart NCCL collectives blocked on a failed peer are aborted by the wrapper at once;
         # gloo's cannot be, so a surviving rank waits up to ``pg_timeout`` inside its step, which
@@ -138,7 +142,7 @@ class Monitor:
     @contextlib.contextmanager
     def section(self, name: str) -> Iterator[None]:
         """An NVRx timed section (no-op in heartbeats mode)."""
-        if not self.enabled or self.cfg.monitor != "sections":
+        if not self.enabled or self.cfg.monitor != "sections" or self.quiet:
             yield
             return
         # FT: start_section/end_section bound each phase by its (learned) timeout.
@@ -148,10 +152,10 @@ class Monitor:
         try:
             yield
         finally:
-            if name in self._open:
+            if name in self._open and not self.quiet:
                 with self._lock:
                     self.client.end_section(name)
-                self._open.discard(name)
+            self._open.discard(name)
 
     @contextlib.contextmanager
     def phase(self, name: str | None, bound: float) -> Iterator[None]:
@@ -189,10 +193,14 @@ class Monitor:
 
     def heartbeat(self) -> None:
         """One heartbeat per step (both modes: in sections mode it backs up the sections)."""
-        if self.enabled and self.client.is_initialized:
+        if self.enabled and not self.quiet and self.client.is_initialized:
             # FT: heartbeat; a rank that stops sending is killed after the heartbeat timeout.
             with self._lock:
                 self.client.send_heartbeat()
+
+    def go_quiet(self) -> None:
+        """This node is being stopped: send nothing more (signal-handler safe: sets a flag)."""
+        self.quiet = True
 
     def stop(self) -> None:
         """Stops heartbeats and sections (before a deliberate hang, or at shutdown)."""

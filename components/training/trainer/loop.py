@@ -1,0 +1,202 @@
+"""The steps of one incarnation: the loop, its saves, its faults, its stop and its end."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from kfp_nvrx.components.core import events as ev
+from kfp_nvrx.components.core.events import EventLog
+from kfp_nvrx.components.core.faults import When
+from kfp_nvrx.components.core.pod_entry import GAVE_UP
+from kfp_nvrx.components.training.checkpoint import Checkpointer
+from kfp_nvrx.components.training.trainer.bootstrap import give_up
+from kfp_nvrx.components.training.trainer.build import (
+    TrainState,
+    apply_state,
+    check_compatible,
+    env_int,
+    full_state,
+    warm_start,
+)
+from kfp_nvrx.components.training.trainer.fault_injector import FaultInjector
+from kfp_nvrx.components.training.trainer.stopping import StopRequested
+
+if TYPE_CHECKING:
+    from kfp_nvrx.components.training.trainer.train import Job
+
+#: Steps of an incarnation before its steps count as steady for the learned timeouts: the first
+#: is the start-up (allocations, autotuning, compilation), the second may still compile.
+STEADY_AFTER = 2
+
+
+def log0(msg: str) -> None:
+    """Prints on global rank 0 only."""
+    if env_int("RANK", 0) == 0:
+        print(f"[trainer] {msg}", flush=True)
+
+
+@dataclass
+class Trainer:
+    """One incarnation's training: the objects it trains and the loop over its steps."""
+
+    job: Job
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    sched: Any
+    train: TrainState
+    ckpt: Checkpointer
+    events: EventLog
+    injector: FaultInjector
+    rank: int
+    world: int
+    iteration: int = 0  # in-process restart iteration
+    call_wrapper: Any = None  # NVRx in-process restart's CallWrapper, when it runs this
+
+    def state(self) -> dict[str, Any]:
+        """The whole training state, as checkpoints hold it."""
+        return full_state(self.model, self.opt, self.sched, self.train,
+                          self.job.monitor.state_dict(), self.rank)
+
+    def resume(self, first_start: bool) -> int | None:
+        """Restores the newest saved state (or warm-starts the weights); returns its step.
+
+        Args:
+            first_start: This is the launch's first start (``checkpoint.load_step`` applies).
+        """
+        resumed, state = self.ckpt.resume(
+            self.state, check=lambda keys, step: check_compatible(self.model, keys, step),
+            first_start=first_start)
+        if state is not None:
+            apply_state(self.model, self.opt, self.sched, self.train, state, self.rank)
+            self.job.monitor.load_state_dict(state.get("ft", {}))
+        elif self.job.cfg.checkpoint.init_from:
+            warm_start(self.model, self.job.cfg.checkpoint.init_from)
+        return resumed
+
+    def loop(self) -> None:
+        """Trains from the step after the restored one to ``train.steps``."""
+        cfg, monitor, ckpt, t = self.job.cfg, self.job.monitor, self.ckpt, self.job.cfg.train
+        tokens_per_step = cfg.data.seq_len * cfg.data.batch_size * self.world
+        first, steps_here, t_first = self.train.step + 1, 0, time.perf_counter()
+        last_beat: float | None = None  # the previous step's heartbeat (perf_counter)
+        after_save = False  # the previous step saved: this one overlaps its copies
+
+        for step in range(first, t.steps + 1):
+            t0 = time.time()
+            # The first step of an incarnation (allocations, autotuning, compilation) is part of
+            # the start-up, not of the step rhythm the timeouts are learned from.
+            timed = (monitor.phase("setup", bound=cfg.resilience.setup_timeout) if steps_here == 0
+                     else monitor.section("step"))
+            commits, pinning = ckpt.commits, ckpt.preparing()
+            t_sec = time.perf_counter()
+            with timed:
+                self._fault(step, When.STEP)
+                loss_value = self._step(step, tokens_per_step)
+                if not math.isfinite(loss_value):
+                    self._diverged(step, loss_value)
+                ckpt.finalize(blocking=False)
+            step_s = time.perf_counter() - t_sec
+            monitor.heartbeat()
+            now = time.perf_counter()
+            # Steady: what a healthy run repeats (see Monitor.observe).
+            steady = (steps_here >= STEADY_AFTER and not after_save and ckpt.commits == commits
+                      and not pinning and not ckpt.preparing())
+            monitor.observe(step_s, None if last_beat is None else now - last_beat, steady)
+            last_beat = now
+            if self.call_wrapper is not None:
+                self.call_wrapper.ping()  # FT: in-process progress watchdog
+            after_save = ckpt.should_save(step)
+            if after_save:
+                with monitor.phase("checkpoint", bound=cfg.resilience.checkpoint_timeout):
+                    ckpt.save(step, self.state())
+                    self._fault(step, When.CHECKPOINT)
+                last_beat = time.perf_counter()  # the phase ends with a heartbeat
+            self.events.emit(ev.Step(step=step, start=t0, end=time.time(),
+                                     incarnation=self.job.restart_count, iteration=self.iteration,
+                                     loss=round(loss_value, 6), tokens=tokens_per_step))
+            if self.job.stop.enabled:
+                asked, left = self.job.stop.agree(self._reduce_max)
+                if asked:
+                    self._stop(step, left)
+            steps_here += 1
+            if steps_here == 1 and ckpt.periodic:  # the state's final layout exists (optimizer)
+                ckpt.prepare(self.state)
+            if steps_here >= STEADY_AFTER + cfg.resilience.learn_after \
+                    and monitor.maybe_learn(self._reduce_max) and self.rank == 0:
+                log0(f"learned NVRx timeouts: {monitor.timeouts()}")
+            if step % t.log_every == 0 or step == t.steps:
+                elapsed = time.perf_counter() - t_first
+                tps = steps_here * tokens_per_step / max(elapsed, 1e-9)
+                eta = (t.steps - step) * elapsed / steps_here
+                log0(f"step {step}/{t.steps} loss {loss_value:.4f} tok/s {tps:,.0f} "
+                     f"eta {eta:.0f}s")
+
+    def _stop(self, step: int, seconds: float) -> None:
+        """A node is being stopped: every rank saves ``step`` if it fits, then leaves the loop."""
+        t0 = time.perf_counter()
+        with self.job.monitor.phase("checkpoint", bound=max(1.0, seconds)):
+            saved = self.ckpt.save_on_stop(step, self.state, seconds)
+        asked = self.job.stop.deadline is not None
+        if self.rank == 0:
+            self.events.emit(ev.End(step=step, status="stopped"))
+        kept = f"step {saved} is committed" if saved is not None else "nothing is committed"
+        who = "this node was asked to stop" if asked else "a peer node was asked to stop"
+        raise StopRequested(asked, saved, f"[trainer] stopping at step {step} ({who}): {kept} "
+                            f"({time.perf_counter() - t0:.1f} s of {seconds:.0f} s); a relaunch "
+                            "resumes from it")
+
+    def _diverged(self, step: int, loss_value: float) -> None:
+        """A non-finite loss ends the job in one line: a restart would only diverge again."""
+        self.job.monitor.stop()  # the wait for the agent's stop is no hang
+        if self.rank == 0:
+            self.events.emit(ev.End(step=step, status="diverged"))
+        give_up(f"{GAVE_UP} the loss is not finite ({loss_value}) at step {step} on rank "
+                f"{self.rank}: training diverged, or started from non-finite weights; resume "
+                "an earlier step (checkpoint.load_step) with e.g. a lower train.lr, or check "
+                "checkpoint.init_from", self.job.cfg.resilience.workers_stop_timeout)
+
+    def _reduce_max(self, values: list[float]) -> list[float]:
+        """Element-wise maximum of ``values`` over every rank (collective)."""
+        device = self.job.device if self.job.device.type == "cuda" else "cpu"
+        t = torch.tensor(values, dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.tolist()
+
+    def _step(self, step: int, tokens_per_step: int) -> float:
+        """One forward/backward/optimizer step; returns the loss."""
+        cfg, device, t = self.job.cfg, self.job.device, self.job.cfg.train
+        inputs, targets = self.job.data.batch(t.seed, step, self.rank, cfg.data.batch_size,
+                                              cfg.data.seq_len)
+        inputs = inputs.to(device, non_blocking=True)
+        targets = targets.to(device, non_blocking=True)
+        logits = self.model(inputs)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        loss.backward()
+        if t.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
+        self.ckpt.wait_before_update()  # a save's D2H copies overlap forward/backward, not this
+        self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.train.step, self.train.tokens = step, self.train.tokens + tokens_per_step
+        loss_value = loss.item()
+        if t.step_sleep:
+            time.sleep(t.step_sleep)
+        return loss_value
+
+    def _fault(self, step: int, when: When) -> None:
+        """Fires the injected fault due at this point (``when``) of ``step``, if any."""
+        fault = self.injector.due(step, when)
+        if fault is None:
+            return
+        kind = fault.kind.name
+        # The faulting rank writes its own event (rank 0's log is not the only writer here).
+        EventLog(self.events.path.parent).emit(ev.Fault(kind=kind, step=step, rank=self.rank))
+        print(f"[trainer] rank {self.rank}: injecting fault {kind} at step {step}", flush=True)
+        self.injector.fire(fault)
