@@ -6,8 +6,8 @@ PY     := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 DEMO_DIR ?= runs/demo
 
-.PHONY: demo test test-gpu lint bench compile clean wheelhouse install-offline gpu-matrix \
-        cluster-bins cluster-up cluster-down
+.PHONY: demo test test-gpu lint typecheck bench compile clean wheelhouse install-offline \
+        gpu-matrix cluster-bins cluster-up cluster-down
 
 $(VENV)/.installed-%: setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,7 @@ demo: $(VENV)/.installed-all
 TEST_WORKERS ?= 2
 test: $(VENV)/.installed-test
 	$(PY) -m ruff check .
+	$(MAKE) --no-print-directory typecheck
 	@if command -v go >/dev/null; then $(MAKE) --no-print-directory cluster-bins; \
 	else echo "make test: no Go on PATH; the cluster tests will be skipped (make cluster-bins)"; fi
 	$(PY) -m pytest -q -ra --durations=15 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
@@ -72,6 +73,17 @@ gpu-matrix:
 
 lint: $(VENV)/.installed-test
 	$(PY) -m ruff check .
+
+# mypy over the library (config: [mypy] in setup.cfg). It finds modules by folder, and the import
+# name kfp_nvrx.components maps onto components/ (package_dir), so it reads them through links
+# that carry the import names, in build/typecheck/.
+TYPECHECK_DIR := build/typecheck
+typecheck: $(VENV)/.installed-test
+	@mkdir -p $(TYPECHECK_DIR)/kfp_nvrx
+	@ln -sfn $(CURDIR)/components $(TYPECHECK_DIR)/kfp_nvrx/components
+	@ln -sfn $(CURDIR)/pipelines $(TYPECHECK_DIR)/kfp_nvrx/pipelines
+	cd $(TYPECHECK_DIR) && $(CURDIR)/$(PY) -m mypy --config-file $(CURDIR)/setup.cfg \
+	    -p kfp_nvrx.components -p kfp_nvrx.pipelines
 
 bench: $(VENV)/.installed-bench
 	$(PY) -m bench.run

@@ -17,6 +17,7 @@ import sys
 import threading
 import warnings
 from collections.abc import Sequence
+from typing import NoReturn
 
 from kfp_nvrx.components.core.disk import disk_full, disk_full_line
 from kfp_nvrx.components.core.fields import CLI
@@ -50,7 +51,7 @@ COMMAND_MODULES = (
 class _Parser(argparse.ArgumentParser):
     """argparse that exits 2 with one line (argparse's default prints usage first)."""
 
-    def error(self, message: str) -> None:  # noqa: D401
+    def error(self, message: str) -> NoReturn:  # noqa: D401
         sys.stderr.write(f"{self.prog}: error: {message}\n")
         sys.exit(2)
 

@@ -139,15 +139,14 @@ def iter_lines(path: str | os.PathLike[str], field: str, line_limit: int,
             if not line:
                 return
             total += len(line)
-            if len(line) > line_limit and not line.endswith(b"\n"):
-                while line and not line.endswith(b"\n"):  # skip the rest of the long line
-                    line = fh.readline(1 << 20)
-                    total += len(line)
-                line = None
+            too_long = len(line) > line_limit and not line.endswith(b"\n")
+            while too_long and line and not line.endswith(b"\n"):  # skip the rest of the long line
+                line = fh.readline(1 << 20)
+                total += len(line)
             if limit is not None and total > limit:
                 raise UserError(field, f"{path} is larger than {_size(limit)}; give the right "
                                 "file")
-            yield line if line is None or keep_ends else line.rstrip(b"\r\n")
+            yield None if too_long else line if keep_ends else line.rstrip(b"\r\n")
 
 
 def _refuse_constant(name: str) -> Any:

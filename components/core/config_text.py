@@ -104,7 +104,7 @@ def _check_shape(text: str, field: str, where: str | Path) -> None:
         if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
             depth += 1
             if depth > MAX_DEPTH:
-                line = event.start_mark.line + 1
+                line = event.start_mark.line + 1 if event.start_mark is not None else "?"
                 raise UserError(field, f"{where} nests deeper than {MAX_DEPTH} levels (line "
                                 f"{line}); a config is a mapping of sections")
         elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):

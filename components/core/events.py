@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from kfp_nvrx.components.core.bounded import EVENT_LINE_LIMIT, EVENTS_LIMIT, iter_lines
 from kfp_nvrx.components.core.rundir import EVENTS_FILE
@@ -235,6 +235,9 @@ TYPES: dict[str, type[Event]] = {c.TYPE: c for c in (Start, Step, Checkpoint, Fa
                                                      Join, End)}
 
 
+_E = TypeVar("_E", bound=Event)
+
+
 class EventLog:
     """Appends events; each line is written with one ``write`` call on an O_APPEND file.
 
@@ -247,7 +250,7 @@ class EventLog:
         self.path = Path(run_dir) / EVENTS_FILE
         self.enabled = enabled
 
-    def emit(self, event: Event) -> Event:
+    def emit(self, event: _E) -> _E:
         """Writes one event (when enabled) and returns it."""
         if self.enabled:
             line = (json.dumps(_finite(event.to_dict()), separators=(",", ":")) + "\n").encode()

@@ -135,11 +135,11 @@ def summarize_events(events: list[Event]) -> GoodputReport:
     if final is not None:
         rep.steps_final, rep.final_loss = final.step, final.loss
     rep.restarts = restart_counts(events, sess)
-    for e in events:
-        if isinstance(e, Checkpoint):
+    for event in events:
+        if isinstance(event, Checkpoint):
             rep.checkpoints += 1
-            rep.checkpoint_stall_s += float(e.blocking_s)
-        elif isinstance(e, Fault):
+            rep.checkpoint_stall_s += float(event.blocking_s)
+        elif isinstance(event, Fault):
             rep.faults += 1
     rep.recovery_s = _recoveries(events, sess)
     if rep.recovery_s:

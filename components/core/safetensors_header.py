@@ -19,7 +19,7 @@ import math
 import os
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from kfp_nvrx.components.core.bounded import open_regular
 from kfp_nvrx.components.errors import UserError
@@ -63,7 +63,7 @@ def _raw_header(field: str, path: str | Path) -> tuple[Path, dict[str, Any], int
     return file, header, size - 8 - n
 
 
-def _sizes(value: Any) -> bool:
+def _sizes(value: Any) -> TypeGuard[list[int]]:
     """Whether ``value`` is a JSON list of whole numbers >= 0 (not booleans)."""
     return isinstance(value, list) and all(
         isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value)

@@ -69,25 +69,25 @@ class ShardWriter:
         """Append ``ids`` (any integer array; values must fit ``dtype``)."""
         arr = np.ascontiguousarray(ids, dtype=np.dtype(self.dtype).newbyteorder("<"))
         while arr.size:
-            if self._out is None:
-                self._open()
+            out = self._out if self._out is not None else self._open()
             take = min(arr.size, self._cap - self._count)
             chunk = arr[:take].tobytes()
-            self._out.write(chunk)
+            out.write(chunk)
             self._hash.update(chunk)
             self._count += take
             self.tokens += take
             arr = arr[take:]
             if self._count >= self._cap:
-                self._close()
+                self._close(out)
 
-    def _open(self) -> None:
+    def _open(self) -> AtomicFile:
         self._out = AtomicFile(self.out_dir / f"{self.split}_{len(self.shards):05d}.bin")
         self._hash = hashlib.sha256()
         self._count = 0
+        return self._out
 
-    def _close(self) -> None:
-        name = self._out.commit().name
+    def _close(self, out: AtomicFile) -> None:
+        name = out.commit().name
         self.shards.append({"file": name, "tokens": self._count, "sha256": self._hash.hexdigest()})
         self._out = self._hash = None
         self._count = 0
@@ -95,7 +95,7 @@ class ShardWriter:
     def finish(self) -> dict[str, Any]:
         """Close the open shard; return the split's index entry ``{"tokens", "shards"}``."""
         if self._out is not None:
-            self._close()
+            self._close(self._out)
         return {"tokens": self.tokens, "shards": list(self.shards)}
 
     def abort(self) -> None:

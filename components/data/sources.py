@@ -104,7 +104,7 @@ def _json_documents(path: Path, text_field: str) -> Iterator[str]:
             continue
         try:
             obj = json.loads(line)
-        except ValueError as err:
+        except json.JSONDecodeError as err:
             raise UserError("source", f"{path}:{lineno}: not valid JSON ({err.msg}); expected one "
                             "JSON object per line") from None
         if not isinstance(obj, dict):

@@ -23,6 +23,7 @@ from kfp_nvrx.components.core.events import IN_PROCESS, Event, Step, read_events
 from kfp_nvrx.components.core.rundir import COMMIT_MARKER, checkpoints_dir, committed_steps, step_dir
 from kfp_nvrx.components.drills import measure
 from kfp_nvrx.components.drills.actions import (
+    Action,
     DamageNewest,
     DiskFull,
     DrillSkipped,
@@ -57,7 +58,7 @@ class DrillError(RuntimeError):
 class _Ctx:
     out: Path
     data: str
-    reference: dict[str, Any]
+    reference: dict[str, Any] | None
     ckpt_bytes: int
     log: Callable[[str], None]
     place: Placement
@@ -67,7 +68,7 @@ class _Ctx:
 
 
 def _train(run_dir: Path, overrides: list[str], faults: list[str], nodes: str, log_file: Path,
-           token: str, action=None) -> Any:
+           token: str, action: Action | None = None) -> Any:
     from kfp_nvrx.components.launch.jobspec.spec import JobSpec
     from kfp_nvrx.components.launch.local import run_local
 
@@ -249,13 +250,14 @@ def _sigterm(sc: Scenario, ctx: _Ctx, relaunch: bool) -> Row:
     if first is not None:
         row.recovery_s = [round(first.end - t_sig, 3)]
         row.notes.append("recovery = SIGTERM -> first step of the relaunch")
-    row.check(row.survived, f"relaunch did not finish: {res.state} {res.reason}")
+    row.check(bool(row.survived), f"relaunch did not finish: {res.state} {res.reason}")
     row.wall_s = round(time.time() - t0, 1)
     row.passed = not row.failures
     return row
 
 
-def _reference(ctx_out: Path, data: str, place: Placement) -> tuple[dict, int, float]:
+def _reference(ctx_out: Path, data: str,
+               place: Placement) -> tuple[dict[str, Any] | None, int, float]:
     run_dir = ctx_out / "runs" / "reference"
     t0 = time.time()
     res = _train(run_dir, [f"data.path={data}", *BASE_OVERRIDES, *place.overrides(None)], [],

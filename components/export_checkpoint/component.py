@@ -16,7 +16,7 @@ def export_checkpoint(
     metrics: dsl.Output[dsl.Metrics],
     step: int = -1,
     eval_batches: int = 8,
-):
+) -> None:
     """Write ``model.safetensors`` + ``config.json`` + ``export.json`` of one committed checkpoint.
 
     Args:

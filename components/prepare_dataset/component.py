@@ -21,7 +21,7 @@ def prepare_dataset(
     val_fraction: float = 0.05,
     text_field: str = "text",
     seed: int = 0,
-):
+) -> None:
     """Tokenize ``source`` into ``<workspace>/datasets/<dataset_name>`` (reused when unchanged).
 
     Args:

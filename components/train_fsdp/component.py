@@ -46,7 +46,7 @@ def train_fsdp(
     deadline_s: int = 0,
     kfp_run_id: str = dsl.PIPELINE_JOB_ID_PLACEHOLDER,
     kfp_task: str = dsl.PIPELINE_TASK_NAME_PLACEHOLDER,
-):
+) -> None:
     """Train on ``dataset`` under ft_launcher; write the run, goodput ``Metrics`` and a timeline.
 
     Args:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import math
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -94,6 +95,10 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     """Decoder-only language model: tokens (B, T) -> logits (B, T, vocab)."""
 
+    # Buffers (register_buffer): declared, as nn.Module types attribute access loosely.
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -115,7 +120,7 @@ class Transformer(nn.Module):
         std = 0.02
         out_std = std / math.sqrt(2 * self.cfg.n_layers)
         nn.init.normal_(self.tok_embeddings.weight, std=1.0)
-        for block in self.layers:
+        for block in cast("list[Block]", list(self.layers)):  # Blocks until parallelize wraps them
             for lin in (block.attention.wq, block.attention.wk, block.attention.wv,
                         block.feed_forward.w1, block.feed_forward.w3):
                 nn.init.trunc_normal_(lin.weight, std=std)

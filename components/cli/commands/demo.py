@@ -59,7 +59,8 @@ def _run(args: argparse.Namespace) -> int:
         return 1
     print("== 3/3 export (newest committed checkpoint -> safetensors, eval loss)")
     info = export_checkpoint(run_dir, model_dir)
-    g = res.summary  # a local run's events are always here
+    g = res.summary
+    assert g is not None  # a local run's events are always here
     rows = [
         ("state", res.state),
         ("steps", g.steps_final),

@@ -12,11 +12,15 @@ import argparse
 import json
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 from kfp_nvrx.components.cli.commands.render_job import add_job_arguments, spec_from_args, write_atomic
 from kfp_nvrx.components.core import argtypes
 from kfp_nvrx.components.core.atomic import check_output
 from kfp_nvrx.components.launch.job_apis import DEFAULT_JOB_API, JOB_API_CHOICES
+
+if TYPE_CHECKING:
+    from kfp_nvrx.components.launch.backends import KubernetesOptions, LocalOptions
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -81,7 +85,7 @@ def _cluster(args: argparse.Namespace) -> tuple[object, str]:
             from None
 
 
-def _options(args: argparse.Namespace) -> object:
+def _options(args: argparse.Namespace) -> LocalOptions | KubernetesOptions:
     """The backend's typed launch options from the flags (credentials come later)."""
     from kfp_nvrx.components.launch.backends import KubernetesOptions, LocalOptions
 
@@ -97,7 +101,7 @@ def _run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from kfp_nvrx.components.errors import UserError
-    from kfp_nvrx.components.launch.backends import check, launch
+    from kfp_nvrx.components.launch.backends import KubernetesOptions, check, launch
     from kfp_nvrx.components.launch.k8s_job import ClusterError
 
     if args.deadline is not None and args.deadline <= 0:
@@ -113,7 +117,7 @@ def _run(args: argparse.Namespace) -> int:
         print(line, flush=True)
 
     try:
-        if args.backend == "kubernetes":
+        if isinstance(opts, KubernetesOptions):  # --backend kubernetes
             cfg, namespace = _cluster(args)
             opts = replace(opts, client_configuration=cfg, namespace=args.namespace or namespace)
         result = launch(job, opts, log=log)

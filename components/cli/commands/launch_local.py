@@ -37,7 +37,8 @@ def _run(args: argparse.Namespace) -> int:
     spec = JobSpec(nodes=args.nodes, nproc_per_node=args.nproc_per_node, run_dir=args.run_dir,
                    config=args.config, overrides=args.set, faults=args.fault)
     res = run_local(spec, deadline_s=args.deadline, verbose=args.verbose)
-    g = res.summary  # a local run's events are always here
+    g = res.summary
+    assert g is not None  # a local run's events are always here
     if args.json:
         print(json.dumps(res.to_dict(), indent=2))
     else:

@@ -159,7 +159,9 @@ def _run(args: argparse.Namespace) -> int:
 
     opts = KubernetesOptions(job_api=args.job_api, runtime=args.runtime,
                              runtime_kind=args.runtime_kind)
-    rendered = job_apis.get(args.job_api).render(check(spec_from_args(args), opts), opts)
+    render = job_apis.get(args.job_api).render
+    assert render is not None  # every Kubernetes job API renders (only the local backend has none)
+    rendered = render(check(spec_from_args(args), opts), opts)
     text = rendered.to_yaml(with_runtime=True) if args.with_runtime else rendered.to_yaml()
     if args.out:
         write_atomic(args.out, text)

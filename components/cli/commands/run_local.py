@@ -120,7 +120,8 @@ class _Filter(io.TextIOBase):
     """Drops the executor's input dump and bookkeeping lines from the streamed task output."""
 
     def __init__(self, target: Any) -> None:
-        self.target, self.buf, self.skip_until = target, "", None
+        self.target, self.buf = target, ""
+        self.skip_until: str | None = None  # inside the input dump: the line that ends it
 
     def writable(self) -> bool:
         return True

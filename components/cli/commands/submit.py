@@ -8,6 +8,10 @@ import datetime as dt
 import os
 import tempfile
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kfp_nvrx.pipelines.client import KfpApi
 
 
 def add_connection_args(p: argparse.ArgumentParser, pipeline: str = "fsdp-train") -> None:
@@ -55,7 +59,7 @@ def package_for(args: argparse.Namespace) -> Iterator[str]:
         yield str(compiled_path(args.pipeline))
 
 
-def prepare(args: argparse.Namespace, package: str) -> tuple[dict, object]:
+def prepare(args: argparse.Namespace, package: str) -> tuple[dict, KfpApi]:
     """Check the parameters against ``package``, then connect: (arguments, api)."""
     import math
 

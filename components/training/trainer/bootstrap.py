@@ -21,6 +21,7 @@ from kfp_nvrx.components.errors import UserError
 
 if TYPE_CHECKING:  # data.py imports torch and numpy: imported where a dataset is opened
     from kfp_nvrx.components.training.trainer.data import TokenDataset
+    from kfp_nvrx.components.training.trainer.train import Job
 
 
 def validate_inputs(config: str, overrides: list[str], faults: list[str], *,
@@ -236,7 +237,7 @@ def env_int(name: str, default: int = 0) -> int:
         return default
 
 
-def prepare_job(config: str, overrides: list[str], faults: list[str], run_dir: Path):
+def prepare_job(config: str, overrides: list[str], faults: list[str], run_dir: Path) -> Job:
     """Validates everything, then creates the run dir and the per-worker Job."""
     t0 = time.time()
     cfg, parsed, data = validate_inputs(config, overrides, faults)

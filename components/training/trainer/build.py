@@ -84,7 +84,8 @@ def rng_key(rank: int) -> str:
     return f"rng_rank{rank}"
 
 
-def full_state(model, opt, sched, train: TrainState, ft_state: dict, rank: int) -> dict[str, Any]:
+def full_state(model: nn.Module, opt: torch.optim.Optimizer, sched: Any, train: TrainState,
+               ft_state: dict, rank: int) -> dict[str, Any]:
     """Everything a resume needs, in the layout export and resume expect."""
     msd, osd = get_state_dict(model, opt)
     rng = {"cpu": torch.get_rng_state()}
@@ -94,7 +95,8 @@ def full_state(model, opt, sched, train: TrainState, ft_state: dict, rank: int) 
             "ft": ft_state, rng_key(rank): rng}
 
 
-def apply_state(model, opt, sched, train: TrainState, state: dict[str, Any], rank: int) -> None:
+def apply_state(model: nn.Module, opt: torch.optim.Optimizer, sched: Any, train: TrainState,
+                state: dict[str, Any], rank: int) -> None:
     """Puts a loaded state back into the live objects."""
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     sched.load_state_dict(state["sched"])
@@ -127,7 +129,7 @@ def warm_start(model: nn.Module, path: str) -> None:
         file = file / "model.safetensors"
     if not file.is_file():
         raise UserError("checkpoint.init_from", f"{path!r} has no model.safetensors")
-    sd = load_file(str(file))
+    sd: dict[str, Any] = load_file(str(file))
     try:
         set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True, strict=True))
     except (RuntimeError, KeyError, ValueError) as err:

@@ -17,9 +17,10 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
     """Wraps each block in non-reentrant activation checkpointing."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+    blocks = _blocks(model)
     layers = getattr(model, "layers", None)
-    for i, block in enumerate(_blocks(model)):
-        layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+    for i, block in enumerate(blocks):
+        layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)  # type: ignore[index]
 
 
 def compile_blocks(model: nn.Module) -> None:

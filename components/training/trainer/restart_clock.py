@@ -37,9 +37,9 @@ class RestartClock:
     def entered(self, iteration: int) -> None:
         """The wrapped function is (re-)entered: log the split of the restart just done."""
         now = time.time()
-        marks = (self.t_exit, self.t_decided, self.t_iteration)
-        if iteration and None not in marks and os.environ.get("RANK", "0") == "0":
-            t_exit, t_decided, t_iteration = marks
+        t_exit, t_decided, t_iteration = self.t_exit, self.t_decided, self.t_iteration
+        if iteration and t_exit is not None and t_decided is not None and t_iteration is not None \
+                and os.environ.get("RANK", "0") == "0":
             abort = f" (abort {self.abort_s:.3f}s)" if self.abort_s is not None else ""
             print(f"[trainer] in-process restart {iteration}: exit->decision "
                   f"{t_decided - t_exit:.3f}s{abort}, ->next iteration "
