@@ -56,7 +56,7 @@ def test_a_registered_kind_is_parsed_and_checked(freeze) -> None:
     assert check_faults(["freeze@8/1", "kill@3"], steps=16, interval=4, world_size=2) == [
         Fault(kind, 8, 1), Fault(FAULT_KINDS.get("kill"), 3, 0)]
     bad = {"freeze@6/1": "needs a checkpoint step", "freeze@8:seconds=0": "seconds must be",
-           "freeze@8:seconds=1.5": "must be a int", "freeze@8:speed=1": "known: seconds",
+           "freeze@8:seconds=1.5": "must be a whole number", "freeze@8:speed=1": "known: seconds",
            "freeze@8:seconds=2,seconds=3": "each once", "freeze@20": "after the last step",
            "freeze@8/2": "aims at rank 2"}
     for text, needle in bad.items():

@@ -61,8 +61,9 @@ class Param:
         except ValueError:
             value = math.nan
         if not math.isfinite(value) or value < self.minimum:
-            raise UserError("faults", f"{kind} {self.name} must be a {type(self.default).__name__} "
-                            f">= {self.minimum:g}, got {text!r}")
+            what = "a whole number" if isinstance(self.default, int) else "a number"
+            raise UserError("faults", f"{kind} {self.name} must be {what} >= {self.minimum:g}, "
+                            f"got {text!r}")
         return value
 
 
