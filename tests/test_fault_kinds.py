@@ -68,7 +68,7 @@ def test_a_registered_kind_is_parsed_and_checked(freeze) -> None:
 
 
 def test_a_registered_kind_is_fired_by_the_injector_and_the_loop(freeze, tmp_path) -> None:
-    from kfp_nvrx.components.training.trainer.train import Trainer
+    from kfp_nvrx.components.training.trainer.loop import Trainer
 
     kind, fired = freeze
     fault = parse_fault("freeze@8/1:seconds=5")
