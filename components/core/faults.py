@@ -158,17 +158,23 @@ def _stall(fault: Fault) -> None:
     time.sleep(fault.param("seconds"))
 
 
-FAULT_KINDS.register(FaultKind("kill", "killed", When.STEP, "SIGKILL", True, _kill))
-FAULT_KINDS.register(FaultKind("raise", "raised an exception", When.STEP, "exception", True,
-                               _raise))
-FAULT_KINDS.register(FaultKind("hang", "hung", When.STEP, "stop heartbeating and block", True,
-                               _hang))
-FAULT_KINDS.register(FaultKind("kill-in-ckpt", "killed while checkpointing", When.CHECKPOINT,
-                               "SIGKILL while an async checkpoint is being written", True, _kill))
+# The kinds. Adding one: a FaultKind here with its action above; everything else reads it.
+FAULT_KINDS.register(FaultKind(
+    "kill", verb="killed", when=When.STEP, does="SIGKILL", failure=True, action=_kill))
+FAULT_KINDS.register(FaultKind(
+    "raise", verb="raised an exception", when=When.STEP, does="exception", failure=True,
+    action=_raise))
+FAULT_KINDS.register(FaultKind(
+    "hang", verb="hung", when=When.STEP, does="stop heartbeating and block", failure=True,
+    action=_hang))
+FAULT_KINDS.register(FaultKind(
+    "kill-in-ckpt", verb="killed while checkpointing", when=When.CHECKPOINT,
+    does="SIGKILL while an async checkpoint is being written", failure=True, action=_kill))
 # A slow read from shared storage: the run must not be killed for it once timeouts are learned.
-FAULT_KINDS.register(FaultKind("stall", "stalled", When.STEP, "a healthy step that takes longer",
-                               False, _stall,
-                               (Param("seconds", 3.0, "how much longer the step takes"),)))
+FAULT_KINDS.register(FaultKind(
+    "stall", verb="stalled", when=When.STEP, does="a healthy step that takes longer",
+    failure=False, action=_stall,
+    params=(Param("seconds", 3.0, "how much longer the step takes"),)))
 
 
 @dataclass(frozen=True)
