@@ -159,7 +159,7 @@ def test_in_process_wrapper_settings_and_frozen_heap(monkeypatch) -> None:
 
 
 def test_restart_clock_prints_the_split_on_rank_0(monkeypatch, capsys) -> None:
-    from kfp_nvrx.components.training.trainer.resilience import RestartClock
+    from kfp_nvrx.components.training.trainer.restart_clock import RestartClock
 
     monkeypatch.setenv("RANK", "0")
     clock = RestartClock()

@@ -154,8 +154,9 @@ class Trainer:
     def _diverged(self, step: int, loss_value: float) -> None:
         """A non-finite loss ends the job in one line: a restart would only diverge again."""
         self.job.monitor.stop()  # the wait for the agent's stop is no hang
-        if self.rank == 0:
-            self.events.emit(ev.End(step=step, status="diverged"))
+        # Each rank that sees it writes its own event (as a faulting rank does): whichever gives
+        # up first stops the job, and rank 0 may be stopped before it sees its own loss.
+        EventLog(self.events.path.parent).emit(ev.End(step=step, status="diverged"))
         give_up(f"{GAVE_UP} the loss is not finite ({loss_value}) at step {step} on rank "
                 f"{self.rank}: training diverged, or started from non-finite weights; resume "
                 "an earlier step (checkpoint.load_step) with e.g. a lower train.lr, or check "
