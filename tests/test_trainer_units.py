@@ -214,3 +214,26 @@ def test_checkpoint_policy_saves_every_interval_and_the_final_step(one_rank_env,
         assert saved("checkpoint.interval=0", "checkpoint.save_final=false") == (False, [])
     finally:
         dist.destroy_process_group()
+
+
+def test_a_worker_failure_is_one_line_with_the_traceback_kept_in_the_run(tmp_path, monkeypatch):
+    """Issue 30 item 8: a healthy rank whose peer died printed a page of torch internals."""
+    from kfp_nvrx.components.training.trainer.__main__ import failure_line
+
+    monkeypatch.setenv("RANK", "0")
+    try:
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection "
+                           "closed by peer [127.0.0.1]:12345\nmore lines")
+    except RuntimeError as err:
+        line = failure_line(err, tmp_path)
+    assert line.startswith("[trainer] rank 0 lost a peer rank in a collective ([../third_party")
+    assert "\n" not in line and "more lines" not in line and "own lines say why" in line
+    kept = next((tmp_path / "logs").glob("traceback-rank0-*.txt"))
+    assert f"traceback: {kept}" in line
+    assert "Traceback (most recent call last)" in kept.read_text()
+    assert "more lines" in kept.read_text()
+    try:
+        raise ValueError("a bug of ours")
+    except ValueError as err:
+        assert failure_line(err, tmp_path).startswith(
+            "[trainer] rank 0 failed: ValueError: a bug of ours (traceback: ")

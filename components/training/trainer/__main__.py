@@ -13,6 +13,7 @@ import warnings  # noqa: E402
 warnings.filterwarnings("ignore", message="The pynvml package is deprecated")
 
 import argparse  # noqa: E402
+import re  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -121,15 +122,53 @@ def main(argv: list[str] | None = None) -> int:
         return UserError.exit_code
     except Exception as err:
         where = checkpoints_dir(job.run_dir)
-        if not disk_full(err, where):
-            raise
-        # One line instead of torch's "inline_container.cc ... unexpected pos" traceback; exit 1
-        # so the launcher restarts the workers, which resume once there is room.
-        sys.stderr.write(f"[trainer] error: {disk_full_line(where)}\n")
+        if disk_full(err, where):
+            # One line instead of torch's "inline_container.cc ... unexpected pos" traceback;
+            # exit 1 so the launcher restarts the workers, which resume once there is room.
+            sys.stderr.write(f"[trainer] error: {disk_full_line(where)}\n")
+            return 1
+        # One line in the log a user reads (a rank whose peer died fails in a collective with
+        # a page of torch internals); the whole traceback is kept in the run's logs.
+        sys.stderr.write(failure_line(err, job.run_dir) + "\n")
         return 1
     finally:
         job.monitor.close()
     return 0
+
+
+def failure_line(err: BaseException, run_dir: Path) -> str:
+    """``[trainer] rank R failed: Type: first line (traceback: <run_dir>/logs/...)``.
+
+    The traceback goes to ``<run_dir>/logs/traceback-rank<R>-<pid>.txt`` (at most 64 KiB; not
+    through a link); where that cannot be written, it is printed after the line as before.
+    """
+    import traceback
+
+    from kfp_nvrx.components.core.rundir import LOGS_DIR, refuse_link
+
+    rank = os.environ.get("RANK", "?")
+    first = (str(err).strip().splitlines() or [""])[0][:300]
+    text = "".join(traceback.format_exception(err))[-(64 << 10):]
+    path = Path(run_dir) / LOGS_DIR / f"traceback-rank{rank}-{os.getpid()}.txt"
+    try:
+        refuse_link(path, run_dir)
+        path.parent.mkdir(exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        kept = f"traceback: {path}"
+    except (OSError, UserError):
+        sys.stderr.write(text)
+        kept = "traceback above"
+    if _PEER_LOST.search(text):  # a consequence, not the cause: say where to look
+        return (f"[trainer] rank {rank} lost a peer rank in a collective ({first[:160]}); the "
+                f"failed rank's own lines say why ({kept})")
+    return f"[trainer] rank {rank} failed: {type(err).__name__}: {first} ({kept})"
+
+
+#: How a collective reports a peer that died (gloo, NCCL, the c10d store).
+_PEER_LOST = re.compile(r"Connection closed by peer|Connection reset by peer|remote worker "
+                        r"crash|NCCL communicator was aborted|DistNetworkError|Broken pipe")
 
 
 if __name__ == "__main__":  # required: NVRx's checkpoint worker is started with spawn
