@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from kfp_nvrx.components.training.checkpoint.files import write_checksums
 from kfp_nvrx.components.training.checkpoint.staged_write import (
@@ -30,17 +29,10 @@ from kfp_nvrx.components.training.checkpoint.staged_write import (
 )
 from kfp_nvrx.components.training.checkpoint.staging import HostStaging
 from kfp_nvrx.components.training.checkpoint.writer import CheckpointError, NvrxWriter
+from kfp_nvrx.components.training.ranks import all_ranks
 
 #: A save's collective finalisation: gathers write results, returns the coordinator's file work.
 Gather = Callable[[], Callable[[], None] | None]
-
-
-def all_ranks(flag: bool, device: torch.device) -> bool:
-    """Whether ``flag`` holds on every rank (collective)."""
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32,
-                     device=device if device.type == "cuda" else "cpu")
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return bool(t.item())
 
 
 class AsyncSaver:

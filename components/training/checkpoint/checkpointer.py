@@ -42,10 +42,7 @@ from kfp_nvrx.components.core.rundir import (
     remove_torn,
     step_dir,
 )
-from kfp_nvrx.components.training.checkpoint.async_save import (
-    AsyncSaver,
-    all_ranks,
-)
+from kfp_nvrx.components.training.checkpoint.async_save import AsyncSaver
 from kfp_nvrx.components.training.checkpoint.commit import (
     InFlight,
     advance,
@@ -60,6 +57,7 @@ from kfp_nvrx.components.training.checkpoint.staging import (
     flat_state,
 )
 from kfp_nvrx.components.training.checkpoint.writer import CheckpointError, NvrxWriter
+from kfp_nvrx.components.training.ranks import all_ranks
 
 
 def staging_mode(cfg: CheckpointConfig, device: torch.device) -> str:

@@ -17,22 +17,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from kfp_nvrx.components.core.launch_command import iteration_file
 from kfp_nvrx.components.core.rundir import checkpoints_dir, write_atomic, write_commit_marker
-from kfp_nvrx.components.training.checkpoint.async_save import Gather, all_ranks
+from kfp_nvrx.components.training.checkpoint.async_save import Gather
 from kfp_nvrx.components.training.checkpoint.files import prune
 from kfp_nvrx.components.training.checkpoint.writer import CheckpointError
+from kfp_nvrx.components.training.ranks import all_ranks, min_over_ranks
 
 RUNNING, DONE, FAILED = 0, 1, -1
-
-
-def min_over_ranks(value: int, device: torch.device) -> int:
-    """The smallest ``value`` of all ranks (collective)."""
-    t = torch.tensor([value], dtype=torch.int32, device=device if device.type == "cuda" else "cpu")
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t.item())
 
 
 class CommitJob:

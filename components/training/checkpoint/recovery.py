@@ -31,9 +31,9 @@ from kfp_nvrx.components.core.rundir import (
 )
 from kfp_nvrx.components.core.timeline import finish_rollback, roll_back
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.training.checkpoint.async_save import all_ranks
 from kfp_nvrx.components.training.checkpoint.reader import load as fast_load
 from kfp_nvrx.components.training.checkpoint.staging import HostStaging, SnapshotDamaged
+from kfp_nvrx.components.training.ranks import all_ranks, from_rank0, gather
 
 
 class Recovery:
@@ -117,8 +117,7 @@ class Recovery:
         if self.rank == 0:
             finish_rollback(self.root)
             out = [committed_steps(self.root), first_start and self.cfg.load_step >= 0]
-        dist.broadcast_object_list(out, src=0)
-        steps, pinned = out
+        steps, pinned = from_rank0(out)
         want = self.cfg.load_step
         if pinned and any(s > want for s in steps):
             if self.staging is not None:
@@ -180,9 +179,7 @@ class Recovery:
 
     def committed(self) -> list[int]:
         """Committed steps, newest first, as rank 0 sees them (collective)."""
-        steps = [committed_steps(self.root) if self.rank == 0 else None]
-        dist.broadcast_object_list(steps, src=0)
-        return steps[0]
+        return from_rank0(committed_steps(self.root) if self.rank == 0 else None)
 
     def select(self, steps: list[int] | None = None,
                log: Callable[[str], None] = print) -> int | None:
@@ -193,8 +190,7 @@ class Recovery:
         """
         for step in self.committed() if steps is None else steps:
             problem = verify(step_dir(self.root, step), share=(self.rank, self.world_size))
-            problems: list[str | None] = [None] * self.world_size
-            dist.all_gather_object(problems, problem)
+            problems = gather(problem, self.world_size)
             bad = next((p for p in problems if p), None)
             if bad is None:
                 return step
@@ -226,8 +222,7 @@ class Recovery:
         mine = self.staging.held_steps() if self.staging is not None else []
         if pinned:
             mine = [s for s in mine if s == self.cfg.load_step]
-        every: list[Any] = [None] * self.world_size
-        dist.all_gather_object(every, mine)
+        every = gather(mine, self.world_size)
         common = set(every[0]).intersection(*every[1:])
         return sorted(common, reverse=True)
 

@@ -8,13 +8,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
 from kfp_nvrx.components.core import events as ev
 from kfp_nvrx.components.core.events import EventLog
 from kfp_nvrx.components.core.faults import When
 from kfp_nvrx.components.core.pod_entry import GAVE_UP
 from kfp_nvrx.components.training.checkpoint import Checkpointer
+from kfp_nvrx.components.training.ranks import max_over_ranks
 from kfp_nvrx.components.training.trainer.bootstrap import give_up
 from kfp_nvrx.components.training.trainer.build import (
     TrainState,
@@ -164,10 +164,7 @@ class Trainer:
 
     def _reduce_max(self, values: list[float]) -> list[float]:
         """Element-wise maximum of ``values`` over every rank (collective)."""
-        device = self.job.device if self.job.device.type == "cuda" else "cpu"
-        t = torch.tensor(values, dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.tolist()
+        return max_over_ranks(values, self.job.device)
 
     def _step(self, step: int, tokens_per_step: int) -> float:
         """One forward/backward/optimizer step; returns the loss."""
