@@ -5,8 +5,10 @@ A restarted 1b worker's steps 10 and 20 after its start took 4-5 s (0.28 s usual
 (bf16 matmuls, one host sync per iteration) on the main thread and, one at a time with a quiet
 window before each, the background work a bank's set-up and sealing does: ``posix_fallocate`` of
 the tmpfs file, touching its pages, ``cudaHostRegister`` in the trainer's pieces and in smaller
-paced ones, the CRC32 of the whole bank on 8 threads, unpinning and deleting it. Per phase: its
-seconds and the loop's median and worst iteration against the quiet baseline.
+paced ones, the CRC32 of the whole bank on 8 threads, unpinning and deleting it, then the
+trainer's own bank path (``_Bank.map`` + ``pin``). The loop also allocates a few MB of host memory
+per iteration, as a training step does. Per phase: its seconds and the loop's median and worst
+iteration against the quiet baseline.
 
 ``python -m bench.pin_stall_probe --out pin_stall.json [--gb 13.25]``
 """
@@ -20,6 +22,7 @@ import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import torch
 
@@ -37,6 +40,9 @@ def _loop(stop: threading.Event, times: list[tuple[float, float]]) -> None:
         for _ in range(20):
             c = (c @ b) * 1e-4
         c.sum().item()
+        # Host buffers of a few MB each step (a batch, a pickled request): glibc maps them, which
+        # needs the memory-map lock that populating and pinning pages hold.
+        torch.empty(4 << 20, dtype=torch.uint8).fill_(1)
         times.append((t0, time.perf_counter() - t0))
 
 
@@ -53,6 +59,17 @@ def _phase(name: str, fn, times: list, out: dict, quiet: float = 2.0) -> None:
                  "worst": round(max(inside), 4) if inside else None,
                  "baseline_median": round(statistics.median(base), 4) if base else None}
     print(name, out[name], flush=True)
+
+
+def trainer_bank(nbytes: int, state: dict) -> None:
+    """The trainer's own path: a bank file allocated, mapped and pinned (populate + paced)."""
+    from kfp_nvrx.components.training.checkpoint.bank import _Bank
+
+    bank = _Bank(0, Path(f"/dev/shm/pin-stall-probe-bank-{os.getpid()}"))
+    bank.map(nbytes, create=True)
+    bank.path.unlink()  # the mapping keeps the pages; nothing is left behind
+    bank.pin([(o, min(PIN_CHUNK, nbytes - o)) for o in range(0, nbytes, PIN_CHUNK)])
+    state["bank"] = bank
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         _phase("pin_32MiB_paced", lambda: pin(32 << 20, 1.0), times, out)
         _phase("unpin_again", unpin, times, out)
         _phase("delete", delete, times, out)
+        _phase("trainer_bank_map_and_pin", lambda: trainer_bank(nbytes, state), times, out)
+        _phase("trainer_bank_release", lambda: state.pop("bank").unmap(), times, out)
     finally:
         stop.set()
         loop.join()

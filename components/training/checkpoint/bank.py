@@ -31,8 +31,8 @@ _ALIGN = 4096
 PIN_CHUNK = 32 << 20
 #: Seconds paused after a registration, per second it took.
 PIN_DUTY = 1.0
-#: madvise(MADV_POPULATE_WRITE) (Linux 5.14): maps every page of a bank up front, outside the
-#: driver, so the registrations only pin (Python's mmap module names it from 3.13 on).
+#: madvise(MADV_POPULATE_WRITE) (Linux 5.14): maps a piece's pages outside the driver, so its
+#: registration only pins (Python's mmap module names it from 3.13 on).
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 #: Headroom left in /dev/shm beyond the banks (NCCL, DataLoader workers use it too).
 SHM_RESERVE = 1 << 30
@@ -174,12 +174,18 @@ class _Bank:
         self.buffer = torch.frombuffer(self._mm, dtype=torch.uint8)
 
     def pin(self, ranges: list[tuple[int, int]]) -> None:
-        """Page-locks the bank piece by piece, paced so the training thread is never starved."""
+        """Page-locks the bank piece by piece, paced so the training thread is never starved.
+
+        Each piece's pages are mapped first (``MADV_POPULATE_WRITE``, no data changes), then
+        registered, then the thread pauses as long as both took: mapping and registering hold
+        the process's memory-map lock, and one call over a whole 13 GB bank would hold every
+        allocation of the training thread (glibc maps large buffers) for seconds.
+        """
         register = _host_register()
-        self._populate()
         base = self.buffer.data_ptr()
         for offset, length in ranges:
             t0 = time.perf_counter()
+            self._populate(offset, length)
             # Portable: page-locked for every device context of this process.
             rc = register(base + offset, length, 1)
             if rc != 0:
@@ -188,10 +194,10 @@ class _Bank:
             self.pinned.append(base + offset)
             time.sleep(PIN_DUTY * (time.perf_counter() - t0))
 
-    def _populate(self) -> None:
-        """Maps every page now (no data changes); best effort: pinning maps what is left."""
+    def _populate(self, offset: int, length: int) -> None:
+        """Maps one piece's pages now; best effort: the registration maps what is left."""
         try:
-            self._mm.madvise(_MADV_POPULATE_WRITE)
+            self._mm.madvise(_MADV_POPULATE_WRITE, offset, length)
         except (OSError, ValueError, AttributeError):
             pass
 
