@@ -157,6 +157,8 @@ def build_report(out: Path) -> dict[str, Any]:
         if "ours" in proj and step_1b:
             summary["save_overhead_pct_at_young_daly"] = save_overhead_pct(
                 ck, step_1b, proj["ours"]["best_interval_s"] / step_1b)
+    for preset in ("1b", "125m"):
+        summary.update(sweep_keys(preset, _load(out, f"recovery_sweep_{preset}")))
     state_gb = ck.get("state_gb") if c.get("config") == "1b" else None
     summary["goodput_projection_p5"] = projection(
         r1b.get("scenarios", {}).get("kill"), state_gb,
@@ -168,6 +170,50 @@ def build_report(out: Path) -> dict[str, Any]:
                      **{f"{k} (1b)": v for k, v in r1b.get("scenarios", {}).items()}},
            proj, mtbf, summary.get("goodput_projection", {}).get("recovery_s"))
     return summary
+
+
+def sweep_keys(preset: str, sweep: dict[str, Any]) -> dict[str, Any]:
+    """The recovery sweep's figures (``bench.recovery_sweep``): worst per fault kind, and
+    whether every run ended Succeeded with one restart per fault and redid at most an interval."""
+    runs = sweep.get("runs", [])
+    key = f"sweep_{preset}"
+    if not runs:
+        return {f"{key}_runs": 0}
+
+    def worst(kinds: tuple[str, ...], field: str) -> float | None:
+        vals = [r[field] for r in runs if r["kind"] in kinds and r.get(field) is not None]
+        return max(vals) if vals else None
+
+    return {
+        f"{key}_runs": len(runs),
+        f"{key}_one_restart_per_fault": all(r["state"] == "Succeeded"
+                                            and r["restarts"] == r["faults"] for r in runs),
+        f"{key}_redone_within_interval": all(r["steps_redone"] <= r["interval"] for r in runs),
+        f"{key}_inprocess_worst_s": worst(("raise",), "recovery_s"),
+        f"{key}_injob_kill_worst_s": worst(("kill", "kill-in-ckpt"), "recovery_s"),
+        f"{key}_hang_detect_worst_s": worst(("hang", "kill+hang"), "detect_s"),
+        f"{key}_hang_to_step_worst_s": worst(("hang", "kill+hang"), "recovery_s"),
+    }
+
+
+def _sweep_rows(s: dict[str, Any], row: Any) -> None:
+    for preset in ("1b", "125m"):
+        k = f"sweep_{preset}"
+        if not s.get(f"{k}_runs"):
+            continue
+        n = s[f"{k}_runs"]
+        row(f"recovery sweep {preset} ({n} runs): one restart per fault, all Succeeded",
+            s[f"{k}_one_restart_per_fault"], "every run", bool, "{}")
+        row(f"recovery sweep {preset}: steps redone within the interval",
+            s[f"{k}_redone_within_interval"], "every run", bool, "{}")
+        row(f"recovery sweep {preset}: in-process, worst s", s[f"{k}_inprocess_worst_s"], "≤ 2 s",
+            lambda v: v <= 2)
+        row(f"recovery sweep {preset}: in-job kill, worst s", s[f"{k}_injob_kill_worst_s"],
+            "≤ 12 s", lambda v: v <= 12)
+        row(f"recovery sweep {preset}: hang detected, worst s", s[f"{k}_hang_detect_worst_s"],
+            "≤ 5 s", lambda v: v <= 5)
+        row(f"recovery sweep {preset}: hang to the next step, worst s",
+            s[f"{k}_hang_to_step_worst_s"], "≤ 15 s", lambda v: v <= 15)
 
 
 def _markdown(s, ck, t, overheads, sc, load, proj) -> str:
@@ -232,6 +278,7 @@ def _markdown(s, ck, t, overheads, sc, load, proj) -> str:
     row("MFU 1b, 2 GPUs", s["mfu_1b_2gpu"], "≥ 55 %", lambda v: v >= 0.55, "{:.1%}")
     row("worst step while a write is in flight (overlap)", s["worst_inflight_step_pct"], "≤ +5 %",
         lambda v: v <= 5, "{:+.1f} %")
+    _sweep_rows(s, row)
     for key, reason in s.get("null_reasons", {}).items():
         lines.append(f"| {key}: not measured | {reason} | | — |")
     if ck:
