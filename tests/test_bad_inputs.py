@@ -39,7 +39,7 @@ SWEEP_ENV = "KFP_NVRX_SWEEP"
 
 #: More case tables: the secrets/network/process classes, and what is read and written around
 #: a run (outputs, run-dir files, init_from, kubeconfigs); each is used when it exists.
-EXTRA_TABLES = ("bad_input_cases_proc", "bad_input_cases_io")
+EXTRA_TABLES = ("bad_input_cases_proc", "bad_input_cases_io", "bad_input_cases_resume")
 
 
 def _extra_modules() -> list:
@@ -80,22 +80,23 @@ def _alive_with(token: str) -> list[int]:
     return pids
 
 
-def _other_model_run(run_dir: Path) -> None:
+def _other_model_run(run_dir: Path, data: Path) -> None:
     """A run dir whose committed step 4 holds a model of other sizes (dim 32, not tiny's 64)."""
     import torch.distributed.checkpoint as dcp
 
     from kfp_nvrx.components.core.config import load_config
+    from kfp_nvrx.components.core.run_record import record_config
     from kfp_nvrx.components.core.rundir import COMMIT_MARKER, step_dir
     from kfp_nvrx.components.training.model import build_model
 
-    cfg = load_config("tiny", ["model.dim=32"])
+    cfg = load_config("tiny", ["model.dim=32", f"data.path={data}"])
+    record_config(cfg, run_dir)  # complete records: a cut-down config.yaml is refused
     path = step_dir(run_dir / "checkpoints", 4)
     path.mkdir(parents=True)
     state = {"model": build_model(cfg.model).state_dict()}
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(path)), no_dist=True)
     files = {p.name: p.stat().st_size for p in path.iterdir()}
     (path / COMMIT_MARKER).write_text(json.dumps({"step": 4, "world_size": 1, "files": files}))
-    (run_dir / "config.yaml").write_text(json.dumps({"model": cfg.to_dict()["model"]}))
 
 
 def _recorded_run(run_dir: Path, data: Path, damaged: bool = False) -> None:
@@ -200,7 +201,7 @@ def fixtures(tmp_path_factory) -> dict[str, str]:
     (fx / "bad.yaml").write_text("train: {steps: 3\n")
     (fx / "section.yaml").write_text("trainer: {steps: 3}\n")
     (fx / "kubeconfig").write_text("apiVersion: v1\nkind: Config\nclusters: []\n")
-    _other_model_run(fx / "othermodel")
+    _other_model_run(fx / "othermodel", data)
     (fx / "src").mkdir()
     (fx / "src" / "a.txt").write_text("\n\n".join(f"document {i} " * 30 for i in range(20)))
     (fx / "foreign" / "run").mkdir(parents=True)

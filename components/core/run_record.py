@@ -5,7 +5,12 @@ is a resume of the checkpoints beside it, so it must train the same model on the
 same order: model.*, data.path and train.seed must equal the record, unless the user names the
 key in ``checkpoint.allow_changes`` (a documented, explicit override). ``checkpoint.load_step=N``
 must name a committed step. Everything else (more steps, another learning rate) may change; the
-newest differing config is kept in ``config.resumed.yaml``. Imports no torch.
+newest differing config is kept in ``config.resumed.yaml``. Next to it, ``dataset.json`` records
+the data by content (:mod:`.dataset_record`): the same ``data.path`` may hold other data later.
+
+The records are what makes checkpoints resumable: a run dir holding committed checkpoints whose
+config.yaml is missing or cut down (or whose dataset.json is missing) is refused with the fix,
+never given a new record written from the config of the start that found it so. Imports no torch.
 """
 
 from __future__ import annotations
@@ -19,6 +24,11 @@ import yaml
 
 from kfp_nvrx.components.core.atomic import write_atomic
 from kfp_nvrx.components.core.config import GUARDED_KEYS, Config, check_allow_changes
+from kfp_nvrx.components.core.dataset_record import (
+    check_dataset,
+    record_dataset,
+    unreadable_record,
+)
 from kfp_nvrx.components.core.ownership import check_run_dir_owned, claim_run_dir
 from kfp_nvrx.components.core.rundir import (
     CONFIG_FILE,
@@ -58,7 +68,10 @@ def read_recorded_config(run_dir: Path) -> dict[str, Any] | None:
     path = run_dir / CONFIG_FILE
     if not os.path.lexists(path):
         return None
-    raw = load_yaml(read_text(path, "run_dir", CONFIG_LIMIT, "run config"), "run_dir", path)
+    try:
+        raw = load_yaml(read_text(path, "run_dir", CONFIG_LIMIT, "run config"), "run_dir", path)
+    except UserError as err:
+        raise unreadable_record(err) from None
     if not isinstance(raw, dict):
         raise UserError("run_dir", f"{path} is not a config record (not a mapping); restore "
                         "it or use a fresh `run_dir`")
@@ -74,6 +87,61 @@ def _same(key: str, recorded: Any, wanted: Any) -> bool:
     return False
 
 
+def _check_load_step(cfg: Config, root: Path, crc: bool) -> None:
+    """``checkpoint.load_step=N`` must name a committed, intact step."""
+    want = cfg.checkpoint.load_step
+    if want < 0:
+        return
+    steps = committed_steps(root)
+    if want not in steps:
+        have = ", ".join(map(str, sorted(steps))) or "none"
+        raise UserError("checkpoint.load_step", f"{want} is no committed checkpoint in {root} "
+                        f"(committed: {have}); give one of those, or -1 for the newest")
+    problem = verify(step_dir(root, want), crc=crc)
+    if problem:
+        raise UserError("checkpoint.load_step", f"step {want} in {root} is damaged "
+                        f"({problem}); give another step, or -1 for the newest intact one")
+
+
+def _allowed(key: str, allowed: list[str]) -> bool:
+    return any(key == a or key.startswith(f"{a}.") for a in allowed)
+
+
+def _check_record(cfg: Config, run_dir: Path, steps: list[int], allowed: list[str]) -> None:
+    """The guarded keys must equal a readable, complete config.yaml record.
+
+    A run dir with committed checkpoints and no record, or a record missing guarded keys, is
+    refused: without it nothing says what the checkpoints were trained with, and the start would
+    write the new values as the record. Unless every guarded key is allowed to change.
+    """
+    wanted = _flat(cfg.to_dict())
+    guarded = [k for k in sorted(wanted) if k.startswith(GUARDED_KEYS) and not _allowed(k, allowed)]
+    recorded = read_recorded_config(run_dir)
+    if not guarded:
+        return
+    path = run_dir / CONFIG_FILE
+    if recorded is None:
+        if steps:
+            raise UserError("run_dir", f"{path} is missing, but the run dir holds committed "
+                            f"checkpoints (newest: step {steps[0]}) and the record says what they "
+                            "were trained with; restore it, use a fresh `run_dir`, or `overrides="
+                            "checkpoint.allow_changes=model,data.path,train.seed` to resume "
+                            "without it")
+        return
+    missing = [k for k in guarded if k not in recorded]
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise UserError("run_dir", f"{path} is cut down: it records no {', '.join(missing[:3])}"
+                        f"{more}, so a resume cannot be checked against it; restore it, or use a "
+                        "fresh `run_dir`")
+    for key in guarded:
+        if not _same(key, recorded[key], wanted[key]):
+            raise UserError(key, f"is {wanted[key]!r}, but {path} records "
+                            f"{recorded[key]!r} for this run's checkpoints; use "
+                            f"`overrides={key}={recorded[key]}`, a fresh `run_dir`, or "
+                            f"`overrides=checkpoint.allow_changes={key}` to change it on purpose")
+
+
 def check_resume(cfg: Config, run_dir: Path, crc: bool = False) -> None:
     """A start in an existing run dir must be the resume it claims to be.
 
@@ -81,48 +149,33 @@ def check_resume(cfg: Config, run_dir: Path, crc: bool = False) -> None:
       with ``crc``, else when it is loaded);
     - model.*, data.path and train.seed must equal the run's config.yaml record, except the keys
       ``checkpoint.allow_changes`` names (e.g. ``data.path,train.seed``; ``model`` for every
-      model key): the checkpoints were trained with the recorded values.
+      model key): the checkpoints were trained with the recorded values;
+    - the data at ``data.path`` must be the data recorded in dataset.json (by content), unless
+      ``data.path`` may change (:mod:`.dataset_record`);
+    - committed checkpoints need both records, complete: a missing or cut-down one is refused,
+      never written anew over them.
 
     Raises:
         UserError: Naming the key, before anything is written.
     """
     root = checkpoints_dir(run_dir)
-    want = cfg.checkpoint.load_step
-    if want >= 0:
-        steps = committed_steps(root)
-        if want not in steps:
-            have = ", ".join(map(str, sorted(steps))) or "none"
-            raise UserError("checkpoint.load_step", f"{want} is no committed checkpoint in {root} "
-                            f"(committed: {have}); give one of those, or -1 for the newest")
-        problem = verify(step_dir(root, want), crc=crc)
-        if problem:
-            raise UserError("checkpoint.load_step", f"step {want} in {root} is damaged "
-                            f"({problem}); give another step, or -1 for the newest intact one")
-    recorded = read_recorded_config(run_dir)
-    if not recorded:
-        return
+    _check_load_step(cfg, root, crc)
     allowed = check_allow_changes(cfg.checkpoint.allow_changes)
-    wanted = _flat(cfg.to_dict())
-    for key in sorted(wanted):
-        if not key.startswith(GUARDED_KEYS) or key not in recorded:
-            continue
-        if any(key == a or key.startswith(f"{a}.") for a in allowed):
-            continue
-        if not _same(key, recorded[key], wanted[key]):
-            raise UserError(key, f"is {wanted[key]!r}, but {run_dir}/{CONFIG_FILE} records "
-                            f"{recorded[key]!r} for this run's checkpoints; use "
-                            f"`overrides={key}={recorded[key]}`, a fresh `run_dir`, or "
-                            f"`overrides=checkpoint.allow_changes={key}` to change it on purpose")
+    steps = committed_steps(root)
+    _check_record(cfg, run_dir, steps, allowed)
+    check_dataset(cfg.data.path, run_dir, bool(steps), _allowed("data.path", allowed))
 
 
 def record_config(cfg: Config, run_dir: Path) -> None:
     """Records the resolved config; every rank writes the same bytes, atomically.
 
     ``config.yaml`` is written once, by the run's first start, and never replaced: it is the
-    record :func:`check_resume` compares against. A later start whose config differs (more steps,
+    record :func:`check_resume` compares against; so is ``dataset.json`` (the data's
+    fingerprint). A later start whose config differs (more steps,
     an allowed change) writes ``config.resumed.yaml`` instead.
     """
     claim_run_dir(run_dir)
+    record_dataset(cfg.data.path, run_dir)
     text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
     target = run_dir / CONFIG_FILE
     if os.path.lexists(target):

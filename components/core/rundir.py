@@ -7,6 +7,8 @@ afterwards (export, drills, goodput)::
       config.yaml              the run's record: the resolved config of its first start (never
                                replaced; see :mod:`.run_record`)
       config.resumed.yaml      the resolved config of the newest start that differed from it
+      dataset.json             the data the run trains on, by content (never replaced; see
+                               :mod:`.dataset_record`)
       events.jsonl             run events (:mod:`.events`)
       faults/                  one marker per injected fault that fired (fires once per run)
       nccl_trace/rank_*        NCCL flight-recorder dumps
@@ -42,6 +44,7 @@ from kfp_nvrx.components.errors import UserError
 
 CONFIG_FILE = "config.yaml"
 RESUMED_CONFIG_FILE = "config.resumed.yaml"
+DATASET_FILE = "dataset.json"
 EVENTS_FILE = "events.jsonl"
 FAULTS_DIR = "faults"
 NCCL_TRACE_DIR = "nccl_trace"
@@ -76,7 +79,7 @@ _WRITTEN_DIRS = (CHECKPOINTS_DIR, LOGS_DIR, FAULTS_DIR, NCCL_TRACE_DIR)
 
 
 #: Files of a run dir every start appends to or replaces: each must be a regular file.
-_WRITTEN_FILES = (CONFIG_FILE, RESUMED_CONFIG_FILE, EVENTS_FILE)
+_WRITTEN_FILES = (CONFIG_FILE, RESUMED_CONFIG_FILE, DATASET_FILE, EVENTS_FILE)
 
 
 def _refuse_special(entry: Path, folder: bool) -> None:
