@@ -1,6 +1,6 @@
 """A real Kubernetes control plane on 127.0.0.1 for the tests: etcd, kube-apiserver,
-kube-controller-manager, kube-scheduler, and the Kubeflow Trainer, JobSet and Training Operator
-controllers, all built from their Go modules (``make cluster-bins``).
+kube-controller-manager, kube-scheduler, the Kubeflow Trainer, JobSet and Training Operator
+controllers, and Kueue (:mod:`.kueue`), all built from their Go modules (``make cluster-bins``).
 
 Everything lives in one folder (``root``): certificates made for this run, each component's log,
 etcd's data, the admin kubeconfig. Ports are picked free at start; webhooks are served by each
@@ -247,7 +247,7 @@ class ControlPlane:
             wait_until(p.name, lambda port=port: self._https_ok(port, "/healthz", client=False),
                        READY_S, [p])
 
-    def _webhook_certs(self, name: str, dns: tuple[str, ...] = ()) -> Path:
+    def webhook_certs(self, name: str, dns: tuple[str, ...] = ()) -> Path:
         """Serving cert for one controller's webhook server, in controller-runtime's layout."""
         folder = self.root / name / "tmp" / "k8s-webhook-server" / "serving-certs"
         self.pki.issue(f"{name}-webhook", name, ips=("127.0.0.1",), dns=("localhost", *dns),
@@ -270,7 +270,7 @@ class ControlPlane:
         return path
 
     def start_trainer(self) -> Proc:
-        certs = self._webhook_certs("trainer")
+        certs = self.webhook_certs("trainer")
         cfg = self._manager_config("trainer", "config.trainer.kubeflow.org/v1alpha1", {},
                                    # Certificates come from this run's CA, not the controller's
                                    # own rotation.
@@ -280,7 +280,7 @@ class ControlPlane:
             env={"KUBECONFIG": str(self.kubeconfig), "TMPDIR": str(certs.parents[1])})
 
     def start_jobset(self) -> Proc:
-        certs = self._webhook_certs("jobset")
+        certs = self.webhook_certs("jobset")
         cfg = self._manager_config("jobset", "config.jobset.x-k8s.io/v1alpha1",
                                    {"certDir": str(certs)},
                                    internalCertManagement={"enable": False})
@@ -291,7 +291,7 @@ class ControlPlane:
     def start_training_operator(self) -> Proc:
         ports = self.ep.controller("training-operator")
         dns = f"training-operator.{SYSTEM_NAMESPACE}.svc"
-        certs = self._webhook_certs("training-operator", dns=(dns,))
+        certs = self.webhook_certs("training-operator", dns=(dns,))
         # Its cert rotator always runs: hand it a valid Secret made by our CA (it keeps a valid
         # one) and give it a private /tmp, where it writes the certs at a fixed path.
         self._create_secret_for_rotator(certs)
@@ -315,6 +315,12 @@ class ControlPlane:
             "--enable-scheme", "pytorchjob"],
             env={"KUBECONFIG": "/tmp/kubeconfig", "MY_POD_NAMESPACE": SYSTEM_NAMESPACE})
 
+    def start_kueue(self) -> Proc:
+        """Kueue's controller manager (:mod:`.kueue`)."""
+        from . import kueue
+
+        return kueue.start(self)
+
     def _create_secret_for_rotator(self, certs: Path) -> None:
         from . import install
 
@@ -326,7 +332,7 @@ class ControlPlane:
     def wait_controllers(self, procs: list[Proc]) -> None:
         """Wait until each Kubeflow controller's readiness probe (webhook server up) passes."""
         names = {"trainer-controller-manager": "trainer", "jobset-controller": "jobset",
-                 "training-operator": "training-operator"}
+                 "training-operator": "training-operator", "kueue": "kueue"}
         for p in procs:
             port = self.ep.controller(names[p.name])["health"]
             wait_until(p.name, lambda port=port: self._http_ok(

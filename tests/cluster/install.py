@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from . import kueue
+
 if TYPE_CHECKING:
     from .controlplane import ControlPlane
 
@@ -113,12 +115,13 @@ def apply(cp: ControlPlane, docs: list[dict[str, Any]], namespace: str | None = 
 
 
 def crds(cp: ControlPlane) -> None:
-    """Install the upstream CRDs and wait until each is Established."""
+    """Install the upstream CRDs (Kueue's too) and wait until each is Established."""
     m = cp.manifests
     files = sorted((m / "trainer" / "crds").glob("*.yaml")) + sorted(
         (m / "jobset" / "crds").glob("*.yaml")) + sorted(
         (m / "training-operator" / "crds").glob("*.yaml"))
     docs = [d for f in files for d in _docs(f) if d.get("kind") == "CustomResourceDefinition"]
+    docs += kueue.crds(m, cp.ep.controller("kueue")["webhook"], cp.pki.ca_pem)
     apply(cp, docs)
     dyn, _ = _dynamic(cp)
     res = dyn.resources.get(api_version="apiextensions.k8s.io/v1",
@@ -149,11 +152,13 @@ def secret(cp: ControlPlane, namespace: str, name: str, data: dict[str, bytes]) 
 
 
 def webhooks(cp: ControlPlane) -> None:
-    """Register every controller's webhooks with this run's CA."""
+    """Register every controller's webhooks (Kueue's too) with this run's CA."""
     docs = []
     for controller in WEBHOOKS:
         port = cp.ep.controller(controller)["webhook"]
         docs += webhook_configurations(cp.manifests, controller, port, cp.pki.ca_pem)
+    docs += kueue.webhook_configurations(cp.manifests, cp.ep.controller("kueue")["webhook"],
+                                         cp.pki.ca_pem)
     apply(cp, docs)
 
 

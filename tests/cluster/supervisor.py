@@ -83,7 +83,8 @@ def serve(root: Path, bins: Path, nodes: int = 0) -> int:
         install.crds(cp)
         install.webhooks(cp)
         cp.start_kube_controllers()
-        controllers = [cp.start_trainer(), cp.start_jobset(), cp.start_training_operator()]
+        controllers = [cp.start_trainer(), cp.start_jobset(), cp.start_training_operator(),
+                       cp.start_kueue()]
         cp.wait_controllers(controllers)
         install.upstream_runtimes(cp)
         install.ours(cp, USER_NAMESPACE)

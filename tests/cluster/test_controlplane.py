@@ -19,7 +19,7 @@ from cluster.supervisor import read_state
 
 TESTS = Path(__file__).resolve().parents[1]
 COMPONENTS = {"etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler",
-              "trainer-controller-manager", "jobset-controller", "training-operator"}
+              "trainer-controller-manager", "jobset-controller", "training-operator", "kueue"}
 
 
 def _cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
@@ -38,7 +38,7 @@ def test_every_component_runs_and_crds_are_served(kube):
     dyn = kube.dynamic()
     groups = {g.name for g in kube.client().call_api(
         "/apis", "GET", response_type="V1APIGroupList", _return_http_data_only=True).groups}
-    assert {"trainer.kubeflow.org", "jobset.x-k8s.io", "kubeflow.org"} <= groups
+    assert {"trainer.kubeflow.org", "jobset.x-k8s.io", "kubeflow.org", "kueue.x-k8s.io"} <= groups
     runtime = dyn.resources.get(api_version="trainer.kubeflow.org/v1alpha1",
                                 kind="TrainingRuntime").get(name="kfp-nvrx-ft",
                                                             namespace=USER_NAMESPACE)
