@@ -98,6 +98,8 @@ def fsdp_train(
     backend: str = "kubernetes",
     job_api: str = DEFAULT_JOB_API,
     deadline_s: int = 0,
+    queue_name: str = "",
+    priority_class: str = "",
     export_step: int = -1,
     eval_batches: int = 8,
     launcher_node_selector: dict = {"kubernetes.io/os": "linux"},  # noqa: B006
@@ -129,7 +131,10 @@ def fsdp_train(
         backend: 'kubernetes' (a job of job_api) or 'local' (in the task's pod: needs an image
             with torch and NVRx; 'kfp-nvrx run-local' uses it).
         job_api: 'pytorchjob', 'trainjob' or 'auto' (the cluster's; TrainJob when both).
-        deadline_s: Training wall-clock limit in seconds (0 = none).
+        deadline_s: Training time limit in seconds (0 = none); time waiting in a Kueue queue
+            does not count.
+        queue_name: Kueue LocalQueue the training job waits in for quota ('' = none).
+        priority_class: Kueue WorkloadPriorityClass of the training job (needs queue_name).
         export_step: Checkpoint step to export (-1 = newest).
         eval_batches: Val batches for the eval loss.
         launcher_node_selector: Node selector of the training (launcher) task's pod, a JSON
@@ -156,7 +161,8 @@ def fsdp_train(
                        mount_path=MOUNT_PATH, config=config, overrides=overrides, faults=faults,
                        nodes=nodes, nproc_per_node=nproc_per_node, instance_type=instance_type,
                        trainer_image=trainer_image, backend=backend, job_api=job_api,
-                       deadline_s=deadline_s)
+                       deadline_s=deadline_s, queue_name=queue_name,
+                       priority_class=priority_class)
     train.set_display_name("train-fsdp")
     on_shared_volume(train, pvc_name)
     launcher_task(train, launcher_node_selector, launcher_tolerations)

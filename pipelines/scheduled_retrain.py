@@ -59,6 +59,8 @@ def scheduled_retrain(
     backend: str = "kubernetes",
     job_api: str = DEFAULT_JOB_API,
     deadline_s: int = 0,
+    queue_name: str = "",
+    priority_class: str = "",
     eval_batches: int = 8,
     min_improvement: float = 0.0,
     launcher_node_selector: dict = {"kubernetes.io/os": "linux"},  # noqa: B006
@@ -89,7 +91,10 @@ def scheduled_retrain(
         backend: 'kubernetes' (a job of job_api) or 'local' (in the task's pod: needs an image
             with torch and NVRx; 'kfp-nvrx run-local' uses it).
         job_api: 'pytorchjob', 'trainjob' or 'auto' (the cluster's; TrainJob when both).
-        deadline_s: Training wall-clock limit in seconds (0 = none).
+        deadline_s: Training time limit in seconds (0 = none); time waiting in a Kueue queue
+            does not count.
+        queue_name: Kueue LocalQueue the training job waits in for quota ('' = none).
+        priority_class: Kueue WorkloadPriorityClass of the training job (needs queue_name).
         eval_batches: Val batches per model in the export and the comparison.
         min_improvement: Eval-loss margin a candidate must win by to be promoted.
         launcher_node_selector: Node selector of the training (launcher) task's pod, a JSON
@@ -117,7 +122,8 @@ def scheduled_retrain(
                        mount_path=MOUNT_PATH, config=config, overrides=overrides, nodes=nodes,
                        nproc_per_node=nproc_per_node, instance_type=instance_type,
                        trainer_image=trainer_image, backend=backend, job_api=job_api,
-                       deadline_s=deadline_s,
+                       deadline_s=deadline_s, queue_name=queue_name,
+                       priority_class=priority_class,
                        init_from=promoted, init_from_required=False)
     train.set_display_name("train-fsdp")
     on_shared_volume(train, pvc_name)

@@ -200,6 +200,8 @@ def test_rbac_is_exactly_what_the_launcher_needs(built) -> None:
     want |= {("trainer.kubeflow.org", "trainingruntimes", v) for v in ("get", "list")}
     want |= {("", "pods", v) for v in ("get", "list", "watch")}
     want |= {("", "pods/log", "get"), ("", "events", "list")}
+    # Kueue: a queued job's LocalQueue and Workload (why it waits, why it was preempted).
+    want |= {("kueue.x-k8s.io", "localqueues", "get"), ("kueue.x-k8s.io", "workloads", "list")}
     assert granted == want
     binding = objs[("RoleBinding", "kfp-nvrx-launcher")]
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",

@@ -188,7 +188,7 @@ def test_cluster_fields_are_checked_as_for_the_pytorchjob(change: dict, field: s
 
 @pytest.mark.parametrize("change,field", [
     (dict(nodes="2:4"), "nodes"),
-    (dict(priority_class="high"), "priority_class"),
+    (dict(pod_priority_class="high"), "pod_priority_class"),
     (dict(scheduler_name="volcano"), "scheduler_name"),
     (dict(image_pull_policy="Always"), "image_pull_policy"),
     (dict(ttl_after_finished_s=60), "ttl_after_finished_s"),

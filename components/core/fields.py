@@ -43,7 +43,11 @@ JOB_FIELDS: dict[str, tuple[str, str | None]] = {
     "node_selector": ("--node-selector", None),
     "tolerations": ("--toleration", None),
     "affinity": ("--affinity", None),
+    # Kueue: the LocalQueue and WorkloadPriorityClass (labels on the job, jobspec.queue).
+    "queue_name": ("--queue-name", None),
     "priority_class": ("--priority-class", None),
+    # The pods' Kubernetes PriorityClass (priorityClassName).
+    "pod_priority_class": ("--pod-priority-class", None),
     "scheduler_name": ("--scheduler-name", None),
     "service_account": ("--service-account", None),
     "image_pull_policy": ("--image-pull-policy", None),

@@ -10,7 +10,6 @@ when ``delete_after`` says so. A backend supplies a :class:`JobAPI` for one name
 from __future__ import annotations
 
 import posixpath
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -23,27 +22,22 @@ from kfp_nvrx.components.launch.jobspec import naming
 from kfp_nvrx.components.launch.jobspec.resolve import ResolvedJob
 from kfp_nvrx.components.launch.jobspec.spec import DELETE_AFTER
 from kfp_nvrx.components.launch.k8s_api import ClusterError, hints
+from kfp_nvrx.components.launch.k8s_follow import DEADLINE_MARGIN_S, Follow
 from kfp_nvrx.components.launch.k8s_http import StopSignals
+from kfp_nvrx.components.launch.kueue import KueueReads
 from kfp_nvrx.components.launch.logs import PodLogFollower
-from kfp_nvrx.components.launch.missing import MISSING_S, MissingWatch, missing_error
-from kfp_nvrx.components.launch.result import LaunchResult, RestartsSoFar, account_run_dir
+from kfp_nvrx.components.launch.missing import MISSING_S, missing_error
+from kfp_nvrx.components.launch.queue_follow import QueueWatch
+from kfp_nvrx.components.launch.result import LaunchResult, account_run_dir
 
-#: Extra time past ``activeDeadlineSeconds`` before the launcher itself gives up, so the
-#: operator's own deadline (with its reason) normally ends the job first.
-DEADLINE_MARGIN_S = 600.0
-#: Consecutive failed status reads before the launcher stops retrying, and the least time they
-#: must span: an API server restart (tens of seconds) must not end a run polled every 0.5 s.
-MAX_READ_ERRORS = 10
-MIN_OUTAGE_S = 120.0
 #: Seconds the launcher waits for a deleted job and its pods to be gone;
 #: below KFP's 30 s termination grace, so a cancelled step still exits on its own.
 DELETE_WAIT_S = 20.0
-#: Least seconds between two reads of the events that say why no pod could be created.
-EVENTS_EVERY_S = 10.0
 #: Attempts at the delete call itself (a job must not be left behind by one dropped connection).
 DELETE_ATTEMPTS = 3
 
-__all__ = ["ClusterError", "JobAPI", "JobRun", "K8sOptions", "Outcome", "StopSignals", "hints"]
+__all__ = ["DEADLINE_MARGIN_S", "ClusterError", "JobAPI", "JobRun", "K8sOptions", "Outcome",
+           "StopSignals", "hints"]
 
 
 @dataclass
@@ -144,6 +138,12 @@ class JobAPI(Protocol):
     def has_status(self, job: Any) -> bool:
         """Whether a controller has written the job's status."""
 
+    def suspended(self, job: Any) -> bool:
+        """Whether the job's spec suspends it (Kueue holds a job it has not admitted so)."""
+
+    def uid(self, job: Any) -> str:
+        """The job's uid (its Kueue Workload carries it as a label)."""
+
 
 def should_delete(state: str, delete_after: str) -> bool:
     """Apply ``delete_after``; a cancelled run always deletes (it must not leave GPUs busy)."""
@@ -199,7 +199,8 @@ class JobRun:
 
     def run(self, jobs: JobAPI, body: Any, job: ResolvedJob, follower: PodLogFollower, *,
             describe: str, active_deadline_s: float | None,
-            extra: dict[str, Any] | None = None) -> LaunchResult:
+            extra: dict[str, Any] | None = None,
+            queue: KueueReads | None = None) -> LaunchResult:
         """Create or re-attach to the job, follow it to its end, clean up.
 
         Args:
@@ -210,16 +211,23 @@ class JobRun:
             describe: What was created, for the log line (nodes, processes, run dir).
             active_deadline_s: The job's ``activeDeadlineSeconds`` (None: no deadline).
             extra: Backend-specific entries for ``result.extra``.
+            queue: The reads of the job's Kueue objects (None: the job names no queue); its
+                LocalQueue and priority class are checked before the job is created.
 
         Returns:
             The result: ``Succeeded``, ``Failed``, ``DeadlineExceeded`` or ``Cancelled``.
 
         """
         with StopSignals(self.opts.handle_signals) as signals:
-            found, attached = self._attach_or_create(jobs, body, job.run_id, describe)
+            found, attached = self._attach_or_create(jobs, body, job.run_id, describe, queue)
             follower.start()
+            watch = None if queue is None else QueueWatch(
+                queue, jobs.where, jobs.created_at(found), self.say,
+                step=lambda: follower.progress.step, on_preempted=follower.set_aside,
+                started=follower.progress.last_start)
             try:
-                result = self._follow(jobs, found, job.run_dir, active_deadline_s, follower, signals)
+                result = Follow(jobs, found, job.run_dir, self.opts, self.say, follower,
+                                watch).run(active_deadline_s, signals)
             finally:
                 follower.stop(drain_s=0.0 if signals.event.is_set() else self.opts.drain_s)
         if "missing" in result.extra:  # bad input: the job we made can never start
@@ -265,9 +273,12 @@ class JobRun:
                 return
             time.sleep(1.0)
 
-    def _attach_or_create(self, jobs: JobAPI, body: Any, run_id: str,
-                          describe: str) -> tuple[Any, bool]:
-        """Return (job, attached): the existing job of this run, or a newly created one."""
+    def _attach_or_create(self, jobs: JobAPI, body: Any, run_id: str, describe: str,
+                          queue: KueueReads | None = None) -> tuple[Any, bool]:
+        """Return (job, attached): the existing job of this run, or a newly created one.
+
+        A job to create that names a queue has its LocalQueue and priority class checked first.
+        """
         for _ in range(3):
             existing = jobs.get()
             if existing is not None and jobs.being_deleted(existing):
@@ -283,6 +294,8 @@ class JobRun:
                     self.say(f"re-attaching to {jobs.where} (run {owner})")
                     return existing, True
                 raise naming.name_taken(jobs.where, owner, run_id)
+            if queue is not None:
+                queue.check()
             if jobs.create(body):
                 self.say(f"created {jobs.where}: {describe}")
                 created = self._read_created(jobs)
@@ -301,92 +314,3 @@ class JobRun:
             except ClusterError as also:
                 self.say(f"warning: {also}")
             raise
-
-    def _why_no_pods(self, jobs: JobAPI, job: Any, created: float) -> list[str]:
-        """Why the job has no pod: a controller's refused pods (quota, admission), or no status.
-
-        Warnings, not failures: quota frees up, a controller may yet start.
-        """
-        try:
-            lines = [f"warning: pods cannot be created: {m}" for m in jobs.creation_warnings()]
-        except ClusterError:
-            lines = []  # only an explanation: the status reads report the API's trouble
-        if not jobs.has_status(job) and time.time() - created > self.opts.no_controller_s:
-            lines.append(f"warning: {jobs.where} has no status {self.opts.no_controller_s:g}s "
-                         f"after its creation: is {jobs.controller} running?")
-        return lines
-
-    def _follow(self, jobs: JobAPI, job: Any, run_dir: str, active_deadline_s: float | None,
-                follower: PodLogFollower, signals: StopSignals) -> LaunchResult:
-        """Poll the job until it ends, the deadline passes or a signal arrives."""
-        opts, say = self.opts, self.say
-        created = jobs.created_at(job) or time.time()
-        deadline_s = opts.deadline_s
-        if deadline_s is None and active_deadline_s:
-            deadline_s = active_deadline_s + DEADLINE_MARGIN_S
-        result = LaunchResult(name=jobs.name, backend="kubernetes", state="Running",
-                              run_dir=run_dir, started_at=created)
-        last_state, last_progress, last_summary, errors = "", 0.0, "", 0
-        failing_since, last_error = 0.0, ""
-        next_events, warned, restarts = time.monotonic() + 1.0, set(), RestartsSoFar(run_dir)
-        missing = MissingWatch(jobs.namespace, opts.missing_s, say)
-        while True:
-            if signals.event.is_set():
-                name = signal.Signals(signals.signum).name if signals.signum else "signal"
-                say(f"{name} received: deleting {jobs.where}")
-                result.state, result.reason = "Cancelled", f"launcher received {name}"
-                result.extra["signal"] = signals.signum
-                break
-            try:
-                current = jobs.get()
-                if errors:
-                    say(f"{jobs.where}: the API server answers again")
-                errors, last_error = 0, ""
-            except ClusterError as err:
-                errors += 1
-                failing_since = failing_since if errors > 1 else time.monotonic()
-                if errors >= MAX_READ_ERRORS and time.monotonic() - failing_since >= MIN_OUTAGE_S:
-                    raise
-                if str(err) != last_error:  # once per distinct error, not every poll
-                    say(f"warning: {err} (retrying)")
-                    last_error = str(err)
-                current = job
-            if current is None:
-                result.state = "Failed"
-                result.reason = f"the {jobs.kind} was deleted by someone else"
-                break
-            job = current
-            state = jobs.state(job)
-            if state != last_state:
-                say(f"{jobs.kind} {jobs.name}: {state}")
-                last_state = state
-                if state == "Running" and "time_to_running_s" not in result.extra:
-                    result.extra["time_to_running_s"] = round(time.time() - created, 1)
-            outcome = jobs.outcome(job) or jobs.blocked(job)
-            if outcome is not None:
-                result.state, result.reason = outcome.state, outcome.reason
-                result.finished_at = outcome.finished_at or time.time()
-                break
-            if deadline_s is not None and time.time() - created > deadline_s:
-                result.state = "DeadlineExceeded"
-                result.reason = f"launcher deadline of {deadline_s:g}s after job creation passed"
-                break
-            now = time.monotonic()
-            if (blocker := missing.check(follower.missing(), now)) is not None:
-                result.state, result.reason = "Failed", f"the pods need {blocker}, which is missing"
-                result.extra["missing"] = blocker
-                break
-            if not follower.pods and now >= next_events:  # events: every EVENTS_EVERY_S
-                next_events = now + EVENTS_EVERY_S
-                for line in self._why_no_pods(jobs, job, created):
-                    if line not in warned:
-                        warned.add(line)
-                        say(line)
-            if now - last_progress >= opts.progress_s:
-                summary = follower.progress.summary(so_far := restarts.count())
-                if (follower.progress.step or so_far) and summary != last_summary:
-                    say(f"progress: {summary}, pod restarts {follower.pod_restarts()}")
-                    last_summary, last_progress = summary, now
-            signals.event.wait(opts.poll_s)
-        result.finished_at = result.finished_at or time.time()
-        return result

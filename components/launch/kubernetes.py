@@ -26,6 +26,7 @@ from kfp_nvrx.components.launch.jobspec.pytorchjob import RenderedJob, render
 from kfp_nvrx.components.launch.jobspec.resolve import ResolvedJob
 from kfp_nvrx.components.launch.jobspec.spec import JobSpec
 from kfp_nvrx.components.launch.k8s_config import check_kubeconfig
+from kfp_nvrx.components.launch.kueue import KueueReads
 from kfp_nvrx.components.launch.logs import PodLogFollower
 from kfp_nvrx.components.launch.result import LaunchResult
 
@@ -127,6 +128,12 @@ class _Job:
     def has_status(self, job: models.KubeflowOrgV1PyTorchJob) -> bool:
         return bool(job.status and job.status.conditions)
 
+    def suspended(self, job: models.KubeflowOrgV1PyTorchJob) -> bool:
+        return bool(job.spec and job.spec.run_policy and job.spec.run_policy.suspend)
+
+    def uid(self, job: models.KubeflowOrgV1PyTorchJob) -> str:
+        return job.metadata.uid or ""
+
     def blocked(self, job: models.KubeflowOrgV1PyTorchJob) -> k8s_job.Outcome | None:
         """Never: the Training Operator reports its failures as job conditions."""
         return None
@@ -192,7 +199,10 @@ def launch_kubernetes(spec: RenderedJob | ResolvedJob | JobSpec, opts: k8s_job.K
     rendered.job.metadata.namespace = namespace
     follower = PodLogFollower(training_client.core_api, namespace, job.name, emit=run.say,
                               watch_timeout_s=run.opts.watch_timeout_s)
+    queue = None if job.queue is None else KueueReads(
+        training_client.custom_api.api_client, namespace, job.queue, run.say)
     return run.run(_Job(training_client, job.name, namespace), rendered.job, job, follower,
+                   queue=queue,
                    describe=f"{job.max_nodes} x {job.profile.name} "
                    f"({job.procs_per_node} procs each), run dir {job.run_dir}",
                    active_deadline_s=job.pod.active_deadline_s)

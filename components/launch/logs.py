@@ -75,6 +75,10 @@ class PodLogFollower:
         self._streams: dict[tuple[str, int], tuple[threading.Thread, Any]] = {}
         self._watcher: threading.Thread | None = None
         self._error = ""
+        #: Admission of each pod instance (uid): Kueue's preemption deletes the pods and its
+        #: re-admission makes new ones, which are no restarts (:meth:`set_aside`).
+        self._admission = 0
+        self._admission_of: dict[str, int] = {}
         #: API requests of the pod watch and what they met (list, watch, bookmark, gone).
         self.requests: collections.Counter[str] = collections.Counter()
 
@@ -111,7 +115,8 @@ class PodLogFollower:
 
         A replica is counted by its place in the job (``worker-1``, ``node-0``), not by pod
         name: the operator recreates a PyTorchJob pod under its name, but a JobSet restart
-        recreates every pod under new names (``node-0/a1``), which must count as well.
+        recreates every pod under new names (``node-0/a1``), which must count as well. A
+        replica's first pod of each Kueue admission is no recreation (:meth:`set_aside`).
         """
         with self._lock:
             uids: dict[str, set[str]] = {}
@@ -119,7 +124,17 @@ class PodLogFollower:
             for p in self.pods.values():
                 uids.setdefault(p.replica.split("/")[0], set()).update(p.uids)
                 restarts += p.restart_count
-            return restarts + sum(len(u) - 1 for u in uids.values() if u)
+            # Each admission's first pod of a replica is new, not recreated.
+            return restarts + sum(len(us) - len({self._admission_of.get(u, 0) for u in us})
+                                  for us in uids.values())
+
+    def set_aside(self) -> None:
+        """Kueue evicted the job: its pods go, and pods of the next admission are no restarts.
+
+        Their exits (a stop) never decide a failure (:meth:`failed_pod`).
+        """
+        with self._lock:
+            self._admission += 1
 
     def failed_pod(self) -> Ended | None:
         """The pod instance whose exit decided a failure, if any exited non-zero.
@@ -131,7 +146,8 @@ class PodLogFollower:
         """
         with self._lock:
             ended = [i for p in self.pods.values() for i in p.instances.values()
-                     if i.exit_code not in (None, 0)]
+                     if i.exit_code not in (None, 0)
+                     and self._admission_of.get(i.uid, 0) == self._admission]
         return min(ended, key=lambda i: (not i.final, i.finished_at)) if ended else None
 
     def tail(self, pod_name: str, lines: int, uid: str = "") -> list[str]:
@@ -237,6 +253,7 @@ class PodLogFollower:
                                                             replica=self.replica_name(pod)))
             if uid not in state.uids:
                 state.uids.append(uid)
+                self._admission_of[uid] = self._admission
                 if len(state.uids) > 1:
                     self._note(state, f"pod recreated by the operator (#{len(state.uids)})")
             phase = (pod.status and pod.status.phase) or "Pending"

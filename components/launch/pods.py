@@ -28,11 +28,16 @@ class Progress:
     """
 
     STEP = re.compile(r"\bstep (\d+)/(\d+)\b")
+    #: The trainer's line as an incarnation starts (``resumed_from=None`` on a fresh run).
+    START = re.compile(r"\bstart: world_size=\d+ incarnation=\S+ resumed_from=(\w+)")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.step = 0
         self.total = 0
+        #: Start lines seen, and the step the last one resumed from ('None': from scratch).
+        self.starts = 0
+        self.resumed_from = ""
 
     def feed(self, line: str) -> bool:
         """Parse one line; return True when the step changed."""
@@ -40,7 +45,14 @@ class Progress:
             before = self.step
             if m := self.STEP.search(line):
                 self.step, self.total = int(m[1]), int(m[2])
+            elif m := self.START.search(line):
+                self.starts, self.resumed_from = self.starts + 1, m[1]
             return self.step != before
+
+    def last_start(self) -> tuple[int, str]:
+        """(start lines seen, the step the last resumed from)."""
+        with self._lock:
+            return self.starts, self.resumed_from
 
     def summary(self, restarts: int | None = None) -> str:
         """Return e.g. ``step 120/1000 (12%), restarts 1`` (``restarts``: from the events)."""

@@ -51,6 +51,9 @@ class LaunchResult:
         pod_restarts: What Kubernetes counted: container restarts plus pod recreations (0 for
             local). A cluster fact, not an event: a pod restarted before the trainer began
             shows here and in no layer above.
+        queued_s: Seconds Kubernetes jobs waited in a Kueue queue for quota (every wait: before
+            the first admission and after each preemption); part of the wall time, not running.
+        preemptions: Times Kueue evicted the job after it had been admitted (it waited again).
         started_at: Unix time the job was created/started.
         finished_at: Unix time it reached its final state.
         last_log_lines: Tail of the failing replica's log (empty on success).
@@ -71,6 +74,8 @@ class LaunchResult:
     goodput: float | None = None
     recovery_s: list[float] | None = None
     pod_restarts: int = 0
+    queued_s: float = 0.0
+    preemptions: int = 0
     started_at: float = 0.0
     finished_at: float = 0.0
     last_log_lines: list[str] = field(default_factory=list)

@@ -36,6 +36,7 @@ from kfp_nvrx.components.launch.k8s_job import (
     failure_reason,
     hints,
 )
+from kfp_nvrx.components.launch.kueue import KueueReads
 from kfp_nvrx.components.launch.logs import PodLogFollower
 from kfp_nvrx.components.launch.result import LaunchResult
 
@@ -143,6 +144,12 @@ class _TrainJobs:
 
     def has_status(self, job: dict[str, Any]) -> bool:
         return bool(job.get("status"))
+
+    def suspended(self, job: dict[str, Any]) -> bool:
+        return bool((job.get("spec") or {}).get("suspend"))
+
+    def uid(self, job: dict[str, Any]) -> str:
+        return str(job["metadata"].get("uid") or "")
 
     def blocked(self, job: dict[str, Any]) -> Outcome | None:
         """The Trainer could not build the job's JobSet and will not be able to.
@@ -262,7 +269,8 @@ def launch_trainjob(spec: RenderedTrainJob | ResolvedJob | JobSpec, opts: K8sOpt
     ref = rendered.job["spec"]["runtimeRef"]
     jobs = _TrainJobs(api, job.name, namespace)
     jobs.say = run.say
-    return run.run(jobs, rendered.job, job, follower,
+    queue = None if job.queue is None else KueueReads(api, namespace, job.queue, run.say)
+    return run.run(jobs, rendered.job, job, follower, queue=queue,
                    describe=f"{job.max_nodes} x {job.profile.name} "
                    f"({job.procs_per_node} procs each), runtime {ref['kind']}/{ref['name']}, "
                    f"run dir {job.run_dir}",

@@ -354,6 +354,10 @@ def publish(run_dir: str | os.PathLike, result: Any, *, run: Any, metrics: Any, 
                          "restarts": int(sum(summary["restarts"].values())),
                          "goodput": summary["goodput"],
                          "steps_final": summary["steps_final"]})
+    if "queue" in result.extra:  # the launcher's facts, not events: how long Kueue held it
+        metrics.log_metric("queued_s", round(float(result.queued_s), 1))
+        metrics.log_metric("preemptions", int(result.preemptions))
+        run.metadata["queued_s"] = result.queued_s
     # Words for the run's story (the UI and `kfp-nvrx run-local` show them; Metrics take numbers).
     story = "; ".join(summary.get("what_happened") or [])
     run.metadata["what_happened"] = story

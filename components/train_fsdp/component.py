@@ -44,6 +44,8 @@ def train_fsdp(
     init_from: str = "",
     init_from_required: bool = True,
     deadline_s: int = 0,
+    queue_name: str = "",
+    priority_class: str = "",
     kfp_run_id: str = dsl.PIPELINE_JOB_ID_PLACEHOLDER,
     kfp_task: str = dsl.PIPELINE_TASK_NAME_PLACEHOLDER,
 ) -> None:
@@ -70,7 +72,10 @@ def train_fsdp(
             Trainer v2) or ``auto`` (ask the cluster; TrainJob when it serves both).
         init_from: Warm start from this export directory or model.safetensors.
         init_from_required: Fail when ``init_from`` is missing (False: train from scratch).
-        deadline_s: Wall-clock limit of the job in seconds (0 = none).
+        deadline_s: Limit of the job's time in seconds (0 = none); time it waits in a Kueue
+            queue for quota does not count.
+        queue_name: ``kubernetes``: the Kueue LocalQueue the job waits in for quota ('' = none).
+        priority_class: ``kubernetes``: its Kueue WorkloadPriorityClass (needs ``queue_name``).
         kfp_run_id: KFP run id (job name, labels, re-attach).
         kfp_task: KFP task name (job name).
 
@@ -99,7 +104,8 @@ def train_fsdp(
     spec = JobSpec(image=trainer_image or images.trainer_image(), pvc=pvc_name, run_id=kfp_run_id,
                    task=kfp_task, nodes=nodes, instance_type=instance_type,
                    nproc_per_node=nproc_per_node or None, mount=mount_path, config=config,
-                   overrides=sets, faults=list(faults))
+                   overrides=sets, faults=list(faults), queue_name=queue_name,
+                   priority_class=priority_class)
     # Pod logs, API errors and the reason come from the cluster: no credential the launcher
     # authenticated with may reach the task log, Metrics or the HTML (one redaction).
     with redacted_output():

@@ -99,7 +99,7 @@ def _placed_spec(api: str, ns: str):
     spec = shape_spec(NODES, "p5.48xlarge", "placement", api)
     spec.secret_env = ["HF_TOKEN=hf-token:token"]
     spec.env = {"MY_FLAG": "1"}
-    spec.priority_class = ""  # a PriorityClass that does not exist would keep every pod out
+    spec.pod_priority_class = ""  # a PriorityClass that does not exist would keep every pod out
     spec.namespace = ns
     return spec
 

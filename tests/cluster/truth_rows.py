@@ -260,7 +260,7 @@ def shape_spec(nodes: int | str, profile: str, option: str, api: str) -> JobSpec
                                                        "app.kubernetes.io/name": "kfp-nvrx"}},
                                                      "topologyKey": "kubernetes.io/hostname"}]}})
         if api == "pytorchjob":  # what a TrainJob cannot carry (refused with one line there)
-            extra.update(priority_class="training-high", scheduler_name="default-scheduler")
+            extra.update(pod_priority_class="training-high", scheduler_name="default-scheduler")
     return JobSpec(image=IMAGE, pvc="fsx", run_id=f"{api}-{nodes}-{profile}-{option}",
                    task="train-fsdp", nodes=str(nodes), instance_type=profile, **extra)
 

@@ -36,8 +36,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    f"default {DEFAULT_JOB_API}")
     f = p.add_argument_group("follow")
     f.add_argument("--deadline", type=argtypes.seconds, default=None,
-                   help="give up after SECONDS (kubernetes: from job creation; default: "
-                   "active deadline + 10 min)")
+                   help="give up after SECONDS (kubernetes: from job creation, not counting "
+                   "time queued by Kueue; default: active deadline + 10 min)")
     f.add_argument("--delete-after", choices=("always", "on_success", "never"),
                    default="on_success", help="delete the PyTorchJob/TrainJob when it ends")
     f.add_argument("--poll-interval", type=float, default=5.0, help="seconds between reads")
@@ -128,8 +128,10 @@ def _run(args: argparse.Namespace) -> int:
         from kfp_nvrx.components.redaction import redact
 
         write_atomic(args.result, redact(json.dumps(result.to_dict(), indent=2)) + "\n")
-    print(f"{result.state}: {result.name} ({result.backend}) in {result.duration_s:.0f}s, "
-          f"restarts {result.restarts_text()}, pod restarts {result.pod_restarts}, "
+    queued = (f" ({result.queued_s:.0f}s of it queued by Kueue, preempted "
+              f"{result.preemptions}x)" if "queue" in result.extra else "")
+    print(f"{result.state}: {result.name} ({result.backend}) in {result.duration_s:.0f}s"
+          f"{queued}, restarts {result.restarts_text()}, pod restarts {result.pod_restarts}, "
           f"run dir {result.run_dir}", flush=True)
     if result.succeeded:
         return 0

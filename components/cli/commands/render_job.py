@@ -46,6 +46,11 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
                    metavar="SECTION.KEY=VALUE", help="trainer override (repeatable)")
     t.add_argument("--fault", dest="faults", action="extend", nargs="+", default=[],
                    metavar="KIND@STEP[/RANK]", help="inject a fault (drills; repeatable)")
+    q = p.add_argument_group("queue (Kueue)")
+    q.add_argument("--queue-name", default="",
+                   help="Kueue LocalQueue the job waits in for quota (its namespace's)")
+    q.add_argument("--priority-class", default="",
+                   help="Kueue WorkloadPriorityClass of the job (needs --queue-name)")
     r = p.add_argument_group("pod")
     r.add_argument("--env", action="append", default=[], metavar="K=V", help="container env")
     r.add_argument("--secret-env", action="append", default=[], metavar="NAME=SECRET:KEY")
@@ -58,7 +63,8 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--node-selector", action="append", default=[], metavar="K=V")
     r.add_argument("--toleration", action="append", default=[], metavar="KEY[=VALUE]:EFFECT")
     r.add_argument("--affinity", default="", help="pod affinity as YAML/JSON, or @FILE")
-    r.add_argument("--priority-class", default="")
+    r.add_argument("--pod-priority-class", default="",
+                   help="the pods' Kubernetes PriorityClass (priorityClassName)")
     r.add_argument("--scheduler-name", default="")
     r.add_argument("--service-account", default="")
     r.add_argument("--image-pull-policy", default="IfNotPresent")
@@ -110,7 +116,8 @@ def spec_from_args(args: argparse.Namespace) -> Any:
         hugepages=args.hugepages, shm_size=args.shm_size,
         node_selector=parse_key_values("--node-selector", args.node_selector),
         tolerations=[parse_toleration(t) for t in args.toleration],
-        affinity=_affinity(args.affinity), priority_class=args.priority_class,
+        affinity=_affinity(args.affinity), queue_name=args.queue_name,
+        priority_class=args.priority_class, pod_priority_class=args.pod_priority_class,
         scheduler_name=args.scheduler_name, service_account=args.service_account,
         image_pull_policy=args.image_pull_policy, fs_group=args.fs_group,
         active_deadline_s=args.active_deadline or None,

@@ -74,7 +74,7 @@ def check_cluster_fields(spec: Any) -> None:
     if spec.namespace:
         _check("namespace", spec.namespace, _DNS_LABEL, 63, "namespace")
     for flag, value in (("service_account", spec.service_account),
-                        ("priority_class", spec.priority_class),
+                        ("pod_priority_class", spec.pod_priority_class),
                         ("scheduler_name", spec.scheduler_name)):
         if value:
             _check(flag, value, _DNS_SUBDOMAIN, 253, "Kubernetes name")

@@ -99,7 +99,8 @@ def build_pytorchjob(job: ResolvedJob) -> RenderedJob:
         metadata=k8s.V1ObjectMeta(
             name=job.name,
             namespace=job.namespace or None,
-            labels=pod_labels,
+            # Kueue reads its labels on the PyTorchJob only (jobspec.queue), not on the pods.
+            labels={**pod_labels, **(job.queue.labels() if job.queue else {})},
             annotations=annotations(job),
         ),
         spec=models.KubeflowOrgV1PyTorchJobSpec(

@@ -27,6 +27,7 @@ from kfp_nvrx.components.launch.jobspec.profiles import (
     INSTANCE_TYPE_LABEL,
     InstanceProfile,
 )
+from kfp_nvrx.components.launch.jobspec.queue import Queue, refuse_local, resolve_queue
 from kfp_nvrx.components.launch.jobspec.spec import (
     JobSpec,
     check_abs_path,
@@ -82,7 +83,7 @@ class Pod:
         node_selector: The user's terms and the instance-type label.
         tolerations: The profile's and the user's.
         affinity: Pod affinity (Kubernetes field names) or None.
-        priority_class, scheduler_name, service_account: '' = not set.
+        pod_priority_class, scheduler_name, service_account: '' = not set.
         fs_group: Pod ``fsGroup`` or None.
         active_deadline_s: Cluster-side time limit (None = none).
         ttl_after_finished_s: PyTorchJob TTL (None = keep).
@@ -105,7 +106,7 @@ class Pod:
     node_selector: tuple[tuple[str, str], ...]
     tolerations: tuple[dict[str, Any], ...]
     affinity: dict[str, Any] | None
-    priority_class: str
+    pod_priority_class: str
     scheduler_name: str
     service_account: str
     fs_group: int | None
@@ -137,6 +138,7 @@ class ResolvedJob:
         profile: The instance profile (None for a local job).
         pod: The worker pod (None for a local job).
         user_env: The user's extra env (local agents take it as it is).
+        queue: The Kueue LocalQueue and priority class (None: not queued; never for ``local``).
     """
 
     name: str
@@ -154,6 +156,7 @@ class ResolvedJob:
     profile: InstanceProfile | None = None
     pod: Pod | None = None
     user_env: tuple[tuple[str, str], ...] = ()
+    queue: Queue | None = None
 
     @property
     def elastic(self) -> bool:
@@ -185,6 +188,7 @@ def resolve_local(spec: JobSpec) -> ResolvedJob:
     Raises:
         UserError: On any bad value, naming its field.
     """
+    refuse_local(spec)
     lo, hi = spec.node_range()
     procs = check_procs(1 if spec.nproc_per_node is None else spec.nproc_per_node)
     cfg = load_config(spec.config, list(spec.overrides))
@@ -206,6 +210,7 @@ def resolve(spec: JobSpec) -> ResolvedJob:
         UserError: On any bad value, naming its field.
     """
     check_cluster_fields(spec)
+    queue = resolve_queue(spec)
     lo, hi = spec.node_range()
     profile, procs = spec.profile, spec.procs_per_node()
     # The name's own limits depend on the job API (its Services, its JobSet's pods): checked there.
@@ -224,7 +229,7 @@ def resolve(spec: JobSpec) -> ResolvedJob:
                        overrides=tuple(spec.overrides), faults=_faults(spec, cfg, hi * procs),
                        run_id=spec.run_id, task=spec.task, namespace=spec.namespace,
                        profile=profile, pod=pod,
-                       user_env=tuple((k, str(v)) for k, v in spec.env.items()))
+                       user_env=tuple((k, str(v)) for k, v in spec.env.items()), queue=queue)
 
 
 def _volumes(spec: JobSpec) -> tuple[Volume, ...]:
@@ -298,7 +303,7 @@ def _pod(spec: JobSpec, cfg: Config, profile: InstanceProfile, procs: int, run_d
                hugepages=hugepages, env=env, secret_env=secret_env,
                node_selector=tuple(selector.items()),
                tolerations=tuple(dict(t) for t in (*profile.tolerations, *spec.tolerations)),
-               affinity=spec.affinity or None, priority_class=spec.priority_class,
+               affinity=spec.affinity or None, pod_priority_class=spec.pod_priority_class,
                scheduler_name=spec.scheduler_name, service_account=spec.service_account,
                fs_group=spec.fs_group, active_deadline_s=spec.active_deadline_s,
                ttl_after_finished_s=spec.ttl_after_finished_s, backoff_limit=spec.backoff_limit)

@@ -46,6 +46,11 @@ MAX_RESTARTS = 2
 GAVE_UP_EXIT_CODES = list(range(1, 128))
 #: Kubeflow profile namespaces inject Istio sidecars; they break c10d/NCCL bootstrap traffic.
 POD_ANNOTATIONS = {"sidecar.istio.io/inject": "false"}
+#: The runtime pods' ``terminationGracePeriodSeconds``. A TrainJob sets the grace its resilience
+#: settings need in a runtime patch, except a queued one: Kueue v0.17 drops that field when it
+#: admits the job (:mod:`.trainjob`), and its pods get this, which must be at least what they need
+#: (longer costs nothing: a pod ends when its processes do).
+GRACE_PERIOD_S = 300
 #: Placeholder image; every TrainJob sets ``trainer.image``.
 DEFAULT_IMAGE = "kfp-nvrx-trainer:0.1.0"
 
@@ -70,6 +75,7 @@ def build_runtime(name: str = RUNTIME_NAME, namespace: str = "",
         "spec": {
             # podFailurePolicy requires Never: pod-level retries are the Job controller's.
             "restartPolicy": "Never",
+            "terminationGracePeriodSeconds": GRACE_PERIOD_S,
             "containers": [{"name": CONTAINER_NAME, "image": DEFAULT_IMAGE,
                             "imagePullPolicy": IMAGE_PULL_POLICY}],
         },

@@ -71,7 +71,11 @@ class JobSpec:
         node_selector: Extra node selector terms (the instance type is always selected).
         tolerations: Extra tolerations (dicts in Kubernetes field names).
         affinity: Pod affinity (dict in Kubernetes field names) or None.
-        priority_class: ``priorityClassName`` ('' = none).
+        queue_name: Kueue ``LocalQueue`` the job waits in for quota (the job's
+            ``kueue.x-k8s.io/queue-name`` label; '' = not queued by Kueue).
+        priority_class: Kueue ``WorkloadPriorityClass`` of the job (its
+            ``kueue.x-k8s.io/priority-class`` label; needs ``queue_name``; '' = none).
+        pod_priority_class: The worker pods' Kubernetes ``priorityClassName`` ('' = none).
         scheduler_name: ``schedulerName`` ('' = default scheduler).
         service_account: ``serviceAccountName`` of the worker pods ('' = namespace default).
         image_pull_policy: ``imagePullPolicy`` of the trainer container.
@@ -107,7 +111,9 @@ class JobSpec:
     node_selector: dict[str, str] = field(default_factory=dict)
     tolerations: list[dict[str, Any]] = field(default_factory=list)
     affinity: dict[str, Any] | None = None
+    queue_name: str = ""
     priority_class: str = ""
+    pod_priority_class: str = ""
     scheduler_name: str = ""
     service_account: str = ""
     image_pull_policy: str = "IfNotPresent"

@@ -25,6 +25,7 @@ from typing import Any
 
 import yaml
 
+from kfp_nvrx.components.core.launch_command import pod_grace_period_s
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.launch.jobspec import naming
 from kfp_nvrx.components.launch.jobspec import runtime as rt
@@ -76,8 +77,8 @@ def refuse(job: ResolvedJob, runtime_name: str = rt.RUNTIME_NAME,
         raise UserError("nodes", f"'{job.min_nodes}:{job.max_nodes}': Trainer v2 has no elastic "
                         "policy (fixed node count); use `nodes=N`, or `job_api=pytorchjob` for "
                         "MIN:MAX")
-    if pod.priority_class:
-        raise UserError("priority_class", "a TrainJob cannot set priorityClassName (v2 runtime "
+    if pod.pod_priority_class:
+        raise UserError("pod_priority_class", "a TrainJob cannot set priorityClassName (v2 runtime "
                         "patches do not carry it); set it in the TrainingRuntime or use "
                         "`job_api=pytorchjob`")
     if pod.scheduler_name:
@@ -101,6 +102,29 @@ def refuse(job: ResolvedJob, runtime_name: str = rt.RUNTIME_NAME,
     check_resource_name("runtime", runtime_name)
     check_runtime_kind(runtime_kind)
     check_name(job.name, job.max_nodes)
+    _refuse_queued_grace(job)
+
+
+def _refuse_queued_grace(job: ResolvedJob) -> None:
+    """A queued TrainJob's pods get the runtime's grace period: refuse a job that needs another.
+
+    Kueue v0.17 is built with Trainer v2.2 API types, which have no
+    ``runtimePatches[].…podSpec.terminationGracePeriodSeconds`` (new in v2.3): when it admits a
+    TrainJob it writes the job back without that field. Its pods never get it: a JobSet made
+    after the admission lacks it, and one made before is changed by the Trainer while suspended,
+    which the JobSet webhook refuses ("field is immutable"): that job is admitted and never
+    starts (both seen on the real controllers, tests/cluster/test_kueue.py).
+    A queued TrainJob therefore carries no grace period of its own and takes the runtime's
+    (:data:`.runtime.GRACE_PERIOD_S`), which must cover what its settings need.
+    """
+    if job.queue is None:
+        return
+    needs = pod_grace_period_s(job.config.resilience)
+    if needs > rt.GRACE_PERIOD_S:
+        raise UserError("queue_name", f"a queued TrainJob's pods get the runtime's grace period "
+                        f"({rt.GRACE_PERIOD_S} s: Kueue v0.17 drops a TrainJob's own when it "
+                        f"admits it), but this job's resilience settings need {needs} s; shorten "
+                        "the resilience stop timeouts or use `job_api=pytorchjob`")
 
 
 def check_name(name: str, nodes: int) -> None:
@@ -184,6 +208,8 @@ def build_trainjob(job: ResolvedJob, runtime_name: str = rt.RUNTIME_NAME,
                                                      command=command)))
     trainer.update(numNodes=job.max_nodes, numProcPerNode=job.procs_per_node)
     pod_labels = labels(job)
+    if job.queue is not None:  # the runtime's value instead (_refuse_queued_grace)
+        pod_patch.pop("terminationGracePeriodSeconds", None)
     template = {"metadata": {"labels": dict(pod_labels), "annotations": dict(rt.POD_ANNOTATIONS)},
                 "spec": pod_patch}
     job_spec: dict[str, Any] = {
@@ -198,7 +224,9 @@ def build_trainjob(job: ResolvedJob, runtime_name: str = rt.RUNTIME_NAME,
     meta: dict[str, Any] = {"name": job.name}
     if job.namespace:
         meta["namespace"] = job.namespace
-    meta.update(labels=pod_labels, annotations=annotations(job))
+    # Kueue reads its labels on the TrainJob only (jobspec.queue), not on the pods.
+    meta.update(labels={**pod_labels, **(job.queue.labels() if job.queue else {})},
+                annotations=annotations(job))
     manifest = {"apiVersion": rt.API_VERSION, "kind": KIND, "metadata": meta, "spec": job_spec}
     runtime = rt.build_runtime(runtime_name, namespace=job.namespace, kind=runtime_kind)
     return RenderedTrainJob(job=manifest, runtime=runtime, resolved=job)

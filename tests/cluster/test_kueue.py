@@ -1,0 +1,241 @@
+"""Kueue v0.17.0 on the real control plane: its webhooks, our queue labels, and the launcher
+following jobs it holds (issue 31 items 1-3).
+
+The queue objects are this module's own (a ClusterQueue with CPU quota for one 2-node job, its
+LocalQueue, two WorkloadPriorityClasses) and are deleted at its end; jobs without a queue label
+(every other module's) are not Kueue's business. Waits are on what the launcher prints or what
+the API says, never on sleeps, with one exception that is a lower bound the test enforces: a job
+is held queued for at least :data:`HOLD_S` by keeping the job ahead of it alive.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+
+from cluster import kueue
+from cluster.kueue_launch import DATA, Launch, prepare_data
+from cluster.launch_real import wait_for
+from kfp_nvrx.components.launch.jobspec import pytorchjob, trainjob
+from kfp_nvrx.components.launch.jobspec.runtime import GRACE_PERIOD_S
+from kfp_nvrx.components.launch.jobspec.spec import JobSpec
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+CQ, LQ, LOW, HIGH = "kfp-nvrx-test-cq", "kfp-nvrx-test-lq", "kfp-nvrx-test-low", "kfp-nvrx-test-high"
+#: Seconds a job is kept queued behind another (the deadline test's lower bound).
+HOLD_S = 15.0
+QUEUED = "queued: "
+
+
+@pytest.fixture(scope="module")
+def queue(cluster):
+    """This module's ClusterQueue (2 CPUs: one job of 2 nodes x 1 CPU), LocalQueue, priorities."""
+    from cluster import install
+
+    objs = kueue.queue_objects(cluster.namespace, CQ, LQ, cpu="2") + [
+        kueue.priority_class(LOW, 100), kueue.priority_class(HIGH, 1000)]
+    install.apply(_cp(cluster), objs)
+    prepare_data(cluster)
+    yield cluster
+    custom = client.CustomObjectsApi(cluster.client())
+    for obj in reversed(objs):
+        meta, plural = obj["metadata"], obj["kind"].lower() + "s"
+        try:
+            if "namespace" in meta:
+                custom.delete_namespaced_custom_object(kueue.GROUP, "v1beta2", meta["namespace"],
+                                                       plural, meta["name"])
+            elif obj["kind"] != "ResourceFlavor":  # shared by every test queue: left in place
+                custom.delete_cluster_custom_object(kueue.GROUP, "v1beta2", plural, meta["name"])
+        except ApiException as err:
+            if err.status != 404:
+                raise
+
+
+@pytest.fixture()
+def launch(queue):
+    """``launch(name, job_api, **kw)``: a :class:`Launch`; every one still running at the end of
+    the test is stopped (SIGTERM: it deletes its job), so nothing outlives a failed test."""
+    started: list[Launch] = []
+
+    def start(name: str, job_api: str, **kw) -> Launch:
+        started.append(Launch(queue, name, job_api, **kw))
+        return started[-1]
+
+    yield start
+    for job in started:
+        job.stop()
+
+
+def _cp(cluster):
+    """What :func:`cluster.install.apply` needs of a control plane: its kubeconfig."""
+    return type("CP", (), {"kubeconfig": cluster.kubeconfig})()
+
+
+def _spec(name: str, **kw) -> JobSpec:
+    return JobSpec(image="img:1", pvc="kfp-nvrx-shared", instance_type="cpu", nodes="2",
+                   name=name, cpu="1", memory="1Gi", overrides=[f"data.path=/fsx/{DATA}"], **kw)
+
+
+def _dry_run(kube, body: dict) -> dict:
+    """Create ``body`` with dryRun=All: every admission webhook runs, nothing is stored."""
+    group, version = body["apiVersion"].split("/")
+    plural = {"TrainJob": "trainjobs", "PyTorchJob": "pytorchjobs"}[body["kind"]]
+    return client.CustomObjectsApi(kube.client()).create_namespaced_custom_object(
+        group, version, kube.namespace, plural, body, dry_run="All")
+
+
+def _rendered(kind: str, spec: JobSpec) -> dict:
+    if kind == "TrainJob":
+        return trainjob.render(spec).to_dict()
+    return client.ApiClient().sanitize_for_serialization(pytorchjob.render(spec).job)
+
+
+@pytest.mark.parametrize("kind", ["TrainJob", "PyTorchJob"])
+def test_rendered_queue_labels_are_what_kueues_webhooks_read(queue, kind: str) -> None:
+    """Our labels pass the real webhooks, and Kueue's defaulting suspends the job it will queue;
+    a job without them is left running, and a queue name Kueue cannot read is refused."""
+    queued = _dry_run(queue, _rendered(kind, _spec("kq-dry", queue_name=LQ,
+                                                    priority_class=HIGH)))
+    labels = queued["metadata"]["labels"]
+    assert labels["kueue.x-k8s.io/queue-name"] == LQ
+    assert labels["kueue.x-k8s.io/priority-class"] == HIGH
+    suspended = (queued["spec"].get("suspend") if kind == "TrainJob"
+                 else queued["spec"]["runPolicy"].get("suspend"))
+    assert suspended is True
+    plain = _dry_run(queue, _rendered(kind, _spec("kq-plain")))
+    assert not (plain["spec"].get("suspend") if kind == "TrainJob"
+                else plain["spec"]["runPolicy"].get("suspend"))
+    bad = _rendered(kind, _spec("kq-bad", queue_name=LQ))
+    bad["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] = "Not_A_Name"
+    with pytest.raises(ApiException) as err:
+        _dry_run(queue, bad)
+    body = err.value.body if isinstance(err.value.body, str) else err.value.body.decode()
+    assert f"v{kind.lower()}.kb.io" in body and "kueue.x-k8s.io/queue-name" in body
+
+
+def test_kueue_v017_drops_a_trainjobs_own_grace_period(queue) -> None:
+    """Why a queued TrainJob carries no grace period of its own (jobspec.trainjob): Kueue, built
+    with Trainer v2.2 types, admits it and writes it back without that v2.3 field. Its pods never
+    get it: the JobSet is made without it, or, made before the admission, the JobSet webhook
+    refuses the Trainer's change of the suspended JobSet ("field is immutable") and it never runs.
+    """
+    body = trainjob.render(_spec("kq-grace", queue_name=LQ)).to_dict()
+    pod = body["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"][
+        "replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    assert "terminationGracePeriodSeconds" not in pod  # what the renderer does, and why:
+    pod["terminationGracePeriodSeconds"] = 77
+    custom, core = client.CustomObjectsApi(queue.client()), client.CoreV1Api(queue.client())
+    group = ("trainer.kubeflow.org", "v1alpha1", queue.namespace, "trainjobs")
+    custom.create_namespaced_custom_object(*group, body)
+    try:
+        job = wait_for("Kueue admitting the TrainJob", lambda: (
+            lambda j: j if j["spec"].get("suspend") is False else None)(
+            custom.get_namespaced_custom_object(*group, "kq-grace")))
+        kept = job["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"][
+            "replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+        assert "terminationGracePeriodSeconds" not in kept
+
+        def outcome() -> str:
+            events = core.list_namespaced_event(
+                queue.namespace, field_selector="involvedObject.name=kq-grace,"
+                "reason=TrainJobResourcesCreationFailed").items
+            # The message ends "... field is immutable", cut off by the Event's 1 KiB limit.
+            if any('"vjobset.kb.io" denied the request' in (e.message or "") for e in events):
+                return "refused"
+            try:
+                jobset = custom.get_namespaced_custom_object(
+                    "jobset.x-k8s.io", "v1alpha2", queue.namespace, "jobsets", "kq-grace")
+            except ApiException:
+                return ""
+            spec = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+            return "" if jobset["spec"].get("suspend") else str(
+                spec.get("terminationGracePeriodSeconds"))
+
+        seen = wait_for("the JobSet without the TrainJob's grace period, or refused", outcome)
+        assert seen == "refused" or seen == str(GRACE_PERIOD_S), seen
+    finally:
+        custom.delete_namespaced_custom_object(*group, "kq-grace",
+                                               propagation_policy="Background")
+
+
+def test_two_jobs_for_one_quota_wait_and_run(queue, launch) -> None:
+    """A TrainJob runs; a TrainJob and a PyTorchJob queue behind it, each says so once and why;
+    neither's deadline runs while it waits; once the first is gone both run in turn."""
+    first = launch("kq-first", "trainjob", steps=100000, queue=LQ)
+    first.wait_line("TrainJob kq-first: Running")
+    after = launch("kq-after", "trainjob", steps=30, queue=LQ)
+    # A deadline shorter than the wait: it counts only the time the job is not held.
+    capped = launch("kq-capped", "pytorchjob", steps=100000, queue=LQ,
+                    extra=("--deadline", "10"))
+    for job in (after, capped):
+        job.wait_line(QUEUED)
+    held_since = time.time()
+    wait_for(f"{HOLD_S:g} s queued", lambda: time.time() - held_since >= HOLD_S,
+             timeout_s=HOLD_S + 30)
+    assert capped.proc.poll() is None, capped.text()  # queued longer than its deadline: alive
+    first.proc.send_signal(signal.SIGTERM)
+    assert first.wait() == 128 + signal.SIGTERM
+    assert after.wait() == 0, after.text()
+    assert capped.wait() == 1, capped.text()
+    for job, api in ((after, "TrainJob"), (capped, "PyTorchJob")):
+        lines = job.lines()
+        said = [line for line in lines if line.startswith(QUEUED)]
+        assert len(said) == 1, said
+        assert f"{api} {queue.namespace}/{job.name} waits in LocalQueue {LQ} (ClusterQueue " \
+               f"{CQ}): " in said[0] and "insufficient unused quota for cpu" in said[0]
+        assert any(line.startswith(f"admitted by ClusterQueue {CQ} after ") for line in lines)
+        result = job.result()
+        assert result["queued_s"] >= HOLD_S - 1, result["queued_s"]
+        assert result["extra"]["queue"]["cluster_queue"] == CQ
+        assert result["preemptions"] == 0
+    assert after.result()["state"] == "Succeeded"
+    capped_result = capped.result()
+    assert capped_result["state"] == "DeadlineExceeded"
+    assert "not counting" in capped_result["reason"], capped_result["reason"]
+    assert first.result()["state"] == "Cancelled" and first.result()["queued_s"] < HOLD_S
+
+
+def test_a_preempted_job_is_followed_until_it_runs_again(queue, launch) -> None:
+    """A higher-priority job preempts ours: the launcher says so, follows it while it waits,
+    says when it is admitted again and where the trainer resumed; pods of the new admission
+    are no pod restarts. (What is saved and lost on preemption: the trainer's side, item 4.)"""
+    low = launch("kq-low", "trainjob", steps=100000, queue=LQ, priority=LOW)
+    low.wait_line("progress: step ")
+    high = launch("kq-high", "trainjob", steps=30, queue=LQ, priority=HIGH)
+    low.wait_line("preempted at step ")
+    assert high.wait() == 0, high.text()
+    low.wait_line(f"re-admitted by ClusterQueue {CQ} after ")
+    low.wait_line(", resumed from step ")
+    low.proc.send_signal(signal.SIGTERM)
+    low.wait()
+    lines = low.lines()
+    preempted = next(line for line in lines if line.startswith("preempted at step "))
+    assert "(Preempted: " in preempted and f"queued again in LocalQueue {LQ}" in preempted
+    result = low.result()
+    assert result["preemptions"] == 1 and result["queued_s"] > 0
+    waits = result["extra"]["queue"]["waits"]
+    assert [w["after"] for w in waits] == ["creation", "preemption"]
+    assert result["pod_restarts"] == 0
+    assert any(line.startswith(f"admitted by ClusterQueue {CQ} after ") for line in high.lines())
+    assert high.result()["preemptions"] == 0
+
+
+@pytest.mark.parametrize("flag,value,field", [
+    ("--queue-name", "kq-no-such-queue", "--queue-name"),
+    ("--priority-class", "kq-no-such-class", "--priority-class"),
+])
+def test_a_missing_queue_or_priority_class_is_bad_input(queue, launch, flag, value, field) -> None:
+    extra = ("--queue-name", LQ) if flag == "--priority-class" else ()
+    job = launch("kq-missing", "trainjob", steps=30, extra=(*extra, flag, value))
+    assert job.wait() == 2, job.text()
+    err = job.stderr().strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"kfp-nvrx launch: error: {field}: ") \
+        and value in err[0], err
+    jobs = client.CustomObjectsApi(queue.client()).list_namespaced_custom_object(
+        "trainer.kubeflow.org", "v1alpha1", queue.namespace, "trainjobs")["items"]
+    assert "kq-missing" not in [j["metadata"]["name"] for j in jobs]
