@@ -181,6 +181,8 @@ class _Bank:
         the process's memory-map lock, and one call over a whole 13 GB bank would hold every
         allocation of the training thread (glibc maps large buffers) for seconds.
         """
+        if self.buffer is None:
+            raise RuntimeError("_Bank.pin() before map()")
         register = _host_register()
         base = self.buffer.data_ptr()
         for offset, length in ranges:
@@ -196,6 +198,8 @@ class _Bank:
 
     def _populate(self, offset: int, length: int) -> None:
         """Maps one piece's pages now; best effort: the registration maps what is left."""
+        if self._mm is None:
+            return
         try:
             self._mm.madvise(_MADV_POPULATE_WRITE, offset, length)
         except (OSError, ValueError, AttributeError):

@@ -183,13 +183,14 @@ class Checkpointer:
             path.mkdir(parents=True)
         dist.barrier()
         sync = sync or not self.cfg.async_save
-        flat = flat_state(state) if self.staging is not None and not sync else None
+        staging = self.staging
+        flat = flat_state(state) if staging is not None and not sync else None
         if sync:
             dcp.save(state, checkpoint_id=str(path))
             write_checksums(sorted(str(p) for p in path.glob(f"__{self.rank}_*")), self.rank)
             finalize_fns = []
-        elif self.staging is not None and self._staging_ok(flat):
-            finalize_fns = [self.saver.staged(path, state, flat, self.staging, step,
+        elif staging is not None and flat is not None and self._staging_ok(staging, flat):
+            finalize_fns = [self.saver.staged(path, state, flat, staging, step,
                                               submit=self.mode == "blocking")]
         else:
             finalize_fns = [self.saver.nvrx_staged(path, state)]
@@ -208,18 +209,18 @@ class Checkpointer:
         """Whether the staging banks are being allocated and pinned in the background."""
         return self.staging is not None and self.staging.preparing()
 
-    def _staging_ok(self, flat: dict[str, Any]) -> bool:
+    def _staging_ok(self, staging: HostStaging, flat: dict[str, Any]) -> bool:
         """Every rank has a staging buffer for this state; else all fall back to NVRx staging."""
         problem = ""
         try:
-            self.staging.ensure(flat)
+            staging.ensure(flat)
         except StagingUnavailable as err:
             problem = str(err)
         if all_ranks(not problem, self.device):
             return True
         self.log(f"checkpoint.staging={self.cfg.staging}: {problem or 'unavailable on another rank'}; "
                  "using NVRx's staging")
-        self.staging.release()
+        staging.release()
         self.staging, self.mode = None, "nvrx"
         self.writer.use_cuda(True)  # NVRx's staging copies from the GPU in the writer
         return False
@@ -229,18 +230,18 @@ class Checkpointer:
 
         The wait is on the GPU stream (the CPU goes on queueing work).
         """
-        if self.saver.pending is not None:
+        if self.saver.pending is not None and self.staging is not None:
             self.staging.wait_before_update()
 
     def _poll_local(self, blocking_wait: float) -> bool:
         """Whether this rank's write finished (sticky), waiting at most ``blocking_wait`` s."""
-        inf = self.inflight
-        if inf.local_done:
+        inf, staging = self.inflight, self.staging
+        if inf is None or inf.local_done:
             return True
-        if self.saver.pending is not None:
-            if not self.staging.ready():
+        if self.saver.pending is not None and staging is not None:
+            if not staging.ready():
                 return False
-            self.saver.submit(self.staging)
+            self.saver.submit(staging)
         inf.local_done = self.writer.done(blocking_wait, f"checkpoint step {inf.step}")
         return inf.local_done
 
@@ -265,7 +266,7 @@ class Checkpointer:
         t0 = time.perf_counter()
         if self.rank == 0 and self.on_commit is not None:
             self.on_commit(inf.step, inf.blocking_s, time.perf_counter() - inf.started,
-                           inf.commit.result)
+                           inf.commit.result if inf.commit is not None else 0)
         if self.staging is not None:  # the bank now holds committed state: describe it
             self.staging.commit(inf.step)
         self.commits += 1

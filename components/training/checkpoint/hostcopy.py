@@ -150,7 +150,7 @@ class HostCopyDir:
         self.run_dir = str(Path(run_dir).resolve()) if run_dir is not None else None
         self.persistent = run_dir is not None
         self.run = run_identity(self.run_dir) if self.run_dir is not None else None
-        if self.persistent:
+        if self.run_dir is not None:
             self.path = host_copy_dir(self.run_dir, self.root)
         else:
             self.path = self.base / f"private-{os.getpid()}-{time.monotonic_ns()}"

@@ -39,7 +39,7 @@ class SnapshotDamaged(RuntimeError):
 
 def crc_of(buffer: torch.Tensor) -> int:
     """CRC32 of a contiguous host uint8 tensor's bytes (no copy)."""
-    return zlib.crc32(buffer.numpy()) if buffer.numel() else 0
+    return zlib.crc32(buffer.numpy()) if buffer.numel() else 0  # type: ignore[arg-type]
 
 
 def piece_crcs(buffer: torch.Tensor, pieces: Iterable[tuple[int, int]],
@@ -119,10 +119,13 @@ class Sealer:
             name="ckpt-seal", daemon=True)
         self._thread.start()
 
-    def _run(self, bank: _Bank, token: int, step: int, slots: dict[str, Slot],
+    def _run(self, bank: _Bank, token: int, step: int | None, slots: dict[str, Slot],
              nbytes: int) -> None:
+        buffer = bank.buffer
+        if buffer is None or step is None:
+            return
         try:
-            crcs = piece_crcs(bank.buffer, _pin_ranges(slots, nbytes, CRC_CHUNK), self.pool())
+            crcs = piece_crcs(buffer, _pin_ranges(slots, nbytes, CRC_CHUNK), self.pool())
         except Exception:  # noqa: BLE001 - unmapped meanwhile (released): nothing to describe
             return
         with self.lock:
@@ -140,7 +143,8 @@ class Sealer:
             bank.crc32 = None
             self.home.withdraw(bank.index)
             if self.sealed_step is not None and self.sealed_step == bank.step:
-                others = [b.step for b in banks if b is not bank and b.crc32 is not None]
+                others = [b.step for b in banks
+                          if b is not bank and b.crc32 is not None and b.step is not None]
                 self.sealed_step = max(others) if others else None
 
     def wait(self) -> None:

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+_WeightsOnlyUnpickler: Any
 try:  # private, but stable since torch 2.1; without it read_data falls back to the stock path
     from torch._weights_only_unpickler import Unpickler as _WeightsOnlyUnpickler
 
@@ -100,7 +101,7 @@ def _narrow(tensor: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
 
 def _byte_view(tensor: torch.Tensor) -> memoryview:
     """A writable memoryview of a 1-D uint8 CPU tensor's bytes."""
-    return memoryview(tensor.numpy()).cast("B")
+    return memoryview(tensor.numpy()).cast("B")  # type: ignore[arg-type]  # numpy is a Buffer
 
 
 def _read_at(fd: int, view: memoryview, offset: int, path: Path) -> None:
@@ -119,7 +120,7 @@ def _load_torch_save(buf: torch.Tensor, start: int, view: memoryview) -> torch.T
 
     Returns None where the blob is not plain little/native-endian (the caller uses torch.load).
     """
-    reader = torch._C.PyTorchFileReader(_MemFile(view))
+    reader = torch._C.PyTorchFileReader(_MemFile(view))  # type: ignore[call-overload]
     if reader.has_record("byteorder") and reader.get_record("byteorder").decode() != sys.byteorder:
         return None
     base = buf.untyped_storage()
@@ -281,7 +282,7 @@ class FastFileSystemReader(FileSystemReader):
             for t in threads:
                 t.join()
             if pinned:  # also on errors: no copy may still read a buffer once it is freed
-                for device in devices | {torch.device("cuda", current)}:
+                for device in devices | {torch.device("cuda", current or 0)}:
                     torch.cuda.current_stream(device).synchronize()
         fut: Future = Future()
         fut.set_result(None)

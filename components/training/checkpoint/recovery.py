@@ -94,9 +94,9 @@ class Recovery:
         if not memory and newest is None:
             return None, None  # (state_fn would initialise the optimizer state: a fresh start)
         state = state_fn()
-        for step in memory:
-            if self._load_memory(step, state, check, newest):
-                return step, self._loaded
+        for held in memory:
+            if self._load_memory(held, state, check, newest):
+                return held, self._loaded
         self._forget_memory()
         step = self.select(steps, log=self.log)
         if step is None:
@@ -151,6 +151,8 @@ class Recovery:
         in, checking its CRC32s. ``self._loaded`` holds the state loaded.
         """
         staging = self.staging
+        if staging is None:  # no host-memory tier: memory_steps() found nothing to agree on
+            return False
         flat, mapping = flatten_state_dict(state)
         fits = staging.adopt(step, flat) if not staging.banks else True
         fits = fits and staging.can_restore(flat, step)

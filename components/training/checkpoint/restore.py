@@ -51,7 +51,7 @@ def restore_bounced(buffer: torch.Tensor, slots: dict[str, Slot], nbytes: int,
         SnapshotDamaged: A piece's CRC32 differs from ``expected``.
     """
     pool = ThreadPoolExecutor(THREADS, thread_name_prefix="bank-check") if expected else None
-    checker = BackgroundCheck(buffer, expected, pool) if pool is not None else None
+    checker = BackgroundCheck(buffer, expected, pool) if pool and expected else None
     pieces = _pin_ranges(slots, nbytes, BOUNCE_CHUNK)
     targets: list[list[tuple[torch.Tensor, Slot]]] = [[] for _ in pieces]
     starts = [off for off, _ in pieces]
@@ -122,7 +122,7 @@ def restore_bounced(buffer: torch.Tensor, slots: dict[str, Slot], nbytes: int,
         for w in workers:
             w.join()
         stream.synchronize()
-    if checker is not None:
+    if checker is not None and pool is not None:
         try:
             checker.result()  # raises SnapshotDamaged
         finally:

@@ -74,6 +74,8 @@ def staged_writer(path: str, staging: HostStaging, threads: int = 1) -> Any:
 
         def request(self) -> dict[str, Any]:
             bank = staging.target
+            if bank is None:
+                raise RuntimeError("a staged save without a staged bank")
             req = {"key": bank.key, "path": str(bank.path), "nbytes": staging.nbytes,
                    "buckets": self.staged}
             # torch >= 2.6 passes its stream transforms to _write_item (as NVRx itself does)

@@ -227,8 +227,10 @@ class HostStaging:
     def view(self, key: str, bank: _Bank | None = None) -> torch.Tensor:
         """The region of one tensor in a bank (the one being staged by default), typed and shaped."""
         s = self.slots[key]
-        region = (bank or self.target).buffer[s.offset:s.offset + s.nbytes]
-        return region.view(s.dtype).view(s.shape)
+        owner = bank or self.target
+        if owner is None or owner.buffer is None:
+            raise RuntimeError(f"HostStaging.view({key!r}): no bank is mapped")
+        return owner.buffer[s.offset:s.offset + s.nbytes].view(s.dtype).view(s.shape)
 
     # ------------------------------------------------------------------ copies
     def stage(self, flat: dict[str, Any], step: int) -> None:
@@ -326,6 +328,8 @@ class HostStaging:
                 then hold some of its bytes: load them from elsewhere).
         """
         bank = self._holding(step if step is not None else self.valid_step)
+        if bank is None or bank.buffer is None:
+            raise SnapshotDamaged(f"no bank holds step {step}")
         if self.cuda and not bank.pinned:  # adopted, not pinned yet: through bounce buffers
             restore_bounced(bank.buffer, self.slots, self.nbytes, flat, expected=bank.crc32)
         else:

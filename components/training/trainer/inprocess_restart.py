@@ -116,7 +116,7 @@ def _hold_nvml() -> None:
         log.debug("NVML not initialised ahead of the restart health checks", exc_info=True)
 
 
-def _health_check():
+def _health_check() -> Any:
     import torch
     from nvidia_resiliency_ext import inprocess
 

@@ -50,7 +50,7 @@ class Monitor:
     def __init__(self, cfg: ResilienceConfig, backend: str) -> None:
         self.cfg = cfg
         self.enabled = cfg.monitor != "off" and under_ft_launcher()
-        self.client = None
+        self.client: Any = None  # NVRx's RankMonitorClient (untyped) when enabled
         self.learned = False  # this incarnation applies learned timeouts
         # Learned (step, heartbeat) timeouts an earlier incarnation persisted: applied (as a
         # floor) once this one is past its start-up, never during it.
@@ -297,8 +297,9 @@ class Monitor:
             sec.get("calculated_sections") or ()) else None
         if beat is None and step is None:  # saved before anything was learned
             return
-        beat = float(beat if beat is not None else step)
-        self.restored = (float(step if step is not None else beat), beat)
+        either = float(beat if beat is not None else step)  # type: ignore[arg-type]
+        self.restored = (float(step) if step is not None else either,
+                         float(beat) if beat is not None else either)
 
     def close(self) -> None:
         """Closes every section and shuts the client down."""

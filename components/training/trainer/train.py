@@ -245,7 +245,7 @@ class Incarnation:
             resumed = trainer.resume(first_start=self.iteration == 0 and job.restart_count == 0)
             load_s = time.perf_counter() - t_load
             self.marks.append(("load", time.time()))
-        self._record_start(resumed, load_s, previous)
+        self._record_start(ckpt, resumed, load_s, previous)
         return trainer
 
     def _count_restarts(self) -> str | None:
@@ -261,8 +261,9 @@ class Incarnation:
         job.restart_count = len(starts)
         return starts[-1].agent if starts else None
 
-    def _record_start(self, resumed: int | None, load_s: float, previous: str | None) -> None:
-        job, iteration, ckpt = self.job, self.iteration, self.ckpt
+    def _record_start(self, ckpt: Checkpointer, resumed: int | None, load_s: float,
+                      previous: str | None) -> None:
+        job, iteration = self.job, self.iteration
         agent = agent_identity()
         layer = restart_kind(iteration, previous, agent)
         restarted = bool(job.restart_count or iteration)
@@ -281,7 +282,7 @@ class Incarnation:
              f"resumed_from={resumed}{source} load={load_s:.2f}s device={job.device}")
 
     def _finish(self, trainer: Trainer) -> None:
-        job, ckpt = self.job, self.ckpt
+        job, ckpt = self.job, trainer.ckpt
         # The final wait for the writer is no step: heartbeats continue while it lasts.
         with job.monitor.phase(None, bound=job.cfg.resilience.checkpoint_timeout):
             ckpt.close()
