@@ -174,18 +174,18 @@ def test_a_child_dies_with_its_parent_by_sigterm_and_holds_the_lock_until_then(t
 import os, subprocess, sys, time
 from kfp_nvrx.components.launch.lifetime import RunDirLock, die_with_parent
 lock = RunDirLock(sys.argv[1]).acquire()
-p = subprocess.Popen(die_with_parent([sys.executable, "-c", {child!r}]), pass_fds=(lock.fd,),
+p = subprocess.Popen(die_with_parent([sys.executable, "-c", {child!r}], hold=lock.path),
                      env={{**os.environ, "{TAG}": "{token}"}}, stdout=subprocess.PIPE, text=True,
                      start_new_session=True)
 p.stdout.readline()
-print("ready", flush=True)
+print("ready", p.pid, flush=True)
 time.sleep(600)
 """
     launcher = subprocess.Popen([sys.executable, "-c", parent, str(tmp_path)],
                                 stdout=subprocess.PIPE, text=True)
     try:
-        assert launcher.stdout.readline().strip() == "ready"
-        assert len(_alive(token)) == 1
+        ready, pid = launcher.stdout.readline().split()
+        assert ready == "ready" and _alive(token) == [int(pid)]
         launcher.kill()
         launcher.wait()
         _lock_free_only_once_all_are_gone(tmp_path, token, 60)
@@ -194,6 +194,120 @@ time.sleep(600)
     finally:
         for pid in _alive(token):
             os.kill(pid, signal.SIGKILL)
+
+
+def _dead(pid: int) -> bool:
+    """Gone, or a zombie (its locks and files are released before it becomes one)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+_AGENT_WITH_HELPER = """
+import os, signal, sys, time
+if os.fork() == 0:  # a helper, forked as the agent forks its rank-monitor servers
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(600)
+    os._exit(0)
+signal.signal(signal.SIGTERM, lambda *_: time.sleep(600))  # stopping takes long (workers)
+print("up", flush=True)
+time.sleep(600)
+"""
+
+
+def _launcher_with_agent(tmp_path: Path, token: str) -> tuple[subprocess.Popen, list[int]]:
+    """A "launcher": the lock, a watchdog that cannot act, an agent that forks a helper.
+
+    Returns the launcher and the pids of (watchdog, agent).
+    """
+    code = f"""
+import os, signal, subprocess, sys, time
+from kfp_nvrx.components.launch.lifetime import RunDirLock, Watchdog, die_with_parent
+lock = RunDirLock(sys.argv[1]).acquire("{token}")
+wd = Watchdog("{TAG}=never-{token}", grace=1.0, keep_fds=(lock.fd,))
+agent = subprocess.Popen(die_with_parent([sys.executable, "-c", {_AGENT_WITH_HELPER!r}],
+                                         hold=lock.path),
+                         env={{**os.environ, "{TAG}": "{token}"}}, stdout=subprocess.PIPE,
+                         text=True, start_new_session=True)
+agent.stdout.readline()
+print(wd.proc.pid, agent.pid, flush=True)
+time.sleep(600)
+"""
+    launcher = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)],
+                                stdout=subprocess.PIPE, text=True)
+    pids = [int(p) for p in launcher.stdout.readline().split()]
+    _wait_until(lambda: len(_alive(token)) == 2, 30, "the agent and its helper")
+    return launcher, pids
+
+
+def test_sigkill_of_launcher_watchdog_and_agent_leaves_no_holder_and_no_orphan(tmp_path):
+    """Issue 30 item 16: the agent's forked helper outlived them all and held the run dir."""
+    from kfp_nvrx.components.launch.lifetime import stop_leftovers
+
+    token = uuid.uuid4().hex
+    launcher, (watchdog, agent) = _launcher_with_agent(tmp_path, token)
+    try:
+        for pid in (launcher.pid, watchdog, agent):
+            os.kill(pid, signal.SIGKILL)
+        launcher.wait()
+        _wait_until(lambda: all(_dead(p) for p in (watchdog, agent)), 30, "the SIGKILLs")
+        (helper,) = _alive(token)  # the orphan: alive, and holding nothing
+        lock = RunDirLock(tmp_path).acquire(uuid.uuid4().hex)  # at once, no waiting
+        assert lock.previous["marker"] == token and lock.previous["pid"] == launcher.pid
+        assert stop_leftovers(lock.previous, TAG) == 1 and _dead(helper)
+        assert _alive(token) == []
+        lock.release()
+    finally:
+        for pid in _alive(token):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_refusal_names_the_live_holder_not_the_dead_launcher(tmp_path):
+    token = uuid.uuid4().hex
+    launcher, (watchdog, agent) = _launcher_with_agent(tmp_path, token)
+    try:
+        for pid in (launcher.pid, watchdog):
+            os.kill(pid, signal.SIGKILL)
+        launcher.wait()
+        _wait_until(lambda: _dead(watchdog), 30, "the watchdog's SIGKILL")
+        # The agent got its SIGTERM from the kernel and is slow to stop: the run dir stays taken.
+        with pytest.raises(UserError) as err:
+            RunDirLock(tmp_path).acquire()
+        message = err.value.message
+        assert "ft_launcher" not in message  # the agent here is a plain python process
+        assert f"but pid {agent} (" in message and "still holds it" in message
+        assert f"its launcher (pid {launcher.pid} on " in message and "is gone" in message
+        assert str(watchdog) not in message  # dead, and the helper holds nothing
+        os.kill(agent, signal.SIGKILL)
+        _wait_until(lambda: _dead(agent), 30, "the agent's SIGKILL")
+        RunDirLock(tmp_path).acquire().release()
+    finally:
+        for pid in _alive(token):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_refusal_names_the_watchdog_when_only_it_is_left(tmp_path):
+    code = """
+import sys, time
+from kfp_nvrx.components.launch.lifetime import RunDirLock, Watchdog
+lock = RunDirLock(sys.argv[1]).acquire()
+wd = Watchdog("KFP_NVRX_NOTHING=1", grace=1.0, keep_fds=(lock.fd,))
+print(wd.proc.pid, flush=True)
+time.sleep(600)
+"""
+    launcher = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)],
+                                stdout=subprocess.PIPE, text=True)
+    watchdog = int(launcher.stdout.readline())
+    try:
+        os.kill(watchdog, signal.SIGSTOP)  # it would finish at once: nothing of the run is left
+        launcher.kill()
+        launcher.wait()
+        with pytest.raises(UserError) as err:
+            RunDirLock(tmp_path).acquire()
+        assert f"but pid {watchdog} (the run's watchdog) still holds it" in err.value.message
+    finally:
+        os.kill(watchdog, signal.SIGKILL)
 
 
 def test_die_with_parent_does_not_start_a_child_whose_parent_is_already_gone(tmp_path):
@@ -334,6 +448,72 @@ def test_agents_die_with_the_launcher_when_the_watchdog_cannot_act(data, tmp_pat
         if launcher.poll() is None:
             launcher.kill()
         for pid in _alive(token):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(d.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def _relaunch_until_it_trains(run_dir: Path, data: Path, token: str, out: Path,
+                              agents: list[int]) -> subprocess.Popen:
+    """launch-local again into ``run_dir``: it trains, or it is refused naming a live agent.
+
+    A refusal must name one of ``agents`` (still stopping) as the holder, never only the dead
+    launcher; once they are gone the next try must train.
+    """
+    while True:
+        second = _launch_logged(run_dir, data, token, out)
+        _wait_until(lambda s=second: s.poll() is not None or "[trainer]" in out.read_text(),
+                    240, "the relaunch to train or be refused")
+        if second.poll() is None:
+            return second
+        text = out.read_text()
+        assert second.returncode == 2 and "is gone, but pid " in text, text[-3000:]
+        named = [p for p in agents if f"pid {p} (an ft_launcher agent)" in text]
+        assert named, text
+        _wait_until(lambda n=named: all(_dead(p) for p in n), 120, "the named agents to stop")
+
+
+@pytest.mark.parametrize("agents_too", [True, False], ids=["with-agents", "launcher-watchdog"])
+def test_a_relaunch_right_after_sigkill_of_the_launch_tree(agents_too, data, tmp_path):
+    """Issue 30 item 16: SIGKILL launcher and watchdog (and the agents), relaunch at once.
+
+    The relaunch trains, or is refused naming a live holder; it never waits minutes on a
+    rank-monitor server (an orphan) holding the lock, nor names the dead launcher as holder. What
+    the dead run left running is stopped before the new one starts.
+    """
+    first, run_dir = uuid.uuid4().hex, tmp_path / "run"
+    launcher = _launch_logged(run_dir, data, first, tmp_path / "first.log")
+    second = None
+    try:
+        _wait_until(lambda: _training(run_dir), 180, "the first training step")
+        (watchdog,) = _watchdogs(first)
+        agents = [p for p in _children(launcher.pid) if p != watchdog]
+        assert len(agents) == 2
+        victims = [launcher.pid, watchdog, *(agents if agents_too else [])]
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+        launcher.wait()
+        _wait_until(lambda: all(_dead(p) for p in victims), 30, "the SIGKILLs")
+        token = uuid.uuid4().hex
+        second = _relaunch_until_it_trains(run_dir, data, token, tmp_path / "second.log", agents)
+        assert _alive(first) == [], "the dead run's processes outlived the relaunch's start"
+        second.send_signal(signal.SIGTERM)
+        second.wait(timeout=180)
+        _lock_free_only_once_all_are_gone(run_dir, token, 120)
+    finally:
+        for proc in (launcher, second):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+        for pid in _alive(first):
             os.kill(pid, signal.SIGKILL)
 
 

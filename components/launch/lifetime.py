@@ -3,12 +3,20 @@
 Three layers, so that no single process's death breaks "one run owns a run dir" or "no process
 outlives its launcher":
 
-- :class:`RunDirLock`: one launcher owns a run dir at a time. ``flock`` on
-  ``<run_dir>/.kfp-nvrx-run.lock`` (the holder's pid, host and start time written into it); the
-  kernel drops the lock when the last process holding it dies, so a lock file left by a dead run
-  is simply taken. The launcher holds it itself and hands the same open file to the watchdog and
-  to every agent (:func:`die_with_parent` via ``pass_fds``), so it stays taken while any of them
-  lives, whichever dies first.
+- :class:`RunDirLock`: one launcher owns a run dir at a time, through two kinds of lock on
+  ``<run_dir>/.kfp-nvrx-run.lock`` (the launcher's pid, host, start time and run marker written
+  into it). The launcher takes ``flock`` and hands that open file to the watchdog (``pass_fds``),
+  which forks nothing. Each agent takes a POSIX read lock of its own (``fcntl``) in
+  :func:`die_with_parent` before it becomes ``ft_launcher``: a POSIX lock belongs to one process
+  and is never inherited by a fork, so ft_launcher's forked helpers (NVRx's rank-monitor servers,
+  which outlive a SIGKILLed agent by minutes) hold nothing, while a ``flock`` file handed to the
+  agent was shared with every fork of it and kept the run dir taken by those orphans. A new
+  launcher needs both: no ``flock`` (no launcher or watchdog of a run lives) and no POSIX lock (no
+  agent does). The kernel drops each when its holder dies, so a lock file left by a dead run is
+  simply taken; a refusal names the processes that hold it now (:func:`lock_holders`), not the
+  pid of a launcher that may be long gone. What a dead run leaves behind once none of those lives
+  (orphaned helpers carrying its marker) is stopped by the next launcher before it starts
+  (:func:`stop_leftovers`).
 - :class:`Watchdog`: a small process that outlives the launcher by design. It reads a pipe whose
   only writer is the launcher; end-of-file means the launcher is gone (exit, crash, SIGKILL), and
   the watchdog then stops every process carrying the run's marker in its environment (agents,
@@ -19,19 +27,23 @@ outlives its launcher":
   not one more process that can be killed: a pipe the agents watch would need a watcher in
   every agent (``ft_launcher`` is not ours), and that watcher could die like the watchdog did.
   SIGTERM, not SIGKILL: ``ft_launcher`` stops its workers on SIGTERM (they lead sessions of their
-  own and would be orphaned by a SIGKILLed agent), and keeps the lock until they are gone.
+  own and would be orphaned by a SIGKILLed agent), and keeps its lock until they are gone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import fcntl
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 from kfp_nvrx.components.errors import UserError
 
@@ -48,37 +60,135 @@ class RunDirLock:
     def __init__(self, run_dir: str | os.PathLike[str]) -> None:
         self.path = Path(run_dir) / LOCK_FILE
         self.fd: int | None = None
+        #: What the lock file said before we took it: the run that held the run dir last.
+        self.previous: dict[str, Any] = {}
 
-    def acquire(self) -> RunDirLock:
-        """Take the lock or raise UserError naming ``run_dir`` and the holder."""
+    def acquire(self, marker: str = "") -> RunDirLock:
+        """Take the lock or raise UserError naming ``run_dir`` and the processes holding it.
+
+        Args:
+            marker: The run's environment marker, recorded for the next launcher (it stops what
+                this run leaves behind if it dies without its watchdog, :func:`stop_leftovers`).
+        """
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # no launcher or watchdog lives
+            # No agent of an earlier run lives: a write lock is refused while any read lock is
+            # held. Dropped at once, or our own agents could not take theirs.
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.lockf(fd, fcntl.LOCK_UN)
         except OSError:
-            holder = self._holder(fd)
+            fcntl.flock(fd, fcntl.LOCK_UN)  # taken above if only an agent holds it: not a holder
+            message = self._in_use(fd)
             os.close(fd)
-            raise UserError("run_dir", f"{self.path.parent} is in use by another run ({holder});"
-                            " wait for it to finish or choose another `run_dir`") from None
+            raise UserError("run_dir", message) from None
+        self.previous = _read_record(fd)
         os.ftruncate(fd, 0)
-        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                 "since": dt.datetime.now().isoformat(timespec="seconds")}
-                                ).encode())
+        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                  "since": dt.datetime.now().isoformat(timespec="seconds"),
+                                  "marker": marker}).encode(), 0)
         self.fd = fd
         return self
 
-    @staticmethod
-    def _holder(fd: int) -> str:
+    def _in_use(self, fd: int) -> str:
+        """The refusal: who holds the run dir now (the recorded launcher may be gone)."""
+        info = _read_record(fd)
         try:
-            info = json.loads(os.pread(fd, 4096, 0) or b"{}")
-            return f"pid {info['pid']} on {info['host']} since {info['since']}"
-        except (OSError, ValueError, KeyError, TypeError):
-            return "holder unknown"
+            launcher = f"pid {info['pid']} on {info['host']} since {info['since']}"
+        except KeyError:
+            launcher = "holder unknown"
+        holders = lock_holders(self.path) if info.get("host") == socket.gethostname() else []
+        fix = "wait for it to finish or choose another `run_dir`"
+        if not holders or info.get("pid") in holders:
+            return f"{self.path.parent} is in use by another run ({launcher}); {fix}"
+        held = ", ".join(f"pid {pid} ({_what(pid)})" for pid in holders[:3])
+        return (f"{self.path.parent} is in use by another run: its launcher ({launcher}) is gone, "
+                f"but {held} still hold{'s' if len(holders) == 1 else ''} it while stopping; "
+                f"{fix}")
 
     def release(self) -> None:
         """Drop the lock (the file stays: it is ours, and an unlocked file means free)."""
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+
+def _read_record(fd: int) -> dict[str, Any]:
+    try:
+        info = json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def lock_holders(path: str | os.PathLike[str]) -> list[int]:
+    """PIDs of the live processes holding a lock on ``path`` (Linux; [] where /proc says nothing).
+
+    ``/proc/<pid>/fdinfo/<fd>`` lists the locks held through that descriptor: a ``flock`` in
+    every process sharing the open file, a POSIX lock in its owner alone. Processes we may not
+    read are skipped.
+    """
+    try:
+        want = os.stat(path)
+    except OSError:
+        return []
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        fds = f"/proc/{entry.name}/fd"
+        try:
+            names = os.listdir(fds)
+        except OSError:  # gone, or another user's
+            continue
+        for name in names:
+            try:
+                st = os.stat(f"{fds}/{name}")
+                if (st.st_dev, st.st_ino) != (want.st_dev, want.st_ino):
+                    continue
+                with open(f"/proc/{entry.name}/fdinfo/{name}", "rb") as fh:
+                    if b"\nlock:" in b"\n" + fh.read(16384):
+                        found.append(int(entry.name))
+                        break
+            except OSError:
+                continue
+    return sorted(found)
+
+
+def _what(pid: int) -> str:
+    """What a process of a run is, for a person: its role, or its program."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes()[:4096].split(b"\0")
+    except OSError:
+        return "gone meanwhile"
+    text = b" ".join(argv).decode("utf-8", "replace")
+    if "ft_launcher" in text:
+        return "an ft_launcher agent"
+    if WATCHDOG_TAG in text:
+        return "the run's watchdog"
+    return os.path.basename(argv[0].decode("utf-8", "replace")) or "unknown"
+
+
+def stop_leftovers(previous: dict[str, Any], key: str, timeout: float = 30.0) -> int:
+    """SIGKILLs what the run that held the run dir before left running; returns how many.
+
+    Call it holding the lock: then no launcher, watchdog or agent of that run lives, and a
+    process still carrying its marker (``key=previous['marker']``) is an orphan of a run that
+    died whole (SIGKILLed with its watchdog): ft_launcher's rank-monitor servers, a worker's
+    checkpoint writer, which would otherwise go on for minutes beside the new run. Only a run of
+    this host is looked for; waits (up to ``timeout``) until they are gone.
+    """
+    marker = previous.get("marker")
+    if not (isinstance(marker, str) and marker) or previous.get("host") != socket.gethostname():
+        return 0
+    pids = processes_with_env(key, marker)
+    for pid in pids:
+        with contextlib.suppress(OSError):  # gone meanwhile
+            os.kill(pid, signal.SIGKILL)
+    end = time.monotonic() + timeout
+    while processes_with_env(key, marker) and time.monotonic() < end:
+        time.sleep(0.1)  # SIGKILLed: gone in a moment (a zombie no longer counts)
+    return len(pids)
 
 
 def processes_with_env(key: str, value: str) -> list[int]:
@@ -100,7 +210,11 @@ def processes_with_env(key: str, value: str) -> list[int]:
     return found
 
 
+#: In the watchdog's command line: how a refusal tells it from other processes (:func:`_what`).
+WATCHDOG_TAG = "kfp-nvrx watchdog"
+
 _WATCHDOG = r"""
+# kfp-nvrx watchdog
 import os, signal, sys, time
 from kfp_nvrx.components.launch.lifetime import processes_with_env
 key, _, value = sys.argv[1].partition("=")
@@ -122,28 +236,43 @@ for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
 """
 
 
-# Runs as the agent's first program: ask the kernel for SIGTERM when the parent dies, make sure
-# the parent did not die before that took effect, then become the agent (execve keeps the
-# setting). A wrapper rather than ``preexec_fn``: Python code between fork and exec is unsafe
-# while the launcher's log threads run.
+# Runs as the agent's first program: ask the kernel for SIGTERM when the parent dies, take the
+# run dir's POSIX read lock (argv[2], "" for none) on a descriptor that stays open across exec, so
+# the agent holds it until it exits and its forks never do; make sure the parent did not die
+# before that took effect, then become the agent (execve keeps both). A wrapper rather than
+# ``preexec_fn``: Python code between fork and exec is unsafe while the launcher's log threads run.
 _DIE_WITH_PARENT = r"""
-import ctypes, os, signal, sys
+import ctypes, fcntl, os, signal, sys
 libc = ctypes.CDLL(None, use_errno=True)
 if libc.prctl(1, int(signal.SIGTERM), 0, 0, 0) != 0:  # 1 = PR_SET_PDEATHSIG
     sys.exit("kfp-nvrx: prctl(PR_SET_PDEATHSIG) failed: " + os.strerror(ctypes.get_errno()))
+if sys.argv[2]:
+    fd = os.open(sys.argv[2], os.O_RDONLY)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as err:
+        sys.exit("kfp-nvrx: cannot lock the run dir " + sys.argv[2] + ": " + err.strerror)
+    os.set_inheritable(fd, True)  # closed by exec, the lock would go with it
 if os.getppid() != int(sys.argv[1]):
     sys.exit(0)  # the launcher is already gone: nothing to run for
-os.execvp(sys.argv[2], sys.argv[2:])
+os.execvp(sys.argv[3], sys.argv[3:])
 """
 
 
-def die_with_parent(argv: list[str]) -> list[str]:
+def die_with_parent(argv: list[str], hold: str | os.PathLike[str] = "") -> list[str]:
     """``argv`` wrapped so that the process gets SIGTERM from the kernel when we die.
 
     The signal follows the *thread* that starts the process (Linux semantics), so start it from
     the thread that lives as long as the run: :func:`.local.run_local`'s caller.
+
+    Args:
+        argv: The program to run.
+        hold: A :class:`RunDirLock` file: the process holds a POSIX read lock on it until it
+            exits, which keeps the run dir taken while it stops its workers (none of its forks
+            holds it).
     """
-    return [sys.executable, "-I", "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), *argv]
+    return [sys.executable, "-I", "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), str(hold),
+            *argv]
 
 
 class Watchdog:

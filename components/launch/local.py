@@ -54,6 +54,7 @@ from kfp_nvrx.components.launch.lifetime import (
     Watchdog,
     die_with_parent,
     processes_with_env,
+    stop_leftovers,
 )
 from kfp_nvrx.components.launch.result import LaunchResult, account
 
@@ -127,7 +128,7 @@ def _reap(marker: str) -> int:
 
 class _Agent:
     def __init__(self, idx: int, argv: list[str], env: dict[str, str], log: Callable[[str], None],
-                 verbose: bool, log_path: Path, keep_fds: tuple[int, ...] = ()) -> None:
+                 verbose: bool, log_path: Path, hold: Path | None = None) -> None:
         self.idx, self.tail = idx, deque(maxlen=40)
         self.exited_at: float | None = None  # when the launcher first saw it gone
         self.gave_up = ""  # a worker's verdict: the job's restart budget is spent, or divergence
@@ -136,11 +137,13 @@ class _Agent:
         # lines) is its shutdown, not news; it goes to the node log only.
         self.stopping = False
         self.disk_full = DiskFullNotice(log_path.parent.parent / CHECKPOINTS_DIR)
-        # The kernel SIGTERMs the agent when the launcher dies (die_with_parent); keep_fds (the
-        # run-dir lock) keeps the run dir taken until the agent has stopped its workers.
-        self.proc = subprocess.Popen(die_with_parent(argv), env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                     start_new_session=True, pass_fds=keep_fds)
+        # The kernel SIGTERMs the agent when the launcher dies (die_with_parent); its own lock on
+        # ``hold`` (the run-dir lock file) keeps the run dir taken until it has stopped its
+        # workers. Not our flock's descriptor: ft_launcher's forks would share it and hold the
+        # run dir long after the agent (its rank-monitor servers outlive a SIGKILLed agent).
+        self.proc = subprocess.Popen(die_with_parent(argv, hold=hold or ""), env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     bufsize=1, start_new_session=True)
         self.thread = threading.Thread(target=self._pump, args=(log, verbose, log_path),
                                        daemon=True)
         self.thread.start()
@@ -258,7 +261,13 @@ def run_local(spec: ResolvedJob | JobSpec, *, log: Callable[[str], None] = print
     claim_run_dir(run_path)
     # One run owns a run dir at a time; taken before anything is written into it, so a launch
     # refused for a run dir in use leaves it as it was.
-    lock = RunDirLock(run_path).acquire()
+    lock = RunDirLock(run_path).acquire(marker)
+    # Held: no launcher, watchdog or agent of the run before lives. What else it left (it died
+    # whole, its watchdog too) would go on beside this run; stopped before anything starts.
+    left = stop_leftovers(lock.previous, _MARKER)
+    if left:
+        log(f"[launch-local] stopped {left} process(es) the run before left behind (launched by "
+            f"pid {lock.previous.get('pid')}, which is gone)")
     logs = run_path / LOGS_DIR  # every agent's full output; the stream shows what matters
     logs.mkdir(exist_ok=True)
     grace = term_timeout_s(cfg.resilience) + 10
@@ -297,7 +306,7 @@ def run_local(spec: ResolvedJob | JobSpec, *, log: Callable[[str], None] = print
             if cfg.resilience.in_process:  # the pod spec's rule (jobspec/env.py), GPU or CPU
                 agent_env.update(in_process_env(gpu=slices[i] is not None))
             agents.append(_Agent(i, argv, agent_env, log, verbose, logs / f"node{i}.log",
-                                 keep_fds=(lock.fd,)))
+                                 hold=lock.path))
         if on_start is not None:
             on_start([a.proc.pid for a in agents])
         while not stop.is_set() and any(a.proc.poll() is None for a in agents):
