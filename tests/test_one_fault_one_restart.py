@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from local_runs import assert_bitwise, final_weights, tiny_dataset, train
 
 from kfp_nvrx.components.core import events as ev
 from kfp_nvrx.components.core.events import read_events
-from kfp_nvrx.components.core.rundir import committed_steps, step_dir
+from kfp_nvrx.components.core.rundir import committed_steps
 from kfp_nvrx.components.launch.jobspec.spec import JobSpec
 from kfp_nvrx.components.launch.local import run_local
-from kfp_nvrx.components.training.export.consolidate import load_model_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -28,39 +28,22 @@ BASE = [f"train.steps={STEPS}", "checkpoint.interval=6", "checkpoint.keep=5"]
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> str:
-    from kfp_nvrx.components.data.prepare import prepare_dataset
-
-    out = tmp_path_factory.mktemp("data") / "sample"
-    prepare_dataset("sample:400", out, seq_len=64)
-    return str(out)
+    return tiny_dataset(tmp_path_factory.mktemp("data"))
 
 
 def _train(run_dir: Path, dataset: str, faults=(), extra=()):
-    spec = JobSpec(nodes="2", run_dir=str(run_dir), config="tiny", faults=list(faults),
-                   overrides=[f"data.path={dataset}", *BASE, *extra])
-    res = run_local(spec, log=lambda _line: None, deadline_s=480)
-    assert res.state == "Succeeded", (res.reason, res.last_log_lines)
-    return res
-
-
-def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    root = run_dir / "checkpoints"
-    assert committed_steps(root)[0] == STEPS
-    return load_model_state(step_dir(root, STEPS))
+    return train(run_dir, dataset, BASE, faults=faults, extra=extra)
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, dataset):
     run_dir = tmp_path_factory.mktemp("ref") / "run"
     _train(run_dir, dataset)
-    return _weights(run_dir)
+    return final_weights(run_dir, STEPS)
 
 
 def _assert_bitwise(run_dir: Path, reference: dict[str, torch.Tensor]) -> None:
-    got = _weights(run_dir)
-    assert got.keys() == reference.keys()
-    for key, value in reference.items():
-        assert torch.equal(got[key], value), f"{key} differs"
+    assert_bitwise(final_weights(run_dir, STEPS), reference)
 
 
 def _restarts(run_dir: Path) -> list[ev.Restart]:

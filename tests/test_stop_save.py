@@ -15,14 +15,13 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
+from local_runs import assert_bitwise, final_weights, tiny_dataset
 
 from kfp_nvrx.components.core import events as ev
 from kfp_nvrx.components.core.events import read_events
-from kfp_nvrx.components.core.rundir import committed_steps, step_dir
+from kfp_nvrx.components.core.rundir import committed_steps
 from kfp_nvrx.components.launch.jobspec.spec import JobSpec
 from kfp_nvrx.components.launch.local import run_local
-from kfp_nvrx.components.training.export.consolidate import load_model_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -33,22 +32,12 @@ BASE = [f"train.steps={STEPS}", "checkpoint.interval=6", "checkpoint.keep=5",
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> str:
-    from kfp_nvrx.components.data.prepare import prepare_dataset
-
-    out = tmp_path_factory.mktemp("data") / "sample"
-    prepare_dataset("sample:400", out, seq_len=64)
-    return str(out)
+    return tiny_dataset(tmp_path_factory.mktemp("data"))
 
 
 def _spec(run_dir: Path, dataset: str, extra=()) -> JobSpec:
     return JobSpec(nodes="2", run_dir=str(run_dir), config="tiny",
                    overrides=[f"data.path={dataset}", *BASE, *extra])
-
-
-def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    root = run_dir / "checkpoints"
-    assert committed_steps(root)[0] == STEPS
-    return load_model_state(step_dir(root, STEPS))
 
 
 def _stop_at(run_dir: Path, step: int) -> threading.Thread:
@@ -85,10 +74,7 @@ def test_a_stopped_launch_saves_its_step_and_the_relaunch_resumes_there(tmp_path
     assert again.succeeded, (again.reason, again.last_log_lines)
     starts = [e for e in read_events(run) if isinstance(e, ev.Start)]
     assert starts[-1].resumed_from == stopped_at  # not the last periodic commit
-    got, want = _weights(run), _weights(reference)
-    assert got.keys() == want.keys()
-    for key, value in want.items():
-        assert torch.equal(got[key], value), f"{key} differs"
+    assert_bitwise(final_weights(run, STEPS), final_weights(reference, STEPS))
 
 
 def test_without_a_save_budget_a_stop_saves_nothing(tmp_path, dataset):

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from local_runs import assert_bitwise, final_weights, tiny_dataset, train
 
 from kfp_nvrx.components.core.events import read_events as _read_typed
 from kfp_nvrx.components.core.rundir import COMMIT_MARKER, committed_steps, step_dir
 from kfp_nvrx.components.launch.jobspec.spec import JobSpec
 from kfp_nvrx.components.launch.local import run_local
-from kfp_nvrx.components.training.export.consolidate import load_model_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -28,31 +28,18 @@ BASE = [f"train.steps={STEPS}", "checkpoint.interval=6", "checkpoint.keep=5"]
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> str:
-    from kfp_nvrx.components.data.prepare import prepare_dataset
-
-    out = tmp_path_factory.mktemp("data") / "sample"
-    prepare_dataset("sample:400", out, seq_len=64)
-    return str(out)
+    return tiny_dataset(tmp_path_factory.mktemp("data"))
 
 
 def _train(run_dir: Path, dataset: str, *, nodes="2", faults=(), extra=()) -> object:
-    spec = JobSpec(nodes=nodes, run_dir=str(run_dir), config="tiny", faults=list(faults),
-                   overrides=[f"data.path={dataset}", *BASE, *extra])
-    res = run_local(spec, log=lambda _line: None, deadline_s=360)
-    assert res.state == "Succeeded", (res.reason, res.last_log_lines)
-    return res
+    return train(run_dir, dataset, BASE, faults=faults, extra=extra, nodes=nodes, deadline_s=360)
 
 
 def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    root = run_dir / "checkpoints"
-    assert committed_steps(root)[0] == STEPS
-    return load_model_state(step_dir(root, STEPS))
+    return final_weights(run_dir, STEPS)
 
 
-def _assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for key in a:
-        assert torch.equal(a[key], b[key]), f"{key} differs"
+_assert_bitwise = assert_bitwise
 
 
 @pytest.fixture(scope="module")
