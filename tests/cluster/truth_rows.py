@@ -276,7 +276,10 @@ EXPECT = {
     "pj-two-masters": "pytorchReplicaSpecs[Master].replicas: Forbidden: must be 1",
     "pj-restart-policy-unknown": 'spec.restartPolicy: Unsupported value: "Sometimes"',
     "pj-elastic-nproc-twice": "must not be used with spec.nprocPerNode",
-    "pj-replicas-not-int": "replicas in body must be of type integer",
+    # Kueue's mutating webhook (every PyTorchJob create, Fail policy) decodes the object before
+    # the API server checks its schema ("replicas in body must be of type integer" without it).
+    "pj-replicas-not-int": "cannot unmarshal string into Go struct field ReplicaSpec"
+                           ".spec.pytorchReplicaSpecs.replicas of type int32",
     "pj-managed-by-unknown": 'managedBy: Unsupported value: "example.com/other"',
     # The webhook sees the Worker spec gone before the empty map.
     "pj-no-replica-specs": "must be configured if elastic policy is used",
