@@ -75,7 +75,7 @@ def test_a_registered_kind_is_fired_by_the_injector_and_the_loop(freeze, tmp_pat
     injector = FaultInjector([fault, parse_fault("kill@8/0")], tmp_path, rank=1)
     assert injector.due(8, When.STEP) is None  # fires in the checkpoint, not in the step
     # The loop asks at each point of a step; the faulting rank logs it and fires it once.
-    trainer = SimpleNamespace(injector=injector, rank=1,
+    trainer = SimpleNamespace(injector=injector, place=SimpleNamespace(rank=1),
                               events=SimpleNamespace(path=tmp_path / "events.jsonl"))
     Trainer._fault(trainer, 8, When.CHECKPOINT)
     Trainer._fault(trainer, 8, When.CHECKPOINT)

@@ -41,27 +41,42 @@ def log0(msg: str) -> None:
         print(f"[trainer] {msg}", flush=True)
 
 
-@dataclass
-class Trainer:
-    """One incarnation's training: the objects it trains and the loop over its steps."""
+@dataclass(frozen=True)
+class Place:
+    """Where an incarnation runs: its rank, the world size and which entry of the function."""
 
-    job: Job
-    model: torch.nn.Module
-    opt: torch.optim.Optimizer
-    sched: Any
-    train: TrainState
-    ckpt: Checkpointer
-    events: EventLog
-    injector: FaultInjector
     rank: int
     world: int
     iteration: int = 0  # in-process restart iteration
     call_wrapper: Any = None  # NVRx in-process restart's CallWrapper, when it runs this
 
+
+@dataclass
+class Replica:
+    """What one rank trains: its shard of the model, the optimizer, the schedule, the counters."""
+
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    sched: Any
+    train: TrainState
+
+
+@dataclass
+class Trainer:
+    """One incarnation's training: the objects it trains and the loop over its steps."""
+
+    job: Job
+    place: Place
+    replica: Replica
+    ckpt: Checkpointer
+    events: EventLog
+    injector: FaultInjector
+
     def state(self) -> dict[str, Any]:
         """The whole training state, as checkpoints hold it."""
-        return full_state(self.model, self.opt, self.sched, self.train,
-                          self.job.monitor.state_dict(), self.rank)
+        r = self.replica
+        return full_state(r.model, r.opt, r.sched, r.train, self.job.monitor.state_dict(),
+                          self.place.rank)
 
     def resume(self, first_start: bool) -> int | None:
         """Restores the newest saved state (or warm-starts the weights); returns its step.
@@ -70,20 +85,21 @@ class Trainer:
             first_start: This is the launch's first start (``checkpoint.load_step`` applies).
         """
         resumed, state = self.ckpt.resume(
-            self.state, check=lambda keys, step: check_compatible(self.model, keys, step),
+            self.state, check=lambda keys, step: check_compatible(self.replica.model, keys, step),
             first_start=first_start)
         if state is not None:
-            apply_state(self.model, self.opt, self.sched, self.train, state, self.rank)
+            r = self.replica
+            apply_state(r.model, r.opt, r.sched, r.train, state, self.place.rank)
             self.job.monitor.load_state_dict(state.get("ft", {}))
         elif self.job.cfg.checkpoint.init_from:
-            warm_start(self.model, self.job.cfg.checkpoint.init_from)
+            warm_start(self.replica.model, self.job.cfg.checkpoint.init_from)
         return resumed
 
     def loop(self) -> None:
         """Trains from the step after the restored one to ``train.steps``."""
         cfg, monitor, ckpt, t = self.job.cfg, self.job.monitor, self.ckpt, self.job.cfg.train
-        tokens_per_step = cfg.data.seq_len * cfg.data.batch_size * self.world
-        first, steps_here, t_first = self.train.step + 1, 0, time.perf_counter()
+        tokens_per_step = cfg.data.seq_len * cfg.data.batch_size * self.place.world
+        first, steps_here, t_first = self.replica.train.step + 1, 0, time.perf_counter()
         last_beat: float | None = None  # the previous step's heartbeat (perf_counter)
         after_save = False  # the previous step saved: this one overlaps its copies
 
@@ -109,8 +125,8 @@ class Trainer:
                       and not pinning and not ckpt.preparing())
             monitor.observe(step_s, None if last_beat is None else now - last_beat, steady)
             last_beat = now
-            if self.call_wrapper is not None:
-                self.call_wrapper.ping()  # FT: in-process progress watchdog
+            if self.place.call_wrapper is not None:
+                self.place.call_wrapper.ping()  # FT: in-process progress watchdog
             after_save = ckpt.should_save(step)
             if after_save:
                 with monitor.phase("checkpoint", bound=cfg.resilience.checkpoint_timeout):
@@ -118,7 +134,8 @@ class Trainer:
                     self._fault(step, When.CHECKPOINT)
                 last_beat = time.perf_counter()  # the phase ends with a heartbeat
             self.events.emit(ev.Step(step=step, start=t0, end=time.time(),
-                                     incarnation=self.job.restart_count, iteration=self.iteration,
+                                     incarnation=self.job.restart_count,
+                                     iteration=self.place.iteration,
                                      loss=round(loss_value, 6), tokens=tokens_per_step))
             if self.job.stop.enabled:
                 asked, left = self.job.stop.agree(self._reduce_max)
@@ -128,7 +145,7 @@ class Trainer:
             if steps_here == 1 and ckpt.periodic:  # the state's final layout exists (optimizer)
                 ckpt.prepare(self.state)
             if steps_here >= STEADY_AFTER + cfg.resilience.learn_after \
-                    and monitor.maybe_learn(self._reduce_max) and self.rank == 0:
+                    and monitor.maybe_learn(self._reduce_max) and self.place.rank == 0:
                 log0(f"learned NVRx timeouts: {monitor.timeouts()}")
             if step % t.log_every == 0 or step == t.steps:
                 elapsed = time.perf_counter() - t_first
@@ -143,7 +160,7 @@ class Trainer:
         with self.job.monitor.phase("checkpoint", bound=max(1.0, seconds)):
             saved = self.ckpt.save_on_stop(step, self.state, seconds)
         asked = self.job.stop.deadline is not None
-        if self.rank == 0:
+        if self.place.rank == 0:
             self.events.emit(ev.End(step=step, status="stopped"))
         kept = f"step {saved} is committed" if saved is not None else "nothing is committed"
         who = "this node was asked to stop" if asked else "a peer node was asked to stop"
@@ -158,7 +175,7 @@ class Trainer:
         # up first stops the job, and rank 0 may be stopped before it sees its own loss.
         EventLog(self.events.path.parent).emit(ev.End(step=step, status="diverged"))
         give_up(f"{GAVE_UP} the loss is not finite ({loss_value}) at step {step} on rank "
-                f"{self.rank}: training diverged, or started from non-finite weights; resume "
+                f"{self.place.rank}: training diverged, or started from non-finite weights; resume "
                 "an earlier step (checkpoint.load_step) with e.g. a lower train.lr, or check "
                 "checkpoint.init_from", self.job.cfg.resilience.workers_stop_timeout)
 
@@ -169,20 +186,21 @@ class Trainer:
     def _step(self, step: int, tokens_per_step: int) -> float:
         """One forward/backward/optimizer step; returns the loss."""
         cfg, device, t = self.job.cfg, self.job.device, self.job.cfg.train
-        inputs, targets = self.job.data.batch(t.seed, step, self.rank, cfg.data.batch_size,
+        inputs, targets = self.job.data.batch(t.seed, step, self.place.rank, cfg.data.batch_size,
                                               cfg.data.seq_len)
         inputs = inputs.to(device, non_blocking=True)
         targets = targets.to(device, non_blocking=True)
-        logits = self.model(inputs)
+        logits = self.replica.model(inputs)
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
         loss.backward()
         if t.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
+            torch.nn.utils.clip_grad_norm_(self.replica.model.parameters(), t.grad_clip)
         self.ckpt.wait_before_update()  # a save's D2H copies overlap forward/backward, not this
-        self.opt.step()
-        self.sched.step()
-        self.opt.zero_grad(set_to_none=True)
-        self.train.step, self.train.tokens = step, self.train.tokens + tokens_per_step
+        self.replica.opt.step()
+        self.replica.sched.step()
+        self.replica.opt.zero_grad(set_to_none=True)
+        counters = self.replica.train
+        counters.step, counters.tokens = step, counters.tokens + tokens_per_step
         loss_value = loss.item()
         if t.step_sleep:
             time.sleep(t.step_sleep)
@@ -195,6 +213,6 @@ class Trainer:
             return
         kind = fault.kind.name
         # The faulting rank writes its own event (rank 0's log is not the only writer here).
-        EventLog(self.events.path.parent).emit(ev.Fault(kind=kind, step=step, rank=self.rank))
-        print(f"[trainer] rank {self.rank}: injecting fault {kind} at step {step}", flush=True)
+        EventLog(self.events.path.parent).emit(ev.Fault(kind=kind, step=step, rank=self.place.rank))
+        print(f"[trainer] rank {self.place.rank}: injecting fault {kind} at step {step}", flush=True)
         self.injector.fire(fault)

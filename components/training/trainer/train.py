@@ -26,7 +26,7 @@ from kfp_nvrx.components.training.checkpoint import Checkpointer, HostStaging, N
 from kfp_nvrx.components.training.trainer.build import TrainState, build, env_int
 from kfp_nvrx.components.training.trainer.data import TokenDataset
 from kfp_nvrx.components.training.trainer.fault_injector import FaultInjector
-from kfp_nvrx.components.training.trainer.loop import Trainer, log0
+from kfp_nvrx.components.training.trainer.loop import Place, Replica, Trainer, log0
 from kfp_nvrx.components.training.trainer.resilience import Monitor, in_process_wrapper
 from kfp_nvrx.components.training.trainer.stopping import StopWatch
 
@@ -234,9 +234,9 @@ class Incarnation:
                 job.run_dir, cfg.checkpoint, job.device, on_commit=on_commit,
                 staging=job.staging, writer=job.writer, log=log0, final_step=cfg.train.steps)
             job.staging, job.writer = ckpt.staging, ckpt.writer
-            trainer = Trainer(job, model, opt, sched, TrainState(), ckpt, events,
-                              FaultInjector(job.faults, job.run_dir, self.rank), self.rank,
-                              self.world, self.iteration, self.call_wrapper)
+            trainer = Trainer(job, Place(self.rank, self.world, self.iteration, self.call_wrapper),
+                              Replica(model, opt, sched, TrainState()), ckpt, events,
+                              FaultInjector(job.faults, job.run_dir, self.rank))
             ckpt.warm_up()
             self.marks.append(("checkpointer", time.time()))
             previous = self._count_restarts()
@@ -291,8 +291,8 @@ class Incarnation:
         # barrier) is no step, and the learned rhythm must not judge it.
         job.monitor.disconnect()
         if self.rank == 0:
-            self.events.emit(ev.End(step=trainer.train.step, status="completed"))
-        log0(f"done: step {trainer.train.step}/{job.cfg.train.steps}")
+            self.events.emit(ev.End(step=trainer.replica.train.step, status="completed"))
+        log0(f"done: step {trainer.replica.train.step}/{job.cfg.train.steps}")
 
     def _fail(self) -> None:
         """The error path, before the exception goes on (to the in-process wrapper or out)."""
