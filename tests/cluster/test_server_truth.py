@@ -225,4 +225,6 @@ def test_bad_object_verdicts_agree(kube, truth, row: Row) -> None:
                                 "lenient note"
     else:
         assert not server.accepted, f"{row.id}: the server accepted at {row.stage}; ours: {ours}"
-        assert EXPECT[row.id] in server.message, f"{row.id}: refused for another reason: {server}"
+        said = EXPECT[row.id] if isinstance(EXPECT[row.id], tuple) else (EXPECT[row.id],)
+        assert any(s in server.message for s in said), \
+            f"{row.id}: refused for another reason: {server}"

@@ -293,7 +293,10 @@ EXPECT = {
     "tj-name-64": "metadata.name must be no more than 63 characters",
     "tj-env-pet-nnodes": "must not have reserved envs, invalid envs configured: [PET_NNODES]",
     "tj-env-pet-master-addr": "invalid envs configured: [PET_MASTER_ADDR]",
-    "tj-runtime-missing": "specified trainingRuntime must be created before the TrainJob",
+    # Two validating webhooks refuse it, in no set order: the Trainer's, and Kueue's (v0.17 builds
+    # the JobSet of every TrainJob it validates from the runtime).
+    "tj-runtime-missing": ("specified trainingRuntime must be created before the TrainJob",
+                           "runtime 'no-such-runtime' not found"),
     "tj-runtime-kind-unknown": "unsupported runtime: Runtime.trainer.kubeflow.org",
     "tj-runtime-group-unknown": "unsupported runtime: TrainingRuntime.example.com",
     # The webhook's own "doesn't exist in the runtime" checks do not fire (it validates the
