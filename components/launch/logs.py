@@ -40,6 +40,10 @@ WATCH_BACKOFF_S = (0.8, 30.0)
 JOB_NAME_LABEL = "training.kubeflow.org/job-name"
 
 
+def _phase(pod: k8s.V1Pod) -> str:
+    return (pod.status and pod.status.phase) or "Pending"
+
+
 class PodLogFollower:
     """Streams every worker container's log with a replica prefix (see module docstring).
 
@@ -52,13 +56,18 @@ class PodLogFollower:
         watch_timeout_s: Length of one pod watch request (it is renewed until :meth:`stop`).
         selector: Label selector of the job's pods ('' = the PyTorchJob's job-name label).
         replica_name: Names a pod's replica for the line prefix (default: PyTorchJob labels).
+        first_success_ends_job: One pod exiting 0 ends the job (a PyTorchJob with an
+            ``elasticPolicy``: the operator marks it Succeeded, and ``cleanPodPolicy: Running``
+            stops the pods still running). A pod that then ends non-zero is no failure, and is
+            not said to be one. Not a TrainJob's: its JobSet succeeds when every pod has.
 
     """
 
     def __init__(self, core: k8s.CoreV1Api, namespace: str, job_name: str, *,
                  emit: Callable[[str], None], container: str = "pytorch",
                  watch_timeout_s: int = 30, selector: str = "",
-                 replica_name: Callable[[k8s.V1Pod], str] | None = None) -> None:
+                 replica_name: Callable[[k8s.V1Pod], str] | None = None,
+                 first_success_ends_job: bool = True) -> None:
         self.core = core
         self.namespace = namespace
         self.job_name = job_name
@@ -67,6 +76,9 @@ class PodLogFollower:
         self.watch_timeout_s = watch_timeout_s
         self.selector = selector or f"{JOB_NAME_LABEL}={job_name}"
         self.replica_name = replica_name or pytorchjob_replica
+        self.first_success_ends_job = first_success_ends_job
+        #: A pod of this admission exited 0: training completed (see first_success_ends_job).
+        self._completed = False
         self.progress = Progress()
         self.pods: dict[str, PodState] = {}
         self._lock = threading.Lock()
@@ -201,7 +213,9 @@ class PodLogFollower:
                     pods = self.core.list_namespaced_pod(
                         self.namespace, label_selector=self.selector,
                         _request_timeout=k8s_api.REQUEST_TIMEOUT)
-                    for pod in pods.items:
+                    # A listing has no order in time: a pod that succeeded is taken first, as
+                    # the watch would have delivered it before the pods stopped after it.
+                    for pod in sorted(pods.items, key=lambda p: _phase(p) != "Succeeded"):
                         self._on_pod(pod)
                     rv = pods.metadata.resource_version or ""
                 self.requests["watch"] += 1
@@ -256,25 +270,17 @@ class PodLogFollower:
                 self._admission_of[uid] = self._admission
                 if len(state.uids) > 1:
                     self._note(state, f"pod recreated by the operator (#{len(state.uids)})")
-            phase = (pod.status and pod.status.phase) or "Pending"
+            phase = _phase(pod)
+            if status is not None:
+                self._record_exit(state, uid, status)
             if phase != state.phase:
                 state.phase = phase
-                self._note(state, f"pod {phase}")
+                self._note(state, self._phase_note(state, uid, phase))
             if phase == "Pending":  # a finished pod keeps its old PodScheduled condition
                 self._note_unschedulable(state, pod)
             state.waiting_on = missing_objects(pod, self.container) if phase == "Pending" else []
             if status is None:
                 return
-            state.restart_count = status.restart_count or 0
-            term = (status.state and status.state.terminated) or (
-                status.last_state and status.last_state.terminated)
-            if term is not None and term.exit_code is not None:
-                done = term.finished_at
-                ended = state.instance(uid)
-                ended.exit_code = state.exit_code = term.exit_code
-                ended.exit_reason = state.exit_reason = term.reason or ""
-                ended.finished_at = state.finished_at = (done.timestamp() if done
-                                                         else time.time())
             started = status.state and (status.state.running or status.state.terminated)
             key = (uid, state.restart_count)
             if not started or key in self._streamed or self._stop.is_set():
@@ -284,6 +290,35 @@ class PodLogFollower:
                                   name=f"log-{name}", daemon=True)
         thread.start()  # registered only once started: stop() may join it at any time
         self._streams.setdefault(key, (thread, None))
+
+    def _record_exit(self, state: PodState, uid: str, status: Any) -> None:
+        """The container's restart count and, once it ended, how (caller holds the lock)."""
+        state.restart_count = status.restart_count or 0
+        term = (status.state and status.state.terminated) or (
+            status.last_state and status.last_state.terminated)
+        if term is None or term.exit_code is None:
+            return
+        done = term.finished_at
+        ended = state.instance(uid)
+        ended.exit_code = state.exit_code = term.exit_code
+        ended.exit_reason = state.exit_reason = term.reason or ""
+        ended.finished_at = state.finished_at = done.timestamp() if done else time.time()
+        if term.exit_code == 0 and self._admission_of.get(uid, 0) == self._admission:
+            self._completed = self.first_success_ends_job
+
+    def _phase_note(self, state: PodState, uid: str, phase: str) -> str:
+        """How a pod's new phase reads: ``pod Failed`` only when it is one.
+
+        Once a pod of a PyTorchJob exited 0 the job has succeeded, and the operator stops the
+        pods still running (``cleanPodPolicy: Running``; they end 143 or 137, phase Failed); a
+        pod that ends non-zero then (its peer, the rendezvous host, went away) fails nothing.
+        The watch delivers the pod that succeeded first: the others were stopped after it.
+        """
+        if phase != "Failed" or not self._completed:
+            return f"pod {phase}"
+        code = state.instances[uid].exit_code if uid in state.instances else None
+        return ("pod stopped after training completed"
+                + (f" (exit {code})" if code is not None else "") + ", not a failure")
 
     def _note(self, state: PodState, text: str) -> None:
         if text != state.note:

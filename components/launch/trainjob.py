@@ -265,7 +265,7 @@ def launch_trainjob(spec: RenderedTrainJob | ResolvedJob | JobSpec, opts: K8sOpt
                               container=rt.CONTAINER_NAME,
                               watch_timeout_s=run.opts.watch_timeout_s,
                               selector=f"{JOBSET_NAME_LABEL}={job.name}",
-                              replica_name=node_replica)
+                              replica_name=node_replica, first_success_ends_job=False)
     ref = rendered.job["spec"]["runtimeRef"]
     jobs = _TrainJobs(api, job.name, namespace)
     jobs.say = run.say

@@ -286,6 +286,8 @@ def test_pytorchjob_trains_and_survives_a_killed_worker(kube, dataset, reference
     assert rc == 0, out[-4000:]
     assert "PyTorchJob e2e-pj: Succeeded" in out and "[worker-0]" in out
     assert "[worker-1/p1]" in out  # the recreated pod was followed
+    ended = out[out.index("-- pod Succeeded"):]  # the operator stops the rest: no failure
+    assert "pod Failed" not in ended, ended[-2000:]  # (issue 30 item 8)
     # worker-1 ran as two pods (same name, new uid), worker-0 as one. (The API may no longer
     # show them: cleanPodPolicy Running deletes the pods still running when the job succeeds;
     # the agent's records stay.)
