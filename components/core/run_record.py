@@ -99,8 +99,8 @@ def _check_load_step(cfg: Config, root: Path, crc: bool) -> None:
                         f"(committed: {have}); give one of those, or -1 for the newest")
     problem = verify(step_dir(root, want), crc=crc)
     if problem:
-        raise UserError("checkpoint.load_step", f"step {want} in {root} is damaged "
-                        f"({problem}); give another step, or -1 for the newest intact one")
+        raise UserError("checkpoint.load_step", f"step {want} is damaged: {problem}; give "
+                        "another step, or -1 for the newest intact one")
 
 
 def _allowed(key: str, allowed: list[str]) -> bool:

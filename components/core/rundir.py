@@ -235,23 +235,26 @@ def verify(path: Path, share: tuple[int, int] = (0, 1), crc: bool = True) -> str
     problem = _marker_problem(marker)
     if problem:
         return problem
+    # Each problem names the file by its full path and says what is wrong, in one clause: the
+    # callers put it in one line ("checkpoint step 8 is damaged: ...; falling back to step 4").
     try:
         actual = _dir_files(path)
     except OSError as err:
-        return f"cannot list files ({err})"
+        return f"cannot list {path}: {err.strerror or err}"
     for name, size in marker["files"].items():
         if name not in actual:
-            return f"missing file {name}"
+            return f"{path / name} is missing"
         if actual[name] != size:
-            return f"{name} is {actual[name]} bytes, expected {size} (truncated or corrupt)"
+            return (f"{path / name} has {actual[name]} bytes where its commit recorded {size}, "
+                    "so it was truncated or overwritten")
     for i, (name, want) in enumerate(sorted(marker.get("crc32", {}).items())):
         if not crc or i % share[1] != share[0]:
             continue
         try:
             if crc32_file(path / name) != want:
-                return f"{name} fails its CRC32 check (corrupt)"
+                return f"{path / name} fails its CRC32 check, so its bytes changed after the commit"
         except OSError as err:
-            return f"cannot read {name} ({err})"
+            return f"cannot read {path / name}: {err.strerror or err}"
     return None
 
 
@@ -263,5 +266,5 @@ def select_checkpoint(root: Path, wanted: int = -1, log: Callable[[str], None] =
         problem = verify(step_dir(root, step))
         if problem is None:
             return step
-        log(f"checkpoint step {step} is damaged ({problem}); falling back to an older one")
+        log(f"checkpoint step {step} is damaged: {problem}; trying the next older one")
     return None

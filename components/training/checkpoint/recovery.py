@@ -188,19 +188,27 @@ class Recovery:
         """The newest intact committed step (or ``load_step``), the same on every rank.
 
         Every rank checks the sizes and the CRC32 of its share of the files; a damaged checkpoint
-        is skipped (logged) in favour of the next older one.
+        is skipped in favour of the next older one, logged once that one is known: one line per
+        damaged step, naming the file, what is wrong with it and the step used instead.
         """
+        damaged: list[tuple[int, str]] = []
+        found = None
         for step in self.committed() if steps is None else steps:
             problem = verify(step_dir(self.root, step), share=(self.rank, self.world_size))
             problems = gather(problem, self.world_size)
             bad = next((p for p in problems if p), None)
             if bad is None:
-                return step
+                found = step
+                break
             if self.cfg.load_step >= 0:  # asked for this one: no fallback, no start from scratch
-                raise UserError("checkpoint.load_step", f"step {step} in {self.root} is damaged "
-                                f"({bad}); give another step, or -1 for the newest intact one")
-            log(f"checkpoint step {step} is damaged ({bad}); falling back to an older one")
-        return None
+                raise UserError("checkpoint.load_step", f"step {step} is damaged: {bad}; give "
+                                "another step, or -1 for the newest intact one")
+            damaged.append((step, bad))
+        instead = (f"falling back to step {found}" if found is not None
+                   else "no older intact checkpoint to fall back to")
+        for step, bad in damaged:
+            log(f"checkpoint step {step} is damaged: {bad}; {instead}")
+        return found
 
     def load(self, step: int, state: dict[str, Any]) -> None:
         """Loads ``step`` into ``state`` in place (collective).
