@@ -26,7 +26,7 @@ from kfp_nvrx.components.launch.jobspec.pytorchjob import RenderedJob, render
 from kfp_nvrx.components.launch.jobspec.resolve import ResolvedJob
 from kfp_nvrx.components.launch.jobspec.spec import JobSpec
 from kfp_nvrx.components.launch.k8s_config import check_kubeconfig
-from kfp_nvrx.components.launch.kueue import KueueReads
+from kfp_nvrx.components.launch.kueue import KueueReads, with_default_queue
 from kfp_nvrx.components.launch.logs import PodLogFollower
 from kfp_nvrx.components.launch.result import LaunchResult
 
@@ -196,6 +196,9 @@ def launch_kubernetes(spec: RenderedJob | ResolvedJob | JobSpec, opts: k8s_job.K
                                               or job.namespace or k8s_api.current_namespace())
     bound_training_client(training_client)
     namespace = run.opts.namespace or job.namespace or training_client.namespace
+    queued = with_default_queue(training_client.custom_api.api_client, namespace, job, run.say)
+    if queued is not None:
+        rendered, job = render(queued), queued
     rendered.job.metadata.namespace = namespace
     follower = PodLogFollower(training_client.core_api, namespace, job.name, emit=run.say,
                               watch_timeout_s=run.opts.watch_timeout_s)

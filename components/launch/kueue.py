@@ -90,6 +90,45 @@ def read_workload(workload: dict[str, Any] | None) -> Reading:
         evicted_at=_ts((conds.get("Evicted") or {}).get("lastTransitionTime")))
 
 
+def default_queue(api: k8s.ApiClient, namespace: str) -> Queue | None:
+    """Kueue's default LocalQueue of ``namespace``, where it queues every job that names none.
+
+    A probe: None also when it cannot tell (no Kueue, RBAC, an API server that does not answer);
+    the launcher's next call reports a server that fails.
+
+    Returns:
+        ``Queue("default")`` when the namespace has it, else None.
+    """
+    from kfp_nvrx.components.launch.jobspec.queue import DEFAULT_QUEUE
+
+    custom = k8s.CustomObjectsApi(api)
+    try:
+        resp = k8s_api.call(f"reading LocalQueue {namespace}/{DEFAULT_QUEUE}", k8s_api.host_of(api),
+                            custom.get_namespaced_custom_object, GROUP, VERSION, namespace,
+                            "localqueues", DEFAULT_QUEUE, ok=(403, 404))
+    except (ApiException, k8s_api.ClusterError):
+        return None
+    return Queue(DEFAULT_QUEUE) if isinstance(resp, dict) else None
+
+
+def with_default_queue(api: k8s.ApiClient, namespace: str, job: Any,
+                       say: Callable[[str], None]) -> Any | None:
+    """``job`` (a ResolvedJob) in its namespace's default LocalQueue, if it needs one; else None.
+
+    It needs one when it names no queue and the namespace has Kueue's default: Kueue labels such
+    a job itself when it is created. Rendered as queued from the start, a TrainJob carries no
+    grace period Kueue would drop (:mod:`.jobspec.trainjob`), and the launcher follows it as
+    queued.
+    """
+    import dataclasses
+
+    if job.queue is not None or (queue := default_queue(api, namespace)) is None:
+        return None
+    say(f"namespace {namespace} has Kueue's default LocalQueue {queue.name!r}: the job waits "
+        "in it for quota (name another with --queue-name)")
+    return dataclasses.replace(job, queue=queue)
+
+
 class KueueReads:
     """The reads of one queued job's Kueue objects.
 

@@ -36,7 +36,7 @@ from kfp_nvrx.components.launch.k8s_job import (
     failure_reason,
     hints,
 )
-from kfp_nvrx.components.launch.kueue import KueueReads
+from kfp_nvrx.components.launch.kueue import KueueReads, with_default_queue
 from kfp_nvrx.components.launch.logs import PodLogFollower
 from kfp_nvrx.components.launch.result import LaunchResult
 
@@ -260,6 +260,9 @@ def launch_trainjob(spec: RenderedTrainJob | ResolvedJob | JobSpec, opts: K8sOpt
     api = k8s_http.bound(api_client or k8s.ApiClient(client_configuration))
     k8s_api.configure(api.configuration)
     namespace = run.opts.namespace or job.namespace or k8s_api.current_namespace()
+    if (queued := with_default_queue(api, namespace, job, run.say)) is not None:
+        ref = rendered.job["spec"]["runtimeRef"]
+        rendered, job = render(queued, ref["name"], ref["kind"]), queued
     rendered.job["metadata"]["namespace"] = namespace
     follower = PodLogFollower(k8s.CoreV1Api(api), namespace, job.name, emit=run.say,
                               container=rt.CONTAINER_NAME,

@@ -35,14 +35,14 @@ class Launch:
     """One ``kfp-nvrx launch --backend kubernetes`` of a 2-node CPU job (1 CPU per node)."""
 
     def __init__(self, kube: Any, name: str, job_api: str, *, steps: int, queue: str = "",
-                 priority: str = "", extra: tuple[str, ...] = ()) -> None:
+                 priority: str = "", extra: tuple[str, ...] = (), namespace: str = "") -> None:
         self.kube, self.name = kube, name
         self.out = kube.root / f"launch-{name}-{time.monotonic_ns()}.log"
         self.err = self.out.with_suffix(".err")
         self.result_path = self.out.with_suffix(".json")
         argv = [str(Path(sys.executable).parent / "kfp-nvrx"), "launch", "--backend",
                 "kubernetes", "--job-api", job_api, "--name", name, "--namespace",
-                kube.namespace, "--nodes", "2", "--instance-type", "cpu", "--cpu", "1",
+                namespace or kube.namespace, "--nodes", "2", "--instance-type", "cpu", "--cpu", "1",
                 "--memory", "1Gi", "--image", "kfp-nvrx-trainer:test", "--pvc",
                 "kfp-nvrx-shared", "--config", "tiny", "--poll-interval", "1",
                 "--result", str(self.result_path), "--set", f"data.path=/fsx/{DATA}",

@@ -21,7 +21,7 @@ from cluster import kueue
 from cluster.kueue_launch import DATA, Launch, prepare_data
 from cluster.launch_real import wait_for
 from kfp_nvrx.components.launch.jobspec import pytorchjob, trainjob
-from kfp_nvrx.components.launch.jobspec.runtime import GRACE_PERIOD_S
+from kfp_nvrx.components.launch.jobspec.runtime import GRACE_PERIOD_S, build_runtime
 from kfp_nvrx.components.launch.jobspec.spec import JobSpec
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -223,6 +223,36 @@ def test_a_preempted_job_is_followed_until_it_runs_again(queue, launch) -> None:
     assert result["pod_restarts"] == 0
     assert any(line.startswith(f"admitted by ClusterQueue {CQ} after ") for line in high.lines())
     assert high.result()["preemptions"] == 0
+
+
+def test_a_namespaces_default_queue_holds_a_job_that_names_none(queue, launch) -> None:
+    """Kueue queues every job of a namespace with a LocalQueue named ``default``: the launcher
+    says so, renders the job as queued (a TrainJob without its own grace period) and follows it."""
+    from cluster import install
+
+    ns = "kq-default-queue"
+    objs = [{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}},
+            {"apiVersion": kueue.API, "kind": "LocalQueue",
+             "metadata": {"name": "default", "namespace": ns}, "spec": {"clusterQueue": CQ}},
+            build_runtime(namespace=ns)]
+    install.apply(_cp(queue), objs)
+    custom = client.CustomObjectsApi(queue.client())
+    try:
+        job = launch("kq-defaulted", "trainjob", steps=30, namespace=ns)
+        job.wait_line("namespace kq-default-queue has Kueue's default LocalQueue 'default'")
+        job.wait_line(f"admitted by ClusterQueue {CQ} after ")
+        made = custom.get_namespaced_custom_object("trainer.kubeflow.org", "v1alpha1", ns,
+                                                   "trainjobs", "kq-defaulted")
+        assert made["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "default"
+        ours = made["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"][
+            "replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+        assert "terminationGracePeriodSeconds" not in ours
+        job.stop()
+        assert job.result()["extra"]["queue"]["local_queue"] == "default"
+    finally:
+        custom.delete_namespaced_custom_object(kueue.GROUP, "v1beta2", ns, "localqueues",
+                                               "default")
+        client.CoreV1Api(queue.client()).delete_namespace(ns)
 
 
 @pytest.mark.parametrize("flag,value,field", [

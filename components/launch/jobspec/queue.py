@@ -23,6 +23,9 @@ from typing import Any
 from kfp_nvrx.components.errors import UserError
 
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+#: The LocalQueue Kueue (v0.17: LocalQueueDefaulting, GA) puts every job of a namespace in that
+#: names none, when the namespace has one of this name.
+DEFAULT_QUEUE = "default"
 PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
 #: Kueue's API group and version (the objects the launcher reads while a job is queued).
 GROUP = "kueue.x-k8s.io"
