@@ -4,10 +4,9 @@
 source, seed or ``val_fraction``) keeps the name and changes the tokens, and a resume on them would
 go on training the restored weights on other data, in an order the run never had. So the run's
 first start also writes ``<run_dir>/dataset.json``: the dataset's content fingerprint
-(:func:`~kfp_nvrx.components.data.shards.content_fingerprint`: every shard's sha256 from the
-dataset's index), where it was and its token counts. Like config.yaml it is never replaced, and a
-resume must find the same fingerprint at ``data.path`` unless ``checkpoint.allow_changes`` names
-``data.path`` (:func:`check_dataset`).
+(:func:`content_fingerprint`: every shard's sha256 from the dataset's index), where it was and its
+token counts. Like config.yaml it is never replaced, and a resume must find the same fingerprint
+at ``data.path`` unless ``checkpoint.allow_changes`` names ``data.path`` (:func:`check_dataset`).
 
 The fingerprint is read from the index (no shard is read here); that the shards still match their
 index is checked where the data is opened (the launcher's preflight checksums a split of up to
@@ -16,6 +15,7 @@ index is checked where the data is opened (the launcher's preflight checksums a 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -27,8 +27,11 @@ from kfp_nvrx.components.core.bounded import read_json
 from kfp_nvrx.components.core.rundir import DATASET_FILE, refuse_link
 from kfp_nvrx.components.errors import UserError
 
-__all__ = ["DATASET_FILE", "check_dataset", "describe_dataset", "read_dataset_record",
-           "record_dataset", "unreadable_record"]
+#: The dataset's index, as prepare-data names it (``components/data/shards.py``).
+INDEX_NAME = "index.json"
+
+__all__ = ["DATASET_FILE", "check_dataset", "content_fingerprint", "describe_dataset",
+           "read_dataset_record", "record_dataset", "unreadable_record"]
 _HEX = frozenset("0123456789abcdef")
 
 
@@ -39,17 +42,45 @@ def unreadable_record(err: UserError) -> UserError:
                      "fresh `run_dir`")
 
 
+def content_fingerprint(index: dict[str, Any]) -> str:
+    """sha256 of what decides the tokens a run reads from a dataset with this index.
+
+    The token dtype, the vocabulary and every split's shards in order: name, token count and
+    sha256. Two datasets with the same fingerprint hold the same tokens in the same places;
+    prepare-data run again with another source, seed or ``val_fraction`` into the same folder
+    gives another one. (The index's own ``fingerprint`` is of prepare-data's *inputs*, and a
+    hand-made or older index may lack it.)
+
+    Raises:
+        KeyError, TypeError: The index lacks those fields (not one prepare-data wrote).
+    """
+    key = {"format": index.get("format"), "dtype": index["dtype"],
+           "vocab_size": index["vocab_size"],
+           "splits": {split: [[s["file"], s["tokens"], s["sha256"]] for s in entry["shards"]]
+                      for split, entry in index["splits"].items()}}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
 def describe_dataset(data_path: str) -> dict[str, Any]:
     """The record of the dataset at ``data_path``: ``path`` (resolved), ``fingerprint``, ``tokens``.
+
+    Its ``index.json`` is read here (bounded), not through the data package: the core imports
+    no other room. The trainer has opened and checked the dataset before this is asked.
 
     Raises:
         UserError: Naming ``data.path`` when it holds no readable dataset index.
     """
-    from kfp_nvrx.components.data.shards import content_fingerprint, read_index
-
-    index = read_index(data_path, "data.path")
-    return {"path": os.path.realpath(data_path), "fingerprint": content_fingerprint(index),
-            "tokens": {split: entry["tokens"] for split, entry in index["splits"].items()}}
+    path = Path(data_path) / INDEX_NAME
+    if not os.path.lexists(path):
+        raise UserError("data.path", f"{data_path} is not a dataset (no {INDEX_NAME}); create "
+                        "one with kfp-nvrx prepare-data")
+    index = read_json(path, "data.path", what="dataset index")
+    try:
+        return {"path": os.path.realpath(data_path), "fingerprint": content_fingerprint(index),
+                "tokens": {split: entry["tokens"] for split, entry in index["splits"].items()}}
+    except (KeyError, TypeError, AttributeError):
+        raise UserError("data.path", f"{path} is not an index prepare-data wrote; re-run "
+                        "prepare-data") from None
 
 
 def read_dataset_record(run_dir: Path) -> dict[str, Any] | None:

@@ -35,12 +35,15 @@ from kfp_nvrx.components.core.rundir import (
     RESUMED_CONFIG_FILE,
     check_run_dir_links,
     checkpoints_dir,
-    committed_steps,
     link_in,
     refuse_link,
     step_dir,
     verify,
 )
+
+# Imported here, not through rundir.committed_steps' lazy import: the check runs while ranks
+# start, and an import inside it would run the first time there.
+from kfp_nvrx.components.core.timeline import committed_steps
 from kfp_nvrx.components.errors import UserError
 
 

@@ -261,22 +261,6 @@ class SplitTokens:
         return out
 
 
-def content_fingerprint(index: dict[str, Any]) -> str:
-    """sha256 of what decides the tokens a run reads from a dataset with this (checked) index.
-
-    The token dtype, the vocabulary and every split's shards in order: name, token count and
-    sha256. Two datasets with the same fingerprint hold the same tokens in the same places;
-    prepare-data run again with another source, seed or ``val_fraction`` into the same folder
-    gives another one. (The index's own ``fingerprint`` is of prepare-data's *inputs*, and a
-    hand-made or older index may lack it.)
-    """
-    key = {"format": index.get("format"), "dtype": index["dtype"],
-           "vocab_size": index["vocab_size"],
-           "splits": {split: [[s["file"], s["tokens"], s["sha256"]] for s in entry["shards"]]
-                      for split, entry in index["splits"].items()}}
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
-
-
 def dataset_files(index: dict[str, Any]) -> set[str]:
     """The names a dataset's index accounts for: itself and every shard."""
     names = {INDEX_NAME}
