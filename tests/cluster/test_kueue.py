@@ -118,6 +118,34 @@ def test_rendered_queue_labels_are_what_kueues_webhooks_read(queue, kind: str) -
     assert f"v{kind.lower()}.kb.io" in body and "kueue.x-k8s.io/queue-name" in body
 
 
+def test_a_plain_jobset_is_queued_and_admitted(queue) -> None:
+    """Kueue's JobSet integration (JobSet v0.11 types) on JobSet v0.12.0: suspended by its
+    webhook, admitted into the ClusterQueue, run to completion by the JobSet controller."""
+    body = {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
+            "metadata": {"name": "kq-jobset", "labels": {"kueue.x-k8s.io/queue-name": LQ}},
+            "spec": {"replicatedJobs": [{"name": "one", "replicas": 1, "template": {"spec": {
+                "parallelism": 1, "completions": 1, "backoffLimit": 0, "template": {"spec": {
+                    "restartPolicy": "Never", "containers": [{
+                        "name": "main", "image": "ignored", "command": ["/bin/sh", "-c", "true"],
+                        "resources": {"requests": {"cpu": "1", "memory": "64Mi"}}}]}}}}}]}}
+    custom = client.CustomObjectsApi(queue.client())
+    group = ("jobset.x-k8s.io", "v1alpha2", queue.namespace, "jobsets")
+    made = custom.create_namespaced_custom_object(*group, body)
+    try:
+        assert made["spec"]["suspend"] is True  # Kueue's webhook: held until admitted
+        wait_for("the JobSet to complete", lambda: any(
+            c["type"] == "Completed" and c["status"] == "True" for c in (
+                custom.get_namespaced_custom_object(*group, "kq-jobset").get("status") or {}
+            ).get("conditions") or []))
+        workloads = custom.list_namespaced_custom_object(
+            kueue.GROUP, "v1beta2", queue.namespace, "workloads",
+            label_selector=f"kueue.x-k8s.io/job-uid={made['metadata']['uid']}")["items"]
+        assert [w["status"]["admission"]["clusterQueue"] for w in workloads] == [CQ]
+    finally:
+        custom.delete_namespaced_custom_object(*group, "kq-jobset",
+                                               propagation_policy="Background")
+
+
 def test_kueue_v017_drops_a_trainjobs_own_grace_period(queue) -> None:
     """Why a queued TrainJob carries no grace period of its own (jobspec.trainjob): Kueue, built
     with Trainer v2.2 types, admits it and writes it back without that v2.3 field. Its pods never
