@@ -123,8 +123,10 @@ def train_fsdp(
     result.last_log_lines = [redact(line) for line in result.last_log_lines]
     summary = ui_outputs.publish(spec.run_dir, result, run=run, metrics=metrics, timeline=timeline,
                                  title=name)
+    queued = (f", queued {result.queued_s:.0f}s by Kueue (preempted {result.preemptions}x)"
+              if "queue" in result.extra else "")
     print(f"{result.state}: goodput {summary['goodput']:.3f}, steps {summary['steps_final']}, "
-          f"restarts {summary['restarts']}, run dir {spec.run_dir}")
+          f"restarts {summary['restarts']}{queued}, run dir {spec.run_dir}")
     for line in summary.get("what_happened") or []:
         print(f"  {line}")
     if not result.succeeded:
