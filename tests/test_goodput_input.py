@@ -117,6 +117,18 @@ def test_an_in_job_restart_within_one_invocation_still_counts_its_recovery(tmp_p
     assert report["steps_redone"] == 2  # steps 3 and 4 ran twice
 
 
+def test_a_stopped_node_that_saved_does_not_end_the_session(tmp_path: Path) -> None:
+    """An evicted pod's workers save and log end(stopped); the job restarts in the same launch,
+    so its recovery still counts (the cluster e2e once read an empty recovery_s)."""
+    events = _steps("run-aaaa", 1, 4, T0)
+    events.append({"type": "end", "time": T0 + 5, "step": 4, "status": "stopped"})
+    events += _steps("run-aaaa", 5, 7, T0 + 20, inc=1)
+    _write(tmp_path, [json.dumps(e) for e in events])
+    report, _ = _goodput(tmp_path)
+    assert len(report["recovery_s"]) == 1 and report["recovery_s"][0] > 15
+    assert report["steps_redone"] == 0  # the stop saved step 4: nothing is trained twice
+
+
 def test_a_huge_line_is_skipped_without_being_held(tmp_path: Path) -> None:
     good = [json.dumps(e) for e in _steps("r1", 1, 3, T0)]
     _write(tmp_path, [good[0], '{"type": "x", "pad": "' + "a" * (1 << 20) + '"}', *good[1:]])

@@ -205,6 +205,10 @@ class Join(Event):
     endpoint: str | None = _f(_ANY, None)
 
 
+#: The status of an ``end`` written when a node was asked to stop (preemption, drain, delete).
+STOPPED = "stopped"
+
+
 @dataclass(frozen=True, kw_only=True)
 class End(Event):
     """The run ended with ``status`` (``completed``) after ``step``."""
@@ -217,6 +221,15 @@ class End(Event):
     def completed(self) -> bool:
         """The training loop ran to its last step."""
         return self.status == "completed"
+
+    @property
+    def closes_session(self) -> bool:
+        """Whether the run ended here.
+
+        Not when a node was stopped mid-run (``stopped``): it saved, and the job goes on,
+        restarted or re-admitted, in the same launch.
+        """
+        return self.status != STOPPED
 
 
 @dataclass(frozen=True, kw_only=True)

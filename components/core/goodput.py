@@ -93,7 +93,7 @@ def sessions(events: list[Event]) -> list[int]:
             index, run_id, ended = index + 1, None, False
         if rid is not None:
             run_id = rid
-        ended = ended or isinstance(e, End)
+        ended = ended or (isinstance(e, End) and e.closes_session)
         out.append(index)
     return out
 

@@ -161,7 +161,7 @@ class Trainer:
             saved = self.ckpt.save_on_stop(step, self.state, seconds)
         asked = self.job.stop.deadline is not None
         if self.place.rank == 0:
-            self.events.emit(ev.End(step=step, status="stopped"))
+            self.events.emit(ev.End(step=step, status=ev.STOPPED))
         kept = f"step {saved} is committed" if saved is not None else "nothing is committed"
         who = "this node was asked to stop" if asked else "a peer node was asked to stop"
         raise StopRequested(asked, saved, f"[trainer] stopping at step {step} ({who}): {kept} "
