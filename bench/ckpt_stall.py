@@ -101,7 +101,7 @@ def shipped_async(cfg, fwd_bwd, opt_step, state_fn, root: Path, device, mode: st
     """
     import torch
 
-    from kfp_nvrx.components.training.checkpoint import Checkpointer
+    from kfp_nvrx.components.training.checkpoint import Checkpointer, Reports
 
     commits: list[dict[str, float]] = []
 
@@ -110,7 +110,7 @@ def shipped_async(cfg, fwd_bwd, opt_step, state_fn, root: Path, device, mode: st
 
     cfg.checkpoint.keep = 1
     cfg.checkpoint.staging = mode
-    ckpt = Checkpointer(root, cfg.checkpoint, device, on_commit=on_commit, log=log)
+    ckpt = Checkpointer(root, cfg.checkpoint, device, reports=Reports(on_commit, log))
     t0 = time.perf_counter()
     ckpt.warm_up()
     warm_up_s = time.perf_counter() - t0

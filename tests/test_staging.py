@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 
 from kfp_nvrx.components.core.config import load_config
 from kfp_nvrx.components.core.rundir import step_dir
-from kfp_nvrx.components.training.checkpoint import Checkpointer, staged_write
+from kfp_nvrx.components.training.checkpoint import Checkpointer, Kept, Reports, staged_write
 from kfp_nvrx.components.training.checkpoint import staging as staging_mod
 from kfp_nvrx.components.training.trainer.build import TrainState, build, full_state
 
@@ -103,7 +103,7 @@ def test_staged_save_writes_the_state_at_save_time_and_equals_nvrx_staging(tmp_p
 def test_reused_buffer_second_save_and_in_memory_restore(tmp_path, pg, monkeypatch):
     cfg, model, opt, sched, train, step = _trainer(["checkpoint.staging=blocking"])
     staging = staging_mod.HostStaging(torch.device("cpu"))
-    ckpt = Checkpointer(tmp_path, cfg.checkpoint, torch.device("cpu"), staging=staging)
+    ckpt = Checkpointer(tmp_path, cfg.checkpoint, torch.device("cpu"), Kept(staging))
     step()
     ckpt.prepare(lambda: _state(model, opt, sched, train))  # background allocation
     for _ in range(2):
@@ -118,7 +118,7 @@ def test_reused_buffer_second_save_and_in_memory_restore(tmp_path, pg, monkeypat
     # A new incarnation in the same process (in-process restart) restores from host memory.
     _, model2, opt2, sched2, train2, step2 = _trainer(["checkpoint.staging=blocking"])
     step2()  # other values (and optimizer state present)
-    ckpt2 = Checkpointer(tmp_path, cfg.checkpoint, torch.device("cpu"), staging=staging)
+    ckpt2 = Checkpointer(tmp_path, cfg.checkpoint, torch.device("cpu"), Kept(staging))
     assert ckpt2.select() == 3
     target = _state(model2, opt2, sched2, train2)
     ckpt2.load(3, target)
@@ -138,7 +138,7 @@ def test_reused_buffer_second_save_and_in_memory_restore(tmp_path, pg, monkeypat
     ckpt2.save(4, state4)
     ckpt2.abort()
     assert not (step_dir(ckpt2.root, 4) / "COMMITTED").exists()
-    ckpt3 = Checkpointer(tmp_path, cfg.checkpoint, torch.device("cpu"), staging=staging)
+    ckpt3 = Checkpointer(tmp_path, cfg.checkpoint, torch.device("cpu"), Kept(staging))
     assert ckpt3.select() == 3 and ckpt3.memory_steps() == [4, 3]
     assert ckpt3.metadata_keys(4) >= set(want4)  # from the snapshot: step 4 has no .metadata
     notes, checked = [], []
@@ -157,7 +157,7 @@ def test_reused_buffer_second_save_and_in_memory_restore(tmp_path, pg, monkeypat
         ckpt3.save(5, _state(model2, opt2, sched2, train2))
     ckpt3.abort()
     monkeypatch.undo()
-    ckpt4 = Checkpointer(tmp_path, cfg.checkpoint, torch.device("cpu"), staging=staging)
+    ckpt4 = Checkpointer(tmp_path, cfg.checkpoint, torch.device("cpu"), Kept(staging))
     assert ckpt4.memory_steps() == [3]
     resumed, target3 = ckpt4.resume(lambda: _state(model2, opt2, sched2, train2))
     assert resumed == 3 and ckpt4.restored_from_memory
@@ -169,7 +169,7 @@ def test_reused_buffer_second_save_and_in_memory_restore(tmp_path, pg, monkeypat
 def test_one_bank_torn_by_a_fault_while_staging_falls_back_to_the_files(tmp_path, pg, monkeypatch):
     cfg, model, opt, sched, train, step = _trainer(["checkpoint.staging=blocking"])
     staging = staging_mod.HostStaging(torch.device("cpu"), banks=1)
-    ckpt = Checkpointer(tmp_path, cfg.checkpoint, torch.device("cpu"), staging=staging)
+    ckpt = Checkpointer(tmp_path, cfg.checkpoint, torch.device("cpu"), Kept(staging))
     step()
     ckpt.save(train.step, _state(model, opt, sched, train))
     ckpt.finalize(blocking=True)
@@ -180,7 +180,7 @@ def test_one_bank_torn_by_a_fault_while_staging_falls_back_to_the_files(tmp_path
         ckpt.save(train.step, _state(model, opt, sched, train))
     ckpt.abort()
     monkeypatch.undo()
-    ckpt2 = Checkpointer(tmp_path, cfg.checkpoint, torch.device("cpu"), staging=staging)
+    ckpt2 = Checkpointer(tmp_path, cfg.checkpoint, torch.device("cpu"), Kept(staging))
     assert ckpt2.memory_steps() == []
     resumed, _ = ckpt2.resume(lambda: _state(model, opt, sched, train))
     assert resumed == 1 and not ckpt2.restored_from_memory
@@ -204,7 +204,7 @@ def test_too_small_dev_shm_falls_back_to_nvrx_staging(tmp_path, pg, monkeypatch)
     step()
     monkeypatch.setattr(staging_mod, "shm_free_bytes", lambda path="/dev/shm": 1024)
     notes = []
-    ckpt = Checkpointer(tmp_path, cfg.checkpoint, torch.device("cpu"), log=notes.append)
+    ckpt = Checkpointer(tmp_path, cfg.checkpoint, torch.device("cpu"), reports=Reports(log=notes.append))
     ckpt.save(1, _state(model, opt, sched, train))
     ckpt.close()
     assert ckpt.mode == "nvrx" and ckpt.staging is None
@@ -244,7 +244,7 @@ def test_a_read_only_or_full_dev_shm_is_said_as_host_memory_and_falls_back(tmp_p
     cfg, model, opt, sched, train, step = _trainer(["checkpoint.staging=blocking"])
     step()
     notes = []
-    ckpt = Checkpointer(tmp_path, cfg.checkpoint, torch.device("cpu"), log=notes.append)
+    ckpt = Checkpointer(tmp_path, cfg.checkpoint, torch.device("cpu"), reports=Reports(log=notes.append))
     ckpt.save(1, _state(model, opt, sched, train))
     ckpt.close()
     assert ckpt.mode == "nvrx" and len(notes) == 1

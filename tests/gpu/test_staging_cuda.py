@@ -93,7 +93,7 @@ def test_overlapped_staging_saves_the_state_at_save_time(tmp_path, pg):
 
 def test_in_memory_restore_equals_the_files(tmp_path, pg):
     from kfp_nvrx.components.core.rundir import step_dir
-    from kfp_nvrx.components.training.checkpoint import Checkpointer
+    from kfp_nvrx.components.training.checkpoint import Checkpointer, Kept
     from kfp_nvrx.components.training.trainer.build import full_state
 
     cfg, model, opt, sched, train, step, device = _trainer(["checkpoint.staging=overlap"])
@@ -106,7 +106,7 @@ def test_in_memory_restore_equals_the_files(tmp_path, pg):
     ckpt.close()
     staging = ckpt.staging
     _, model2, opt2, sched2, train2, _, _ = _trainer()
-    again = Checkpointer(tmp_path, cfg.checkpoint, device, staging=staging)
+    again = Checkpointer(tmp_path, cfg.checkpoint, device, Kept(staging))
     target = full_state(model2, opt2, sched2, train2, {}, 0)
     again.load(2, target)
     assert again.restored_from_memory

@@ -4,7 +4,7 @@ Modules, and the object each one holds:
 
 * :mod:`.checkpointer`: :class:`Checkpointer`, one per incarnation: when to save, save and commit,
   where to resume from and load. It owns the :class:`~.async_save.AsyncSaver` and uses the two
-  objects below, which outlive in-process restarts.
+  objects below, which outlive in-process restarts (handed over as :class:`Kept`).
 * :mod:`.writer`: :class:`NvrxWriter`, NVRx's persistent writer process of this worker process,
   and every writer process it started until reaped (killed at interpreter exit).
 * :mod:`.staging`: :class:`HostStaging`, the pinned, shared host buffer a save is copied into (and
@@ -14,8 +14,8 @@ Modules, and the object each one holds:
 * :mod:`.reader`: a faster reader for DCP checkpoints (pipelined large reads).
 """
 
-from kfp_nvrx.components.training.checkpoint.checkpointer import Checkpointer
+from kfp_nvrx.components.training.checkpoint.checkpointer import Checkpointer, Kept, Reports
 from kfp_nvrx.components.training.checkpoint.staging import HostStaging
 from kfp_nvrx.components.training.checkpoint.writer import CheckpointError, NvrxWriter
 
-__all__ = ["CheckpointError", "Checkpointer", "HostStaging", "NvrxWriter"]
+__all__ = ["CheckpointError", "Checkpointer", "HostStaging", "Kept", "NvrxWriter", "Reports"]

@@ -29,6 +29,7 @@ import functools
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,34 @@ def staging_mode(cfg: CheckpointConfig, device: torch.device) -> str:
     return cfg.staging
 
 
+@dataclass
+class Kept:
+    """What a worker process's checkpointing keeps across its in-process restarts.
+
+    None is made by the next :class:`Checkpointer`, which holds the ones it used.
+
+    Attributes:
+        staging: The host staging buffer, which an in-process restart restores from.
+        writer: NVRx's writer; its processes, killed on an abort, are reaped by a later incarnation.
+    """
+
+    staging: HostStaging | None = None
+    writer: NvrxWriter | None = None
+
+
+@dataclass(frozen=True)
+class Reports:
+    """Where a :class:`Checkpointer` tells what happened.
+
+    Attributes:
+        on_commit: Called on rank 0 with (step, blocking_s, total_s, bytes) after each commit.
+        log: Where one-line notices go (e.g. falling back to NVRx staging).
+    """
+
+    on_commit: Callable[[int, float, float, int], None] | None = None
+    log: Callable[[str], None] = print
+
+
 class Checkpointer:
     """Saves and loads one incarnation's training state; every public method is collective.
 
@@ -82,24 +111,23 @@ class Checkpointer:
         run_dir: The run directory.
         cfg: The ``checkpoint`` config section.
         device: Training device (decides GPU staging vs CPU snapshot).
-        on_commit: Called on rank 0 with (step, blocking_s, total_s, bytes) after each commit.
-        staging: The process's staging buffer, kept across in-process restarts (created if None).
-        writer: The process's NVRx writer, kept across in-process restarts (created if None).
-        log: Where one-line notices go (e.g. falling back to NVRx staging).
+        kept: The process's staging buffer and writer from its last incarnation (made if None).
+        reports: Where commits and notices go.
         final_step: The run's last step, saved too when ``checkpoint.save_final``.
     """
 
     def __init__(self, run_dir: str | os.PathLike, cfg: CheckpointConfig, device: torch.device,
-                 on_commit: Callable[[int, float, float, int], None] | None = None,
-                 staging: HostStaging | None = None, writer: NvrxWriter | None = None,
-                 log: Callable[[str], None] = print, final_step: int | None = None) -> None:
+                 kept: Kept | None = None, reports: Reports = Reports(),
+                 final_step: int | None = None) -> None:
+        kept = kept or Kept()
+        staging = kept.staging
         self.run_dir = Path(run_dir)
         self.root = checkpoints_dir(run_dir)
         self.cfg = cfg
         self.device = device
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        self.on_commit = on_commit
+        self.on_commit = reports.on_commit
         self.final_step = final_step
         self.inflight: InFlight | None = None
         self.commits = 0  # saves committed by this incarnation
@@ -115,13 +143,13 @@ class Checkpointer:
                 home.drop_other_ranks()  # ranks a relaunch on fewer nodes no longer has
                 staging = HostStaging(device, home)
             self.staging = staging
-        self.writer = writer if writer is not None else NvrxWriter(device)
+        self.writer = kept.writer if kept.writer is not None else NvrxWriter(device)
         if self.writer.started:  # the last incarnation's, whose abort was cut short: not ours
             self.writer.abort()
         self.writer.use_cuda(self.staging is None)  # staged saves: the writer needs no GPU
         self.saver = AsyncSaver(self.writer, device, self.rank, cfg.write_threads,
                                 start_timeout=cfg.finalize_timeout)
-        self.log = log
+        self.log = reports.log
         self.recovery = Recovery(self.run_dir, cfg, device, self.staging,
                                  lambda msg: self.log(msg))  # self.log may be replaced
 

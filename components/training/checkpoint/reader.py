@@ -17,6 +17,7 @@ import os
 import queue
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -162,6 +163,71 @@ class _Slot:
         self.events: list[Any] = []
 
 
+class _Readers:
+    """The background threads of one ``read_data``: each fills a free slot with the next chunk.
+
+    Args:
+        chunks: The chunks to read, in order.
+        nthreads: Reader threads; one more slot than readers is the consuming thread's.
+        pinned: Whether the buffers are pinned (the readers then use the current CUDA device).
+        fill: Reads a chunk into a slot through the thread's open descriptors; returns the bytes.
+    """
+
+    def __init__(self, chunks: list[_Chunk], nthreads: int, pinned: bool,
+                 fill: Callable[[_Slot, _Chunk, dict[Path, int]], torch.Tensor]) -> None:
+        self.chunks = chunks
+        self.fill = fill
+        self.free: queue.Queue[_Slot] = queue.Queue()
+        for _ in range(nthreads + 1):
+            self.free.put(_Slot())
+        self.cond = threading.Condition()
+        self.ready: dict[int, Any] = {}
+        self.next_index = 0
+        self.stop = threading.Event()
+        self.current = torch.cuda.current_device() if pinned else None
+        self.threads = [threading.Thread(target=self.reader, name=f"dcp-read-{i}", daemon=True)
+                        for i in range(nthreads)]
+
+    def reader(self) -> None:
+        """One reader thread, until every chunk is taken or :attr:`stop` is set."""
+        if self.current is not None:
+            torch.cuda.set_device(self.current)  # pinned allocations/events: no context on GPU 0
+        fds: dict[Path, int] = {}
+        try:
+            while not self.stop.is_set():
+                try:
+                    slot = self.free.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                with self.cond:  # the slot first, then the index: the oldest chunk always has one
+                    index = self.next_index
+                    self.next_index += 1
+                if index >= len(self.chunks):
+                    return
+                try:
+                    ready_item: Any = (slot, self.fill(slot, self.chunks[index], fds))
+                except BaseException as err:  # noqa: B036 - handed to the consuming thread
+                    ready_item = err
+                with self.cond:
+                    self.ready[index] = ready_item
+                    self.cond.notify_all()
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    def take(self, index: int) -> tuple[_Slot, torch.Tensor]:
+        """Waits for chunk ``index``: its slot and bytes; raises what its reader raised."""
+        with self.cond:
+            while index not in self.ready:
+                if not any(t.is_alive() for t in self.threads):
+                    raise RuntimeError("checkpoint reader threads exited early")
+                self.cond.wait(timeout=0.5)
+            got = self.ready.pop(index)
+        if isinstance(got, BaseException):
+            raise got
+        return got
+
+
 class FastFileSystemReader(FileSystemReader):
     """``FileSystemReader`` whose ``read_data`` reads large chunks in the background.
 
@@ -220,66 +286,23 @@ class FastFileSystemReader(FileSystemReader):
         pinned = self._want_pinned(plan, planner)
         nthreads = min(self.num_threads, len(chunks))
         capacity = min(max(c.end - c.start for c in chunks), self.max_buffer_bytes)
-        free: queue.Queue[_Slot] = queue.Queue()
-        for _ in range(nthreads + 1):
-            free.put(_Slot())
-        cond = threading.Condition()
-        ready: dict[int, Any] = {}
-        next_index = [0]
-        stop = threading.Event()
+        readers = _Readers(chunks, nthreads, pinned,
+                           lambda slot, chunk, fds: self._fill(slot, chunk, fds, pinned, capacity))
         devices: set[torch.device] = set()
-        current = torch.cuda.current_device() if pinned else None
-
-        def reader() -> None:
-            if current is not None:
-                torch.cuda.set_device(current)  # pinned allocations/events: no context on GPU 0
-            fds: dict[Path, int] = {}
-            try:
-                while not stop.is_set():
-                    try:
-                        slot = free.get(timeout=0.05)
-                    except queue.Empty:
-                        continue
-                    with cond:  # the slot first, then the index: the oldest chunk always has one
-                        index = next_index[0]
-                        next_index[0] += 1
-                    if index >= len(chunks):
-                        return
-                    try:
-                        ready_item: Any = (slot, self._fill(slot, chunks[index], fds, pinned,
-                                                              capacity))
-                    except BaseException as err:  # noqa: B036 - handed to the consuming thread
-                        ready_item = err
-                    with cond:
-                        ready[index] = ready_item
-                        cond.notify_all()
-            finally:
-                for fd in fds.values():
-                    os.close(fd)
-
-        threads = [threading.Thread(target=reader, name=f"dcp-read-{i}", daemon=True)
-                   for i in range(nthreads)]
-        for t in threads:
+        current = readers.current
+        for t in readers.threads:
             t.start()
         try:
             for index, chunk in enumerate(chunks):
-                with cond:
-                    while index not in ready:
-                        if not any(t.is_alive() for t in threads):
-                            raise RuntimeError("checkpoint reader threads exited early")
-                        cond.wait(timeout=0.5)
-                    got = ready.pop(index)
-                if isinstance(got, BaseException):
-                    raise got
-                slot, buf = got
+                slot, buf = readers.take(index)
                 for device in self._consume(chunk, buf, planner, pinned):
                     slot.events.append(torch.cuda.Event())
                     slot.events[-1].record(torch.cuda.current_stream(device))
                     devices.add(device)
-                free.put(slot)
+                readers.free.put(slot)
         finally:
-            stop.set()
-            for t in threads:
+            readers.stop.set()
+            for t in readers.threads:
                 t.join()
             if pinned:  # also on errors: no copy may still read a buffer once it is freed
                 for device in devices | {torch.device("cuda", current or 0)}:

@@ -196,23 +196,27 @@ class HostStaging:
             if self.committed is None:  # nothing adopted: an earlier worker's files are stale
                 self.home.withdraw()
                 self.home.drop_banks(keep={b.index for b in self.banks})
-            ranges = _pin_ranges(slots, nbytes)
-            for bank in self.banks:
-                if self.cuda and not bank.pinned:  # adopted: pinned before a save copies in
-                    bank.pin(ranges)
-            have = {b.index for b in self.banks}
-            for index in range(self.max_banks):
-                if len(have) >= count:
-                    break
-                if index in have:
-                    continue  # adopted from an earlier worker, or allocated before
-                bank = _Bank(index, self.home.bank_path(index))
-                bank.map(nbytes, create=True)
-                if self.cuda:
-                    bank.pin(ranges)
-                bank.key = f"{self.layout_key}-{index}"
-                self.banks.append(bank)
-                have.add(index)
+            self._add_banks(slots, nbytes, count)
+
+    def _add_banks(self, slots: dict[str, Slot], nbytes: int, count: int) -> None:
+        """Pins the adopted banks and maps (and pins) new ones up to ``count`` (under the lock)."""
+        ranges = _pin_ranges(slots, nbytes)
+        for bank in self.banks:
+            if self.cuda and not bank.pinned:  # adopted: pinned before a save copies in
+                bank.pin(ranges)
+        have = {b.index for b in self.banks}
+        for index in range(self.max_banks):
+            if len(have) >= count:
+                break
+            if index in have:
+                continue  # adopted from an earlier worker, or allocated before
+            bank = _Bank(index, self.home.bank_path(index))
+            bank.map(nbytes, create=True)
+            if self.cuda:
+                bank.pin(ranges)
+            bank.key = f"{self.layout_key}-{index}"
+            self.banks.append(bank)
+            have.add(index)
 
     def release(self) -> None:
         """Unpins and unmaps the banks and deletes their files (the layout changed, or the end)."""

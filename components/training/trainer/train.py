@@ -22,7 +22,13 @@ from kfp_nvrx.components.core.config import Config
 from kfp_nvrx.components.core.events import EventLog, read_events
 from kfp_nvrx.components.core.faults import Fault
 from kfp_nvrx.components.core.rounds import agent_identity
-from kfp_nvrx.components.training.checkpoint import Checkpointer, HostStaging, NvrxWriter
+from kfp_nvrx.components.training.checkpoint import (
+    Checkpointer,
+    HostStaging,
+    Kept,
+    NvrxWriter,
+    Reports,
+)
 from kfp_nvrx.components.training.trainer.build import TrainState, build, env_int
 from kfp_nvrx.components.training.trainer.data import TokenDataset
 from kfp_nvrx.components.training.trainer.fault_injector import FaultInjector
@@ -231,8 +237,8 @@ class Incarnation:
                                           total_s=round(total, 6), bytes=nbytes))
 
             self.ckpt = ckpt = Checkpointer(
-                job.run_dir, cfg.checkpoint, job.device, on_commit=on_commit,
-                staging=job.staging, writer=job.writer, log=log0, final_step=cfg.train.steps)
+                job.run_dir, cfg.checkpoint, job.device, Kept(job.staging, job.writer),
+                Reports(on_commit, log0), final_step=cfg.train.steps)
             job.staging, job.writer = ckpt.staging, ckpt.writer
             trainer = Trainer(job, Place(self.rank, self.world, self.iteration, self.call_wrapper),
                               Replica(model, opt, sched, TrainState()), ckpt, events,
