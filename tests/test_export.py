@@ -28,6 +28,7 @@ from kfp_nvrx.components.training.export.consolidate import (
     select_checkpoint,
 )
 from kfp_nvrx.components.training.export.evaluate import (
+    Windows,
     eval_loss,
     evaluate_export,
     load_exported_model,
@@ -171,7 +172,7 @@ def test_eval_loss_is_deterministic_and_tracks_the_weights(run: tuple[Path, dict
         logits = models[5](rows[:, :-1])
     manual = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), rows[:, 1:].reshape(-1))
     assert abs(float(manual) - info["eval_loss"]) < 1e-5
-    other = eval_loss(models[3], dataset, seq_len=64, batch_size=4, batches=3)
+    other = eval_loss(models[3], dataset, Windows(seq_len=64, batch_size=4, batches=3))
     assert other["loss"] != info["eval_loss"] and other["windows"] == 12
 
 

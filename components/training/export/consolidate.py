@@ -235,8 +235,6 @@ def export_checkpoint(run_dir: str | os.PathLike[str], out_dir: str | os.PathLik
             ``eval_batches``); ``out_dir`` when its file system has no room for the export.
 
     """
-    from kfp_nvrx.components.training.export.evaluate import eval_loss, load_exported_model
-
     log = log or (lambda _msg: None)
     run, out = Path(run_dir).absolute(), Path(out_dir).absolute()
     _check_args(run, run_dir, step, eval_batches)
@@ -256,18 +254,8 @@ def export_checkpoint(run_dir: str | os.PathLike[str], out_dir: str | os.PathLik
         del state
         if data_dir:
             log(f"evaluating on the val split of {data_dir}")
-            result = eval_loss(load_exported_model(work), data_dir, seq_len=cfg.data.seq_len,
-                               batch_size=cfg.data.batch_size, batches=eval_batches,
-                               vocab_size=cfg.model.vocab_size)
-            info.update(eval_loss=result["loss"], eval_tokens=result["tokens"],
-                        eval_data=str(Path(data_dir).resolve()))
-        try:
-            write_json_atomic(work / "export.json", info)
-            for name in EXPORT_FILES:  # readable by the serving side of a shared volume
-                os.chmod(work / name, 0o644)
-            publish_dir(work, out, EXPORT_FILES, last="export.json")
-        except OSError as err:
-            raise _full(out) if disk_full(err) else err from None
+            info.update(_eval_info(work, data_dir, cfg, eval_batches))
+        _publish(work, out, info)
         done = True
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -277,6 +265,32 @@ def export_checkpoint(run_dir: str | os.PathLike[str], out_dir: str | os.PathLik
             except OSError:
                 break
     return {**info, "path": str(out)}
+
+
+def _eval_info(work: Path, data_dir: str, cfg: Any, eval_batches: int) -> dict[str, Any]:
+    """The export's eval loss fields: the model written to ``work`` on ``data_dir``'s val split."""
+    from kfp_nvrx.components.training.export.evaluate import (
+        Windows,
+        eval_loss,
+        load_exported_model,
+    )
+
+    windows = Windows(cfg.data.seq_len, cfg.data.batch_size, eval_batches)
+    result = eval_loss(load_exported_model(work), data_dir, windows,
+                       vocab_size=cfg.model.vocab_size)
+    return {"eval_loss": result["loss"], "eval_tokens": result["tokens"],
+            "eval_data": str(Path(data_dir).resolve())}
+
+
+def _publish(work: Path, out: Path, info: dict[str, Any]) -> None:
+    """Writes ``export.json`` and moves the export from ``work`` to ``out``, that file last."""
+    try:
+        write_json_atomic(work / "export.json", info)
+        for name in EXPORT_FILES:  # readable by the serving side of a shared volume
+            os.chmod(work / name, 0o644)
+        publish_dir(work, out, EXPORT_FILES, last="export.json")
+    except OSError as err:
+        raise _full(out) if disk_full(err) else err from None
 
 
 def summary(info: dict[str, Any]) -> str:

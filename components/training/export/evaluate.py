@@ -7,6 +7,7 @@ split, so the same model and data always give the same number (no sampling, no R
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,17 +58,29 @@ def window_starts(n_tokens: int, seq_len: int, n_windows: int) -> np.ndarray:
     return np.linspace(0, n_tokens - span, n).round().astype(np.int64)
 
 
-def eval_loss(model: Any, data_dir: str | os.PathLike[str], *, seq_len: int, batch_size: int = 4,
-              batches: int = 8, split: str = "val",
-              vocab_size: int | None = None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Windows:
+    """Which windows of a split an eval reads.
+
+    Attributes:
+        seq_len: Tokens per window input (targets are shifted by one).
+        batch_size: Windows per forward pass.
+        batches: Number of batches; fewer windows are used when the split is short.
+    """
+
+    seq_len: int
+    batch_size: int = 4
+    batches: int = 8
+
+
+def eval_loss(model: Any, data_dir: str | os.PathLike[str], windows: Windows, *,
+              split: str = "val", vocab_size: int | None = None) -> dict[str, Any]:
     """Mean next-token cross-entropy of ``model`` over deterministic windows of a split.
 
     Args:
         model: Maps tokens (B, T) to logits (B, T, vocab); evaluated on CPU in float32.
         data_dir: A ``prepare-data`` dataset.
-        seq_len: Tokens per window input (targets are shifted by one).
-        batch_size: Windows per forward pass.
-        batches: Number of batches; fewer windows are used when the split is short.
+        windows: Window length, windows per batch and batches.
         split: Which split to read.
         vocab_size: The model's vocabulary (default: ``model.cfg.vocab_size``).
 
@@ -78,10 +91,11 @@ def eval_loss(model: Any, data_dir: str | os.PathLike[str], *, seq_len: int, bat
     import torch
     import torch.nn.functional as F
 
+    seq_len, batch_size = windows.seq_len, windows.batch_size
     vocab = vocab_size if vocab_size is not None else _vocab_size(model)
     index = check_dataset(data_dir, vocab, seq_len, split)
     tokens = SplitTokens(data_dir, split, index)
-    starts = window_starts(len(tokens), seq_len, batches * batch_size)
+    starts = window_starts(len(tokens), seq_len, windows.batches * batch_size)
     model = model.float().eval()
     total, count = 0.0, 0
     with torch.inference_mode():
@@ -149,5 +163,5 @@ def evaluate_export(export_dir: str | os.PathLike[str], data_dir: str | os.PathL
             seq_len = int(read_json(Path(export_dir) / "export.json", "model")["seq_len"])
         except (UserError, ValueError, KeyError, TypeError):
             seq_len = int(model_cfg.max_seq_len)
-    return eval_loss(model, data_dir, seq_len=seq_len, batch_size=batch_size, batches=batches,
+    return eval_loss(model, data_dir, Windows(seq_len, batch_size, batches),
                      vocab_size=model_cfg.vocab_size)
