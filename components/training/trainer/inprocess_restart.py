@@ -41,9 +41,21 @@ def in_process_wrapper(cfg: ResilienceConfig, store_port: int) -> Callable[[Call
     from nvidia_resiliency_ext import inprocess
 
     clock = RestartClock()
+    wrapper = _nvrx_wrapper(inprocess, cfg, store_port, clock)
+    _fit_health_check(wrapper)
+
+    def decorate(fn: Callable) -> Callable:
+        return _restartable(fn, wrapper, clock, inprocess.CallWrapper)
+
+    return decorate
+
+
+def _nvrx_wrapper(inprocess: Any, cfg: ResilienceConfig, store_port: int,
+                  clock: RestartClock) -> Any:
+    """NVRx's ``inprocess.Wrapper`` with the timeouts, polls and hooks described above."""
     initialize, finalize, abort = clock_hooks(inprocess, clock)
     poll = datetime.timedelta(seconds=WRAPPER_POLL_S)
-    wrapper = inprocess.Wrapper(
+    return inprocess.Wrapper(
         store_kwargs={"port": store_port},
         soft_timeout=datetime.timedelta(seconds=cfg.soft_timeout),
         hard_timeout=datetime.timedelta(seconds=cfg.hard_timeout),
@@ -62,6 +74,10 @@ def in_process_wrapper(cfg: ResilienceConfig, store_port: int) -> Callable[[Call
         finalize=finalize,
         health_check=_health_check(),
     )
+
+
+def _fit_health_check(wrapper: Any) -> None:
+    """NVRx >= 0.6's restart health checks: off without CUDA, NVML held with it."""
     import torch
 
     if getattr(wrapper, "restart_health_check", None) is not None:
@@ -72,33 +88,35 @@ def in_process_wrapper(cfg: ResilienceConfig, store_port: int) -> Callable[[Call
         else:
             _hold_nvml()
 
-    def decorate(fn: Callable) -> Callable:
-        def entry(*args: Any, call_wrapper: Any = None) -> Any:
-            clock.entered(call_wrapper.iteration if call_wrapper is not None else 0)
-            try:
-                return fn(*args, call_wrapper=call_wrapper)
-            except BaseException:
-                clock.exited()
-                raise
 
-        # NVRx finds the argument to inject by its annotation, which must be the real class
-        # (this module's annotations are strings under `from __future__ import annotations`).
-        entry.__annotations__ = {"call_wrapper": inprocess.CallWrapper}
-        wrapped = wrapper(entry)
+def _restartable(fn: Callable, wrapper: Any, clock: RestartClock,
+                 call_wrapper_type: type) -> Callable:
+    """``fn`` under ``wrapper``, its entries and exits timed by ``clock``, the heap frozen first."""
 
-        def start(*args: Any) -> Any:
-            # Before every re-entry NVRx runs `gc.collect()` until nothing is left to free, which
-            # walks the whole heap (torch, DTensor, sympy, dynamo; at least two passes, each
-            # a noticeable part of an in-process restart). Freezing what exists now (modules,
-            # the Job) leaves those passes only the objects created since, among them every
-            # incarnation's model and optimizer, which are still collected.
-            gc.collect()
-            gc.freeze()
-            return wrapped(*args)
+    def entry(*args: Any, call_wrapper: Any = None) -> Any:
+        clock.entered(call_wrapper.iteration if call_wrapper is not None else 0)
+        try:
+            return fn(*args, call_wrapper=call_wrapper)
+        except BaseException:
+            clock.exited()
+            raise
 
-        return start
+    # NVRx finds the argument to inject by its annotation, which must be the real class
+    # (this module's annotations are strings under `from __future__ import annotations`).
+    entry.__annotations__ = {"call_wrapper": call_wrapper_type}
+    wrapped = wrapper(entry)
 
-    return decorate
+    def start(*args: Any) -> Any:
+        # Before every re-entry NVRx runs `gc.collect()` until nothing is left to free, which
+        # walks the whole heap (torch, DTensor, sympy, dynamo; at least two passes, each
+        # a noticeable part of an in-process restart). Freezing what exists now (modules,
+        # the Job) leaves those passes only the objects created since, among them every
+        # incarnation's model and optimizer, which are still collected.
+        gc.collect()
+        gc.freeze()
+        return wrapped(*args)
+
+    return start
 
 
 def _hold_nvml() -> None:
