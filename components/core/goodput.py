@@ -216,23 +216,11 @@ def narrate(events: list[Event], sess: list[int] | None = None) -> list[str]:
             inc = (k, *_incarnation(e))
             relaunch = current is not None and k != current[0]
             if current is not None and inc != current:
-                if relaunch:
-                    what = "relaunched"
-                elif fault is not None:
-                    rank = f"rank {fault.rank}" if fault.rank is not None else "a rank"
-                    what = f"{rank} {fault_verb(fault.kind)} at step {fault.step}"
-                elif layers.get(id(e), e.layer) == POD:  # the rounds, else rank 0's word
-                    what = f"pods recreated after step {max(done, default=0)}"
-                else:
-                    what = f"workers failed after step {max(done, default=0)}"
-                base = e.resumed_from
-                where = "restarted from scratch" if base is None else f"resumed from step {base}"
-                if e.from_memory:
-                    where += " (host memory)"
-                redone = sum(1 for s in done if s > (base or 0))
+                # the restart's layer as the rounds tell it, else as rank 0 logged it
+                what = _cause(relaunch, fault, layers.get(id(e), e.layer), done)
+                where, redone = _resumed(e, done)
                 origin = None if relaunch else fault.time if fault is not None else last_end
-                pending = {"text": f"{what}, {where}", "origin": origin,
-                           "redone": f"{redone} step{'s' if redone != 1 else ''} redone"}
+                pending = {"text": f"{what}, {where}", "origin": origin, "redone": redone}
                 fault, done = None, []
             current = inc
         elif isinstance(e, Step):
@@ -248,6 +236,28 @@ def narrate(events: list[Event], sess: list[int] | None = None) -> list[str]:
     if pending is not None:
         out.append(f"{pending['text']}, {pending['redone']}")
     return out
+
+
+def _cause(relaunch: bool, fault: Fault | None, layer: str | None, done: list[int]) -> str:
+    """What ended the incarnation that a restart follows (the start of its sentence)."""
+    if relaunch:
+        return "relaunched"
+    if fault is not None:
+        rank = f"rank {fault.rank}" if fault.rank is not None else "a rank"
+        return f"{rank} {fault_verb(fault.kind)} at step {fault.step}"
+    if layer == POD:
+        return f"pods recreated after step {max(done, default=0)}"
+    return f"workers failed after step {max(done, default=0)}"
+
+
+def _resumed(e: Start, done: list[int]) -> tuple[str, str]:
+    """Where a restart resumed from, and the stopped incarnation's steps it redoes, in words."""
+    base = e.resumed_from
+    where = "restarted from scratch" if base is None else f"resumed from step {base}"
+    if e.from_memory:
+        where += " (host memory)"
+    redone = sum(1 for s in done if s > (base or 0))
+    return where, f"{redone} step{'s' if redone != 1 else ''} redone"
 
 
 def recovery_windows(events: list[Event],

@@ -40,6 +40,8 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
+from typing import NoReturn
 
 from kfp_nvrx.components.core.pod_child import BARRIER_ENV, SUCCEEDED_LINE, Child, exit_barrier_s
 from kfp_nvrx.components.core.stop_request import (
@@ -224,86 +226,119 @@ def main(argv: list[str] | None = None) -> int:
               f"got {os.environ.get(PEER_WAIT_ENV)!r}, {os.environ.get(BARRIER_ENV)!r}; unset "
               "them for the defaults", file=sys.stderr)
         return 2
-    stopped: list[int] = []
-    child_alive = [True]
-    watch: list[Child] = []
-    # FT: this node's stop request: a SIGTERM of the pod (not one of ft_launcher's restarts)
-    # lets the workers save first, within ft_launcher's --term-timeout (core.stop_request).
-    stop_path = stop_file(tempfile.gettempdir(), f"{os.getpid()}-{time.time_ns()}")
-    term_s = term_timeout_s(argv)
+    entry = _Entry(argv, barrier_s)
+    code = entry.run()
+    return entry.exit_code(code, wait_s)
 
-    def forward(signum: int, _frame: object) -> None:
-        stopped.append(signum)
-        if signum == signal.SIGTERM and not os.path.lexists(stop_path):
-            request_stop(stop_path, term_s - SAVE_MARGIN_S)
-        if signum == signal.SIGTERM and watch and watch[0].stop_asked is None:
-            watch[0].stop_asked = time.monotonic()  # FT: bounded from here (pod_child)
-        if child_alive[0]:
+
+class _Entry:
+    """One run of the child: the signals forwarded to it, its output copied, its watch.
+
+    Args:
+        argv: The child's command line (the ft_launcher line).
+        barrier_s: How long a node whose workers succeeded waits at ft_launcher's exit barrier.
+    """
+
+    def __init__(self, argv: list[str], barrier_s: float) -> None:
+        self.argv = argv
+        self.barrier_s = barrier_s
+        self.stopped: list[int] = []
+        self.child_alive = True
+        self.watch: Child | None = None
+        # FT: this node's stop request: a SIGTERM of the pod (not one of ft_launcher's restarts)
+        # lets the workers save first, within ft_launcher's --term-timeout (core.stop_request).
+        self.stop_path = stop_file(tempfile.gettempdir(), f"{os.getpid()}-{time.time_ns()}")
+        self.term_s = term_timeout_s(argv)
+        self.pid = 0
+        self.copies: list[_Copy] = []
+
+    def forward(self, signum: int, _frame: object) -> None:
+        """The handler of the forwarded signals: note them, pass them on to the child."""
+        self.stopped.append(signum)
+        if signum == signal.SIGTERM and not os.path.lexists(self.stop_path):
+            request_stop(self.stop_path, self.term_s - SAVE_MARGIN_S)
+        if signum == signal.SIGTERM and self.watch is not None and self.watch.stop_asked is None:
+            self.watch.stop_asked = time.monotonic()  # FT: bounded from here (pod_child)
+        if self.child_alive:
             try:
-                os.kill(pid, signum)
+                os.kill(self.pid, signum)
             except ProcessLookupError:
                 pass
 
-    # One pipe when our stdout and stderr are one file (a container log, the test agent's):
-    # the child's lines then keep their order across the two streams.
-    targets = (1,) if _same_file(1, 2) else (1, 2)
-    pipes = [os.pipe() for _ in targets]
-    pid = os.fork()
-    if pid == 0:
-        try:
-            for sig in _FORWARDED:
-                signal.signal(sig, signal.SIG_DFL)
-            os.dup2(pipes[0][1], 1)
-            os.dup2(pipes[-1][1], 2)
-            os.environ["PYTHONWARNINGS"] = quiet_warnings(os.environ)
-            os.environ[STOP_FILE_ENV] = str(stop_path)
-            for r, w in pipes:
-                os.close(r)
-                os.close(w)
-            os.execvp(argv[0], argv)
-        except OSError as e:
-            print(f"pod_entry: cannot run {argv[0]!r}: {e.strerror}", file=sys.stderr,
-                  flush=True)
-        os._exit(127)
-    for sig in _FORWARDED:
-        signal.signal(sig, forward)
-    copies = []
-    for fd, (r, w) in zip(targets, pipes, strict=True):
-        os.close(w)
-        copies.append(_Copy(r, fd))
-        copies[-1].start()
-    watch.append(Child(pid, argv, term_timeout_s(argv), barrier_s,
-                       lambda: any(SUCCEEDED_LINE in c.text() for c in copies)))
-    if stopped and signal.SIGTERM in stopped:  # asked to stop before the watch existed
-        watch[0].stop_asked = time.monotonic()
-    code = watch[0].wait(lambda: _reaped(pid))
-    child_alive[0] = False
-    withdraw_stop(stop_path)
-    deadline = time.monotonic() + DRAIN_S
-    for c in copies:  # the child's last lines were written before it exited: copy them out
-        c.caught_up(max(0.0, deadline - time.monotonic()))
-    if signal.SIGTERM in stopped:
-        # Asked to stop: report the stop, never ft_launcher's "gave up" 1 (nor a 0 from workers
-        # that exited cleanly on the signal: this pod did not finish the job).
-        return TERMINATED
-    if watch[0].cut == "exit barrier":
-        # FT: this node's workers succeeded; a peer that never reaches the barrier (its pod lost
-        # after training ended) must not hold the job for ft_launcher's 300 s.
-        print(f"pod_entry: this node's workers succeeded; stopped ft_launcher after {barrier_s:g} "
-              "s at its exit barrier (a peer agent did not arrive)", file=sys.stderr, flush=True)
-        return 0
-    code = verdict(code, "".join(c.text() for c in copies))
-    if code != PEER_LOST:
+    def run(self) -> int:
+        """Starts the child, copies its output and waits for it; returns its exit status."""
+        argv = self.argv
+        # One pipe when our stdout and stderr are one file (a container log, the test agent's):
+        # the child's lines then keep their order across the two streams.
+        targets = (1,) if _same_file(1, 2) else (1, 2)
+        pipes = [os.pipe() for _ in targets]
+        self.pid = os.fork()
+        if self.pid == 0:
+            _exec_child(argv, pipes, self.stop_path)
+        for sig in _FORWARDED:
+            signal.signal(sig, self.forward)
+        copies = self.copies
+        for fd, (r, w) in zip(targets, pipes, strict=True):
+            os.close(w)
+            copies.append(_Copy(r, fd))
+            copies[-1].start()
+        self.watch = watch = Child(self.pid, argv, term_timeout_s(argv), self.barrier_s,
+                                   lambda: any(SUCCEEDED_LINE in c.text() for c in copies))
+        if self.stopped and signal.SIGTERM in self.stopped:  # asked to stop before the watch
+            watch.stop_asked = time.monotonic()
+        code = watch.wait(lambda: _reaped(self.pid))
+        self.child_alive = False
+        withdraw_stop(self.stop_path)
+        deadline = time.monotonic() + DRAIN_S
+        for c in copies:  # the child's last lines were written before it exited: copy them out
+            c.caught_up(max(0.0, deadline - time.monotonic()))
         return code
-    # FT: ft_launcher lost a peer or its rendezvous host but did not give up. Let the lost pod's
-    # own failure (or a peer's verdict) reach the Job first: it stops this pod (143).
-    print(f"pod_entry: ft_launcher lost a peer pod or the rendezvous host; waiting up to "
-          f"{wait_s:g} s for this pod to be stopped, then exit {PEER_LOST} (restart)",
-          file=sys.stderr, flush=True)
-    deadline = time.monotonic() + wait_s
-    while signal.SIGTERM not in stopped and time.monotonic() < deadline:
-        _reap_for(min(0.5, max(0.0, deadline - time.monotonic())))
-    return TERMINATED if signal.SIGTERM in stopped else PEER_LOST
+
+    def exit_code(self, code: int, wait_s: float) -> int:
+        """The container's exit code once the child exited with ``code`` (module docstring)."""
+        stopped = self.stopped
+        if signal.SIGTERM in stopped:
+            # Asked to stop: report the stop, never ft_launcher's "gave up" 1 (nor a 0 from
+            # workers that exited cleanly on the signal: this pod did not finish the job).
+            return TERMINATED
+        if self.watch is not None and self.watch.cut == "exit barrier":
+            # FT: this node's workers succeeded; a peer that never reaches the barrier (its pod
+            # lost after training ended) must not hold the job for ft_launcher's 300 s.
+            print(f"pod_entry: this node's workers succeeded; stopped ft_launcher after "
+                  f"{self.barrier_s:g} s at its exit barrier (a peer agent did not arrive)",
+                  file=sys.stderr, flush=True)
+            return 0
+        code = verdict(code, "".join(c.text() for c in self.copies))
+        if code != PEER_LOST:
+            return code
+        # FT: ft_launcher lost a peer or its rendezvous host but did not give up. Let the lost
+        # pod's own failure (or a peer's verdict) reach the Job first: it stops this pod (143).
+        print(f"pod_entry: ft_launcher lost a peer pod or the rendezvous host; waiting up to "
+              f"{wait_s:g} s for this pod to be stopped, then exit {PEER_LOST} (restart)",
+              file=sys.stderr, flush=True)
+        deadline = time.monotonic() + wait_s
+        while signal.SIGTERM not in stopped and time.monotonic() < deadline:
+            _reap_for(min(0.5, max(0.0, deadline - time.monotonic())))
+        return TERMINATED if signal.SIGTERM in stopped else PEER_LOST
+
+
+def _exec_child(argv: list[str], pipes: list[tuple[int, int]], stop_path: Path) -> NoReturn:
+    """In the forked child: default signals, output into ``pipes``, then exec ``argv``."""
+    try:
+        for sig in _FORWARDED:
+            signal.signal(sig, signal.SIG_DFL)
+        os.dup2(pipes[0][1], 1)
+        os.dup2(pipes[-1][1], 2)
+        os.environ["PYTHONWARNINGS"] = quiet_warnings(os.environ)
+        os.environ[STOP_FILE_ENV] = str(stop_path)
+        for r, w in pipes:
+            os.close(r)
+            os.close(w)
+        os.execvp(argv[0], argv)
+    except OSError as e:
+        print(f"pod_entry: cannot run {argv[0]!r}: {e.strerror}", file=sys.stderr,
+              flush=True)
+    os._exit(127)
 
 
 def _same_file(a: int, b: int) -> bool:
