@@ -241,14 +241,25 @@ def verify(path: Path, share: tuple[int, int] = (0, 1), crc: bool = True) -> str
         actual = _dir_files(path)
     except OSError as err:
         return f"cannot list {path}: {err.strerror or err}"
-    for name, size in marker["files"].items():
+    return (_size_problem(path, marker["files"], actual)
+            or (_crc_problem(path, marker.get("crc32", {}), share) if crc else None))
+
+
+def _size_problem(path: Path, files: dict[str, int], actual: dict[str, int]) -> str | None:
+    """The first file of ``files`` missing from ``path`` or not of its recorded size."""
+    for name, size in files.items():
         if name not in actual:
             return f"{path / name} is missing"
         if actual[name] != size:
             return (f"{path / name} has {actual[name]} bytes where its commit recorded {size}, "
                     "so it was truncated or overwritten")
-    for i, (name, want) in enumerate(sorted(marker.get("crc32", {}).items())):
-        if not crc or i % share[1] != share[0]:
+    return None
+
+
+def _crc_problem(path: Path, crcs: dict[str, int], share: tuple[int, int]) -> str | None:
+    """The first file of this ``(index, count)`` share of ``crcs`` whose CRC32 differs."""
+    for i, (name, want) in enumerate(sorted(crcs.items())):
+        if i % share[1] != share[0]:
             continue
         try:
             if crc32_file(path / name) != want:

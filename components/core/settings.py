@@ -86,6 +86,19 @@ def coerce_setting(key: str, value: Any, typ: Any, rule: Mapping[str, Any]) -> A
         raise UserError(key, f"{str(value)!r} is a number YAML 1.1 and 1.2 read differently (a "
                         "leading 0 is octal in 1.1, decimal in 1.2) or no plain decimal (0x, 0o, "
                         "0b, _); write it in plain decimal, or quote it for a string")
+    got = _coerce(key, value, typ, rule)
+    if got is not _MISMATCH:
+        return got
+    name = getattr(typ, "__name__", str(typ))
+    raise UserError(key, f"expected {name}, got {value!r} ({type(value).__name__})")
+
+
+#: What :func:`_coerce` returns for a value that is no ``typ``.
+_MISMATCH = object()
+
+
+def _coerce(key: str, value: Any, typ: Any, rule: Mapping[str, Any]) -> Any:
+    """``value`` as ``typ`` (bool, int, float or str), else :data:`_MISMATCH`."""
     if typ is bool:
         if isinstance(value, bool):
             return value
@@ -93,21 +106,32 @@ def coerce_setting(key: str, value: Any, typ: Any, rule: Mapping[str, Any]) -> A
         if isinstance(value, int) and not isinstance(value, bool):
             return int(value)  # a plain int, not config_text.YamlInt
     elif typ is float:
-        if isinstance(value, (int, float, str)) and not isinstance(value, bool):
-            try:  # YAML 1.1 reads `1e-3` (no dot) as a string
-                return float(value)
-            except OverflowError:  # an int of hundreds of digits
-                raise UserError(key, f"must be a finite number, got {value}") from None
-            except ValueError:
-                pass
+        return _as_float(key, value)
     elif typ is str:
-        if isinstance(value, str):
-            return str(value)
-        choices = rule.get("choices") or ()
-        word = {False: "off", True: "on"}.get(value) if isinstance(value, bool) else None
-        if word is not None and word in choices:
-            return word  # YAML 1.1 reads a bare `off` as false
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and not choices:
-            return getattr(value, "text", None) or str(value)  # YAML `name: 1.50` keeps "1.50"
-    name = getattr(typ, "__name__", str(typ))
-    raise UserError(key, f"expected {name}, got {value!r} ({type(value).__name__})")
+        return _as_str(value, rule)
+    return _MISMATCH
+
+
+def _as_float(key: str, value: Any) -> Any:
+    """``value`` as a float (an int, float or numeric string), else :data:`_MISMATCH`."""
+    if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+        try:  # YAML 1.1 reads `1e-3` (no dot) as a string
+            return float(value)
+        except OverflowError:  # an int of hundreds of digits
+            raise UserError(key, f"must be a finite number, got {value}") from None
+        except ValueError:
+            pass
+    return _MISMATCH
+
+
+def _as_str(value: Any, rule: Mapping[str, Any]) -> Any:
+    """``value`` as a string (a YAML 1.1 ``off``/``on`` choice, a number's text), else _MISMATCH."""
+    if isinstance(value, str):
+        return str(value)
+    choices = rule.get("choices") or ()
+    word = {False: "off", True: "on"}.get(value) if isinstance(value, bool) else None
+    if word is not None and word in choices:
+        return word  # YAML 1.1 reads a bare `off` as false
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and not choices:
+        return getattr(value, "text", None) or str(value)  # YAML `name: 1.50` keeps "1.50"
+    return _MISMATCH
