@@ -7,12 +7,13 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from kfp_nvrx.components.cli import main as cli
-from kfp_nvrx.components.data.prepare import prepare_dataset
+from kfp_nvrx.components.data.prepare import Recipe, prepare_dataset
 from kfp_nvrx.components.data.sample import sample_documents, write_sample_corpus
 from kfp_nvrx.components.data.shards import SplitTokens, read_index, verify_checksums
 from kfp_nvrx.components.data.sources import iter_documents
@@ -63,7 +64,7 @@ def test_sample_corpus_is_deterministic_and_english_like(tmp_path: Path) -> None
 
 def test_prepare_writes_contract_format(corpus: Path, tmp_path: Path) -> None:
     out = tmp_path / "ds"
-    res = prepare_dataset(str(corpus), out, seq_len=32, val_fraction=0.1, seed=3)
+    res = prepare_dataset(str(corpus), out, Recipe(val_fraction=0.1, seed=3), seq_len=32)
     assert res["status"] == "written"
     index = json.loads((out / "index.json").read_text())
     assert "status" not in index and "path" not in index
@@ -99,9 +100,9 @@ def test_prepare_writes_contract_format(corpus: Path, tmp_path: Path) -> None:
 
 
 def test_split_is_deterministic_from_seed(corpus: Path, tmp_path: Path) -> None:
-    a = prepare_dataset(str(corpus), tmp_path / "a", seed=5, val_fraction=0.1, seq_len=16)
-    b = prepare_dataset(str(corpus), tmp_path / "b", seed=5, val_fraction=0.1, seq_len=16)
-    c = prepare_dataset(str(corpus), tmp_path / "c", seed=6, val_fraction=0.1, seq_len=16)
+    a = prepare_dataset(str(corpus), tmp_path / "a", Recipe(seed=5, val_fraction=0.1), seq_len=16)
+    b = prepare_dataset(str(corpus), tmp_path / "b", Recipe(seed=5, val_fraction=0.1), seq_len=16)
+    c = prepare_dataset(str(corpus), tmp_path / "c", Recipe(seed=6, val_fraction=0.1), seq_len=16)
     assert a["fingerprint"] == b["fingerprint"] != c["fingerprint"]
     val = [(tmp_path / d / "val_00000.bin").read_bytes() for d in "abc"]
     assert val[0] == val[1] != val[2]
@@ -138,7 +139,7 @@ def test_damaged_dataset_is_rebuilt(corpus: Path, tmp_path: Path) -> None:
 
 def test_small_shards_and_reads_across_boundaries(corpus: Path, tmp_path: Path) -> None:
     out = tmp_path / "ds"
-    index = prepare_dataset(str(corpus), out, seq_len=16, shard_bytes=4096)
+    index = prepare_dataset(str(corpus), out, Recipe(shard_bytes=4096), seq_len=16)
     shards = index["splits"]["train"]["shards"]
     assert len(shards) > 5 and all(s["tokens"] <= 4096 for s in shards)
     assert [s["file"] for s in shards] == [f"train_{i:05d}.bin" for i in range(len(shards))]
@@ -157,8 +158,8 @@ def test_jsonl_text_field_nul_bytes_and_txt_paragraphs(tmp_path: Path) -> None:
         json.dumps({"body": "x\u0000y " * 40}) + "\n\n" + json.dumps({"body": "é" * 50}) + "\n")
     (src / "b.txt").write_text("para one\nline two\n\n\n  \npara two " + "z" * 60 + "\n")
     (src / "ignored.csv").write_text("not,read\n")
-    res = prepare_dataset(str(src), tmp_path / "ds", text_field="body", seq_len=8,
-                          val_fraction=0.3, seed=0)
+    res = prepare_dataset(str(src), tmp_path / "ds",
+                          Recipe(text_field="body", val_fraction=0.3, seed=0), seq_len=8)
     docs = sorted(_docs_of(SplitTokens(tmp_path / "ds", "train"))
                   + _docs_of(SplitTokens(tmp_path / "ds", "val")))
     assert docs == sorted([b"xy " * 40, "é".encode() * 50, b"para one\nline two",
@@ -180,10 +181,10 @@ def test_sample_scheme(tmp_path: Path) -> None:
     assert small["splits"]["train"]["docs"] + small["splits"]["val"]["docs"] == 100
 
 
-def _bad(tmp_path: Path, field: str, source: str, **kwargs: object) -> str:
+def _bad(tmp_path: Path, field: str, source: str, seq_len: Any = 64, **recipe: Any) -> str:
     before = _listing(tmp_path)
     with pytest.raises(UserError) as err:
-        prepare_dataset(source, tmp_path / "out", **kwargs)
+        prepare_dataset(source, tmp_path / "out", Recipe(**recipe), seq_len=seq_len)
     assert err.value.field == field, err.value
     assert "\n" not in err.value.one_line()
     assert _listing(tmp_path) == before, "a failed run leaves nothing behind"
@@ -275,7 +276,7 @@ def test_tokenizer_json(corpus: Path, tmp_path: Path) -> None:
 
     hf = Tokenizer.from_file(str(tj))
     out = tmp_path / "ds"
-    res = prepare_dataset(str(corpus), out, tokenizer=str(tj), seq_len=16, val_fraction=0.1)
+    res = prepare_dataset(str(corpus), out, Recipe(tokenizer=str(tj), val_fraction=0.1), seq_len=16)
     eos = hf.token_to_id("<|endoftext|>")
     sha = hashlib.sha256(tj.read_bytes()).hexdigest()
     assert res["tokenizer"] == f"tokenizer.json@sha256:{sha}"
@@ -285,16 +286,16 @@ def test_tokenizer_json(corpus: Path, tmp_path: Path) -> None:
     first = data[: int(np.flatnonzero(data == eos)[0])]
     assert hf.decode(first.tolist()) in [" ".join(hf.encode(d).tokens) for d in docs]
     # --eos-token picks another special token; the fingerprint changes with it.
-    other = prepare_dataset(str(corpus), tmp_path / "ds2", tokenizer=str(tj), seq_len=16,
-                            val_fraction=0.1, eos_token="[UNK]")
+    other = prepare_dataset(str(corpus), tmp_path / "ds2",
+                            Recipe(tokenizer=str(tj), val_fraction=0.1, eos_token="[UNK]"), seq_len=16)
     assert other["eos_id"] == hf.token_to_id("[UNK]")
     assert other["fingerprint"] != res["fingerprint"]
     with pytest.raises(UserError) as err:
-        prepare_dataset(str(corpus), tmp_path / "ds3", tokenizer=str(tj), eos_token="</s>")
+        prepare_dataset(str(corpus), tmp_path / "ds3", Recipe(tokenizer=str(tj), eos_token="</s>"))
     assert err.value.field == "eos_token"
     (tmp_path / "junk.json").write_text("{}")
     with pytest.raises(UserError) as err:
-        prepare_dataset(str(corpus), tmp_path / "ds3", tokenizer=str(tmp_path / "junk.json"))
+        prepare_dataset(str(corpus), tmp_path / "ds3", Recipe(tokenizer=str(tmp_path / "junk.json")))
     assert err.value.field == "tokenizer" and "not a valid tokenizer.json" in err.value.message
 
 
@@ -303,7 +304,7 @@ def test_tokenizers_package_missing_is_a_user_error(corpus: Path, tmp_path: Path
     (tmp_path / "tokenizer.json").write_text("{}")
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # import now raises ImportError
     with pytest.raises(UserError) as err:
-        prepare_dataset(str(corpus), tmp_path / "ds", tokenizer=str(tmp_path / "tokenizer.json"))
+        prepare_dataset(str(corpus), tmp_path / "ds", Recipe(tokenizer=str(tmp_path / "tokenizer.json")))
     assert err.value.field == "tokenizer" and "pip install" in err.value.message
 
 
@@ -349,10 +350,10 @@ def test_out_dir_that_cannot_be_renamed_is_filled_in_place(
         real_replace(src, dst)
 
     monkeypatch.setattr(os, "replace", replace)
-    first = prepare_dataset(str(corpus), out, seq_len=16, shard_bytes=64)
+    first = prepare_dataset(str(corpus), out, Recipe(shard_bytes=64), seq_len=16)
     assert first["status"] == "written" and verify_checksums(out) == []
     assert len(first["splits"]["train"]["shards"]) > 1
-    second = prepare_dataset(str(corpus), out, seq_len=16, seed=1, overwrite=True)
+    second = prepare_dataset(str(corpus), out, Recipe(seed=1), seq_len=16, overwrite=True)
     assert read_index(out)["fingerprint"] == second["fingerprint"] != first["fingerprint"]
     # The first dataset's extra shards (ours) went; exactly the second one's files are left.
     assert {p.name for p in out.iterdir()} == {"index.json"} | {
@@ -360,7 +361,7 @@ def test_out_dir_that_cannot_be_renamed_is_filled_in_place(
     assert verify_checksums(out) == []
     (out / "notes.md").write_text("mine")  # a foreign file stops even --overwrite
     with pytest.raises(UserError):
-        prepare_dataset(str(corpus), out, seq_len=16, seed=2, overwrite=True)
+        prepare_dataset(str(corpus), out, Recipe(seed=2), seq_len=16, overwrite=True)
     assert (out / "notes.md").read_text() == "mine"
     (out / "notes.md").unlink()
     assert _listing(tmp_path) == {"src", "mnt"}

@@ -16,6 +16,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,27 @@ SPLITS = ("train", "val")
 ENCODE_BATCH = 256
 
 
+@dataclass(frozen=True)
+class Recipe:
+    """How a dataset is made from its sources; all but ``shard_bytes`` decide its fingerprint.
+
+    Attributes:
+        tokenizer: ``byte`` or a path to a ``tokenizer.json``.
+        eos_token: End-of-document token of a tokenizer.json (default: a known one it has).
+        text_field: The JSON field holding the text in ``.jsonl`` sources.
+        val_fraction: Share of documents held out for validation, in (0, 1).
+        seed: Chooses which documents go to val.
+        shard_bytes: Maximum shard file size.
+    """
+
+    tokenizer: str = "byte"
+    eos_token: str | None = None
+    text_field: str = "text"
+    val_fraction: float = 0.05
+    seed: int = 0
+    shard_bytes: int = SHARD_BYTES
+
+
 def fingerprint(source_hashes: list[str], tokenizer_id: str, eos_id: int, text_field: str,
                 val_fraction: float, seed: int) -> str:
     """sha256 identifying a dataset: same inputs and settings -> same tokens on disk."""
@@ -57,8 +79,8 @@ def fingerprint(source_hashes: list[str], tokenizer_id: str, eos_id: int, text_f
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 
-def _check_args(source: str, out_dir: str | os.PathLike[str], seq_len: Any, val_fraction: Any,
-                text_field: Any, seed: Any) -> None:
+def _check_args(source: str, out_dir: str | os.PathLike[str], seq_len: Any, recipe: Recipe) -> None:
+    val_fraction, text_field, seed = recipe.val_fraction, recipe.text_field, recipe.seed
     if not isinstance(source, str) or not source.strip():
         raise UserError("source", "is required: a file, glob or directory of .txt/.jsonl, or "
                         f"'{SAMPLE_SCHEME}' for the bundled sample corpus")
@@ -167,12 +189,12 @@ def _batched(items: Iterable[str], size: int) -> Iterator[list[str]]:
         yield batch
 
 
-def _write_splits(files: list[Path], tok: Any, text_field: str, val_fraction: float, seed: int,
-                  work: Path, dtype: str, shard_bytes: int,
+def _write_splits(files: list[Path], tok: Any, recipe: Recipe, work: Path, dtype: str,
                   log: Callable[[str], None]) -> dict[str, Any]:
+    text_field = recipe.text_field
     n_docs = sum(1 for f in files for _ in iter_documents(f, text_field))
-    in_val = _val_mask(n_docs, val_fraction, seed)
-    writers = {s: ShardWriter(work, s, dtype, shard_bytes) for s in SPLITS}
+    in_val = _val_mask(n_docs, recipe.val_fraction, recipe.seed)
+    writers = {s: ShardWriter(work, s, dtype, recipe.shard_bytes) for s in SPLITS}
     eos = np.array([tok.eos_id], dtype=np.int64)
     i = 0
     try:
@@ -192,10 +214,8 @@ def _write_splits(files: list[Path], tok: Any, text_field: str, val_fraction: fl
     return splits
 
 
-def prepare_dataset(source: str, out_dir: str | os.PathLike[str], *, tokenizer: str = "byte",
-                    seq_len: int = 64, val_fraction: float = 0.05, text_field: str = "text",
-                    seed: int = 0, eos_token: str | None = None, overwrite: bool = False,
-                    shard_bytes: int = SHARD_BYTES,
+def prepare_dataset(source: str, out_dir: str | os.PathLike[str], recipe: Recipe = Recipe(), *,
+                    seq_len: int = 64, overwrite: bool = False,
                     log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Tokenizes ``source`` into train/val shards under ``out_dir`` (or reuses them).
 
@@ -203,15 +223,10 @@ def prepare_dataset(source: str, out_dir: str | os.PathLike[str], *, tokenizer: 
         source: A file, glob or directory of ``.txt`` / ``.jsonl`` / ``.json`` (JSON lines), or
             ``sample:`` / ``sample:<n_docs>`` for the bundled sample corpus.
         out_dir: The dataset directory to create.
-        tokenizer: ``byte`` or a path to a ``tokenizer.json``.
+        recipe: Tokenizer, text field, val split and shard size.
         seq_len: The sequence length the data is for; each split needs ``seq_len + 1`` tokens.
-        val_fraction: Share of documents held out for validation, in (0, 1).
-        text_field: The JSON field holding the text in ``.jsonl`` sources.
-        seed: Chooses which documents go to val.
-        eos_token: End-of-document token of a tokenizer.json (default: a known one it has).
         overwrite: Replace ``out_dir`` when it holds another dataset made by this function
             (a folder holding anything else is never replaced).
-        shard_bytes: Maximum shard file size.
         log: Progress callback (one line per source file).
 
     Returns:
@@ -222,17 +237,17 @@ def prepare_dataset(source: str, out_dir: str | os.PathLike[str], *, tokenizer: 
         UserError: On bad arguments or inputs, naming the field.
 
     """
-    _check_args(source, out_dir, seq_len, val_fraction, text_field, seed)
+    _check_args(source, out_dir, seq_len, recipe)
     log = log or (lambda _msg: None)
     out = Path(out_dir).absolute()
     with ExitStack() as stack:
         if source.strip().startswith(SAMPLE_SCHEME):
             source = _sample_source(source.strip(), stack)
         files = resolve_sources(source)
-        tok = load_tokenizer(tokenizer, eos_token)
+        tok = load_tokenizer(recipe.tokenizer, recipe.eos_token)
         dtype = dtype_for_vocab(tok.vocab_size)
-        fp = fingerprint([file_sha256(f) for f in files], tok.id, tok.eos_id, text_field,
-                         val_fraction, seed)
+        fp = fingerprint([file_sha256(f) for f in files], tok.id, tok.eos_id, recipe.text_field,
+                         recipe.val_fraction, recipe.seed)
         check_output_dir(out, "out_dir", files)
         index, ours = _existing(out, fp, overwrite)
         if index is not None:
@@ -245,11 +260,10 @@ def prepare_dataset(source: str, out_dir: str | os.PathLike[str], *, tokenizer: 
         except OSError as err:
             raise UserError("out_dir", f"cannot create {out}: {err.strerror or err}") from None
         try:
-            splits = _write_splits(files, tok, text_field, val_fraction, seed, work, dtype,
-                                   shard_bytes, log)
+            splits = _write_splits(files, tok, recipe, work, dtype, log)
             index = {"format": FORMAT, "tokenizer": tok.id, "vocab_size": tok.vocab_size,
                      "eos_id": tok.eos_id, "dtype": dtype, "seq_len": seq_len,
-                     "fingerprint": fp, "text_field": text_field,
+                     "fingerprint": fp, "text_field": recipe.text_field,
                      "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                      "splits": splits}
             _check_sizes(index, seq_len)

@@ -139,20 +139,28 @@ def _index_problem(index: dict[str, Any]) -> str | None:
     if not isinstance(splits, dict) or not splits:
         return "no splits"
     for split, entry in splits.items():
-        shards = entry.get("shards") if isinstance(entry, dict) else None
-        if not isinstance(shards, list):
-            return f"split {split!r} has no shard list"
-        for shard in shards:
-            name = shard.get("file") if isinstance(shard, dict) else None
-            if not isinstance(name, str) or not _SHARD_NAME.fullmatch(name):
-                return f"split {split!r} names a shard {name!r} that prepare-data never writes"
-            tokens = shard.get("tokens")
-            if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-                return f"shard {name} has a token count {tokens!r}"
-            if not isinstance(shard.get("sha256"), str):
-                return f"shard {name} has no sha256"
-        if entry.get("tokens") != sum(s["tokens"] for s in shards):
-            return f"split {split!r} token count does not add up over its shards"
+        problem = _split_problem(split, entry)
+        if problem:
+            return problem
+    return None
+
+
+def _split_problem(split: str, entry: Any) -> str | None:
+    """What is wrong with one split's entry of an index (None: nothing)."""
+    shards = entry.get("shards") if isinstance(entry, dict) else None
+    if not isinstance(shards, list):
+        return f"split {split!r} has no shard list"
+    for shard in shards:
+        name = shard.get("file") if isinstance(shard, dict) else None
+        if not isinstance(name, str) or not _SHARD_NAME.fullmatch(name):
+            return f"split {split!r} names a shard {name!r} that prepare-data never writes"
+        tokens = shard.get("tokens")
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            return f"shard {name} has a token count {tokens!r}"
+        if not isinstance(shard.get("sha256"), str):
+            return f"shard {name} has no sha256"
+    if entry.get("tokens") != sum(s["tokens"] for s in shards):
+        return f"split {split!r} token count does not add up over its shards"
     return None
 
 

@@ -40,13 +40,13 @@ def prepare_dataset(
     import json
     import os
 
+    from kfp_nvrx.components.data.prepare import Recipe, summary
     from kfp_nvrx.components.data.prepare import prepare_dataset as prepare
-    from kfp_nvrx.components.data.prepare import summary
 
     out_dir = os.path.join(workspace, "datasets", dataset_name)
-    index = prepare(source, out_dir, tokenizer=tokenizer, seq_len=seq_len,
-                    val_fraction=val_fraction, text_field=text_field, seed=seed, overwrite=True,
-                    log=print)
+    recipe = Recipe(tokenizer=tokenizer, text_field=text_field, val_fraction=val_fraction,
+                    seed=seed)
+    index = prepare(source, out_dir, recipe, seq_len=seq_len, overwrite=True, log=print)
     print(summary(index))
     os.makedirs(dataset.path, exist_ok=True)
     with open(os.path.join(dataset.path, "index.json"), "w", encoding="utf-8") as f:

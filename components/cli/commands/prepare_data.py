@@ -43,7 +43,7 @@ FLAGS = {"source": "--source", "out_dir": "--out", "tokenizer": "--tokenizer",
 
 def run(args: argparse.Namespace) -> int:
     """Prepare the dataset and print a one-line summary."""
-    from kfp_nvrx.components.data.prepare import prepare_dataset, summary
+    from kfp_nvrx.components.data.prepare import Recipe, prepare_dataset, summary
     from kfp_nvrx.components.errors import Surface, UserError
 
     def log(msg: str) -> None:
@@ -51,11 +51,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"prepare-data: {msg}", file=sys.stderr, flush=True)
 
     try:
-        result = prepare_dataset(
-            args.source, args.out, tokenizer=args.tokenizer, seq_len=args.seq_len,
-            val_fraction=args.val_fraction, text_field=args.text_field, seed=args.seed,
-            eos_token=args.eos_token, overwrite=args.overwrite, log=log,
-        )
+        recipe = Recipe(tokenizer=args.tokenizer, eos_token=args.eos_token,
+                        text_field=args.text_field, val_fraction=args.val_fraction, seed=args.seed)
+        result = prepare_dataset(args.source, args.out, recipe, seq_len=args.seq_len,
+                                 overwrite=args.overwrite, log=log)
     except UserError as err:
         raise Surface(FLAGS, assign="{name} {value}").reword(err) from None
     print(summary(result), flush=True)
