@@ -21,7 +21,7 @@ from kfp_nvrx.components.cli import main as cli
 from kfp_nvrx.components.core.config import load_config
 from kfp_nvrx.components.data.prepare import prepare_dataset
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.launch.local import free_port
+from kfp_nvrx.components.launch.local.run import free_port
 from kfp_nvrx.components.training.export.consolidate import (
     export_checkpoint,
     list_checkpoints,
@@ -106,7 +106,7 @@ def test_damaged_committed_checkpoint_is_skipped(run: tuple[Path, dict], tmp_pat
     shard.write_bytes(shard.read_bytes()[:100])  # truncated after the commit
     logged: list[str] = []
     assert select_checkpoint(run_dir, log=logged.append).step == 3
-    assert logged and "step_00000005" in logged[0] and "expected" in logged[0]
+    assert logged and "step_00000005" in logged[0] and "its commit recorded" in logged[0]
     with pytest.raises(UserError) as err:
         select_checkpoint(run_dir, 5)
     assert err.value.field == "step" and "__0_0.distcp" in err.value.message
