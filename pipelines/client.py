@@ -18,14 +18,13 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import urllib3.util
-import yaml
 
-from kfp_nvrx.components.core.argtypes import parse_bool
-from kfp_nvrx.components.core.bounded import PACKAGE_LIMIT, TOKEN_LIMIT, read_bytes, read_text
+from kfp_nvrx.components.core.bounded import TOKEN_LIMIT, read_bytes
 from kfp_nvrx.components.errors import UserError, redact
 from kfp_nvrx.components.redaction import register as register_secret
 from kfp_nvrx.pipelines.cron import validate_cron
@@ -42,95 +41,6 @@ _TOKEN = re.compile(r"[\x21-\x7e]+")
 API_TIMEOUT = 60.0
 _AUTH_HINT = ("pass a bearer token with --token-file (e.g. a service-account token), or open the "
               "API through `kubectl port-forward` which needs no login")
-
-# -- pipeline parameters ---------------------------------------------------------------------
-
-def load_package(path: str | Path) -> dict[str, Any]:
-    """Read a compiled pipeline YAML (the first document: the pipeline spec)."""
-    text = read_text(path, "--package", PACKAGE_LIMIT, "compiled pipeline")
-    try:
-        docs = list(yaml.safe_load_all(text))
-    except (yaml.YAMLError, RecursionError):  # RecursionError: nesting PyYAML cannot follow
-        raise UserError("--package", f"{path} is not valid YAML") from None
-    if not docs or not isinstance(docs[0], dict) or "root" not in docs[0]:
-        raise UserError("--package", f"{path} is not a compiled KFP pipeline (no 'root')")
-    return docs[0]
-
-
-def pipeline_parameters(spec: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Return the pipeline's input parameters: name -> ``{parameterType, defaultValue?, ...}``."""
-    return dict(spec.get("root", {}).get("inputDefinitions", {}).get("parameters", {}))
-
-
-def _convert(name: str, raw: str, ptype: str) -> Any:
-    field = f"--param {name}"
-    if ptype == "STRING":
-        return raw
-    if ptype == "NUMBER_INTEGER":
-        try:
-            return int(raw)
-        except ValueError:
-            raise UserError(field, f"expected an integer, got {raw!r}") from None
-    if ptype == "NUMBER_DOUBLE":
-        try:
-            return float(raw)
-        except ValueError:
-            raise UserError(field, f"expected a number, got {raw!r}") from None
-    if ptype == "BOOLEAN":
-        value = parse_bool(raw.strip(), digits=True)
-        if value is None:
-            raise UserError(field, f"expected true or false, got {raw!r}")
-        return value
-    if ptype == "LIST":
-        if not raw.strip().startswith("["):
-            return [item.strip() for item in raw.split(",") if item.strip()]
-        value = _json(field, raw)
-        if not isinstance(value, list):
-            raise UserError(field, f"expected a JSON list or comma-separated items, got {raw!r}")
-        return value
-    if ptype == "STRUCT":
-        value = _json(field, raw)
-        if not isinstance(value, dict):
-            raise UserError(field, f"expected a JSON object, got {raw!r}")
-        return value
-    return raw
-
-
-def _json(field: str, raw: str) -> Any:
-    try:
-        return json.loads(raw)
-    except json.JSONDecodeError as err:
-        raise UserError(field, f"is not valid JSON ({err.msg} at column {err.colno})") from None
-
-
-def parse_params(items: list[str] | None, params: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Turn ``--param name=value`` strings into typed pipeline arguments.
-
-    Args:
-        items: The raw ``name=value`` strings; later ones win.
-        params: :func:`pipeline_parameters` of the target pipeline.
-
-    Returns:
-        Name -> value converted to the parameter's type (lists accept JSON or ``a,b``).
-
-    Raises:
-        UserError: For malformed items, unknown names or values of the wrong type.
-
-    """
-    out: dict[str, Any] = {}
-    for item in items or []:
-        name, sep, raw = item.partition("=")
-        name = name.strip()
-        if not sep or not name:
-            raise UserError("--param", f"expected name=value, got {item!r}")
-        if name not in params:
-            raise UserError(f"--param {name}", "unknown parameter; known: "
-                            f"{', '.join(sorted(params))}")
-        out[name] = _convert(name, raw, params[name].get("parameterType", "STRING"))
-    return out
-
-
-# -- KFP API -----------------------------------------------------------------------------------
 
 def _probe(host: str, token: str | None, timeout: float) -> None:
     """One healthz request; raises UserError when the host is unreachable or refuses us."""
@@ -300,7 +210,8 @@ class KfpApi:
     Args:
         host: Base URL of the KFP API (checked by :func:`normalize_host`).
         token: Bearer token, if the endpoint needs one; never printed.
-        namespace: Kubeflow profile namespace (multi-user installs).
+        namespace: Kubeflow profile namespace (multi-user installs): the client's, and the one
+            experiments and runs are created in.
         timeout: Seconds the probe and each later API call may take.
 
     Raises:
@@ -313,6 +224,7 @@ class KfpApi:
         import kfp
 
         self.host = normalize_host(host)
+        self.namespace = namespace
         self.timeout = float(timeout)
         self._secrets = (token,) if token else ()
         self._redirects: list[tuple[str, str, str]] = []
@@ -361,16 +273,15 @@ def _require_id(host: str, obj: Any, attr: str, what: str) -> str:
 
 
 def submit(api: KfpApi, package: str | Path, *, arguments: dict[str, Any], experiment: str,
-           run_name: str, namespace: str | None = None) -> dict[str, str]:
+           run_name: str) -> dict[str, str]:
     """Create (or reuse) the experiment and start one run of a compiled pipeline.
 
     Args:
         api: The connected API.
         package: Compiled pipeline YAML.
-        arguments: Typed pipeline arguments (:func:`parse_params`).
+        arguments: Typed pipeline arguments (:func:`.params.parse_params`).
         experiment: Experiment name; created when missing.
         run_name: Display name of the run.
-        namespace: Kubeflow profile namespace (multi-user installs).
 
     Returns:
         ``run_id``, ``experiment_id`` and ``url`` of the run.
@@ -379,7 +290,7 @@ def submit(api: KfpApi, package: str | Path, *, arguments: dict[str, Any], exper
         UserError: On refusals, a timeout, or a reply without an id.
 
     """
-    exp = api.call(api.client.create_experiment, name=experiment, namespace=namespace)
+    exp = api.call(api.client.create_experiment, name=experiment, namespace=api.namespace)
     exp_id = _require_id(api.host, exp, "experiment_id", "experiment")
     run = api.call(api.client.run_pipeline, experiment_id=exp_id, job_name=run_name,
                    pipeline_package_path=str(package), params=arguments)
@@ -388,35 +299,46 @@ def submit(api: KfpApi, package: str | Path, *, arguments: dict[str, Any], exper
             "url": f"{api.host}/#/runs/details/{run_id}"}
 
 
-def schedule(api: KfpApi, package: str | Path, *, cron: str, max_concurrency: int,
-             no_catchup: bool, arguments: dict[str, Any], experiment: str, name: str,
-             namespace: str | None = None) -> dict[str, str]:
+@dataclass(frozen=True)
+class Recurrence:
+    """When a recurring run starts its runs.
+
+    Attributes:
+        cron: 6-field cron, seconds first (checked with :func:`validate_cron`).
+        max_concurrency: Runs of this schedule allowed at once (1-10).
+        no_catchup: Skip missed intervals instead of back-filling them.
+    """
+
+    cron: str
+    max_concurrency: int = 1
+    no_catchup: bool = False
+
+
+def schedule(api: KfpApi, package: str | Path, recurrence: Recurrence, *,
+             arguments: dict[str, Any], experiment: str, name: str) -> dict[str, str]:
     """Create a recurring run of a compiled pipeline on a cron schedule.
 
     Args:
         api: The connected API.
         package: Compiled pipeline YAML.
-        cron: 6-field cron, seconds first (checked with :func:`validate_cron`).
-        max_concurrency: Runs of this schedule allowed at once (1-10).
-        no_catchup: Skip missed intervals instead of back-filling them.
-        arguments: Typed pipeline arguments (:func:`parse_params`).
+        recurrence: The cron schedule, its concurrency and catch-up.
+        arguments: Typed pipeline arguments (:func:`.params.parse_params`).
         experiment: Experiment name; created when missing.
         name: Display name of the recurring run.
-        namespace: Kubeflow profile namespace (multi-user installs).
 
     Returns:
         ``recurring_run_id``, ``experiment_id`` and ``url``.
 
     """
-    cron = validate_cron(cron)
+    cron, max_concurrency = validate_cron(recurrence.cron), recurrence.max_concurrency
     if not 1 <= int(max_concurrency) <= MAX_CONCURRENCY:
         raise UserError("--max-concurrency", f"must be within 1-{MAX_CONCURRENCY}, "
                         f"got {max_concurrency}")
-    exp = api.call(api.client.create_experiment, name=experiment, namespace=namespace)
+    exp = api.call(api.client.create_experiment, name=experiment, namespace=api.namespace)
     exp_id = _require_id(api.host, exp, "experiment_id", "experiment")
     rec = api.call(api.client.create_recurring_run, experiment_id=exp_id, job_name=name,
                    cron_expression=cron, max_concurrency=int(max_concurrency),
-                   no_catchup=bool(no_catchup), params=arguments,
+                   no_catchup=bool(recurrence.no_catchup), params=arguments,
                    pipeline_package_path=str(package))
     rec_id = _require_id(api.host, rec, "recurring_run_id", "recurring run")
     return {"recurring_run_id": rec_id, "experiment_id": exp_id,

@@ -16,7 +16,8 @@ from kfp_nvrx.components import __version__
 from kfp_nvrx.components.cli.main import main
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.launch.local import free_port
-from kfp_nvrx.pipelines.client import parse_params, validate_cron
+from kfp_nvrx.pipelines.client import validate_cron
+from kfp_nvrx.pipelines.params import parse_params
 
 
 @pytest.fixture(autouse=True)

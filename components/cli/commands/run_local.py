@@ -75,8 +75,8 @@ def local_arguments(name: str, params: list[str], out: Path) -> dict[str, Any]:
     from kfp_nvrx.components.data.sources import resolve_sources
     from kfp_nvrx.components.errors import UserError
     from kfp_nvrx.components.launch.jobspec.spec import parse_nodes
-    from kfp_nvrx.pipelines.client import parse_params, pipeline_parameters
     from kfp_nvrx.pipelines.compile import load_pipeline
+    from kfp_nvrx.pipelines.params import parse_params, pipeline_parameters
 
     spec = pipeline_parameters(pipeline_spec_dict(load_pipeline(name)))
     args = parse_params(params, spec)

@@ -38,10 +38,10 @@ def run(args: argparse.Namespace) -> int:
                         f"{args.max_concurrency}")
     with package_for(args) as package:
         arguments, api = prepare(args, package)
-        info = kc.schedule(api, package, cron=cron,
-                           max_concurrency=args.max_concurrency, no_catchup=args.no_catchup,
+        info = kc.schedule(api, package,
+                           kc.Recurrence(cron, args.max_concurrency, args.no_catchup),
                            arguments=arguments, experiment=args.experiment,
-                           name=args.name or args.pipeline, namespace=args.namespace)
+                           name=args.name or args.pipeline)
     print(f"scheduled {args.pipeline} ({cron}) as recurring run {info['recurring_run_id']} in "
           f"experiment {args.experiment}: {info['url']}")
     return 0

@@ -65,8 +65,9 @@ def prepare(args: argparse.Namespace, package: str) -> tuple[dict, KfpApi]:
 
     from kfp_nvrx.components.errors import UserError
     from kfp_nvrx.pipelines import client as kc
+    from kfp_nvrx.pipelines.params import load_package, parse_params, pipeline_parameters
 
-    arguments = kc.parse_params(args.param, kc.pipeline_parameters(kc.load_package(package)))
+    arguments = parse_params(args.param, pipeline_parameters(load_package(package)))
     kc.normalize_host(args.host)
     token = kc.read_token(args.token_file)
     if not (math.isfinite(args.timeout) and args.timeout > 0):
@@ -95,8 +96,8 @@ def run(args: argparse.Namespace) -> int:
     with package_for(args) as package:
         arguments, api = prepare(args, package)
         name = args.run_name or f"{args.pipeline} {dt.datetime.now():%Y-%m-%d %H:%M:%S}"
-        info = kc.submit(api, package, arguments=arguments,
-                         experiment=args.experiment, run_name=name, namespace=args.namespace)
+        info = kc.submit(api, package, arguments=arguments, experiment=args.experiment,
+                         run_name=name)
     print(f"submitted {args.pipeline} run {info['run_id']} in experiment {args.experiment}: "
           f"{info['url']}")
     return 0
