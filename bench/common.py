@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kfp_nvrx.components.launch.local import free_port
+from kfp_nvrx.components.launch.local.run import free_port
 
 #: NVLink multicast stays off everywhere (it can take a shared host's GPUs out of service).
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",

@@ -48,14 +48,15 @@ def run_trainer(mode: str, preset: str, run_dir: Path, overrides: list[str],
             state = "DeadlineExceeded"
             lines = [(time.time(), ln) for ln in str(err.stdout or "").splitlines()]
     else:
+        from kfp_nvrx.components.launch.jobspec.resolve import LOCAL, resolve
         from kfp_nvrx.components.launch.jobspec.spec import JobSpec
-        from kfp_nvrx.components.launch.local import run_local
+        from kfp_nvrx.components.launch.local.run import LocalRun
 
         spec = JobSpec(run_dir=str(run_dir), config=preset, overrides=list(overrides),
                        faults=list(faults), env=dict(SAFE_ENV), nodes=str(nodes),
                        nproc_per_node=1)
-        res = run_local(spec, deadline_s=timeout, verbose=True,
-                        log=lambda ln: lines.append((time.time(), ln)))
+        res = LocalRun(resolve(spec, LOCAL), deadline_s=timeout, verbose=True,
+                       log=lambda ln: lines.append((time.time(), ln))).run()
         state = res.state if res.state == "Succeeded" else f"{res.state}: {res.reason}"
     wall = time.time() - t0
     if not state.startswith("Succeeded"):

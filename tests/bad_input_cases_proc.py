@@ -104,7 +104,7 @@ _KEEP: list[object] = []
 _HOLDER = """
 import sys, time
 from kfp_nvrx.components.core.ownership import claim_run_dir
-from kfp_nvrx.components.launch.lifetime import RunDirLock
+from kfp_nvrx.components.launch.local.lifetime import RunDirLock
 claim_run_dir(sys.argv[1])
 RunDirLock(sys.argv[1]).acquire()
 print("held", flush=True)
@@ -120,7 +120,7 @@ def _double(**kwargs: object) -> str:
 
 def fixtures(fx: Path) -> dict[str, str]:
     """Token files, KFP API doubles and a run dir whose lock a live process holds."""
-    from kfp_nvrx.components.launch.lifetime import die_with_parent
+    from kfp_nvrx.components.launch.local.lifetime import die_with_parent
 
     (fx / "token_long").write_text(f"{SECRET}\n")
     (fx / "token_short").write_text(f"{SHORT}\n")

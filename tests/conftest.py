@@ -74,7 +74,7 @@ def kfp_local(tmp_path):
 @pytest.fixture()
 def one_rank_env(monkeypatch):
     """The launcher environment of a one-process job on a free local port (init_process_group)."""
-    from kfp_nvrx.components.launch.local import free_port
+    from kfp_nvrx.components.launch.local.run import free_port
 
     for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
                            WORLD_SIZE="1", LOCAL_RANK="0").items():

@@ -16,8 +16,11 @@ from typing import Any
 from k8s_double import K8sDouble
 
 from kfp_nvrx.components.core.events import EventLog, Restart, Start
+from kfp_nvrx.components.launch.backends import launch
+from kfp_nvrx.components.launch.jobspec.resolve import resolve
 from kfp_nvrx.components.launch.jobspec.spec import JobSpec
-from kfp_nvrx.components.launch.k8s_job import K8sOptions
+from kfp_nvrx.components.launch.kube.cluster import Cluster
+from kfp_nvrx.components.launch.options import FollowOptions, KubernetesOptions
 from kfp_nvrx.components.launch.result import LaunchResult
 
 RUN_ID = "run-0001"
@@ -27,16 +30,29 @@ SPEC = dict(image="img:1", pvc="fsx", instance_type="cpu", nodes="2", run_id=RUN
 Script = Callable[[K8sDouble, str], None]
 
 
-def fast_opts(**kw: Any) -> K8sOptions:
+def fast_opts(**kw: Any) -> FollowOptions:
     """Options that poll quickly and install no signal handlers unless asked to."""
     base = dict(poll_s=0.05, progress_s=0, watch_timeout_s=2, handle_signals=False, drain_s=0.5)
-    return K8sOptions(**{**base, **kw})
+    return FollowOptions(**{**base, **kw})
+
+
+def on_double(double: K8sDouble, job_api: str = "pytorchjob", namespace: str = "default",
+              **follow: Any) -> KubernetesOptions:
+    """Options that launch ``job_api`` on the double (``namespace``: a job's that names none)."""
+    return KubernetesOptions(job_api=job_api, cluster=Cluster(double.configuration(), namespace),
+                             follow=fast_opts(**follow))
+
+
+def launch_on(double: K8sDouble, spec: JobSpec, job_api: str = "pytorchjob",
+              log: Callable[[str], None] = print, **follow: Any) -> LaunchResult:
+    """``spec`` resolved and launched on the double as ``job_api`` (``follow``: fast_opts')."""
+    return launch(resolve(spec), on_double(double, job_api, **follow), log=log)
 
 
 @contextmanager
 def playing(double: K8sDouble, spec: JobSpec, script: Script) -> Iterator[None]:
     """Run ``script`` in a thread once the job of ``spec`` exists; join it when the block ends."""
-    name = spec.job_name()
+    name = resolve(spec).name
 
     def play() -> None:
         double.wait_for_job(name)

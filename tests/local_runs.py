@@ -8,13 +8,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from kfp_nvrx.components.core.rundir import committed_steps, step_dir
+from kfp_nvrx.components.launch.jobspec.resolve import LOCAL, resolve
 from kfp_nvrx.components.launch.jobspec.spec import JobSpec
-from kfp_nvrx.components.launch.local import run_local
+from kfp_nvrx.components.launch.local.run import LocalRun
+from kfp_nvrx.components.launch.result import LaunchResult
 from kfp_nvrx.components.training.export.consolidate import load_model_state
+
+
+def run_local(spec: JobSpec, **kwargs: Any) -> LaunchResult:
+    """``spec`` resolved for the local backend and run (``kwargs``: :class:`LocalRun`'s)."""
+    return LocalRun(resolve(spec, LOCAL), **kwargs).run()
 
 
 def tiny_dataset(root: Path) -> str:

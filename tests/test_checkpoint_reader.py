@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from kfp_nvrx.components.launch.local import free_port
+from kfp_nvrx.components.launch.local.run import free_port
 from kfp_nvrx.components.training.checkpoint import reader as cr
 
 

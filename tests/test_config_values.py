@@ -19,6 +19,7 @@ from kfp_nvrx.components.core.config_text import parse_set_value, read_config_fi
 from kfp_nvrx.components.core.faults import check_faults
 from kfp_nvrx.components.core.safetensors_header import read_header
 from kfp_nvrx.components.errors import UserError
+from kfp_nvrx.components.launch.jobspec.resolve import LOCAL, resolve
 from kfp_nvrx.components.launch.jobspec.spec import JobSpec
 from kfp_nvrx.components.training.model import build_model
 from kfp_nvrx.components.training.trainer.bootstrap import check_init_from
@@ -154,10 +155,9 @@ def test_fault_rank_is_checked_against_the_most_workers_started() -> None:
     with pytest.raises(UserError, match="rank 2 but the job has 2"):
         check_faults(["kill@3/2"], 10, 5, world_size=2)
     check_faults(["kill@3/7"], 10, 5)  # world size unknown (an elastic worker): not checked
-    cfg = load_config("tiny")
-    spec = JobSpec(nodes="1:2", faults=["kill@3/1"])
-    assert spec.checked_faults(cfg, 2 * 1) == ["kill@3/1"]
+    # Resolving a job checks its faults against its config and its largest world (2 x 1 here).
+    assert resolve(JobSpec(nodes="1:2", faults=["kill@3/1"]), LOCAL).faults == ("kill@3/1",)
     with pytest.raises(UserError, match="faults"):
-        JobSpec(nodes="1:2", faults=["kill@3/2"]).checked_faults(cfg, 2)
+        resolve(JobSpec(nodes="1:2", faults=["kill@3/2"]), LOCAL)
     with pytest.raises(UserError, match="after the last step"):
-        JobSpec(faults=["kill@999"]).checked_faults(cfg, 8)
+        resolve(JobSpec(faults=["kill@999"]), LOCAL)

@@ -27,7 +27,7 @@ from kfp_nvrx.components.core.rundir import (
     verify,
 )
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.launch.local import free_port
+from kfp_nvrx.components.launch.local.run import free_port
 from kfp_nvrx.components.training.checkpoint.recovery import Recovery
 
 DATA = "__0_0.distcp"

@@ -20,7 +20,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kfp_nvrx.components.launch.jobspec.validate_trainjob import RUNTIME_CRD, validate_schema
+from kfp_nvrx.components.launch.trainjob.validate import RUNTIME_CRD, validate_schema
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "images/deploy"

@@ -23,7 +23,7 @@ from kfp_nvrx.components.core.events import (
     parse_event,
     read_events,
 )
-from kfp_nvrx.components.launch.logs import Progress
+from kfp_nvrx.components.launch.kube.logs import Progress
 from kfp_nvrx.components.launch.result import (
     LaunchResult,
     RestartsSoFar,

@@ -13,8 +13,9 @@ import datetime as dt
 
 from kubernetes import client as k8s
 
-from kfp_nvrx.components.launch.k8s_job import fill_failure
-from kfp_nvrx.components.launch.logs import PodLogFollower
+from kfp_nvrx.components.launch.kube.job_run import fill_failure
+from kfp_nvrx.components.launch.kube.logs import PodLogFollower
+from kfp_nvrx.components.launch.pytorchjob.follow import job_pods
 from kfp_nvrx.components.launch.result import LaunchResult
 
 
@@ -36,7 +37,7 @@ class _Follower(PodLogFollower):
     """The follower's bookkeeping without log streams (the lines are fed by the test)."""
 
     def __init__(self) -> None:
-        super().__init__(None, "ns", "pj", emit=lambda _line: None)
+        super().__init__(None, "ns", job_pods("pj"), emit=lambda _line: None)
         self._stop.set()  # no stream threads: _on_pod records the pod and returns
 
     def lines(self, index: int, uid: str, *lines: str) -> None:

@@ -26,7 +26,7 @@ import pytest
 from k8s_double import K8sDouble
 from test_images import DOCKERFILES, ROOT, replay_wheel_stage
 
-from kfp_nvrx.components.launch.jobspec.spec import JobSpec
+from kfp_nvrx.components.launch.jobspec import naming
 
 pytestmark = pytest.mark.slow
 
@@ -145,7 +145,7 @@ def test_compile_writes_the_shipped_pipelines(launcher_venv: Path, tmp_path: Pat
 def test_component_image_steps_run_against_the_api_double(launcher_venv: Path,
                                                           tmp_path: Path) -> None:
     fsx = tmp_path / "fsx"
-    name = JobSpec(run_id="run-venv", task="train").job_name()
+    name = naming.derive_name("run-venv", "train")
     run_dir = fsx / "ws" / "runs" / name
     double = K8sDouble().serve()
 

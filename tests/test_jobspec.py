@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 import yaml
 from golden_specs import IMAGE, RUN_ID, golden_specs
+from rendering import render_pytorchjob
 
 from kfp_nvrx.components.core.config import load_config
 from kfp_nvrx.components.core.launch_command import TrainerArgs, ft_launcher_argv
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.launch.jobspec import naming
 from kfp_nvrx.components.launch.jobspec.pod import POD_ENTRY
-from kfp_nvrx.components.launch.jobspec.profiles import PROFILES
-from kfp_nvrx.components.launch.jobspec.pytorchjob import render
+from kfp_nvrx.components.launch.jobspec.profiles import PROFILES, get_profile
 from kfp_nvrx.components.launch.jobspec.spec import JobSpec
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -44,7 +44,7 @@ GOLDEN_SPECS = golden_specs("pytorchjob", p5_nodes="2:4")
 
 @pytest.mark.parametrize("filename", sorted(GOLDEN_SPECS))
 def test_golden_manifest(filename: str) -> None:
-    text = render(GOLDEN_SPECS[filename]).to_yaml()
+    text = render_pytorchjob(GOLDEN_SPECS[filename]).to_yaml()
     path = GOLDEN / filename
     if os.environ.get("KFP_NVRX_UPDATE_GOLDEN"):
         path.parent.mkdir(exist_ok=True)
@@ -54,7 +54,7 @@ def test_golden_manifest(filename: str) -> None:
 
 
 def test_p5_manifest_has_what_p5_needs() -> None:
-    m = render(GOLDEN_SPECS["pytorchjob_p5.yaml"]).to_dict()
+    m = render_pytorchjob(GOLDEN_SPECS["pytorchjob_p5.yaml"]).to_dict()
     spec, c = m["spec"], _container(m)
     assert spec["elasticPolicy"] == {"maxReplicas": 4, "maxRestarts": 3, "minReplicas": 2,
                                      "rdzvBackend": "c10d"}
@@ -92,11 +92,11 @@ def test_container_command_is_the_launch_local_builder() -> None:
     """One builder: the pod command is exactly ft_launcher_argv with $(POD_IP), behind the
     entrypoint that reports a SIGTERM stop as 143 (core/pod_entry.py)."""
     for spec in GOLDEN_SPECS.values():
-        rendered = render(spec)
+        rendered = render_pytorchjob(spec)
         res = load_config(spec.config, spec.overrides).resilience
         expected = ft_launcher_argv(
             res, TrainerArgs(spec.config, rendered.run_dir, list(spec.overrides), spec.faults),
-            local_addr="$(POD_IP)", nic_monitor=spec.profile.nic_monitor)
+            local_addr="$(POD_IP)", nic_monitor=get_profile(spec.instance_type).nic_monitor)
         command = _container(rendered.to_dict())["command"]
         assert command == [*POD_ENTRY, *expected]
         assert "--local-addr=$(POD_IP)" in command
@@ -113,20 +113,20 @@ def test_container_command_is_the_launch_local_builder() -> None:
 
 def test_in_process_restart_env() -> None:
     base = dict(image=IMAGE, pvc="fsx", name="ip", overrides=["resilience.in_process=true"])
-    gpu = _env(render(JobSpec(instance_type="p5.48xlarge", **base)).to_dict())
+    gpu = _env(render_pytorchjob(JobSpec(instance_type="p5.48xlarge", **base)).to_dict())
     for key, value in {"NCCL_NVLS_ENABLE": "0", "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0",
                        "TORCH_CPP_LOG_LEVEL": "error", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                        "NVSHMEM_DISABLE_NVLS": "1"}.items():
         assert gpu[key] == value
-    cpu = _env(render(JobSpec(instance_type="cpu", **base)).to_dict())
+    cpu = _env(render_pytorchjob(JobSpec(instance_type="cpu", **base)).to_dict())
     assert cpu["TORCH_CPP_LOG_LEVEL"] == "error"
     assert not any(k.startswith(("NCCL_", "TORCH_NCCL")) for k in cpu)
-    cmd = _container(render(JobSpec(instance_type="cpu", **base)).to_dict())["command"]
+    cmd = _container(render_pytorchjob(JobSpec(instance_type="cpu", **base)).to_dict())["command"]
     assert not any("restart-policy" in a for a in cmd)  # any-failed: NVRx's default
 
 
 def test_user_env_overrides_defaults_and_secrets() -> None:
-    m = render(JobSpec(image=IMAGE, pvc="fsx", name="e", env={"NCCL_DEBUG": "INFO", "X": "1"},
+    m = render_pytorchjob(JobSpec(image=IMAGE, pvc="fsx", name="e", env={"NCCL_DEBUG": "INFO", "X": "1"},
                        secret_env=["HF_TOKEN=hf-secret:token"])).to_dict()
     names = [e["name"] for e in _container(m)["env"]]
     assert names.count("NCCL_DEBUG") == 1 and _env(m)["NCCL_DEBUG"] == "INFO"
@@ -138,13 +138,13 @@ def test_user_env_overrides_defaults_and_secrets() -> None:
 def test_users_may_set_efa_and_nccl_variables_but_not_ours() -> None:
     efa = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "RDMAV_FORK_SAFE": "1",
            "NCCL_PROTO": "simple", "NCCL_SOCKET_IFNAME": "eth0"}
-    env = _env(render(JobSpec(image=IMAGE, pvc="fsx", name="efa", instance_type="p5.48xlarge",
+    env = _env(render_pytorchjob(JobSpec(image=IMAGE, pvc="fsx", name="efa", instance_type="p5.48xlarge",
                               env=efa)).to_dict())
     assert {k: env[k] for k in efa} == efa
     for name, reason in (("MASTER_ADDR", "ft_launcher sets it"), ("POD_IP", "--local-addr"),
                          ("PET_NNODES", "elasticPolicy")):
         with pytest.raises(UserError, match=reason) as err:
-            render(JobSpec(image=IMAGE, pvc="fsx", name="own", env={name: "x"}))
+            render_pytorchjob(JobSpec(image=IMAGE, pvc="fsx", name="own", env={name: "x"}))
         assert err.value.field == "env" and f"{name} is ours" in str(err.value)
 
 
@@ -175,10 +175,10 @@ COMBINATIONS = list(itertools.product(sorted(PROFILES), sorted(OPTIONS)))
 
 @pytest.mark.parametrize("profile,option", COMBINATIONS)
 def test_every_profile_and_option_validates(profile: str, option: str) -> None:
-    """render() runs the CRD schema (strict), webhook rules and the Pod schema; none may fail."""
+    """render_pytorchjob() runs the CRD schema (strict), webhook rules and the Pod schema; none may fail."""
     spec = JobSpec(image=IMAGE, pvc="fsx", run_id=RUN_ID, task="train", instance_type=profile,
                    **OPTIONS[option])
-    m = render(spec).to_dict()
+    m = render_pytorchjob(spec).to_dict()
     pod = _worker(m)["template"]["spec"]
     c = _container(m)
     if option == "placement":
@@ -206,7 +206,7 @@ def test_every_profile_and_option_validates(profile: str, option: str) -> None:
 
 
 def test_p4d_profile_and_gpu_override() -> None:
-    m = render(JobSpec(image=IMAGE, pvc="fsx", name="a100", instance_type="p4d.24xlarge",
+    m = render_pytorchjob(JobSpec(image=IMAGE, pvc="fsx", name="a100", instance_type="p4d.24xlarge",
                        nproc_per_node=4)).to_dict()
     req = _container(m)["resources"]["requests"]
     assert req["nvidia.com/gpu"] == "4" and req["vpc.amazonaws.com/efa"] == "4"
@@ -223,18 +223,18 @@ def test_name_is_stable_and_dns1035() -> None:
         assert naming.DNS1035.match(name) and len(name) <= naming.MAX_DERIVED, name
         naming.check_name(name, 9999)
     spec = JobSpec(image=IMAGE, pvc="fsx", run_id=RUN_ID, task="train-fsdp")
-    assert render(spec).name == a
-    assert render(spec).run_dir == f"/fsx/runs/{a}"
+    assert render_pytorchjob(spec).name == a
+    assert render_pytorchjob(spec).run_dir == f"/fsx/runs/{a}"
 
 
 def test_label_values_are_valid_even_for_odd_ids() -> None:
     value = naming.label_value("run id with spaces/and slashes" * 4)
     assert len(value) <= 63 and naming._LABEL_VALUE.match(value)
-    m = render(JobSpec(image=IMAGE, pvc="fsx", run_id="local run #1", task="t")).to_dict()
+    m = render_pytorchjob(JobSpec(image=IMAGE, pvc="fsx", run_id="local run #1", task="t")).to_dict()
     assert m["metadata"]["annotations"][naming.RUN_ID_KEY] == "local run #1"
     assert naming._LABEL_VALUE.match(m["metadata"]["labels"][naming.RUN_ID_KEY])
 
 
 def test_yaml_round_trips_for_kubectl() -> None:
-    rendered = render(GOLDEN_SPECS["pytorchjob_cpu.yaml"])
+    rendered = render_pytorchjob(GOLDEN_SPECS["pytorchjob_cpu.yaml"])
     assert yaml.safe_load(rendered.to_yaml()) == rendered.to_dict()

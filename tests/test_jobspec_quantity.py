@@ -26,12 +26,12 @@ def test_different_amounts_and_non_quantities() -> None:
 
 def test_request_and_limit_compare_as_amounts_and_zero_hugepages_mean_none():
     """The offline pod check compares 1Gi with 1024Mi as the server does; 0Mi is no hugepages."""
-    from kfp_nvrx.components.launch.jobspec import validate
+    from kfp_nvrx.components.launch.kube import validation
 
     pod = {"spec": {"containers": [{"name": "pytorch", "image": "x", "resources": {
         "requests": {"hugepages-2Mi": "1Gi", "memory": "1Gi"},
         "limits": {"hugepages-2Mi": "1024Mi"}}}]}}
-    validate._resource_rules(pod)  # equal amounts: accepted
+    validation.resource_rules(pod)  # equal amounts: accepted
     pod["spec"]["containers"][0]["resources"]["limits"]["hugepages-2Mi"] = "2Gi"
     with pytest.raises(UserError, match="request and limit must be equal"):
-        validate._resource_rules(pod)
+        validation.resource_rules(pod)

@@ -8,13 +8,14 @@ from __future__ import annotations
 import pytest
 from golden_specs import IMAGE
 from kubernetes import client
+from rendering import render_pytorchjob, render_trainjob
 
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.launch import backends
-from kfp_nvrx.components.launch.jobspec import pytorchjob, trainjob
-from kfp_nvrx.components.launch.jobspec import runtime as rt
 from kfp_nvrx.components.launch.jobspec.queue import PRIORITY_LABEL, QUEUE_LABEL
 from kfp_nvrx.components.launch.jobspec.spec import JobSpec
+from kfp_nvrx.components.launch.options import LocalOptions
+from kfp_nvrx.components.launch.trainjob import runtime as rt
 
 QUEUED = {"queue_name": "team-a", "priority_class": "high"}
 
@@ -24,11 +25,11 @@ def _spec(**kw) -> JobSpec:
 
 
 def _trainjob(**kw) -> dict:
-    return trainjob.render(_spec(**kw)).to_dict()
+    return render_trainjob(_spec(**kw)).to_dict()
 
 
 def _pytorchjob(**kw) -> dict:
-    return client.ApiClient().sanitize_for_serialization(pytorchjob.render(_spec(**kw)).job)
+    return client.ApiClient().sanitize_for_serialization(render_pytorchjob(_spec(**kw)).job)
 
 
 def _trainjob_pod(job: dict) -> dict:
@@ -78,7 +79,7 @@ def test_a_queued_trainjob_needing_more_grace_than_the_runtime_is_refused() -> N
     ({"queue_name": "team-a", "priority_class": "High"}, "priority_class", "lower-case"),
 ])
 def test_names_kueue_cannot_read_are_refused(change: dict, field: str, says: str) -> None:
-    for render in (trainjob.render, pytorchjob.render):
+    for render in (render_trainjob, render_pytorchjob):
         with pytest.raises(UserError) as err:
             render(_spec(**change))
         assert err.value.field == field and says in err.value.message
@@ -87,7 +88,7 @@ def test_names_kueue_cannot_read_are_refused(change: dict, field: str, says: str
 
 def test_the_local_backend_has_no_queue() -> None:
     with pytest.raises(UserError) as err:
-        backends.check(JobSpec(run_dir="runs/x", queue_name="team-a"), backends.LocalOptions())
+        backends.check(JobSpec(run_dir="runs/x", queue_name="team-a"), LocalOptions())
     assert err.value.field == "queue_name"
 
 

@@ -18,16 +18,18 @@ from pathlib import Path
 import pytest
 import yaml
 from golden_specs import IMAGE, golden_specs
+from rendering import render_pytorchjob, render_trainjob
 
 from kfp_nvrx.components.core.config import load_config
 from kfp_nvrx.components.core.launch_command import TrainerArgs, ft_launcher_argv
 from kfp_nvrx.components.core.pod_entry import PEER_WAIT_ENV
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.launch.jobspec import pytorchjob, trainjob
 from kfp_nvrx.components.launch.jobspec.pod import POD_ENTRY
-from kfp_nvrx.components.launch.jobspec.runtime import build_runtime
+from kfp_nvrx.components.launch.jobspec.profiles import get_profile
+from kfp_nvrx.components.launch.jobspec.resolve import resolve
 from kfp_nvrx.components.launch.jobspec.spec import JobSpec
-from kfp_nvrx.components.launch.jobspec.validate_trainjob import (
+from kfp_nvrx.components.launch.trainjob.runtime import build_runtime
+from kfp_nvrx.components.launch.trainjob.validate import (
     CLUSTER_RUNTIME_CRD,
     RUNTIME_CRD,
     TRAINJOB_CRD,
@@ -44,7 +46,7 @@ GOLDEN_SPECS = golden_specs("trainjob", p5_nodes="4")
 
 @pytest.mark.parametrize("filename", sorted(GOLDEN_SPECS))
 def test_golden_trainjob(filename: str) -> None:
-    text = trainjob.render(GOLDEN_SPECS[filename]).to_yaml()
+    text = render_trainjob(GOLDEN_SPECS[filename]).to_yaml()
     path = GOLDEN / filename
     if os.environ.get("KFP_NVRX_UPDATE_GOLDEN"):
         path.write_text(text)
@@ -74,20 +76,20 @@ def test_every_shape_validates_strictly(nodes: int, profile: str, option: str) -
                      service_account="trainer", extra_pvcs=["models:/models:ro"])
     spec = JobSpec(image=IMAGE, pvc="fsx", run_id=f"run-{nodes}", nodes=str(nodes),
                    instance_type=profile, **extra)
-    rendered = trainjob.render(spec)  # validates: CRD schemas, rules, node pod
+    rendered = render_trainjob(spec)  # validates: CRD schemas, rules, node pod
     job = rendered.to_dict()
     assert job["spec"]["trainer"]["numNodes"] == nodes
     validate_trainjob(job, rendered.runtime)
 
 
 def _pod(spec: JobSpec) -> dict:
-    return node_pod(trainjob.render(spec).to_dict(), build_runtime())
+    return node_pod(render_trainjob(spec).to_dict(), build_runtime())
 
 
 @pytest.mark.parametrize("filename", sorted(GOLDEN_SPECS))
 def test_same_meaning_as_the_pytorchjob(filename: str) -> None:
     spec = copy.deepcopy(GOLDEN_SPECS[filename])
-    v1 = pytorchjob.render(spec).to_dict()["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
+    v1 = render_pytorchjob(spec).to_dict()["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
     v2 = _pod(spec)
     c1, c2 = v1["spec"]["containers"][0], v2["spec"]["containers"][0]
     for key in ("image", "resources", "volumeMounts", "securityContext"):
@@ -113,17 +115,17 @@ def test_user_text_in_the_command_is_escaped_like_the_pytorchjob() -> None:
     # The kubelet expands $(VAR) in a container command (secret env values included).
     spec = JobSpec(image=IMAGE, pvc="fsx", name="esc", nodes="2", instance_type="cpu",
                    secret_env=["HF_TOKEN=hf-token:token"], run_dir="/fsx/runs/a$(HF_TOKEN)")
-    command = trainjob.render(spec).job["spec"]["trainer"]["command"]
+    command = render_trainjob(spec).job["spec"]["trainer"]["command"]
     assert command[command.index("--run-dir") + 1] == "/fsx/runs/a$$(HF_TOKEN)"
 
 
 def test_command_is_the_one_builder_with_v2_rendezvous() -> None:
     spec = GOLDEN_SPECS["trainjob_p5.yaml"]
-    rendered = trainjob.render(spec)
+    rendered = render_trainjob(spec)
     res = load_config(spec.config, spec.overrides).resilience
     expected = ft_launcher_argv(
         res, TrainerArgs(spec.config, rendered.run_dir, list(spec.overrides), spec.faults),
-        local_addr="$(POD_IP)", nic_monitor=spec.profile.nic_monitor,
+        local_addr="$(POD_IP)", nic_monitor=get_profile(spec.instance_type).nic_monitor,
         rdzv_endpoint="$(PET_MASTER_ADDR):$(PET_MASTER_PORT)", rdzv_id=rendered.name)
     assert rendered.job["spec"]["trainer"]["command"] == [*POD_ENTRY, *expected]
 
@@ -139,7 +141,7 @@ def test_nvrx_parser_accepts_the_command_under_v2_env(filename: str) -> None:
     spec = GOLDEN_SPECS[filename]
     pod = _pod(spec)
     c = pod["spec"]["containers"][0]
-    name = trainjob.render(spec).name
+    name = render_trainjob(spec).name
     env = {e["name"]: e["value"] for e in c["env"] if "value" in e}
     env.update(PET_NODE_RANK="1", POD_IP="10.0.0.7")
     assert env["PET_MASTER_ADDR"] == f"{name}-node-0-0.{name}"
@@ -165,7 +167,7 @@ def test_nvrx_parser_accepts_the_command_under_v2_env(filename: str) -> None:
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["endpoint"] == f"{name}-node-0-0.{name}:29500"
     assert got["id"] == name and got["backend"] == "c10d"
-    assert got["nnodes"] == spec.nodes and str(got["nproc"]) == str(spec.procs_per_node())
+    assert got["nnodes"] == spec.nodes and str(got["nproc"]) == str(resolve(spec).procs_per_node)
     assert str(got["rank"]) == "1" and got["local_addr"] == "10.0.0.7"
     assert got["module"] and got["script"] == "kfp_nvrx.components.training.trainer"
     assert got["script_args"][:2] == ["--config", spec.config]
@@ -180,7 +182,7 @@ def test_nvrx_parser_accepts_the_command_under_v2_env(filename: str) -> None:
 ])
 def test_cluster_fields_are_checked_as_for_the_pytorchjob(change: dict, field: str) -> None:
     spec = JobSpec(image=IMAGE, pvc="fsx", **{"name": "job", "nodes": "2", **change})
-    for render in (trainjob.render, pytorchjob.render):
+    for render in (render_trainjob, render_pytorchjob):
         with pytest.raises(UserError) as err:
             render(spec)
         assert err.value.field == field and "\n" not in str(err.value)
@@ -199,15 +201,15 @@ def test_cluster_fields_are_checked_as_for_the_pytorchjob(change: dict, field: s
 def test_what_v2_cannot_express_is_refused(change: dict, field: str) -> None:
     spec = JobSpec(image=IMAGE, pvc="fsx", **{"name": "job", "nodes": "2", **change})
     with pytest.raises(UserError) as err:
-        trainjob.render(spec)
+        render_trainjob(spec)
     assert err.value.field == field and "\n" not in str(err.value)
 
 
 def test_name_limit_counts_the_jobset_pod_name() -> None:
     # The JobSet webhook's limit: <name>-node-0-<index>-xxxxx (the Job controller's suffix).
-    trainjob.render(JobSpec(image=IMAGE, pvc="fsx", name="a" * 48, nodes="10"))  # a..-node-0-9
+    render_trainjob(JobSpec(image=IMAGE, pvc="fsx", name="a" * 48, nodes="10"))  # a..-node-0-9
     with pytest.raises(UserError, match="node-0-10"):
-        trainjob.render(JobSpec(image=IMAGE, pvc="fsx", name="a" * 48, nodes="11"))
+        render_trainjob(JobSpec(image=IMAGE, pvc="fsx", name="a" * 48, nodes="11"))
 
 
 @pytest.mark.parametrize("mutate,field", [
@@ -222,7 +224,7 @@ def test_name_limit_counts_the_jobset_pod_name() -> None:
         {"nvidia.com/gpu": "4"}), "node pod"),
 ])
 def test_validation_is_strict(mutate, field: str) -> None:
-    rendered = trainjob.render(GOLDEN_SPECS["trainjob_p5.yaml"])
+    rendered = render_trainjob(GOLDEN_SPECS["trainjob_p5.yaml"])
     job = rendered.to_dict()
     mutate(job)
     with pytest.raises(UserError) as err:
@@ -249,7 +251,7 @@ def test_render_job_cli_trainjob_with_runtime_and_refusal() -> None:
 
 def test_cluster_training_runtime_option_validates_against_its_own_crd() -> None:
     spec = JobSpec(image=IMAGE, pvc="fsx", name="demo", nodes="2", namespace="team-a")
-    rendered = trainjob.render(spec, "kfp-nvrx-ft", "ClusterTrainingRuntime")
+    rendered = render_trainjob(spec, "kfp-nvrx-ft", "ClusterTrainingRuntime")
     ref = rendered.job["spec"]["runtimeRef"]
     assert ref == {"name": "kfp-nvrx-ft", "kind": "ClusterTrainingRuntime",
                    "apiGroup": "trainer.kubeflow.org"}
@@ -270,7 +272,7 @@ def test_cluster_training_runtime_option_validates_against_its_own_crd() -> None
         validate_trainjob(rendered.job, shipped)
     assert err.value.field == "spec.runtimeRef"
     with pytest.raises(UserError) as err:
-        trainjob.render(spec, "kfp-nvrx-ft", "Runtime")
+        render_trainjob(spec, "kfp-nvrx-ft", "Runtime")
     assert err.value.field == "runtime_kind"
 
 
@@ -291,7 +293,7 @@ def test_each_surface_words_the_refusal_for_its_user() -> None:
     from kfp_nvrx.components.core.fields import CLI, COMPONENT, PIPELINE
 
     with pytest.raises(UserError) as err:
-        trainjob.render(JobSpec(image=IMAGE, pvc="fsx", nodes="2:4"))
+        render_trainjob(JobSpec(image=IMAGE, pvc="fsx", nodes="2:4"))
     assert err.value.field == "nodes" and "`job_api=pytorchjob`" in err.value.message
     cli = CLI.reword(err.value).one_line()
     assert cli.startswith("--nodes: ") and "use --nodes N, or --job-api pytorchjob" in cli
@@ -299,7 +301,7 @@ def test_each_surface_words_the_refusal_for_its_user() -> None:
     assert kfp.startswith("nodes: ") and "use nodes=N, or job_api=pytorchjob" in kfp
     assert PIPELINE.reword(err.value).field == "--param nodes"
     with pytest.raises(UserError) as err:
-        trainjob.render(JobSpec(image=IMAGE, pvc="Not_A_Claim"))
+        render_trainjob(JobSpec(image=IMAGE, pvc="Not_A_Claim"))
     assert (err.value.field, CLI.word("pvc"), COMPONENT.word("pvc"), PIPELINE.word("pvc")) == (
         "pvc", "--pvc", "pvc_name", "--param pvc_name")
     assert PIPELINE.word("train.steps") == "--param overrides (train.steps)" == \

@@ -5,13 +5,15 @@ from __future__ import annotations
 import copy
 
 import pytest
+from rendering import render_pytorchjob
 
 from kfp_nvrx.components.cli import main as cli
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.launch.jobspec import validate
-from kfp_nvrx.components.launch.jobspec.pytorchjob import build_pytorchjob, render
 from kfp_nvrx.components.launch.jobspec.resolve import resolve
 from kfp_nvrx.components.launch.jobspec.spec import JobSpec
+from kfp_nvrx.components.launch.kube import validation
+from kfp_nvrx.components.launch.pytorchjob import validate
+from kfp_nvrx.components.launch.pytorchjob.render import build_pytorchjob
 
 IMAGE = "registry.example/kfp-nvrx-trainer:0.1.0"
 OK = dict(image=IMAGE, pvc="fsx", name="job")
@@ -72,7 +74,7 @@ BAD_SPECS = [
                          ids=[f"{f}:{list(o.values())[0]!s:.20}" for o, f in BAD_SPECS])
 def test_bad_spec_names_the_field(override: dict, field: str) -> None:
     with pytest.raises(UserError) as err:
-        render(JobSpec(**{**OK, **override}))
+        render_pytorchjob(JobSpec(**{**OK, **override}))
     assert err.value.field == field, err.value
     assert "\n" not in err.value.one_line()
 
@@ -80,7 +82,7 @@ def test_bad_spec_names_the_field(override: dict, field: str) -> None:
 def test_config_file_on_the_shared_volume_is_accepted(tmp_path) -> None:
     cfg = tmp_path / "my.yaml"
     cfg.write_text("train: {steps: 3}\n")
-    rendered = render(JobSpec(**{**OK, "mount": str(tmp_path), "config": str(cfg)}))
+    rendered = render_pytorchjob(JobSpec(**{**OK, "mount": str(tmp_path), "config": str(cfg)}))
     assert rendered.config.train.steps == 3
 
 
@@ -124,7 +126,7 @@ def test_strict_mode_closes_only_declared_objects() -> None:
         "map": {"type": "object", "additionalProperties": {"type": "string"}},
         "free": {"type": "object"},
     }}
-    strict = validate._strict(schema)
+    strict = validation.strict(schema)
     assert strict["additionalProperties"] is False
     props = strict["properties"]
     assert props["closed"]["additionalProperties"] is False

@@ -14,17 +14,17 @@ import pytest
 from cluster.truth_rows import ROWS, Row, base_pytorchjob, base_runtime, base_trainjob
 
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.launch.jobspec.runtime import RUNTIME_NAME, build_runtime
-from kfp_nvrx.components.launch.jobspec.validate import validate_job
-from kfp_nvrx.components.launch.jobspec.validate_jobset import (
-    RULE_NAME,
-    validate_jobset_names,
-    validate_runtime,
-)
-from kfp_nvrx.components.launch.jobspec.validate_trainjob import (
+from kfp_nvrx.components.launch.pytorchjob.validate import validate_job
+from kfp_nvrx.components.launch.trainjob.runtime import RUNTIME_NAME, build_runtime
+from kfp_nvrx.components.launch.trainjob.validate import (
     RUNTIME_CRD,
     validate_schema,
     validate_trainjob,
+)
+from kfp_nvrx.components.launch.trainjob.validate_jobset import (
+    RULE_NAME,
+    validate_jobset_names,
+    validate_runtime,
 )
 
 

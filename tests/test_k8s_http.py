@@ -1,7 +1,7 @@
 """Every Kubernetes API call is bounded in time and size, never redirected, cut by SIGTERM.
 
 Against :mod:`hostile_http` (a server that misbehaves on purpose), through the real
-``kubernetes`` client as the launcher builds it (:func:`k8s_api.api_client`). Issue 30 item 12:
+``kubernetes`` client as the launcher builds it (:func:`.kube.cluster.api_client`). Issue 30 item 12:
 each of these once held the launcher forever, read gigabytes, or re-sent a job's POST body to
 wherever a 307 pointed.
 """
@@ -19,8 +19,9 @@ from hostile_http import HostileServer
 from kubernetes import client as k8s
 from kubernetes.watch.watch import iter_resp_lines
 
-from kfp_nvrx.components.launch import k8s_api, k8s_http
-from kfp_nvrx.components.launch.k8s_job import StopSignals
+from kfp_nvrx.components.launch.kube import calls, http
+from kfp_nvrx.components.launch.kube.cluster import Cluster, api_client
+from kfp_nvrx.components.launch.kube.http import StopSignals
 
 
 @pytest.fixture
@@ -32,22 +33,22 @@ def server() -> Iterator[HostileServer]:
 def _api(server: HostileServer) -> k8s.ApiClient:
     cfg = k8s.Configuration()
     cfg.host = server.url
-    return k8s_api.api_client(cfg)
+    return api_client(cfg)
 
 
 def _get(api: k8s.ApiClient, path: str, method: str = "GET", **kw: object) -> object:
-    return k8s_api.call(f"reading {path}", api.configuration.host, api.call_api, path, method,
+    return calls.call(f"reading {path}", api.configuration.host, api.call_api, path, method,
                         response_type="object", _return_http_data_only=True, **kw)
 
 
 def test_a_trickling_body_or_header_ends_at_the_call_deadline(
         server: HostileServer, monkeypatch: pytest.MonkeyPatch) -> None:
     """A byte every 0.3 s never tripped the 60 s read timeout: the call never ended."""
-    monkeypatch.setattr(k8s_http, "CALL_DEADLINE_S", 1.5)
+    monkeypatch.setattr(http, "CALL_DEADLINE_S", 1.5)
     api = _api(server)
     for path in ("/trickle", "/trickle-headers"):
         started = time.monotonic()
-        with pytest.raises(k8s_api.ClusterError) as err:
+        with pytest.raises(calls.ClusterError) as err:
             _get(api, path)
         assert time.monotonic() - started < 6, path
         assert "within 1.5 s" in str(err.value) and "\n" not in str(err.value)
@@ -58,7 +59,7 @@ def test_sigterm_cuts_a_trickling_call_short(server: HostileServer) -> None:
     api = _api(server)
     killer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM))
     started = time.monotonic()
-    with StopSignals(True) as signals, pytest.raises(k8s_api.Interrupted) as err:
+    with StopSignals(True) as signals, pytest.raises(calls.Interrupted) as err:
         killer.start()
         _get(api, "/trickle")
     assert signals.event.is_set() and time.monotonic() - started < 5
@@ -68,8 +69,8 @@ def test_sigterm_cuts_a_trickling_call_short(server: HostileServer) -> None:
 
 def test_a_huge_body_is_refused_at_the_bound(server: HostileServer,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(k8s_http, "MAX_BODY_BYTES", 4 << 20)
-    with pytest.raises(k8s_api.ClusterError) as err:
+    monkeypatch.setattr(http, "MAX_BODY_BYTES", 4 << 20)
+    with pytest.raises(calls.ClusterError) as err:
         _get(_api(server), "/huge")
     assert "more than 4 MiB" in str(err.value)
 
@@ -77,24 +78,24 @@ def test_a_huge_body_is_refused_at_the_bound(server: HostileServer,
 def test_a_429_is_retried_briefly_not_slept_on_for_its_retry_after(
         server: HostileServer, monkeypatch: pytest.MonkeyPatch) -> None:
     """Retry-After: 3600 made urllib3 sleep an hour inside the call, deaf to SIGTERM."""
-    monkeypatch.setattr(k8s_api, "THROTTLE_WAIT_MAX_S", 0.2)
+    monkeypatch.setattr(calls, "THROTTLE_WAIT_MAX_S", 0.2)
     api = _api(server)
     server.throttled = 2
     started = time.monotonic()
     assert _get(api, "/throttle")["kind"] == "Thing"  # the third answer is the object
     assert time.monotonic() - started < 5
     server.throttled = 10**9
-    with pytest.raises(k8s_api.ClusterError) as err:
+    with pytest.raises(calls.ClusterError) as err:
         _get(api, "/throttle")
     assert "HTTP 429" in str(err.value) and "slow down" in str(err.value)
-    assert server.requests.count(("GET", "/throttle")) == 3 + k8s_api.THROTTLE_RETRIES + 1
+    assert server.requests.count(("GET", "/throttle")) == 3 + calls.THROTTLE_RETRIES + 1
 
 
 def test_sigterm_cuts_a_throttled_wait_short(server: HostileServer) -> None:
     api = _api(server)
     killer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM))
     started = time.monotonic()
-    with StopSignals(True), pytest.raises(k8s_api.Interrupted):
+    with StopSignals(True), pytest.raises(calls.Interrupted):
         killer.start()
         _get(api, "/throttle")  # the default wait: up to 10 s, three times
     assert time.monotonic() - started < 3
@@ -102,7 +103,7 @@ def test_sigterm_cuts_a_throttled_wait_short(server: HostileServer) -> None:
 
 def test_a_redirect_is_refused_and_the_post_body_never_re_sent(server: HostileServer) -> None:
     api = _api(server)
-    with pytest.raises(k8s_api.ClusterError) as err:
+    with pytest.raises(calls.ClusterError) as err:
         _get(api, "/redirect", method="POST", body={"kind": "PyTorchJob", "spec": "secret"})
     assert "HTTP 307" in str(err.value) and "not followed" in str(err.value)
     assert f"{server.url}/target" in str(err.value)
@@ -112,57 +113,52 @@ def test_a_redirect_is_refused_and_the_post_body_never_re_sent(server: HostileSe
 def test_a_streamed_line_without_a_newline_is_cut_not_held(server: HostileServer,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """A pod log line with no newline grew without end in the launcher (930 MB)."""
-    monkeypatch.setattr(k8s_http, "MAX_LINE_BYTES", 1 << 20)
+    monkeypatch.setattr(http, "MAX_LINE_BYTES", 1 << 20)
     resp = _api(server).call_api("/log", "GET", _preload_content=False,
                                  _return_http_data_only=True)
     lines = list(iter_resp_lines(resp))
     assert len(lines) == 2 and lines[1] == "next line", [len(x) for x in lines]
     assert lines[0].startswith("xxx") and lines[0].endswith("longer than 2 MiB]")
-    assert len(lines[0]) <= (1 << 20) + len(k8s_http.CUT_MARK)
+    assert len(lines[0]) <= (1 << 20) + len(http.CUT_MARK)
 
 
 def test_cut_lines_keeps_short_lines_and_cuts_across_chunks() -> None:
     chunks = [b"ab\ncdef", b"gh\n", b"ij", b"klmnop", b"q\nrs"]
-    out = b"".join(k8s_http.cut_lines(iter(chunks), limit=4))
-    mark = k8s_http.CUT_MARK
+    out = b"".join(http.cut_lines(iter(chunks), limit=4))
+    mark = http.CUT_MARK
     assert out == b"ab\ncdef" + mark + b"\nijkl" + mark + b"\nrs"
 
 
 def test_every_client_the_launcher_makes_is_bounded() -> None:
-    from kfp_nvrx.components.launch import kubernetes
-
     cfg = k8s.Configuration()
     cfg.host = "http://127.0.0.1:9"
-    assert isinstance(k8s_api.api_client(cfg).rest_client.pool_manager, k8s_http.BoundedPool)
-    tc = kubernetes.training_client_for(cfg, "default")
-    for api in (tc.custom_api.api_client, tc.core_api.api_client):
-        assert isinstance(api.rest_client.pool_manager, k8s_http.BoundedPool)
+    assert isinstance(api_client(cfg).rest_client.pool_manager, http.BoundedPool)
+    # Every job API's calls and the pods' logs go through the connection's one client.
+    assert isinstance(Cluster(cfg, "default").client().rest_client.pool_manager,
+                      http.BoundedPool)
 
 
 @pytest.mark.parametrize("api", ["pytorchjob", "trainjob"])
 def test_a_failed_read_right_after_the_create_deletes_the_job(
         double, monkeypatch: pytest.MonkeyPatch, api: str) -> None:
     """The launcher exited 1 and left the job it had just created running (its GPUs busy)."""
-    from k8s_launch import SPEC, fast_opts
+    from k8s_launch import SPEC, launch_on
 
-    from kfp_nvrx.components.launch import kubernetes, trainjob
     from kfp_nvrx.components.launch.jobspec.spec import JobSpec
+    from kfp_nvrx.components.launch.kube.followed import FollowedJob
 
-    jobs_class = kubernetes._Job if api == "pytorchjob" else trainjob._TrainJobs
-    real_get = jobs_class.get
+    real_get = FollowedJob.get  # the one custom-object client of every job API
 
     def get(self):  # the read right after the POST fails; every other read works
         if double.calls("POST") and not getattr(self, "_failed_once", False):
             self._failed_once = True
-            raise k8s_api.ClusterError(f"reading {self.where}: connection reset")
+            raise calls.ClusterError(f"reading {self.where}: connection reset")
         return real_get(self)
 
-    monkeypatch.setattr(jobs_class, "get", get)
+    monkeypatch.setattr(FollowedJob, "get", get)
     spec, lines = JobSpec(**SPEC), []
-    launch = (kubernetes.launch_kubernetes if api == "pytorchjob" else trainjob.launch_trainjob)
-    cfg = {"client_configuration": double.configuration()}
-    with pytest.raises(k8s_api.ClusterError, match="connection reset"):
-        launch(spec, fast_opts(), log=lines.append, **cfg)
+    with pytest.raises(calls.ClusterError, match="connection reset"):
+        launch_on(double, spec, api, log=lines.append)
     assert len(double.calls("POST")) == 1 and len(double.calls("DELETE")) == 1
     assert double.jobs == {}
     assert any("deleting" in line and "which this launcher created" in line for line in lines)
@@ -172,7 +168,7 @@ def test_a_kubeconfig_or_a_file_it_names_that_is_no_regular_file_is_refused_unre
         tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A FIFO kubeconfig hung the launcher; a tokenFile of /dev/zero was read whole (30.12)."""
     from kfp_nvrx.components.errors import UserError
-    from kfp_nvrx.components.launch.k8s_config import check_kubeconfig
+    from kfp_nvrx.components.launch.kube.kubeconfig import check_kubeconfig
     from kfp_nvrx.components.redaction import register_kubeconfig
 
     os.mkfifo(tmp_path / "fifo")

@@ -15,7 +15,7 @@ from kubernetes.client.rest import ApiException
 
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.launch.jobspec.queue import Queue
-from kfp_nvrx.components.launch.kueue import JOB_UID_LABEL, KueueReads
+from kfp_nvrx.components.launch.kube.kueue import JOB_UID_LABEL, KueueReads
 
 
 def _status(code: int, message: str) -> ApiException:

@@ -20,8 +20,9 @@ from k8s_launch import (
     assert_deleted_foreground,
     assert_reattached,
     assert_untouched,
-    fast_opts,
     finish_later,
+    launch_on,
+    on_double,
     playing,
     trainer_started,
 )
@@ -29,17 +30,17 @@ from k8s_launch import (
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.launch import backends
 from kfp_nvrx.components.launch.jobspec import naming
-from kfp_nvrx.components.launch.jobspec.pytorchjob import render
+from kfp_nvrx.components.launch.jobspec.resolve import resolve
 from kfp_nvrx.components.launch.jobspec.spec import JobSpec
-from kfp_nvrx.components.launch.k8s_job import ClusterError
-from kfp_nvrx.components.launch.kubernetes import launch_kubernetes
+from kfp_nvrx.components.launch.kube.calls import ClusterError
+from kfp_nvrx.components.launch.options import options
+from kfp_nvrx.components.launch.pytorchjob.render import render
 
 
 def _run(double: K8sDouble, spec: JobSpec, script: Script, **opts):
     lines: list[str] = []
     with playing(double, spec, script):
-        result = launch_kubernetes(spec, fast_opts(**opts), log=lines.append,
-                                   client_configuration=double.configuration())
+        result = launch_on(double, spec, log=lines.append, **opts)
     return result, lines
 
 
@@ -69,12 +70,12 @@ def test_create_follow_late_and_restarted_pods_then_delete(double: K8sDouble,
                                                            tmp_path: Path) -> None:
     # The shared volume is mounted here too (as in the KFP task): the run's events are readable.
     spec = JobSpec(**SPEC, mount=str(tmp_path))
-    run_dir = Path(spec.run_dir_path())
+    run_dir = Path(resolve(spec).run_dir)
     result, lines = _run(double, spec, functools.partial(_happy, run_dir=run_dir))
     assert result.state == "Succeeded" and result.backend == "kubernetes"
     posts = double.calls("POST")
     assert len(posts) == 1
-    expected = render(spec).to_dict()
+    expected = render(resolve(spec)).to_dict()
     expected["metadata"]["namespace"] = "default"
     assert posts[0]["body"] == expected
     text = "\n".join(lines)
@@ -84,7 +85,7 @@ def test_create_follow_late_and_restarted_pods_then_delete(double: K8sDouble,
     assert "progress: step 6/6 (100%), restarts 1" in text
     assert result.restarts == 1 and result.pod_restarts == 1
     assert result.extra["attached"] is False
-    assert result.extra["run_dir_uri"] == f"pvc://fsx/runs/{spec.job_name()}"
+    assert result.extra["run_dir_uri"] == f"pvc://fsx/runs/{resolve(spec).name}"
     assert_deleted_foreground(double)
     # follow never used a fixed SDK wait: the watch and log endpoints were used
     assert double.calls("GET", "/log") and any(
@@ -93,9 +94,9 @@ def test_create_follow_late_and_restarted_pods_then_delete(double: K8sDouble,
 
 def test_reattach_to_this_runs_job_never_creates_a_second(double: K8sDouble) -> None:
     spec = JobSpec(**SPEC)
-    manifest = render(spec).to_dict()
+    manifest = render(resolve(spec)).to_dict()
     double.put_job(manifest)
-    name = spec.job_name()
+    name = resolve(spec).name
     w0 = double.add_pod(name, 0)
     double.start(w0)
     double.set_condition(name, "Running")
@@ -108,12 +109,11 @@ def test_reattach_to_this_runs_job_never_creates_a_second(double: K8sDouble) -> 
 
 
 def test_same_name_from_another_run_is_refused_untouched(double: K8sDouble) -> None:
-    other = render(JobSpec(**SPEC)).to_dict()
+    other = render(resolve(JobSpec(**SPEC))).to_dict()
     other["metadata"]["annotations"][naming.RUN_ID_KEY] = "someone-else"
     double.put_job(other)
     with pytest.raises(UserError) as err:
-        launch_kubernetes(JobSpec(**SPEC), fast_opts(), log=lambda _: None,
-                          client_configuration=double.configuration())
+        launch_on(double, JobSpec(**SPEC), log=lambda _: None)
     assert err.value.field == "name" and "someone-else" in err.value.message
     assert_untouched(double)
 
@@ -172,7 +172,7 @@ def test_sigterm_deletes_the_job_foreground_and_restores_handlers(double: K8sDou
     result, _ = _run(double, spec, running_then_sigterm, handle_signals=True)
     assert result.state == "Cancelled" and result.extra["signal"] == signal.SIGTERM
     assert_deleted_foreground(double)
-    assert (("default", spec.job_name())) not in double.jobs
+    assert (("default", resolve(spec).name)) not in double.jobs
     assert signal.getsignal(signal.SIGTERM) is before
 
 
@@ -204,12 +204,10 @@ def test_pending_reason_and_recreated_pod_are_shown(double: K8sDouble) -> None:
 
 def test_bad_input_sends_nothing(double: K8sDouble) -> None:
     with pytest.raises(UserError) as err:
-        launch_kubernetes(JobSpec(**{**SPEC, "nodes": "3:1"}), fast_opts(),
-                          client_configuration=double.configuration())
+        launch_on(double, JobSpec(**{**SPEC, "nodes": "3:1"}))
     assert err.value.field == "nodes"
     with pytest.raises(UserError) as err:
-        launch_kubernetes(JobSpec(**SPEC), fast_opts(delete_after="sometimes"),
-                          client_configuration=double.configuration())
+        launch_on(double, JobSpec(**SPEC), delete_after="sometimes")
     assert err.value.field == "delete_after"
     assert double.requests == []
 
@@ -217,18 +215,16 @@ def test_bad_input_sends_nothing(double: K8sDouble) -> None:
 def test_forbidden_create_is_a_cluster_error(double: K8sDouble) -> None:
     double.fail_next["POST"] = (403, "Forbidden")
     with pytest.raises(ClusterError, match="HTTP 403.*RBAC"):
-        launch_kubernetes(JobSpec(**SPEC), fast_opts(), log=lambda _: None,
-                          client_configuration=double.configuration())
+        launch_on(double, JobSpec(**SPEC), log=lambda _: None)
     assert not double.jobs
 
 
 def test_dispatcher_kubernetes_and_unknown_backend(double: K8sDouble) -> None:
     spec = JobSpec(**SPEC)
     with playing(double, spec, _happy):
-        result = backends.launch(spec, "kubernetes", log=lambda _: None, poll_s=0.05,
-                                 client_configuration=double.configuration(),
-                                 job_api="pytorchjob")
+        result = backends.launch(resolve(spec), on_double(double, poll_s=0.05),
+                                 log=lambda _: None)
     assert result.succeeded and result.backend == "kubernetes"
     with pytest.raises(UserError) as err:
-        backends.launch(spec, "slurm")
+        options("slurm")
     assert err.value.field == "backend"

@@ -16,13 +16,13 @@ from pathlib import Path
 
 from k8s_double import K8sDouble
 
-from kfp_nvrx.components.launch.jobspec.spec import JobSpec
+from kfp_nvrx.components.launch.jobspec import naming
 
 ARGS = ["--job-api", "pytorchjob", "--instance-type", "cpu", "--image", "img:1", "--pvc", "fsx",
         "--nodes", "1",
         "--run-id", "run-cli", "--task", "train", "--set", "train.steps=6",
         "--poll-interval", "0.1"]
-NAME = JobSpec(run_id="run-cli", task="train").job_name()
+NAME = naming.derive_name("run-cli", "train")
 
 
 def _launch(tmp_path: Path, double: K8sDouble, *extra: str) -> subprocess.Popen:

@@ -25,7 +25,8 @@ import pytest
 import yaml
 from kubernetes import client
 
-from kfp_nvrx.components.launch.logs import PodLogFollower
+from kfp_nvrx.components.launch.kube.logs import PodLogFollower
+from kfp_nvrx.components.launch.pytorchjob.follow import job_pods
 
 TOKEN = "sso-9f8e7d6c5b4a"  # noqa: S105 - a test credential that must never be printed
 LOGIN = (b"<!DOCTYPE html><html><head><title>Sign in</title></head><body><form action=/login>"
@@ -154,7 +155,7 @@ def test_watch_that_ends_at_once_backs_off(proxy) -> None:
     """
     proxy.mode = "watch-ends"
     cfg = client.Configuration(host=f"http://127.0.0.1:{proxy.server_address[1]}")
-    follower = PodLogFollower(client.CoreV1Api(client.ApiClient(cfg)), "team-a", "job",
+    follower = PodLogFollower(client.CoreV1Api(client.ApiClient(cfg)), "team-a", job_pods("job"),
                               emit=lambda _: None, watch_timeout_s=30)
     follower.start()
     time.sleep(4.0)
@@ -168,19 +169,23 @@ def test_watch_that_ends_at_once_backs_off(proxy) -> None:
 
 def test_a_server_that_never_answers_is_a_one_line_timeout(proxy, monkeypatch) -> None:
     """Every call has a read timeout: a silent server must not hold the launcher forever."""
-    from kfp_nvrx.components.launch import k8s_api
+    from kfp_nvrx.components.launch.backends import launch
+    from kfp_nvrx.components.launch.jobspec.resolve import resolve
     from kfp_nvrx.components.launch.jobspec.spec import JobSpec
-    from kfp_nvrx.components.launch.k8s_job import ClusterError, K8sOptions
-    from kfp_nvrx.components.launch.kubernetes import launch_kubernetes
+    from kfp_nvrx.components.launch.kube import calls
+    from kfp_nvrx.components.launch.kube.calls import ClusterError
+    from kfp_nvrx.components.launch.kube.cluster import Cluster
+    from kfp_nvrx.components.launch.options import FollowOptions, KubernetesOptions
 
     proxy.mode = "hang"
-    monkeypatch.setattr(k8s_api, "REQUEST_TIMEOUT", (1.0, 1.0))
+    monkeypatch.setattr(calls, "REQUEST_TIMEOUT", (1.0, 1.0))
     host = f"http://127.0.0.1:{proxy.server_address[1]}"
     spec = JobSpec(image="img:1", pvc="fsx", instance_type="cpu", nodes="1", run_id="run-hang",
-                   task="train")
+                   task="train", namespace="team-a")
+    opts = KubernetesOptions(job_api="pytorchjob", cluster=Cluster(client.Configuration(host)),
+                             follow=FollowOptions(handle_signals=False))
     with pytest.raises(ClusterError) as err:
-        launch_kubernetes(spec, K8sOptions(namespace="team-a", handle_signals=False),
-                          log=lambda _: None, client_configuration=client.Configuration(host))
+        launch(resolve(spec), opts, log=lambda _: None)
     text = str(err.value)
     assert f"cannot reach the Kubernetes API server at {host}" in text and "timed out" in text
     assert "\n" not in text

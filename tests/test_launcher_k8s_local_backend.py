@@ -11,11 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from rendering import render_pytorchjob
 
-from kfp_nvrx.components.launch.backends import launch
+from kfp_nvrx.components.launch.backends import check, launch
 from kfp_nvrx.components.launch.jobspec.pod import POD_ENTRY
-from kfp_nvrx.components.launch.jobspec.pytorchjob import render
 from kfp_nvrx.components.launch.jobspec.spec import JobSpec
+from kfp_nvrx.components.launch.options import LocalOptions
 from kfp_nvrx.components.launch.result import LaunchResult
 
 
@@ -28,7 +29,8 @@ def test_local_backend_runs_a_tiny_job(tmp_path: Path) -> None:
     spec = JobSpec(config="tiny", nodes="1", name="local-e2e", run_dir=str(run_dir),
                    overrides=["train.steps=6", "checkpoint.interval=3", f"data.path={data}"])
     lines: list[str] = []
-    result = launch(spec, "local", log=lines.append, deadline_s=300)
+    opts = LocalOptions(deadline_s=300)
+    result = launch(check(spec, opts), opts, log=lines.append)
 
     assert isinstance(result, LaunchResult)
     assert result.state == "Succeeded", (result.reason, result.last_log_lines)
@@ -42,7 +44,7 @@ def test_local_backend_runs_a_tiny_job(tmp_path: Path) -> None:
     pod_spec = JobSpec(image="img:1", pvc="fsx", instance_type="cpu", nodes="1",
                        name="local-e2e", mount=str(tmp_path), run_dir=str(run_dir),
                        config="tiny", overrides=spec.overrides)
-    pod_cmd = render(pod_spec).to_dict()["spec"]["pytorchReplicaSpecs"]["Worker"]["template"][
+    pod_cmd = render_pytorchjob(pod_spec).to_dict()["spec"]["pytorchReplicaSpecs"]["Worker"]["template"][
         "spec"]["containers"][0]["command"]
     local_cmd = result.extra["command"]
 

@@ -11,29 +11,30 @@ import functools
 import os
 import signal
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import k8s_launch
 import pytest
 from k8s_double import K8sDouble
-from k8s_launch import SPEC, Script, fast_opts, playing, trainer_started
+from k8s_launch import SPEC, Script, launch_on, on_double, playing, trainer_started
 
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.launch import backends, k8s_api
-from kfp_nvrx.components.launch.job_apis import resolve_job_api
+from kfp_nvrx.components.launch import backends
+from kfp_nvrx.components.launch.job_apis import pick
+from kfp_nvrx.components.launch.jobspec.resolve import resolve
 from kfp_nvrx.components.launch.jobspec.spec import JobSpec
-from kfp_nvrx.components.launch.jobspec.trainjob import render
-from kfp_nvrx.components.launch.k8s_job import ClusterError
-from kfp_nvrx.components.launch.trainjob import launch_trainjob
+from kfp_nvrx.components.launch.kube.calls import ClusterError
+from kfp_nvrx.components.launch.kube.cluster import api_client
+from kfp_nvrx.components.launch.trainjob.render import render
 
 TRAINJOBS = "/apis/trainer.kubeflow.org/v1alpha1/namespaces/default/trainjobs"
 
 
 def _run(double: K8sDouble, spec: JobSpec, script: Script, **opts):
     lines: list[str] = []
-    api = k8s_api.api_client(double.configuration())
     with playing(double, spec, script):
-        result = launch_trainjob(spec, fast_opts(**opts), log=lines.append, api_client=api)
+        result = launch_on(double, spec, "trainjob", log=lines.append, **opts)
     return result, lines
 
 
@@ -62,12 +63,12 @@ def _happy(d: K8sDouble, name: str, run_dir: Path | None = None) -> None:
 def test_create_follow_every_node_pod_then_delete(double: K8sDouble, tmp_path: Path) -> None:
     # The shared volume is mounted here too (as in the KFP task): the run's events are readable.
     spec = JobSpec(**SPEC, mount=str(tmp_path))
-    run_dir = Path(spec.run_dir_path())
+    run_dir = Path(resolve(spec).run_dir)
     result, lines = _run(double, spec, functools.partial(_happy, run_dir=run_dir))
     assert result.state == "Succeeded" and result.extra["job_api"] == "trainjob"
     posts = double.calls("POST")
     assert len(posts) == 1 and posts[0]["path"] == TRAINJOBS
-    expected = render(spec).to_dict()
+    expected = render(resolve(spec)).to_dict()
     expected["metadata"]["namespace"] = "default"
     assert posts[0]["body"] == expected
     text = "\n".join(lines)
@@ -77,13 +78,13 @@ def test_create_follow_every_node_pod_then_delete(double: K8sDouble, tmp_path: P
     assert result.restarts == 1
     # Background: Trainer v2.3 re-applies the JobSet of a TrainJob in foreground deletion.
     delete = k8s_launch.assert_deleted_foreground(double, "Background")
-    assert delete["path"] == f"{TRAINJOBS}/{spec.job_name()}"
+    assert delete["path"] == f"{TRAINJOBS}/{resolve(spec).name}"
 
 
 def test_reattach_by_name_never_creates_a_second(double: K8sDouble) -> None:
     spec = JobSpec(**SPEC)
-    name = spec.job_name()
-    double.put_job(render(spec).to_dict())
+    name = resolve(spec).name
+    double.put_job(render(resolve(spec)).to_dict())
     n0 = double.add_node_pod(name, 0)
     double.start(n0)
     double.log(n0, "[trainer] step 3/6 loss 4.2")
@@ -94,11 +95,10 @@ def test_reattach_by_name_never_creates_a_second(double: K8sDouble) -> None:
 
 
 def test_another_runs_trainjob_is_refused_untouched(double: K8sDouble) -> None:
-    other = render(JobSpec(**{**SPEC, "run_id": "someone-else", "name": "clash"})).to_dict()
+    other = render(resolve(JobSpec(**{**SPEC, "run_id": "someone-else", "name": "clash"}))).to_dict()
     double.put_job(other)
     with pytest.raises(UserError) as err:
-        launch_trainjob(JobSpec(**{**SPEC, "name": "clash"}), fast_opts(),
-                        api_client=k8s_api.api_client(double.configuration()))
+        launch_on(double, JobSpec(**{**SPEC, "name": "clash"}), "trainjob")
     assert err.value.field == "name" and "someone-else" in err.value.message
     k8s_launch.assert_untouched(double)
 
@@ -143,7 +143,7 @@ def test_sigterm_deletes_the_trainjob(double: K8sDouble) -> None:
     result, _ = _run(double, spec, running_then_sigterm, handle_signals=True)
     assert result.state == "Cancelled" and result.extra["signal"] == signal.SIGTERM
     k8s_launch.assert_deleted_foreground(double, "Background")
-    assert ("default", spec.job_name()) not in double.jobs
+    assert ("default", resolve(spec).name) not in double.jobs
     assert signal.getsignal(signal.SIGTERM) is before
 
 
@@ -153,22 +153,20 @@ def test_sigterm_deletes_the_trainjob(double: K8sDouble) -> None:
 def test_auto_asks_the_cluster_and_prefers_trainjob(double: K8sDouble, served: set,
                                                     expected: str) -> None:
     double.served = served
-    assert resolve_job_api("auto", k8s_api.api_client(double.configuration())) == expected
+    assert pick("auto", api_client(double.configuration())) == expected
     assert double.calls("GET", "/apis/trainer.kubeflow.org/v1alpha1")
 
 
 def test_auto_with_neither_is_a_cluster_error(double: K8sDouble) -> None:
     double.served = set()
     with pytest.raises(ClusterError, match="neither trainjobs"):
-        resolve_job_api("auto", k8s_api.api_client(double.configuration()))
+        pick("auto", api_client(double.configuration()))
 
 
 def test_dispatcher_auto_runs_a_trainjob(double: K8sDouble) -> None:
     spec = JobSpec(**SPEC)
     with playing(double, spec, _happy):
-        result = backends.launch(spec, "kubernetes", log=lambda _: None, namespace="default",
-                                 poll_s=0.05, client_configuration=double.configuration(),
-                                 job_api="auto")
+        result = launch_on(double, spec, "auto", log=lambda _: None, poll_s=0.05)
     assert result.succeeded
     assert [c["path"] for c in double.calls("POST")] == [TRAINJOBS]
 
@@ -177,10 +175,9 @@ def test_cluster_runtime_reference_reaches_the_api(double: K8sDouble) -> None:
     spec = JobSpec(**SPEC)
     lines: list[str] = []
     with playing(double, spec, _happy):
-        result = backends.launch(spec, "kubernetes", log=lines.append, namespace="default",
-                                 poll_s=0.05, client_configuration=double.configuration(),
-                                 job_api="trainjob", runtime="ft-shared",
-                                 runtime_kind="ClusterTrainingRuntime")
+        opts = replace(on_double(double, "trainjob", poll_s=0.05), runtime="ft-shared",
+                       runtime_kind="ClusterTrainingRuntime")
+        result = backends.launch(resolve(spec), opts, log=lines.append)
     assert result.succeeded
     (post,) = double.calls("POST")
     assert post["body"]["spec"]["runtimeRef"] == {
@@ -191,8 +188,7 @@ def test_cluster_runtime_reference_reaches_the_api(double: K8sDouble) -> None:
 def test_auto_reports_input_bad_for_every_api_before_asking_the_cluster(
         double: K8sDouble) -> None:
     with pytest.raises(UserError) as err:
-        backends.launch(JobSpec(**{**SPEC, "instance_type": "p9.huge"}), "kubernetes",
-                        client_configuration=double.configuration(), job_api="auto")
+        launch_on(double, JobSpec(**{**SPEC, "instance_type": "p9.huge"}), "auto")
     assert err.value.field == "instance_type"
     assert double.requests == []  # not even API discovery
 
@@ -200,15 +196,13 @@ def test_auto_reports_input_bad_for_every_api_before_asking_the_cluster(
 def test_auto_refuses_what_the_served_api_cannot_express(double: K8sDouble) -> None:
     double.served = {"trainjobs"}
     with pytest.raises(UserError) as err:
-        backends.launch(JobSpec(**{**SPEC, "nodes": "1:2"}), "kubernetes",
-                        client_configuration=double.configuration(), job_api="auto")
+        launch_on(double, JobSpec(**{**SPEC, "nodes": "1:2"}), "auto")
     assert err.value.field == "nodes"
     assert double.calls("GET", "/apis/") and not double.calls("POST")
 
 
 def test_bad_v2_input_sends_nothing(double: K8sDouble) -> None:
     with pytest.raises(UserError) as err:
-        backends.launch(JobSpec(**{**SPEC, "nodes": "2:4"}), "kubernetes",
-                        client_configuration=double.configuration(), job_api="trainjob")
+        launch_on(double, JobSpec(**{**SPEC, "nodes": "2:4"}), "trainjob")
     assert err.value.field == "nodes"
     assert not double.calls("POST")

@@ -19,7 +19,7 @@ import pytest
 
 from kfp_nvrx.components.data.prepare import prepare_dataset
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.launch.lifetime import (
+from kfp_nvrx.components.launch.local.lifetime import (
     LOCK_FILE,
     RunDirLock,
     Watchdog,
@@ -81,7 +81,7 @@ def test_second_holder_is_refused_with_the_first_ones_pid(tmp_path: Path) -> Non
 
 
 def test_a_lock_left_by_a_killed_run_is_taken(tmp_path: Path) -> None:
-    code = ("import sys, time; from kfp_nvrx.components.launch.lifetime import "
+    code = ("import sys, time; from kfp_nvrx.components.launch.local.lifetime import "
             "RunDirLock; RunDirLock(sys.argv[1]).acquire(); print('locked', flush=True); "
             "time.sleep(600)")
     holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)],
@@ -102,7 +102,7 @@ def test_watchdog_kills_the_run_when_the_launcher_is_killed(tmp_path: Path) -> N
     # A "launcher" that starts a watchdog and a child that ignores SIGTERM, then waits forever.
     code = f"""
 import os, subprocess, sys, time
-from kfp_nvrx.components.launch.lifetime import RunDirLock, Watchdog
+from kfp_nvrx.components.launch.local.lifetime import RunDirLock, Watchdog
 lock = RunDirLock(sys.argv[1]).acquire()
 wd = Watchdog("{TAG}={token}", grace=1.0, keep_fds=(lock.fd,))
 child = subprocess.Popen([sys.executable, "-c",
@@ -172,7 +172,7 @@ def test_a_child_dies_with_its_parent_by_sigterm_and_holds_the_lock_until_then(t
              f"signal.signal(signal.SIGTERM, stop)\nprint('up', flush=True)\ntime.sleep(600)\n")
     parent = f"""
 import os, subprocess, sys, time
-from kfp_nvrx.components.launch.lifetime import RunDirLock, die_with_parent
+from kfp_nvrx.components.launch.local.lifetime import RunDirLock, die_with_parent
 lock = RunDirLock(sys.argv[1]).acquire()
 p = subprocess.Popen(die_with_parent([sys.executable, "-c", {child!r}], hold=lock.path),
                      env={{**os.environ, "{TAG}": "{token}"}}, stdout=subprocess.PIPE, text=True,
@@ -223,7 +223,7 @@ def _launcher_with_agent(tmp_path: Path, token: str) -> tuple[subprocess.Popen, 
     """
     code = f"""
 import os, signal, subprocess, sys, time
-from kfp_nvrx.components.launch.lifetime import RunDirLock, Watchdog, die_with_parent
+from kfp_nvrx.components.launch.local.lifetime import RunDirLock, Watchdog, die_with_parent
 lock = RunDirLock(sys.argv[1]).acquire("{token}")
 wd = Watchdog("{TAG}=never-{token}", grace=1.0, keep_fds=(lock.fd,))
 agent = subprocess.Popen(die_with_parent([sys.executable, "-c", {_AGENT_WITH_HELPER!r}],
@@ -243,7 +243,7 @@ time.sleep(600)
 
 def test_sigkill_of_launcher_watchdog_and_agent_leaves_no_holder_and_no_orphan(tmp_path):
     """Issue 30 item 16: the agent's forked helper outlived them all and held the run dir."""
-    from kfp_nvrx.components.launch.lifetime import stop_leftovers
+    from kfp_nvrx.components.launch.local.lifetime import stop_leftovers
 
     token = uuid.uuid4().hex
     launcher, (watchdog, agent) = _launcher_with_agent(tmp_path, token)
@@ -290,7 +290,7 @@ def test_a_refusal_names_the_live_holder_not_the_dead_launcher(tmp_path):
 def test_a_refusal_names_the_watchdog_when_only_it_is_left(tmp_path):
     code = """
 import sys, time
-from kfp_nvrx.components.launch.lifetime import RunDirLock, Watchdog
+from kfp_nvrx.components.launch.local.lifetime import RunDirLock, Watchdog
 lock = RunDirLock(sys.argv[1]).acquire()
 wd = Watchdog("KFP_NVRX_NOTHING=1", grace=1.0, keep_fds=(lock.fd,))
 print(wd.proc.pid, flush=True)
@@ -519,7 +519,7 @@ def test_a_relaunch_right_after_sigkill_of_the_launch_tree(agents_too, data, tmp
 
 def test_agent_stream_shows_what_matters_and_logs_everything(tmp_path):
     """Non-verbose: NVRx chatter and a survivor's peer-reset traceback are hidden, not lost."""
-    from kfp_nvrx.components.launch.local import _Agent
+    from kfp_nvrx.components.launch.local.agent import Agent, NodeOutput
 
     lines = [
         "  max_restarts     : 3",
@@ -535,8 +535,8 @@ def test_agent_stream_shows_what_matters_and_logs_everything(tmp_path):
     ]
     script = "import sys\nfor line in sys.argv[1:]:\n    print(line)\n"
     shown: list[str] = []
-    agent = _Agent(0, [sys.executable, "-c", script, *lines], dict(os.environ), shown.append,
-                   False, tmp_path / "node0.log")
+    agent = Agent(0, [sys.executable, "-c", script, *lines], dict(os.environ),
+                  NodeOutput(shown.append, False, tmp_path / "node0.log"))
     agent.proc.wait()
     agent.thread.join(10)
     assert shown == ["[node0] [trainer] step 10/40 loss 4.3",

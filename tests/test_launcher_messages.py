@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 import pytest
-from k8s_launch import fast_opts
+from k8s_launch import launch_on
 
 from kfp_nvrx.components.core.fields import CLI
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.launch.jobspec import naming
-from kfp_nvrx.components.launch.jobspec.pytorchjob import render
+from kfp_nvrx.components.launch.jobspec.resolve import resolve
 from kfp_nvrx.components.launch.jobspec.spec import JobSpec
-from kfp_nvrx.components.launch.kubernetes import launch_kubernetes
+from kfp_nvrx.components.launch.pytorchjob.render import render
 
 SPEC = dict(image="img:1", pvc="fsx", instance_type="cpu", nodes="1", name="reused")
 
 
 def _existing(double, owner: str) -> None:
-    job = render(JobSpec(**SPEC)).to_dict()
+    job = render(resolve(JobSpec(**SPEC))).to_dict()
     job["metadata"]["namespace"] = "default"
     annotations = job["metadata"].setdefault("annotations", {})
     annotations.pop(naming.RUN_ID_KEY, None)
@@ -35,8 +35,7 @@ def test_a_taken_name_says_whose_it_is(double, owner: str, run_id: str, says: st
     """Without --run-id it said "belongs to run '(none)', not '(none)'"."""
     _existing(double, owner)
     with pytest.raises(UserError) as err:
-        launch_kubernetes(JobSpec(**SPEC, run_id=run_id), fast_opts(),
-                          client_configuration=double.configuration(), log=lambda _l: None)
+        launch_on(double, JobSpec(**SPEC, run_id=run_id), log=lambda _l: None)
     line = CLI.reword(err.value).one_line()
     assert line.startswith("--name: ") and says in line and "(none)" not in line, line
     assert not double.calls("POST") and not double.calls("DELETE")
@@ -63,7 +62,7 @@ def test_a_stopped_agents_shutdown_noise_stays_in_its_node_log(tmp_path) -> None
     import sys
     import time
 
-    from kfp_nvrx.components.launch.local import _Agent
+    from kfp_nvrx.components.launch.local.agent import Agent, NodeOutput
 
     script = ("import signal, sys, time\n"
               "def stop(*_):\n"
@@ -77,8 +76,8 @@ def test_a_stopped_agents_shutdown_noise_stays_in_its_node_log(tmp_path) -> None
               "time.sleep(60)\n")
     shown: list[str] = []
     (tmp_path / "logs").mkdir()
-    agent = _Agent(0, [sys.executable, "-c", script], dict(os.environ), shown.append, False,
-                   tmp_path / "logs" / "node0.log")
+    agent = Agent(0, [sys.executable, "-c", script], dict(os.environ),
+                  NodeOutput(shown.append, False, tmp_path / "logs" / "node0.log"))
     deadline = time.monotonic() + 30
     while not shown and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from kubernetes import client as k8s
 
-from kfp_nvrx.components.launch.missing import MissingWatch
-from kfp_nvrx.components.launch.pods import missing_objects
+from kfp_nvrx.components.launch.kube.missing import MissingWatch
+from kfp_nvrx.components.launch.kube.pods import missing_objects
 
 
 def _pending(condition: str = "", waiting: tuple[str, str] | None = None) -> k8s.V1Pod:

@@ -152,7 +152,7 @@ def test_export_onto_a_mount_that_fills_while_writing_names_out(tmp_path, mounts
 
 
 def test_a_log_file_on_a_full_device_is_given_up_once_and_the_stream_goes_on(tmp_path) -> None:
-    from kfp_nvrx.components.launch.agent_log import AgentLog
+    from kfp_nvrx.components.launch.local.agent_log import AgentLog
 
     said: list[str] = []
     full = AgentLog(Path("/dev/full"), "[node0]", said.append)  # every write: ENOSPC
@@ -170,7 +170,7 @@ def test_a_log_file_on_a_full_device_is_given_up_once_and_the_stream_goes_on(tmp
 
 def test_the_disk_full_notice_is_said_once_per_incarnation_and_only_for_a_full_disk(
         tmp_path) -> None:
-    from kfp_nvrx.components.launch.agent_log import DiskFullNotice
+    from kfp_nvrx.components.launch.local.agent_log import DiskFullNotice
 
     torn = "RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"
     roomy = DiskFullNotice(tmp_path)  # a file system with space: a torn write of another cause

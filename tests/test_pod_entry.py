@@ -220,10 +220,10 @@ def test_the_job_apis_read_its_codes_as_the_table_says() -> None:
     import dataclasses
 
     from golden_specs import golden_specs
+    from rendering import render_pytorchjob, render_trainjob
 
     from kfp_nvrx.components.core.pod_entry import PEER_LOST, PEER_WAIT_ENV, TERMINATED
-    from kfp_nvrx.components.launch.jobspec import pytorchjob, trainjob
-    from kfp_nvrx.components.launch.jobspec.runtime import GAVE_UP_EXIT_CODES, build_runtime
+    from kfp_nvrx.components.launch.trainjob.runtime import GAVE_UP_EXIT_CODES, build_runtime
 
     rules = build_runtime()["spec"]["template"]["spec"]["replicatedJobs"][0]["template"][
         "spec"]["podFailurePolicy"]["rules"]
@@ -236,12 +236,12 @@ def test_the_job_apis_read_its_codes_as_the_table_says() -> None:
         for key in path:
             job = job[key]
         return {e["name"]: e.get("value") for e in job}
-    pj = pytorchjob.render(spec).to_dict()["spec"]["pytorchReplicaSpecs"]["Worker"]
+    pj = render_pytorchjob(spec).to_dict()["spec"]["pytorchReplicaSpecs"]["Worker"]
     assert env(pj, ["template", "spec", "containers", 0, "env"])[PEER_WAIT_ENV] == "0"
-    tj = trainjob.render(spec).to_dict()["spec"]["trainer"]
+    tj = render_trainjob(spec).to_dict()["spec"]["trainer"]
     assert PEER_WAIT_ENV not in env(tj, ["env"])
     spec = dataclasses.replace(spec, env={**spec.env, PEER_WAIT_ENV: "30"})  # --env wins, once
-    pj = pytorchjob.render(spec).to_dict()["spec"]["pytorchReplicaSpecs"]["Worker"]
+    pj = render_pytorchjob(spec).to_dict()["spec"]["pytorchReplicaSpecs"]["Worker"]
     names = [e["name"] for e in pj["template"]["spec"]["containers"][0]["env"]]
     assert names.count(PEER_WAIT_ENV) == 1
     assert env(pj, ["template", "spec", "containers", 0, "env"])[PEER_WAIT_ENV] == "30"

@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import datetime as dt
 import time
+from dataclasses import replace
 
 from k8s_double import K8sDouble
-from k8s_launch import SPEC, fast_opts, playing
+from k8s_launch import SPEC, launch_on, playing
 from kubernetes import client as k8s
 
 from kfp_nvrx.components.launch.jobspec.spec import JobSpec
-from kfp_nvrx.components.launch.kubernetes import launch_kubernetes
-from kfp_nvrx.components.launch.logs import PodLogFollower
+from kfp_nvrx.components.launch.kube.logs import PodLogFollower
+from kfp_nvrx.components.launch.pytorchjob.follow import job_pods
 
 
 def _pod(index: int, uid: str, phase: str, exit_code: int | None = None) -> k8s.V1Pod:
@@ -37,8 +38,9 @@ def _pod(index: int, uid: str, phase: str, exit_code: int | None = None) -> k8s.
 
 
 def _follower(**kw) -> tuple[PodLogFollower, list[str]]:
+    """A PyTorchJob's pod follower (``kw``: other settings of its :class:`JobPods`)."""
     lines: list[str] = []
-    f = PodLogFollower(None, "ns", "pj", emit=lines.append, **kw)
+    f = PodLogFollower(None, "ns", replace(job_pods("pj"), **kw), emit=lines.append)
     f._stop.set()  # no log streams: _on_pod records the pod and says its notes
     return f, lines
 
@@ -87,7 +89,7 @@ def test_a_listing_takes_the_pod_that_succeeded_first() -> None:
             return k8s.V1PodList(items=pods, metadata=k8s.V1ListMeta(resource_version="7"))
 
     lines: list[str] = []
-    f = PodLogFollower(Core(), "ns", "pj", emit=lines.append)
+    f = PodLogFollower(Core(), "ns", job_pods("pj"), emit=lines.append)
     f._watch_loop()
     assert lines[:2] == ["[worker-1] -- pod Succeeded",
                      "[worker-0] -- pod stopped after training completed (exit 143), not a failure"]
@@ -114,8 +116,7 @@ def test_a_succeeded_pytorchjob_prints_no_pod_failed_line(double: K8sDouble) -> 
             time.sleep(0.05)
 
     with playing(double, spec, play):
-        result = launch_kubernetes(spec, fast_opts(drain_s=30), log=lines.append,
-                                   client_configuration=double.configuration())
+        result = launch_on(double, spec, log=lines.append, drain_s=30)
     assert result.state == "Succeeded", result.reason
     text = "\n".join(lines)
     assert "pod Failed" not in text, text

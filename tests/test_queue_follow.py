@@ -7,15 +7,17 @@ The same on the real controllers: tests/cluster/test_kueue.py.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import pytest
 
-from kfp_nvrx.components.launch import k8s_follow, queue_follow
 from kfp_nvrx.components.launch.jobspec.queue import Queue
-from kfp_nvrx.components.launch.k8s_http import StopSignals
-from kfp_nvrx.components.launch.k8s_job import K8sOptions
-from kfp_nvrx.components.launch.kueue import Reading, read_workload
-from kfp_nvrx.components.launch.queue_follow import QueueWatch
+from kfp_nvrx.components.launch.kube import follow as k8s_follow
+from kfp_nvrx.components.launch.kube import queue_follow
+from kfp_nvrx.components.launch.kube.http import StopSignals
+from kfp_nvrx.components.launch.kube.kueue import Reading, read_workload
+from kfp_nvrx.components.launch.kube.queue_follow import QueueWatch
+from kfp_nvrx.components.launch.options import FollowOptions
 
 WAIT = "couldn't assign flavors to pod set node: insufficient unused quota for cpu"
 
@@ -54,6 +56,9 @@ class Jobs:
 
     kind, name, namespace, where = "TrainJob", "tj", "ns", "TrainJob ns/tj"
     controller = "the Trainer"
+    #: The resolved job it follows: its run dir (no events there) and no active deadline.
+    job = SimpleNamespace(run_dir="/nonexistent/run",
+                          worker=lambda: SimpleNamespace(active_deadline_s=None))
 
     def __init__(self, clock: Clock, suspended, done=lambda t: False) -> None:
         self.clock, self._suspended, self._done = clock, suspended, done
@@ -75,7 +80,7 @@ class Jobs:
         return "Suspended" if self.suspended(job) else "Running"
 
     def outcome(self, job):
-        from kfp_nvrx.components.launch.k8s_job import Outcome
+        from kfp_nvrx.components.launch.kube.followed import Outcome
 
         return Outcome("Succeeded", "", job["t"]) if self._done(job["t"]) else None
 
@@ -131,11 +136,10 @@ def _follow(clock, jobs, reads, follower, deadline_s=None):
     lines: list[str] = []
     watch = QueueWatch(reads, jobs.where, 1000.0, lines.append, step=lambda: follower.step,
                        on_preempted=follower.set_aside, started=follower.last_start)
-    opts = K8sOptions(deadline_s=deadline_s, poll_s=0.0, progress_s=1e9)
-    follow = k8s_follow.Follow(jobs, jobs.get(), "/nonexistent/run", opts, lines.append, follower,
-                               watch)
+    opts = FollowOptions(deadline_s=deadline_s, poll_s=0.0, progress_s=1e9)
+    follow = k8s_follow.Follow(jobs, jobs.get(), opts, lines.append, follower, watch)
     with StopSignals(False) as signals:
-        return follow.run(None, signals), lines
+        return follow.run(signals), lines
 
 
 def test_queued_once_admitted_and_the_deadline_does_not_count_the_wait(clock) -> None:

@@ -72,11 +72,10 @@ def _pod(name: str, uid: str, index: str, attempt: str = "0"):
 def test_a_jobset_restart_counts_as_pod_restarts_although_the_names_are_new() -> None:
     """Issue 30 item 3: the launcher's "pod restarts" counted pods by name, so a JobSet restart
     (every pod recreated under a new name) read 0."""
-    from kfp_nvrx.components.launch.logs import PodLogFollower
-    from kfp_nvrx.components.launch.trainjob import node_replica
+    from kfp_nvrx.components.launch.kube.logs import PodLogFollower
+    from kfp_nvrx.components.launch.trainjob.follow import job_pods
 
-    follower = PodLogFollower(None, "ns", "tj", emit=lambda _line: None, container="node",
-                              replica_name=node_replica)
+    follower = PodLogFollower(None, "ns", job_pods("tj"), emit=lambda _line: None)
     for i in (0, 1):
         follower._on_pod(_pod(f"tj-node-{i}-0-aaaa", f"uid-{i}", str(i)))
     assert follower.pod_restarts() == 0

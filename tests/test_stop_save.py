@@ -15,13 +15,12 @@ import time
 from pathlib import Path
 
 import pytest
-from local_runs import assert_bitwise, final_weights, tiny_dataset
+from local_runs import assert_bitwise, final_weights, run_local, tiny_dataset
 
 from kfp_nvrx.components.core import events as ev
 from kfp_nvrx.components.core.events import read_events
 from kfp_nvrx.components.core.rundir import committed_steps
 from kfp_nvrx.components.launch.jobspec.spec import JobSpec
-from kfp_nvrx.components.launch.local import run_local
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -15,7 +15,7 @@ from kfp_api_double import KfpApiDouble
 from kfp_nvrx.components import __version__
 from kfp_nvrx.components.cli.main import main
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.launch.local import free_port
+from kfp_nvrx.components.launch.local.run import free_port
 from kfp_nvrx.pipelines.client import validate_cron
 from kfp_nvrx.pipelines.params import parse_params
 

@@ -13,12 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from local_runs import assert_bitwise, final_weights, tiny_dataset, train
+from local_runs import assert_bitwise, final_weights, run_local, tiny_dataset, train
 
 from kfp_nvrx.components.core.events import read_events as _read_typed
 from kfp_nvrx.components.core.rundir import COMMIT_MARKER, committed_steps, step_dir
 from kfp_nvrx.components.launch.jobspec.spec import JobSpec
-from kfp_nvrx.components.launch.local import run_local
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 

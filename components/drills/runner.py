@@ -43,7 +43,7 @@ from kfp_nvrx.components.drills.scenarios import (
     Scenario,
     select,
 )
-from kfp_nvrx.components.launch.lifetime import processes_with_env
+from kfp_nvrx.components.launch.local.lifetime import processes_with_env
 
 #: Environment variable every process of a drill run inherits (finds anything left running).
 DRILL_ENV = "KFP_NVRX_DRILL"
@@ -69,8 +69,9 @@ class _Ctx:
 
 def _train(run_dir: Path, overrides: list[str], faults: list[str], nodes: str, log_file: Path,
            token: str, action: Action | None = None) -> Any:
+    from kfp_nvrx.components.launch.jobspec.resolve import LOCAL, resolve
     from kfp_nvrx.components.launch.jobspec.spec import JobSpec
-    from kfp_nvrx.components.launch.local import run_local
+    from kfp_nvrx.components.launch.local.run import LocalRun
 
     with open(log_file, "a") as fh:
         def log(line: str) -> None:
@@ -80,8 +81,8 @@ def _train(run_dir: Path, overrides: list[str], faults: list[str], nodes: str, l
 
         spec = JobSpec(nodes=nodes, run_dir=str(run_dir), config="tiny", overrides=overrides,
                        faults=faults, env={DRILL_ENV: token})
-        return run_local(spec, log=log, deadline_s=DEADLINE_S, verbose=True,
-                         on_start=action.on_start if action is not None else None)
+        return LocalRun(resolve(spec, LOCAL), log=log, deadline_s=DEADLINE_S, verbose=True,
+                        on_start=action.on_start if action is not None else None).run()
 
 
 def _hot_spare(action: Any, events: list[Event]) -> bool:

@@ -155,7 +155,10 @@ def _lane_y(i: int) -> int:
     return _TOP + i * _LANE_H
 
 
-def _rect(x: float, y: float, w: float, h: float, fill: str, tip: str = "", extra: str = "") -> str:
+def _rect(box: tuple[float, float, float, float], fill: str, tip: str = "",
+          extra: str = "") -> str:
+    """An SVG rectangle; ``box`` is (x, y, width, height)."""
+    x, y, w, h = box
     title = f"<title>{html.escape(tip)}</title>" if tip else ""
     return f'<rect x="{x}" y="{y}" width="{w}" height="{h}" fill="{fill}"{extra}>{title}</rect>'
 
@@ -168,8 +171,8 @@ def _step_shapes(events: list[Event], ax: _Axis) -> list[str]:
             label = f"steps {s['first']}-{s['last']}" if s["n"] > 1 else f"step {s['first']}"
             tip = (f"{label} {'kept' if kept else 'redone'} (incarnation {s['inc'][0]}, "
                    f"iteration {s['inc'][1]}), {s['end'] - s['start']:.2f} s")
-            out.append(_rect(ax.x(s["start"]), _lane_y(lane) + 5, ax.w(s["end"] - s["start"]),
-                             _LANE_H - 14, color, tip))
+            out.append(_rect((ax.x(s["start"]), _lane_y(lane) + 5, ax.w(s["end"] - s["start"]),
+                              _LANE_H - 14), color, tip))
     return out
 
 
@@ -178,9 +181,9 @@ def _checkpoint_shapes(e: Checkpoint, ax: _Axis) -> list[str]:
     start, y = e.time - total, _lane_y(2) + 5
     tip = (f"checkpoint step {e.step}: {total:.3f} s total, {block:.3f} s blocking, "
            f"{int(e.bytes or 0) / 2**20:.1f} MiB")
-    return [_rect(ax.x(start), y, ax.w(total, 2), _LANE_H - 14, COLORS["ckpt"], tip,
+    return [_rect((ax.x(start), y, ax.w(total, 2), _LANE_H - 14), COLORS["ckpt"], tip,
                   ' opacity="0.55"'),
-            _rect(ax.x(start), y, ax.w(block, 2), _LANE_H - 14, COLORS["ckpt_block"])]
+            _rect((ax.x(start), y, ax.w(block, 2), _LANE_H - 14), COLORS["ckpt_block"])]
 
 
 def _fault_shapes(e: Fault, ax: _Axis, body_h: int) -> list[str]:
@@ -212,7 +215,7 @@ def _restart_shapes(e: Restart | Start, ax: _Axis, kind: str = "") -> list[str]:
     origin = "fresh" if e.resumed_from is None else f"resumed from step {e.resumed_from}"
     tip = (f"start: incarnation {e.incarnation}, iteration {e.iteration}, world size "
            f"{e.world_size}, {origin} (load {float(e.load_s or 0):.2f} s)")
-    return [_rect(cx - 1.5, y - 9, 3, 18, COLORS["restart"], tip)]
+    return [_rect((cx - 1.5, y - 9, 3, 18), COLORS["restart"], tip)]
 
 
 def _axis_shapes(ax: _Axis, axis_y: int) -> list[str]:
@@ -233,11 +236,12 @@ def render_svg(events: list[Event]) -> str:
     svg: list[str] = []
     for i, name in enumerate(_LANES):
         y = _lane_y(i)
-        svg.append(_rect(_LEFT, y, _RIGHT - _LEFT, _LANE_H - 4, "#f6f6f6" if i % 2 else "#fbfbfb"))
+        svg.append(_rect((_LEFT, y, _RIGHT - _LEFT, _LANE_H - 4),
+                         "#f6f6f6" if i % 2 else "#fbfbfb"))
         svg.append(f'<text x="{_LEFT - 8}" y="{y + _LANE_H / 2 + 2}" font-size="12" '
                    f'text-anchor="end">{name}</text>')
     for a, b in recovery_windows(events):
-        svg.append(_rect(ax.x(a), _TOP, ax.w(b - a), len(_LANES) * _LANE_H - 4,
+        svg.append(_rect((ax.x(a), _TOP, ax.w(b - a), len(_LANES) * _LANE_H - 4),
                          COLORS["recovery"], f"recovery {b - a:.2f} s", ' opacity="0.6"'))
     svg += _step_shapes(events, ax)
     sess = sessions(events)

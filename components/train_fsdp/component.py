@@ -87,8 +87,9 @@ def train_fsdp(
     from kfp_nvrx.components.core import fields
     from kfp_nvrx.components.errors import UserError
     from kfp_nvrx.components.launch import ui_outputs
-    from kfp_nvrx.components.launch.backends import launch, options
+    from kfp_nvrx.components.launch.backends import check, launch
     from kfp_nvrx.components.launch.jobspec.spec import JobSpec
+    from kfp_nvrx.components.launch.options import options
     from kfp_nvrx.components.redaction import redact, redacted_output
 
     if backend == "local" and importlib.util.find_spec("torch") is None:
@@ -101,32 +102,34 @@ def train_fsdp(
         raise UserError("init_from", f"{init_from} does not exist")
     elif init_from:
         print(f"no model at {init_from} yet: training from scratch")
+    # The run goes to <workspace>/runs/<job name>: the name is the job's, derived when it is
+    # resolved (from the KFP run id and task, so a retried task resumes the same run).
     spec = JobSpec(image=trainer_image or images.trainer_image(), pvc=pvc_name, run_id=kfp_run_id,
                    task=kfp_task, nodes=nodes, instance_type=instance_type,
-                   nproc_per_node=nproc_per_node or None, mount=mount_path, config=config,
-                   overrides=sets, faults=list(faults), queue_name=queue_name,
-                   priority_class=priority_class)
+                   nproc_per_node=nproc_per_node or None, mount=mount_path,
+                   runs_dir=os.path.join(workspace, "runs"), config=config, overrides=sets,
+                   faults=list(faults), queue_name=queue_name, priority_class=priority_class)
     # Pod logs, API errors and the reason come from the cluster: no credential the launcher
     # authenticated with may reach the task log, Metrics or the HTML (one redaction).
     with redacted_output():
         try:
-            name = spec.job_name()
-            spec.run_dir = os.path.join(workspace, "runs", name)
             # job_api is a Kubernetes option; the local backend has none.
             kube = {"job_api": job_api} if backend == "kubernetes" else {}
-            result = launch(spec, options(backend, deadline_s=deadline_s or None, **kube))
+            opts = options(backend, deadline_s=deadline_s or None, **kube)
+            job = check(spec, opts)
+            result = launch(job, opts)
         except UserError as err:  # the library names the field; say this component's parameter
             raise fields.COMPONENT.reword(err) from None
         except Exception as err:  # the executor prints it (and its chain) as a traceback
             raise RuntimeError(redact(f"{type(err).__name__}: {err}")) from None
     result.reason = redact(result.reason)
     result.last_log_lines = [redact(line) for line in result.last_log_lines]
-    summary = ui_outputs.publish(spec.run_dir, result, run=run, metrics=metrics, timeline=timeline,
-                                 title=name)
+    summary = ui_outputs.publish(job.run_dir, result, run=run, metrics=metrics, timeline=timeline,
+                                 title=job.name)
     queued = (f", queued {result.queued_s:.0f}s by Kueue (preempted {result.preemptions}x)"
               if "queue" in result.extra else "")
     print(f"{result.state}: goodput {summary['goodput']:.3f}, steps {summary['steps_final']}, "
-          f"restarts {summary['restarts']}{queued}, run dir {spec.run_dir}")
+          f"restarts {summary['restarts']}{queued}, run dir {job.run_dir}")
     for line in summary.get("what_happened") or []:
         print(f"  {line}")
     if not result.succeeded:

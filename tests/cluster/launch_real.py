@@ -24,7 +24,10 @@ import yaml
 from kubernetes import client
 
 from kfp_nvrx.components.launch import backends
+from kfp_nvrx.components.launch.jobspec.resolve import resolve
 from kfp_nvrx.components.launch.jobspec.spec import JobSpec
+from kfp_nvrx.components.launch.kube.cluster import Cluster
+from kfp_nvrx.components.launch.options import FollowOptions, KubernetesOptions
 from kfp_nvrx.components.launch.result import LaunchResult
 
 PVC = "kfp-nvrx-shared"
@@ -100,16 +103,16 @@ class Background:
     """``backends.launch`` in a thread (no signal handlers there), its lines collected."""
 
     def __init__(self, spec: JobSpec, cfg: client.Configuration, namespace: str,
-                 **kw: Any) -> None:
+                 job_api: str = "auto", **follow: Any) -> None:
         self.lines: list[str] = []
         self.result: LaunchResult | None = None
         self.error: BaseException | None = None
+        opts = KubernetesOptions(job_api=job_api, cluster=Cluster(cfg, namespace),
+                                 follow=FollowOptions(**{"poll_s": 0.5, **follow}))
 
         def run() -> None:
             try:
-                self.result = backends.launch(spec, "kubernetes", log=self.lines.append,
-                                              namespace=namespace, client_configuration=cfg,
-                                              **{"poll_s": 0.5, **kw})
+                self.result = backends.launch(resolve(spec), opts, log=self.lines.append)
             except BaseException as err:  # noqa: BLE001 - re-raised in the test by join()
                 self.error = err
 

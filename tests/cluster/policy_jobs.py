@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import contextlib
 
+from rendering import render_pytorchjob, render_trainjob
+
 from cluster.kutil import wait_for
-from kfp_nvrx.components.launch.jobspec import pytorchjob, trainjob
 from kfp_nvrx.components.launch.jobspec.pod import POD_ENTRY
 from kfp_nvrx.components.launch.jobspec.spec import JobSpec
 
@@ -94,8 +95,8 @@ def delete(kube, api: tuple[str, str], plural: str, name: str) -> None:
 
 
 def create_trainjob(kube, name: str, body: str, runtime: str = "", **kw) -> None:
-    job = (trainjob.render(spec(name, **kw), runtime_name=runtime) if runtime
-           else trainjob.render(spec(name, **kw))).to_dict()
+    job = (render_trainjob(spec(name, **kw), runtime_name=runtime) if runtime
+           else render_trainjob(spec(name, **kw))).to_dict()
     job["spec"]["trainer"]["command"] = script(body, name)
     job["spec"]["trainer"].pop("args", None)
     custom(kube).create_namespaced_custom_object(*TRAINER, kube.namespace, "trainjobs", job)
@@ -127,7 +128,7 @@ def job_reasons(kube, name: str) -> set[str]:
 
 
 def create_pytorchjob(kube, name: str, body: str, **kw) -> dict:
-    job = pytorchjob.render(spec(name, **kw)).to_dict()
+    job = render_pytorchjob(spec(name, **kw)).to_dict()
     for rs in job["spec"]["pytorchReplicaSpecs"].values():
         rs["template"]["spec"]["containers"][0]["command"] = script(body, name)
         rs["template"]["spec"]["containers"][0].pop("args", None)

@@ -14,6 +14,7 @@ import re
 from typing import Any
 
 import pytest
+from rendering import render_pytorchjob, render_trainjob
 
 from cluster.kutil import (
     SETTLE_S,
@@ -25,9 +26,9 @@ from cluster.kutil import (
     wait_runtime_seen,
 )
 from cluster.truth_rows import shape_spec
-from kfp_nvrx.components.launch.jobspec import pytorchjob, trainjob
-from kfp_nvrx.components.launch.jobspec.runtime import build_runtime
-from kfp_nvrx.components.launch.jobspec.validate_trainjob import node_pod
+from kfp_nvrx.components.launch.pytorchjob import render as pytorchjob
+from kfp_nvrx.components.launch.trainjob.runtime import build_runtime
+from kfp_nvrx.components.launch.trainjob.validate import node_pod
 
 NODES = 2
 #: What the kubelet would take for the pod's IP when it expands $(POD_IP).
@@ -114,7 +115,7 @@ def _pods(dyn, ns: str, selector: str, count: int) -> list[dict[str, Any]]:
 def built_trainjob(space):
     """Our TrainJob, created for real, and what the controllers made of it."""
     dyn, ns = space
-    rendered = trainjob.render(_placed_spec("built-tj", ns))
+    rendered = render_trainjob(_placed_spec("built-tj", ns))
     assert submit(dyn, rendered.job, ns, dry_run=False).accepted
     name = rendered.name
     pods = _pods(dyn, ns, f"jobset.sigs.k8s.io/jobset-name={name}", NODES)
@@ -231,7 +232,7 @@ def test_pytorchjob_pods_and_services_are_what_we_rendered(kube, space) -> None:
     dyn, ns = space
     spec = _placed_spec("built-pj", ns)
     spec.scheduler_name = "default-scheduler"  # a PyTorchJob carries it; must reach the pods
-    rendered = pytorchjob.render(spec)
+    rendered = render_pytorchjob(spec)
     job = rendered.to_dict()
     assert submit(dyn, job, ns, dry_run=False).accepted
     name = rendered.name

@@ -76,7 +76,7 @@ def test_killed_pod_recreates_the_jobset(kube):
 
 
 def test_restarts_stop_at_max_restarts(kube):
-    from kfp_nvrx.components.launch.jobspec.runtime import MAX_RESTARTS
+    from kfp_nvrx.components.launch.trainjob.runtime import MAX_RESTARTS
 
     name = _name("always")
     create_trainjob(kube, name, "kill -9 $$$$")
@@ -145,7 +145,7 @@ def test_any_other_job_failure_fails_the_jobset(kube):
     """A ``node`` Job that fails for a reason neither rule names (here its own
     ``activeDeadlineSeconds``, set on a copy of the runtime): rule ``anything_else``,
     FailJobSet, no restart."""
-    from kfp_nvrx.components.launch.jobspec.runtime import build_runtime
+    from kfp_nvrx.components.launch.trainjob.runtime import build_runtime
 
     name = _name("other")
     runtime = build_runtime(f"{name}-rt", namespace=kube.namespace)

@@ -14,15 +14,16 @@ import signal
 import time
 
 import pytest
+import torch
 from kubernetes import client
 from kubernetes.client.rest import ApiException
+from rendering import render_pytorchjob, render_trainjob
 
 from cluster import kueue
 from cluster.kueue_launch import DATA, Launch, prepare_data
 from cluster.launch_real import wait_for
-from kfp_nvrx.components.launch.jobspec import pytorchjob, trainjob
-from kfp_nvrx.components.launch.jobspec.runtime import GRACE_PERIOD_S, build_runtime
 from kfp_nvrx.components.launch.jobspec.spec import JobSpec
+from kfp_nvrx.components.launch.trainjob.runtime import GRACE_PERIOD_S, build_runtime
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -91,8 +92,8 @@ def _dry_run(kube, body: dict) -> dict:
 
 def _rendered(kind: str, spec: JobSpec) -> dict:
     if kind == "TrainJob":
-        return trainjob.render(spec).to_dict()
-    return client.ApiClient().sanitize_for_serialization(pytorchjob.render(spec).job)
+        return render_trainjob(spec).to_dict()
+    return client.ApiClient().sanitize_for_serialization(render_pytorchjob(spec).job)
 
 
 @pytest.mark.parametrize("kind", ["TrainJob", "PyTorchJob"])
@@ -152,7 +153,7 @@ def test_kueue_v017_drops_a_trainjobs_own_grace_period(queue) -> None:
     get it: the JobSet is made without it, or, made before the admission, the JobSet webhook
     refuses the Trainer's change of the suspended JobSet ("field is immutable") and it never runs.
     """
-    body = trainjob.render(_spec("kq-grace", queue_name=LQ)).to_dict()
+    body = render_trainjob(_spec("kq-grace", queue_name=LQ)).to_dict()
     pod = body["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"][
         "replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     assert "terminationGracePeriodSeconds" not in pod  # what the renderer does, and why:
@@ -297,3 +298,43 @@ def test_a_missing_queue_or_priority_class_is_bad_input(queue, launch, flag, val
     jobs = client.CustomObjectsApi(queue.client()).list_namespaced_custom_object(
         "trainer.kubeflow.org", "v1alpha1", queue.namespace, "trainjobs")["items"]
     assert "kq-missing" not in [j["metadata"]["name"] for j in jobs]
+
+
+def _run_dir(kube, name: str):
+    return kube.root / "volumes" / kube.namespace / "kfp-nvrx-shared" / "runs" / name
+
+
+def test_a_preempted_trainjob_saves_on_sigterm_and_resumes_there_bitwise(queue, launch) -> None:
+    """Issue 31 item 4: the preempted pods get SIGTERM; every rank saves the step it trained
+    (no periodic save falls in the run: checkpoint.interval is past its end) and the re-admitted
+    job resumes from that step, not from the start, and ends with the weights of a run that was
+    never preempted (CPU: deterministic)."""
+    from kfp_nvrx.components.core import events as ev
+    from kfp_nvrx.components.core.events import read_events
+    from kfp_nvrx.components.core.rundir import committed_steps, step_dir
+    from kfp_nvrx.components.training.export.consolidate import load_model_state
+
+    steps = 40
+    # Half-second steps: the preemption lands mid-run on any machine; no saves but the final one.
+    slow = ("--set", "checkpoint.interval=1000", "--set", "train.step_sleep=0.5")
+    ref = launch("kq-ref", "trainjob", steps=steps, extra=slow)  # no queue: not Kueue's
+    assert ref.wait() == 0, ref.text()[-3000:]
+    low = launch("kq-save", "trainjob", steps=steps, queue=LQ, priority=LOW, extra=slow)
+    low.wait_line("progress: step ")
+    high = launch("kq-save-high", "trainjob", steps=10, queue=LQ, priority=HIGH)
+    low.wait_line("preempted at step ")
+    assert high.wait() == 0, high.text()[-3000:]
+    assert low.wait() == 0, low.text()[-3000:]
+    run = _run_dir(queue, "kq-save")
+    events = read_events(run)
+    [stop] = [e for e in events if isinstance(e, ev.End) and e.status == ev.STOPPED]
+    starts = [e for e in events if isinstance(e, ev.Start)]
+    assert 0 < stop.step < steps and starts[-1].resumed_from == stop.step
+    assert any(isinstance(e, ev.Checkpoint) and e.step == stop.step for e in events)
+    resumed = next(line for line in low.lines() if ", resumed from step " in line)
+    assert f"resumed from step {stop.step} " in resumed, resumed
+    got = load_model_state(step_dir(run / "checkpoints", steps))
+    want = load_model_state(step_dir(_run_dir(queue, "kq-ref") / "checkpoints", steps))
+    assert committed_steps(run / "checkpoints")[0] == steps and got.keys() == want.keys()
+    for key, value in want.items():
+        assert torch.equal(got[key], value), f"{key} differs from the run never preempted"

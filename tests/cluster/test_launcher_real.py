@@ -30,7 +30,7 @@ from cluster.launch_real import (
     wait_for,
 )
 from kfp_nvrx.components.launch import job_apis
-from kfp_nvrx.components.launch.jobspec import runtime as rt
+from kfp_nvrx.components.launch.trainjob import runtime as rt
 
 #: No node carries this label: the scheduler never binds our pods, so no node agent runs them and
 #: the test is the only one writing their status.
@@ -70,14 +70,14 @@ def _set_served(api: client.ApiClient, crd: str, served: bool) -> None:
 def test_auto_reads_the_real_servers_api_groups(kube) -> None:
     """Both APIs served: TrainJob. The TrainJob CRD unserved (one-API cluster): PyTorchJob."""
     api = kube.client()
-    assert job_apis.served_job_apis(api) == {"trainjob", "pytorchjob"}
-    assert job_apis.resolve_job_api("auto", api) == "trainjob"
+    assert job_apis.served(api) == ["trainjob", "pytorchjob"]
+    assert job_apis.pick("auto", api) == "trainjob"
     crd = "trainjobs.trainer.kubeflow.org"
     try:
         _set_served(api, crd, False)
-        wait_for("discovery without trainjobs", lambda: job_apis.served_job_apis(api)
-                 == {"pytorchjob"})
-        assert job_apis.resolve_job_api("auto", api) == "pytorchjob"
+        wait_for("discovery without trainjobs", lambda: job_apis.served(api)
+                 == ["pytorchjob"])
+        assert job_apis.pick("auto", api) == "pytorchjob"
         # And the launcher, asked for auto, creates a PyTorchJob there.
         name = "real-auto-v1"
         run = Background(_spec(name), admin_configuration(kube), kube.namespace,
@@ -87,7 +87,7 @@ def test_auto_reads_the_real_servers_api_groups(kube) -> None:
         assert run.saw(f"created PyTorchJob {kube.namespace}/{name}")
     finally:
         _set_served(api, crd, True)
-        wait_for("trainjobs served again", lambda: "trainjob" in job_apis.served_job_apis(api))
+        wait_for("trainjobs served again", lambda: "trainjob" in job_apis.served(api))
 
 
 def test_pytorchjob_failure_names_operator_reason_and_replica(kube) -> None:
@@ -302,22 +302,26 @@ def test_pods_refused_by_quota_are_said_once_not_just_pending(kube, tmp_path, qu
 
 def test_a_job_no_controller_takes_up_is_said(kube) -> None:
     """A TrainJob the real Trainer skips (``managedBy`` Kueue, which is not installed)."""
-    from kfp_nvrx.components.launch.jobspec.trainjob import render
-    from kfp_nvrx.components.launch.k8s_job import K8sOptions
-    from kfp_nvrx.components.launch.trainjob import launch_trainjob
+    from rendering import render_trainjob
+
+    from kfp_nvrx.components.launch.backends import launch
+    from kfp_nvrx.components.launch.jobspec.resolve import resolve
+    from kfp_nvrx.components.launch.kube.cluster import Cluster
+    from kfp_nvrx.components.launch.options import FollowOptions, KubernetesOptions
 
     name = "real-unmanaged"
     spec = _spec(name)
-    body = render(spec, rt.RUNTIME_NAME, rt.RUNTIME_KIND).job
+    body = render_trainjob(spec, rt.RUNTIME_NAME, rt.RUNTIME_KIND).job
     body["metadata"]["namespace"] = kube.namespace
     body["spec"]["managedBy"] = "kueue.x-k8s.io/multikueue"
     api = client.CustomObjectsApi(kube.client())
     api.create_namespaced_custom_object(rt.GROUP, "v1alpha1", kube.namespace, "trainjobs", body)
     lines: list[str] = []
-    result = launch_trainjob(spec, K8sOptions(namespace=kube.namespace, poll_s=0.5,
-                                              deadline_s=14.0, no_controller_s=2.0,
-                                              handle_signals=False),
-                             log=lines.append, api_client=kube.client())
+    opts = KubernetesOptions(job_api="trainjob", cluster=Cluster(kube.client().configuration,
+                                                                 kube.namespace),
+                             follow=FollowOptions(poll_s=0.5, deadline_s=14.0,
+                                                  no_controller_s=2.0, handle_signals=False))
+    result = launch(resolve(spec), opts, log=lines.append)
     assert result.state == "DeadlineExceeded" and result.extra["attached"] is True
     said = [line for line in lines if "has no status" in line]
     assert said == [f"warning: TrainJob {kube.namespace}/{name} has no status 2s after its "

@@ -29,7 +29,8 @@ from cluster.launch_real import (
     wait_for,
 )
 from cluster.supervisor import read_state
-from kfp_nvrx.components.launch.logs import PodLogFollower
+from kfp_nvrx.components.launch.kube.logs import PodLogFollower
+from kfp_nvrx.components.launch.pytorchjob.follow import job_pods as pytorchjob_pods
 
 NO_NODE = {"kfp-nvrx.test/no-node": "true"}
 USER = "system:serviceaccount:{ns}:" + SA
@@ -83,8 +84,8 @@ def test_pending_job_costs_a_bounded_number_of_requests(kube, tmp_path) -> None:
 
 def test_watch_renews_from_bookmarks_without_listing_again(kube) -> None:
     core = client.CoreV1Api(kube.client())
-    follower = PodLogFollower(core, kube.namespace, "real-no-such-job", emit=lambda _: None,
-                              watch_timeout_s=6)
+    follower = PodLogFollower(core, kube.namespace, pytorchjob_pods("real-no-such-job"),
+                              emit=lambda _: None, watch_timeout_s=6)
     follower.start()
     try:
         # The API server sends a BOOKMARK before a watch's timeout when asked to.

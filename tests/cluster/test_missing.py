@@ -12,7 +12,7 @@ import time
 import pytest
 
 from cluster.launch_real import Cli, cli_args, leftovers
-from kfp_nvrx.components.launch.missing import MISSING_S
+from kfp_nvrx.components.launch.kube.missing import MISSING_S
 
 pytestmark = [pytest.mark.timeout(600)]
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import yaml
+from rendering import render_pytorchjob, render_trainjob
 
 from cluster.kutil import (
     Verdict,
@@ -43,19 +44,18 @@ from cluster.truth_rows import (
     shape_spec,
 )
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.launch.jobspec import pytorchjob, trainjob
-from kfp_nvrx.components.launch.jobspec.runtime import (
+from kfp_nvrx.components.launch.pytorchjob.validate import validate_job
+from kfp_nvrx.components.launch.trainjob.runtime import (
     CLUSTER_RUNTIME_KIND,
     RUNTIME_NAME,
     build_runtime,
 )
-from kfp_nvrx.components.launch.jobspec.validate import validate_job
-from kfp_nvrx.components.launch.jobspec.validate_jobset import validate_runtime
-from kfp_nvrx.components.launch.jobspec.validate_trainjob import (
+from kfp_nvrx.components.launch.trainjob.validate import (
     RUNTIME_CRDS,
     validate_schema,
     validate_trainjob,
 )
+from kfp_nvrx.components.launch.trainjob.validate_jobset import validate_runtime
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = REPO / "tests" / "golden"
@@ -137,7 +137,7 @@ SHAPES = [(n, p, o) for n in NODES for p in PROFILES for o in OPTIONS]
 def test_every_pytorchjob_shape_is_accepted(kube, truth, nodes, profile, option) -> None:
     dyn, ns = truth
     for n in {str(nodes), f"1:{nodes}"}:  # fixed and elastic
-        job = pytorchjob.render(shape_spec(n, profile, option, "pytorchjob")).to_dict()
+        job = render_pytorchjob(shape_spec(n, profile, option, "pytorchjob")).to_dict()
         assert offline(job) == Verdict(True)
         assert submit(dyn, job, ns) == Verdict(True), n
 
@@ -148,7 +148,7 @@ def test_every_trainjob_shape_is_built(kube, truth, nodes, profile, option, kind
     dyn, ns = truth
     spec = shape_spec(nodes, profile, option, f"tj-{kind[0].lower()}")
     spec.namespace = ns
-    rendered = trainjob.render(spec, RUNTIME_NAME, kind)
+    rendered = render_trainjob(spec, RUNTIME_NAME, kind)
     assert submit(dyn, _renamed(rendered.runtime), ns) == Verdict(True)
     assert submit(dyn, rendered.job, ns) == Verdict(True)
     assert submit(dyn, _suspended(rendered.job, ns), ns, dry_run=False).accepted

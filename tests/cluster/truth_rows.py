@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from golden_specs import IMAGE, golden_specs
+from rendering import render_pytorchjob, render_trainjob
 
-from kfp_nvrx.components.launch.jobspec import pytorchjob, trainjob
-from kfp_nvrx.components.launch.jobspec.runtime import build_runtime
 from kfp_nvrx.components.launch.jobspec.spec import JobSpec
+from kfp_nvrx.components.launch.trainjob.runtime import build_runtime
 
 Mutation = Callable[[dict[str, Any]], Any]
 
@@ -43,12 +43,12 @@ class Row:
 
 def base_pytorchjob() -> dict[str, Any]:
     """The p5 golden PyTorchJob (4 workers, GPUs, EFA, hugepages)."""
-    return pytorchjob.render(golden_specs("pytorchjob", "4")["pytorchjob_p5.yaml"]).to_dict()
+    return render_pytorchjob(golden_specs("pytorchjob", "4")["pytorchjob_p5.yaml"]).to_dict()
 
 
 def base_trainjob() -> dict[str, Any]:
     """The p5 golden TrainJob (4 nodes) referring to TrainingRuntime ``kfp-nvrx-ft``."""
-    return trainjob.render(golden_specs("trainjob", "4")["trainjob_p5.yaml"]).to_dict()
+    return render_trainjob(golden_specs("trainjob", "4")["trainjob_p5.yaml"]).to_dict()
 
 
 def base_runtime() -> dict[str, Any]:

@@ -42,8 +42,9 @@ def _checked(args: argparse.Namespace) -> str:
 def _run(args: argparse.Namespace) -> int:
     from kfp_nvrx.components.core.ownership import reset_out_dir
     from kfp_nvrx.components.data.prepare import prepare_dataset, summary
+    from kfp_nvrx.components.launch.jobspec.resolve import LOCAL, resolve
     from kfp_nvrx.components.launch.jobspec.spec import JobSpec
-    from kfp_nvrx.components.launch.local import run_local
+    from kfp_nvrx.components.launch.local.run import LocalRun
     from kfp_nvrx.components.training.export.consolidate import export_checkpoint
 
     fault = _checked(args)
@@ -52,8 +53,9 @@ def _run(args: argparse.Namespace) -> int:
     print("== 1/3 prepare-data (bundled sample corpus, byte tokenizer)")
     print(summary(prepare_dataset("sample:", data_dir, seq_len=64)))
     print(f"== 2/3 launch-local: 2 nodes x 1 process, tiny model, fault {fault}")
-    res = run_local(JobSpec(nodes="2", run_dir=str(run_dir), config="tiny", faults=[fault],
-                            overrides=[f"data.path={data_dir}", f"train.steps={args.steps}"]))
+    spec = JobSpec(nodes="2", run_dir=str(run_dir), config="tiny", faults=[fault],
+                   overrides=[f"data.path={data_dir}", f"train.steps={args.steps}"])
+    res = LocalRun(resolve(spec, LOCAL)).run()
     if not res.succeeded:
         sys.stderr.write(f"demo: training {res.state}: {res.reason}\n")
         return 1

@@ -54,7 +54,7 @@ def _drill(args: argparse.Namespace) -> int:
     select(args.scenario, args.quick)  # a typo fails before anything starts
     from kfp_nvrx.components.drills.scenarios import Placement
     from kfp_nvrx.components.errors import UserError
-    from kfp_nvrx.components.launch.gpus import uses_cuda, visible_gpus
+    from kfp_nvrx.components.launch.local.gpus import uses_cuda, visible_gpus
 
     gpus = visible_gpus()
     if not uses_cuda(args.device, gpus):

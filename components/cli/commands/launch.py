@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING
 from kfp_nvrx.components.cli.commands.render_job import add_job_arguments, spec_from_args, write_atomic
 from kfp_nvrx.components.core import argtypes
 from kfp_nvrx.components.core.atomic import check_output
-from kfp_nvrx.components.launch.job_apis import DEFAULT_JOB_API, JOB_API_CHOICES
+from kfp_nvrx.components.launch import job_apis
 
 if TYPE_CHECKING:
-    from kfp_nvrx.components.launch.backends import KubernetesOptions, LocalOptions
+    from kfp_nvrx.components.launch.kube.cluster import Cluster
+    from kfp_nvrx.components.launch.options import Options
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -30,10 +31,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", choices=("local", "kubernetes"), default="local",
                    help="local (default: ft_launcher agents on this machine) or kubernetes")
     add_job_arguments(p)
-    p.add_argument("--job-api", choices=JOB_API_CHOICES, default=DEFAULT_JOB_API,
+    p.add_argument("--job-api", choices=job_apis.choices(), default=job_apis.DEFAULT_JOB_API,
                    help="kubernetes: pytorchjob (Training Operator v1), trainjob (Kubeflow "
                    "Trainer v2) or auto (ask the cluster; TrainJob when it serves both); "
-                   f"default {DEFAULT_JOB_API}")
+                   f"default {job_apis.DEFAULT_JOB_API}")
     f = p.add_argument_group("follow")
     f.add_argument("--deadline", type=argtypes.seconds, default=None,
                    help="give up after SECONDS (kubernetes: from job creation, not counting "
@@ -48,14 +49,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_run)
 
 
-def _cluster(args: argparse.Namespace) -> tuple[object, str]:
-    """Return (client configuration, namespace): in-cluster service account or kubeconfig."""
+def _cluster(args: argparse.Namespace) -> Cluster:
+    """The cluster of the in-cluster service account or of the kubeconfig (and its context).
+
+    Its namespace is the one of a job that names none.
+    """
     import os
 
     from kubernetes import client, config
 
-    from kfp_nvrx.components.launch.k8s_config import check_kubeconfig
-    from kfp_nvrx.components.launch.k8s_job import ClusterError
+    from kfp_nvrx.components.launch.kube.calls import ClusterError
+    from kfp_nvrx.components.launch.kube.cluster import Cluster
+    from kfp_nvrx.components.launch.kube.kubeconfig import check_kubeconfig
     from kfp_nvrx.components.redaction import register_kube_configuration, register_kubeconfig
 
     cfg = client.Configuration()
@@ -72,37 +77,39 @@ def _cluster(args: argparse.Namespace) -> tuple[object, str]:
             config.load_incluster_config(client_configuration=cfg)
             sa_ns = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
             with open(sa_ns) as fh:
-                return cfg, fh.read(256).strip()
+                return Cluster(cfg, fh.read(256).strip())
         config.load_kube_config(config_file=args.kubeconfig or None,
                                 context=args.context or None, client_configuration=cfg)
         _, active = config.list_kube_config_contexts(config_file=args.kubeconfig or None)
         if args.context:
             contexts, _ = config.list_kube_config_contexts(config_file=args.kubeconfig or None)
             active = next(c for c in contexts if c["name"] == args.context)
-        return cfg, (active.get("context") or {}).get("namespace", "default")
+        return Cluster(cfg, (active.get("context") or {}).get("namespace", "default"))
     except Exception as err:  # noqa: BLE001 - no/bad kubeconfig: one line
         raise ClusterError(f"cannot load Kubernetes credentials: {' '.join(str(err).split())}") \
             from None
 
 
-def _options(args: argparse.Namespace) -> LocalOptions | KubernetesOptions:
+def _options(args: argparse.Namespace) -> Options:
     """The backend's typed launch options from the flags (credentials come later)."""
-    from kfp_nvrx.components.launch.backends import KubernetesOptions, LocalOptions
+    from kfp_nvrx.components.launch.options import FollowOptions, KubernetesOptions, LocalOptions
 
     if args.backend == "local":
         return LocalOptions(deadline_s=args.deadline)
-    return KubernetesOptions(job_api=args.job_api, namespace=args.namespace,
-                             deadline_s=args.deadline, delete_after=args.delete_after,
-                             poll_s=args.poll_interval, runtime=args.runtime,
-                             runtime_kind=args.runtime_kind)
+    return KubernetesOptions(job_api=args.job_api, runtime=args.runtime,
+                             runtime_kind=args.runtime_kind,
+                             follow=FollowOptions(deadline_s=args.deadline,
+                                                  delete_after=args.delete_after,
+                                                  poll_s=args.poll_interval))
 
 
 def _run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from kfp_nvrx.components.errors import UserError
-    from kfp_nvrx.components.launch.backends import KubernetesOptions, check, launch
-    from kfp_nvrx.components.launch.k8s_job import ClusterError
+    from kfp_nvrx.components.launch.backends import check, launch
+    from kfp_nvrx.components.launch.kube.calls import ClusterError
+    from kfp_nvrx.components.launch.options import KubernetesOptions
 
     if args.deadline is not None and args.deadline <= 0:
         raise UserError("--deadline", f"must be > 0 seconds, got {args.deadline:g}")
@@ -118,8 +125,7 @@ def _run(args: argparse.Namespace) -> int:
 
     try:
         if isinstance(opts, KubernetesOptions):  # --backend kubernetes
-            cfg, namespace = _cluster(args)
-            opts = replace(opts, client_configuration=cfg, namespace=args.namespace or namespace)
+            opts = replace(opts, cluster=_cluster(args))
         result = launch(job, opts, log=log)
     except ClusterError as err:
         sys.stderr.write(f"kfp-nvrx launch: cluster error: {err}\n")

@@ -31,12 +31,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from kfp_nvrx.components.launch.jobspec.resolve import LOCAL, resolve
     from kfp_nvrx.components.launch.jobspec.spec import JobSpec
-    from kfp_nvrx.components.launch.local import run_local
+    from kfp_nvrx.components.launch.local.run import LocalRun
 
     spec = JobSpec(nodes=args.nodes, nproc_per_node=args.nproc_per_node, run_dir=args.run_dir,
                    config=args.config, overrides=args.set, faults=args.fault)
-    res = run_local(spec, deadline_s=args.deadline, verbose=args.verbose)
+    res = LocalRun(resolve(spec, LOCAL), deadline_s=args.deadline, verbose=args.verbose).run()
     g = res.summary
     assert g is not None  # a local run's events are always here
     if args.json:

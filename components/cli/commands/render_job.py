@@ -15,7 +15,7 @@ from typing import Any
 from kfp_nvrx.components.core import argtypes
 from kfp_nvrx.components.core.atomic import check_output
 from kfp_nvrx.components.core.atomic import write_atomic as core_write_atomic
-from kfp_nvrx.components.launch.job_apis import JOB_API_CHOICES, RENDER_JOB_API
+from kfp_nvrx.components.launch import job_apis
 
 
 def add_job_arguments(p: argparse.ArgumentParser) -> None:
@@ -139,10 +139,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "schema) the PyTorchJob or TrainJob that `kfp-nvrx launch --backend "
                        "kubernetes` would create, and prints it as YAML for `kubectl apply -f -`.")
     add_job_arguments(p)
-    p.add_argument("--job-api", choices=JOB_API_CHOICES[:-1], default=RENDER_JOB_API,
+    p.add_argument("--job-api", choices=job_apis.names(), default=job_apis.RENDER_JOB_API,
                    help=f"pytorchjob (Training Operator v1) or trainjob (Kubeflow Trainer v2); "
-                   f"default {RENDER_JOB_API}: render-job asks no cluster, so it cannot answer "
-                   "auto")
+                   f"default {job_apis.RENDER_JOB_API}: render-job asks no cluster, so it cannot "
+                   "answer auto")
     p.add_argument("--with-runtime", action="store_true",
                    help="trainjob: also print the runtime it refers to (first), e.g. to apply a "
                    "ClusterTrainingRuntime")
@@ -161,15 +161,13 @@ def _run(args: argparse.Namespace) -> int:
     if args.with_runtime and args.job_api != "trainjob":
         raise UserError("--with-runtime", "only a TrainJob refers to a runtime; add "
                         "--job-api trainjob")
-    from kfp_nvrx.components.launch import job_apis
-    from kfp_nvrx.components.launch.backends import KubernetesOptions, check
+    from kfp_nvrx.components.launch.backends import check
+    from kfp_nvrx.components.launch.options import KubernetesOptions
 
     opts = KubernetesOptions(job_api=args.job_api, runtime=args.runtime,
                              runtime_kind=args.runtime_kind)
-    render = job_apis.get(args.job_api).render
-    assert render is not None  # every Kubernetes job API renders (only the local backend has none)
-    rendered = render(check(spec_from_args(args), opts), opts)
-    text = rendered.to_yaml(with_runtime=True) if args.with_runtime else rendered.to_yaml()
+    rendered = job_apis.get(args.job_api).render(check(spec_from_args(args), opts), opts)
+    text = rendered.to_yaml(with_runtime=args.with_runtime)
     if args.out:
         write_atomic(args.out, text)
         sys.stderr.write(f"wrote {args.out}\n")

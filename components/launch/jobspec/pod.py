@@ -4,20 +4,19 @@ One ``ResolvedJob`` means the same pod on both APIs: the same ft_launcher comman
 (:func:`trainer_command`), resources (GPUs, EFA, hugepages), volumes (the shared volume, a
 memory-backed /dev/shm, extra PVCs), env, placement and security settings. Every value was checked
 when the job was resolved (:mod:`.resolve`); this module only builds the client models.
-:mod:`.pytorchjob` puts this pod in the worker replica spec; :mod:`.trainjob` splits it into the
-TrainJob's ``trainer`` and ``runtimePatches``.
+:mod:`..pytorchjob.render` puts this pod in the worker replica spec; :mod:`..trainjob.render`
+splits it into the TrainJob's ``trainer`` and ``runtimePatches``; a new job API builds on the same
+pod.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from kubeflow.training.api_client import ApiClient
 from kubernetes import client as k8s
 
 from kfp_nvrx.components import __version__
-from kfp_nvrx.components.core.config import Config
 from kfp_nvrx.components.core.launch_command import ft_launcher_argv, pod_grace_period_s
 from kfp_nvrx.components.launch.jobspec import naming
 from kfp_nvrx.components.launch.jobspec.cluster_fields import escape_expansion
@@ -30,28 +29,6 @@ from kfp_nvrx.components.launch.jobspec.resolve import ResolvedJob
 
 SHM_VOLUME = "dshm"
 DATA_VOLUME = "shared"
-
-
-@dataclass
-class Rendered:
-    """What both renderers return: the resolved job (the manifest is the subclass's ``job``)."""
-
-    resolved: ResolvedJob
-
-    @property
-    def name(self) -> str:
-        """The job's name."""
-        return self.resolved.name
-
-    @property
-    def run_dir(self) -> str:
-        """The run directory inside the pods."""
-        return self.resolved.run_dir
-
-    @property
-    def config(self) -> Config:
-        """The loaded trainer config."""
-        return self.resolved.config
 
 
 def to_dict(model: Any) -> dict[str, Any]:
@@ -72,16 +49,17 @@ def container_env(job: ResolvedJob) -> list[k8s.V1EnvVar]:
         k8s.V1EnvVar(name="POD_IP", value_from=_field_ref("status.podIP")),
         k8s.V1EnvVar(name="POD_NAME", value_from=_field_ref("metadata.name")),
     ]
-    env += [k8s.V1EnvVar(name=k, value=v) for k, v in job.pod.env]
+    pod = job.worker()
+    env += [k8s.V1EnvVar(name=k, value=v) for k, v in pod.env]
     env += [k8s.V1EnvVar(name=ref.name, value_from=k8s.V1EnvVarSource(
         secret_key_ref=k8s.V1SecretKeySelector(name=ref.secret, key=ref.key)))
-        for ref in job.pod.secret_env]
+        for ref in pod.secret_env]
     return env
 
 
 def resources(job: ResolvedJob) -> k8s.V1ResourceRequirements:
     """Requests and limits of the worker container: cpu/memory, GPUs, EFA, hugepages."""
-    pod = job.pod
+    pod = job.worker()
     requests: dict[str, str] = {"cpu": pod.cpu, "memory": pod.memory}
     limits: dict[str, str] = {}
     for name, amount in ((GPU_RESOURCE, pod.gpus), (EFA_RESOURCE, pod.efa),
@@ -95,7 +73,7 @@ def resources(job: ResolvedJob) -> k8s.V1ResourceRequirements:
 
 def volumes(job: ResolvedJob) -> tuple[list[k8s.V1Volume], list[k8s.V1VolumeMount]]:
     """The shared volume, a memory-backed /dev/shm and the extra PVCs, with their mounts."""
-    pod = job.pod
+    pod = job.worker()
     vols = [
         k8s.V1Volume(
             name=DATA_VOLUME,
@@ -130,7 +108,7 @@ def labels(job: ResolvedJob) -> dict[str, str]:
     return out
 
 
-def annotations(job: ResolvedJob) -> dict[str, str]:
+def job_annotations(job: ResolvedJob) -> dict[str, str]:
     """Annotations of the job: the full run id, task, version, config and run dir (re-attach)."""
     config = " ".join([job.config_ref, *(f"--set {o}" for o in job.overrides)])
     return {
@@ -166,14 +144,14 @@ def trainer_command(job: ResolvedJob, *, rdzv_endpoint: str = "",
     args.faults = [escape_expansion(f) for f in args.faults]
     # FT: one builder for pods and launch-local; $(POD_IP) is expanded by the kubelet from the env.
     return [*POD_ENTRY, *ft_launcher_argv(job.config.resilience, args, local_addr="$(POD_IP)",
-                                          nic_monitor=job.profile.nic_monitor,
+                                          nic_monitor=job.worker().profile.nic_monitor,
                                           rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)]
 
 
 def pod_spec(job: ResolvedJob, *, container_name: str, command: list[str],
              ports: list[k8s.V1ContainerPort] | None = None) -> k8s.V1PodSpec:
     """The worker pod: one container running ``command``, its volumes, placement and security."""
-    pod = job.pod
+    pod = job.worker()
     vols, mounts = volumes(job)
     security = None
     if pod.efa:  # libfabric pins (mlocks) buffers for RDMA.

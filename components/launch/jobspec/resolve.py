@@ -1,128 +1,51 @@
 """``JobSpec`` (what the user said) -> ``ResolvedJob`` (what the job is), checked in one place.
 
-Every value a launcher or a renderer needs is derived and checked here once: the node range,
-processes per node, the job name, the run directory, the loaded trainer ``Config``, the faults
-(checked against that config and the largest world), the instance profile and, for Kubernetes, the
-pod's volumes, resources, env, placement and run policy. :mod:`.pytorchjob`, :mod:`.trainjob` and
-the local launcher read only a ``ResolvedJob``; what one job API cannot express is refused by that
-API (``trainjob.refuse``), after these checks, so ``job_api=auto`` reports bad input before the
-cluster is asked which API it serves.
+:func:`resolve` is the only producer of a :class:`ResolvedJob`: every value a launcher or a
+renderer needs is derived and checked here once: the node range, processes per node, the job
+name, the run directory, the loaded trainer ``Config``, the faults (checked against that config and
+the largest world) and, for Kubernetes, the worker pod (:mod:`.pod_settings`) and the Kueue queue.
+The renderers (one folder per job API), the Kubernetes launcher and the local launcher read only a
+``ResolvedJob``; what one job API cannot express is refused by that API after these checks, so
+``job_api=auto`` reports bad input before the cluster is asked which API it serves.
+
+What only the cluster knows is added to a resolved job when it is launched, by the two methods
+that copy it: its namespace when the spec named none (:meth:`ResolvedJob.in_namespace`) and
+Kueue's default LocalQueue (:meth:`ResolvedJob.in_queue`). The job's namespace has one holder:
+:attr:`ResolvedJob.namespace`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import posixpath
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from kfp_nvrx.components.core.config import PRESETS_DIR, Config, load_config
+from kfp_nvrx.components.core.config import Config, load_config
+from kfp_nvrx.components.core.faults import check_faults
 from kfp_nvrx.components.core.launch_command import TrainerArgs
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.launch.jobspec import naming
 from kfp_nvrx.components.launch.jobspec.cluster_fields import check_cluster_fields
-from kfp_nvrx.components.launch.jobspec.env import default_env
-from kfp_nvrx.components.launch.jobspec.profiles import (
-    INSTANCE_TYPE_LABEL,
-    InstanceProfile,
-)
+from kfp_nvrx.components.launch.jobspec.pod_settings import Pod, resolve_pod
+from kfp_nvrx.components.launch.jobspec.profiles import get_profile
 from kfp_nvrx.components.launch.jobspec.queue import Queue, refuse_local, resolve_queue
 from kfp_nvrx.components.launch.jobspec.spec import (
     JobSpec,
     check_abs_path,
-    check_env_name,
-    check_image,
     check_procs,
-    check_quantity,
-    check_resource_name,
-    check_seconds,
-    parse_extra_pvc,
-    parse_secret_env,
-    quantity,
+    parse_nodes,
 )
 
-PULL_POLICIES = ("Always", "IfNotPresent", "Never")
-
-
-@dataclass(frozen=True)
-class Volume:
-    """An extra PVC mount of the worker pods."""
-
-    claim: str
-    path: str
-    read_only: bool
-
-
-@dataclass(frozen=True)
-class SecretEnv:
-    """An env var of the trainer container read from a Secret."""
-
-    name: str
-    secret: str
-    key: str
-
-
-@dataclass(frozen=True)
-class Pod:
-    """The worker pod of a Kubernetes job, every value checked (profile defaults applied).
-
-    Attributes:
-        image: Trainer image reference.
-        pull_policy: ``imagePullPolicy`` of the trainer container.
-        pvc: Claim of the shared volume, mounted at ``mount``.
-        mount: Normalised mount path of the shared volume.
-        shm_size: Size limit of the memory-backed ``/dev/shm``.
-        volumes: Extra PVC mounts.
-        cpu, memory: Requests of the trainer container.
-        gpus: GPU request and limit (0 on CPU profiles).
-        efa: EFA interfaces (0 = none).
-        hugepages: ``hugepages-2Mi`` request and limit ('' = none).
-        env: The container's env values (defaults, then user values) in order.
-        secret_env: Env from Secrets.
-        node_selector: The user's terms and the instance-type label.
-        tolerations: The profile's and the user's.
-        affinity: Pod affinity (Kubernetes field names) or None.
-        pod_priority_class, scheduler_name, service_account: '' = not set.
-        fs_group: Pod ``fsGroup`` or None.
-        active_deadline_s: Cluster-side time limit (None = none).
-        ttl_after_finished_s: PyTorchJob TTL (None = keep).
-        backoff_limit: PyTorchJob ``runPolicy.backoffLimit``.
-    """
-
-    image: str
-    pull_policy: str
-    pvc: str
-    mount: str
-    shm_size: str
-    volumes: tuple[Volume, ...]
-    cpu: str
-    memory: str
-    gpus: int
-    efa: int
-    hugepages: str
-    env: tuple[tuple[str, str], ...]
-    secret_env: tuple[SecretEnv, ...]
-    node_selector: tuple[tuple[str, str], ...]
-    tolerations: tuple[dict[str, Any], ...]
-    affinity: dict[str, Any] | None
-    pod_priority_class: str
-    scheduler_name: str
-    service_account: str
-    fs_group: int | None
-    active_deadline_s: int | None
-    ttl_after_finished_s: int | None
-    backoff_limit: int
-
-    @property
-    def roots(self) -> tuple[str, ...]:
-        """Folders the pods see on a volume: the shared one first, then the extra PVCs."""
-        return (self.mount, *(v.path for v in self.volumes))
+#: The backends a job is resolved for: N ft_launcher agents here, or a job on a cluster.
+LOCAL, KUBERNETES = "local", "kubernetes"
+BACKENDS = (LOCAL, KUBERNETES)
 
 
 @dataclass(frozen=True)
 class ResolvedJob:
-    """One training job as the launchers and renderers use it; made only by this module.
+    """One training job as the launchers and renderers use it; made only by :func:`resolve`.
 
     Attributes:
         name: Job name (also the rendezvous id of a TrainJob and the run dir's default name).
@@ -133,10 +56,10 @@ class ResolvedJob:
         config_ref: The preset name or YAML path the trainer is given.
         overrides: The trainer's ``--set`` items as given.
         faults: Fault drills, checked against ``config`` and the largest world.
-        run_id, task, namespace: KFP run id and task (labels, re-attach), namespace ('' = the
-            client's).
-        profile: The instance profile (None for a local job).
-        pod: The worker pod (None for a local job).
+        run_id, task: KFP run id and task (labels, re-attach).
+        namespace: The job's namespace: as the spec said, or once launched the cluster
+            connection's ('' only before then: a rendered manifest then names none).
+        pod: The worker pod (None for a local job: :meth:`worker` says so).
         user_env: The user's extra env (local agents take it as it is).
         queue: The Kueue LocalQueue and priority class (None: not queued; never for ``local``).
     """
@@ -153,7 +76,6 @@ class ResolvedJob:
     run_id: str
     task: str
     namespace: str
-    profile: InstanceProfile | None = None
     pod: Pod | None = None
     user_env: tuple[tuple[str, str], ...] = ()
     queue: Queue | None = None
@@ -163,169 +85,128 @@ class ResolvedJob:
         """Whether the node count may vary between ``min_nodes`` and ``max_nodes``."""
         return self.min_nodes != self.max_nodes
 
+    def worker(self) -> Pod:
+        """The worker pod of a Kubernetes job.
+
+        Raises:
+            ValueError: The job was resolved for the local backend, which runs no pod (a
+                caller's mistake: resolve it for ``kubernetes`` to render or follow it).
+        """
+        if self.pod is None:
+            raise ValueError(f"job {self.name} was resolved for the {LOCAL} backend: it has no "
+                             f"pod to render or follow (resolve it for {KUBERNETES})")
+        return self.pod
+
     def trainer_args(self, run_dir: str | None = None) -> TrainerArgs:
         """The trainer's own flags (``run_dir`` overrides the job's, e.g. once made absolute)."""
         return TrainerArgs(self.config_ref, run_dir or self.run_dir, list(self.overrides),
                            list(self.faults))
 
+    def in_namespace(self, namespace: str) -> ResolvedJob:
+        """This job in ``namespace``, the cluster connection's, when the spec named none."""
+        return self if self.namespace else dataclasses.replace(self, namespace=namespace)
 
-def is_preset(config: str) -> bool:
-    """Tell whether ``config`` names a bundled preset (present in the image too)."""
-    return "/" not in config and (PRESETS_DIR / f"{config}.yaml").is_file()
-
-
-def _faults(spec: JobSpec, cfg: Config, world: int) -> tuple[str, ...]:
-    # The trainer's own checks, so a typo or a fault that can never fire fails before a job.
-    return tuple(spec.checked_faults(cfg, world))
+    def in_queue(self, queue: Queue) -> ResolvedJob:
+        """This job queued in ``queue`` (Kueue's default LocalQueue of its namespace)."""
+        return dataclasses.replace(self, queue=queue)
 
 
-def resolve_local(spec: JobSpec) -> ResolvedJob:
-    """Resolve the trainer part of ``spec`` for N ft_launcher agents on this machine.
+def resolve(spec: JobSpec, backend: str = KUBERNETES) -> ResolvedJob:
+    """Resolve ``spec`` for ``backend``: ``kubernetes`` or ``local``.
 
-    The instance profile does not describe this machine: one process per node unless told, and
-    image, volumes and pod settings are not used.
+    ``kubernetes``: for any job API (each then refuses what it cannot express); ``local``: the
+    trainer part, for N ft_launcher agents on this machine.
 
     Raises:
         UserError: On any bad value, naming its field.
     """
+    if backend == LOCAL:
+        return _resolve_local(spec)
+    if backend == KUBERNETES:
+        return _resolve_cluster(spec)
+    raise UserError("backend", f"must be one of {', '.join(BACKENDS)}, got {backend!r}")
+
+
+def _resolve_local(spec: JobSpec) -> ResolvedJob:
+    """The trainer part of ``spec`` for N ft_launcher agents on this machine.
+
+    The instance profile does not describe this machine: one process per node unless told, and
+    image, volumes and pod settings are not used.
+    """
     refuse_local(spec)
-    lo, hi = spec.node_range()
+    lo, hi = parse_nodes(spec.nodes)
     procs = check_procs(1 if spec.nproc_per_node is None else spec.nproc_per_node)
     cfg = load_config(spec.config, list(spec.overrides))
-    run_dir = spec.run_dir or posixpath.join("runs", spec.job_name())
+    run_dir = spec.run_dir or posixpath.join(spec.runs_dir or "runs", _checked_name(spec, hi))
     # The name is also the rendezvous id; outside KFP it follows the run directory's name.
-    name = (spec.job_name() if spec.name or spec.run_id
+    name = (_checked_name(spec, hi) if spec.name or spec.run_id
             else re.sub(r"[^a-z0-9-]", "-", Path(run_dir).resolve().name.lower()) or "run")
     return ResolvedJob(name=name, min_nodes=lo, max_nodes=hi, procs_per_node=procs,
                        run_dir=run_dir, config=cfg, config_ref=spec.config,
                        overrides=tuple(spec.overrides), faults=_faults(spec, cfg, hi * procs),
                        run_id=spec.run_id, task=spec.task, namespace=spec.namespace,
-                       user_env=tuple((k, str(v)) for k, v in spec.env.items()))
+                       user_env=_user_env(spec))
 
 
-def resolve(spec: JobSpec) -> ResolvedJob:
-    """Resolve ``spec`` for a Kubernetes job (either job API; each then refuses what it cannot do).
-
-    Raises:
-        UserError: On any bad value, naming its field.
-    """
+def _resolve_cluster(spec: JobSpec) -> ResolvedJob:
+    """``spec`` for a Kubernetes job: the trainer part, its worker pod and its queue."""
     check_cluster_fields(spec)
     queue = resolve_queue(spec)
-    lo, hi = spec.node_range()
-    profile, procs = spec.profile, spec.procs_per_node()
+    lo, hi = parse_nodes(spec.nodes)
+    profile = get_profile(spec.instance_type)
+    procs = _procs_on(spec, profile.default_procs, profile.gpus if profile.is_gpu else None,
+                      profile.name)
     # The name's own limits depend on the job API (its Services, its JobSet's pods): checked there.
     name = spec.name or naming.derive_name(spec.run_id, spec.task)
-    run_dir = spec.run_dir_path(name)
+    run_dir = _run_dir_on_volume(spec, name)
     cfg = load_config(spec.config, list(spec.overrides))  # validates --config / --set
-    volumes = _volumes(spec)
-    _check_pod_paths(spec, cfg, profile, (check_abs_path("mount", spec.mount),
-                                          *(v.path for v in volumes)))
-    check_seconds("active_deadline_s", spec.active_deadline_s, 1)
-    check_seconds("ttl_after_finished_s", spec.ttl_after_finished_s, 0)
-    check_seconds("backoff_limit", spec.backoff_limit, 0)
-    pod = _pod(spec, cfg, profile, procs, run_dir, volumes)
+    pod = resolve_pod(spec, cfg, profile, procs, run_dir)
     return ResolvedJob(name=name, min_nodes=lo, max_nodes=hi, procs_per_node=procs,
                        run_dir=run_dir, config=cfg, config_ref=spec.config,
                        overrides=tuple(spec.overrides), faults=_faults(spec, cfg, hi * procs),
-                       run_id=spec.run_id, task=spec.task, namespace=spec.namespace,
-                       profile=profile, pod=pod,
-                       user_env=tuple((k, str(v)) for k, v in spec.env.items()), queue=queue)
+                       run_id=spec.run_id, task=spec.task, namespace=spec.namespace, pod=pod,
+                       user_env=_user_env(spec), queue=queue)
 
 
-def _volumes(spec: JobSpec) -> tuple[Volume, ...]:
-    """The extra PVCs, each on a mount path of its own."""
-    taken = {check_abs_path("mount", spec.mount), "/dev/shm"}
-    out = []
-    for item in spec.extra_pvcs:
-        claim, path, read_only = parse_extra_pvc(item)
-        if path in taken:
-            raise UserError("extra_pvcs", f"mount path {path} is already used")
-        taken.add(path)
-        out.append(Volume(claim, path, read_only))
-    return tuple(out)
+def _checked_name(spec: JobSpec, max_nodes: int) -> str:
+    """The explicit name, or one derived from the run id and task; checked."""
+    name = spec.name or naming.derive_name(spec.run_id, spec.task)
+    naming.check_name(name, max_nodes)
+    return name
 
 
-def _check_pod_paths(spec: JobSpec, cfg: Config, profile: InstanceProfile,
-                     roots: tuple[str, ...]) -> None:
-    """What the trainer reads and uses must exist inside the pods (volumes, a GPU for cuda)."""
-    if cfg.train.device == "cuda" and not profile.is_gpu:
-        raise UserError("train.device", f"is cuda but instance type {profile.name} has no "
-                        "GPU; use --set train.device=cpu (or auto) or a GPU `instance_type`")
-
-    def mounted(path: str) -> bool:
-        return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
-
-    if not is_preset(spec.config) and not mounted(spec.config):
-        raise UserError("config", f"{spec.config!r} is read by the pods at the same path: use a "
-                        f"preset or a file on the shared volume ({', '.join(roots)})")
-    for key, value in (("data.path", cfg.data.path),
-                       ("checkpoint.init_from", cfg.checkpoint.init_from)):
-        if value and not value.startswith("/"):  # the pods would resolve it in their own cwd
-            raise UserError(key, f"{value!r} is a relative path: each pod would look for it in "
-                            "its own working directory, not yours; give the absolute path on "
-                            f"the shared volume ({', '.join(roots)})")
-        if value.startswith("/") and not mounted(value):
-            raise UserError(key, f"{value!r} is not on a volume the pods mount "
-                            f"({', '.join(roots)})")
+def _procs_on(spec: JobSpec, default: int, gpus: int | None, profile: str) -> int:
+    """Processes per pod (``gpus``: a GPU profile's GPUs per node, one process each at most)."""
+    n = check_procs(default if spec.nproc_per_node is None else spec.nproc_per_node)
+    if gpus is not None and n > gpus:
+        raise UserError("nproc_per_node",
+                        f"{n} processes need {n} GPUs but {profile} has {gpus} per node")
+    return n
 
 
-def _pod(spec: JobSpec, cfg: Config, profile: InstanceProfile, procs: int, run_dir: str,
-         volumes: tuple[Volume, ...]) -> Pod:
-    """The worker pod's settings: the profile's values with the user's overrides, checked."""
-    pvc = check_resource_name("pvc", spec.pvc) if spec.pvc else ""
-    if not pvc:
-        raise UserError("pvc", "the shared volume's PersistentVolumeClaim is required "
-                        "(FSx for Lustre: data, run dir and checkpoints live there)")
-    shm = check_quantity("shm_size", spec.shm_size or profile.shm_size)
-    efa = profile.efa if spec.efa is None else spec.efa
-    if isinstance(efa, bool) or not isinstance(efa, int) or efa < 0:
-        raise UserError("efa", f"must be an integer >= 0, got {efa!r}")
-    if efa and not profile.is_gpu:
-        raise UserError("efa", f"EFA interfaces need a GPU instance type, not {profile.name!r}")
-    if spec.image_pull_policy not in PULL_POLICIES:
-        raise UserError("image_pull_policy", f"must be {', '.join(PULL_POLICIES[:-1])} or "
-                        f"{PULL_POLICIES[-1]}, got {spec.image_pull_policy!r}")
-    image = check_image(spec.image)
-    env = _env(spec, cfg, profile, run_dir)
-    secret_env = _secret_env(spec, {name for name, _ in env})
-    cpu = check_quantity("cpu", spec.cpu or profile.cpu)
-    memory = check_quantity("memory", spec.memory or profile.memory)
-    hugepages = spec.hugepages or profile.hugepages
-    # "0", "0Mi" and "0Gi" all mean no hugepages (an amount, not a text).
-    if hugepages and quantity(check_quantity("hugepages", hugepages)) == 0:
-        hugepages = ""
-    selector = dict(spec.node_selector)
-    if profile.instance_type:
-        selector[INSTANCE_TYPE_LABEL] = profile.instance_type
-    return Pod(image=image, pull_policy=spec.image_pull_policy, pvc=pvc,
-               mount=check_abs_path("mount", spec.mount), shm_size=shm, volumes=volumes,
-               cpu=cpu, memory=memory, gpus=procs if profile.is_gpu else 0, efa=efa,
-               hugepages=hugepages, env=env, secret_env=secret_env,
-               node_selector=tuple(selector.items()),
-               tolerations=tuple(dict(t) for t in (*profile.tolerations, *spec.tolerations)),
-               affinity=spec.affinity or None, pod_priority_class=spec.pod_priority_class,
-               scheduler_name=spec.scheduler_name, service_account=spec.service_account,
-               fs_group=spec.fs_group, active_deadline_s=spec.active_deadline_s,
-               ttl_after_finished_s=spec.ttl_after_finished_s, backoff_limit=spec.backoff_limit)
+def _run_dir_on_volume(spec: JobSpec, name: str) -> str:
+    """The run directory as the pods see it: on the shared volume, or lost with the pod."""
+    mount = check_abs_path("mount", spec.mount)
+    if not spec.run_dir and not spec.runs_dir:
+        return posixpath.join(mount, "runs", name)
+    run_dir = check_abs_path("run_dir", spec.run_dir or posixpath.join(spec.runs_dir, name))
+    if run_dir != mount and not run_dir.startswith(mount.rstrip("/") + "/"):
+        raise UserError(
+            "run_dir",
+            f"{run_dir!r} is not under the shared volume {mount!r}: checkpoints written "
+            "elsewhere are lost when a pod restarts and are invisible to the other pods",
+        )
+    return run_dir
 
 
-def _env(spec: JobSpec, cfg: Config, profile: InstanceProfile,
-         run_dir: str) -> tuple[tuple[str, str], ...]:
-    """Our defaults, then the user's env (a user value replaces a default of the same name)."""
-    for name in spec.env:
-        check_env_name("env", name)
-    merged = {**default_env(profile.is_gpu, cfg.resilience.in_process, run_dir),
-              **{k: str(v) for k, v in spec.env.items()}}
-    return tuple(merged.items())
+def _faults(spec: JobSpec, cfg: Config, world: int) -> tuple[str, ...]:
+    """``faults`` after the trainer's own checks, so typos and faults that never fire fail first.
+
+    Each must fall within ``train.steps`` and aim at a rank below ``world``.
+    """
+    check_faults(list(spec.faults), cfg.train.steps, cfg.checkpoint.interval, world)
+    return tuple(f.strip() for f in spec.faults)
 
 
-def _secret_env(spec: JobSpec, seen: set[str]) -> tuple[SecretEnv, ...]:
-    out = []
-    for item in spec.secret_env:
-        ref = SecretEnv(*parse_secret_env(item))
-        if ref.name in seen:
-            raise UserError("secret_env",
-                            f"{ref.name} is also set by `env` or a default; set it once")
-        seen = seen | {ref.name}
-        out.append(ref)
-    return tuple(out)
+def _user_env(spec: JobSpec) -> tuple[tuple[str, str], ...]:
+    return tuple((k, str(v)) for k, v in spec.env.items())

@@ -1,8 +1,8 @@
-"""``JobSpec``: the typed description of one training job, shared by every launcher backend.
+"""``JobSpec``: what the user said about one training job, as plain values; nothing is derived here.
 
-The Kubernetes backend turns it into a PyTorchJob (:mod:`.pytorchjob`) or a TrainJob
-(:mod:`.trainjob`); the local backend uses only the trainer part (nodes, processes, run dir,
-config, overrides, faults, env).
+:func:`.resolve.resolve` turns it into the ``ResolvedJob`` every renderer and launcher reads (the
+only place its values are derived and checked); the local backend uses only the trainer part
+(nodes, processes, run dir, config, overrides, faults, env).
 Parsing helpers here turn CLI strings (``--nodes 2:4``, ``--extra-pvc claim:/path:ro``) into
 values and raise :class:`UserError` naming the JobSpec field (each surface words it: ``core.fields``).
 """
@@ -13,14 +13,9 @@ import posixpath
 import re
 from dataclasses import dataclass, field
 from decimal import Decimal
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.launch.jobspec import naming
-from kfp_nvrx.components.launch.jobspec.profiles import InstanceProfile, get_profile
-
-if TYPE_CHECKING:
-    from kfp_nvrx.components.core.config import Config
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _QUANTITY = re.compile(r"^([0-9]+(\.[0-9]+)?|\.[0-9]+)(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
@@ -40,7 +35,6 @@ RESERVED_ENV = {
     "LOCAL_RANK": "ft_launcher sets it per worker",
     "PYTHONUNBUFFERED": "the Training Operator sets it",
 }
-DELETE_AFTER = ("always", "on_success", "never")
 
 
 @dataclass
@@ -54,12 +48,15 @@ class JobSpec:
         name: Job name; '' derives a stable one from ``run_id`` and ``task``.
         run_id: KFP run id (labels, annotations, stable name, re-attach).
         task: KFP task name.
-        namespace: Namespace written into the manifest ('' = the client's current namespace).
+        namespace: Namespace of the job ('' = the cluster connection's: its kubeconfig context's,
+            or the pod's own in a cluster).
         nodes: ``N`` or ``MIN:MAX`` worker pods (elastic range).
         instance_type: Profile name (``p5.48xlarge``, ``p4d.24xlarge``, ``cpu``).
         nproc_per_node: Processes per pod; on GPU profiles one per GPU, so also the GPU request.
         mount: Mount path of ``pvc`` in every pod.
-        run_dir: Run directory (checkpoints, events); '' = ``<mount>/runs/<name>``.
+        run_dir: Run directory (checkpoints, events); '' = ``<runs_dir>/<name>``.
+        runs_dir: Folder of the runs when ``run_dir`` is '' ('' = ``<mount>/runs``; locally
+            ``runs``); what is wrong with it is said of ``run_dir``, the folder made from it.
         config: Trainer config preset or YAML path (as the pod sees it).
         overrides: Trainer ``--set section.key=value`` items.
         faults: Trainer ``--fault KIND@STEP[/RANK]`` items (drills).
@@ -97,6 +94,7 @@ class JobSpec:
     nproc_per_node: int | None = None
     mount: str = "/fsx"
     run_dir: str = ""
+    runs_dir: str = ""
     config: str = "tiny"
     overrides: list[str] = field(default_factory=list)
     faults: list[str] = field(default_factory=list)
@@ -121,66 +119,6 @@ class JobSpec:
     active_deadline_s: int | None = 7 * 24 * 3600
     ttl_after_finished_s: int | None = 24 * 3600
     backoff_limit: int = 3
-
-    # -- derived values (each raises UserError naming its field) --------------------------------
-
-    @property
-    def profile(self) -> InstanceProfile:
-        """Return the instance profile."""
-        return get_profile(self.instance_type)
-
-    def node_range(self) -> tuple[int, int]:
-        """``(min, max)`` worker pods from ``nodes``."""
-        return parse_nodes(self.nodes)
-
-    def procs_per_node(self) -> int:
-        """Return processes per pod (GPU profiles: GPUs per pod)."""
-        prof = self.profile
-        n = check_procs(prof.default_procs if self.nproc_per_node is None else self.nproc_per_node)
-        if prof.is_gpu and n > prof.gpus:
-            raise UserError(
-                "nproc_per_node",
-                f"{n} processes need {n} GPUs but {prof.name} has {prof.gpus} per node",
-            )
-        return n
-
-    def job_name(self) -> str:
-        """Return the explicit name, or one derived from the run id and task; checked."""
-        name = self.name or naming.derive_name(self.run_id, self.task)
-        naming.check_name(name, self.node_range()[1])
-        return name
-
-    def run_dir_path(self, name: str | None = None) -> str:
-        """Return the run directory as the pods see it (on the shared volume)."""
-        mount = check_abs_path("mount", self.mount)
-        if not self.run_dir:
-            return posixpath.join(mount, "runs", name or self.job_name())
-        run_dir = check_abs_path("run_dir", self.run_dir)
-        if run_dir != mount and not run_dir.startswith(mount.rstrip("/") + "/"):
-            raise UserError(
-                "run_dir",
-                f"{run_dir!r} is not under the shared volume {mount!r}: checkpoints written "
-                "elsewhere are lost when a pod restarts and are invisible to the other pods",
-            )
-        return run_dir
-
-    def checked_faults(self, cfg: Config | None = None, world_size: int | None = None) -> list[str]:
-        """Return ``faults`` after the trainer's own checks (typos fail before a job).
-
-        Args:
-            cfg: The job's config: each fault must fall within ``train.steps`` (and
-                ``kill-in-ckpt`` on a checkpoint step).
-            world_size: Workers of the job at most (nodes MAX x processes per node): a fault
-                aimed at a rank beyond it would never fire.
-        """
-        from kfp_nvrx.components.core.faults import check_faults, parse_fault
-
-        if cfg is None:
-            for item in self.faults:
-                parse_fault(item)
-        else:
-            check_faults(list(self.faults), cfg.train.steps, cfg.checkpoint.interval, world_size)
-        return [f.strip() for f in self.faults]
 
 
 # -- parsers for CLI strings ---------------------------------------------------------------------

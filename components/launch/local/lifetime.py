@@ -106,6 +106,16 @@ class RunDirLock:
                 f"but {held} still hold{'s' if len(holders) == 1 else ''} it while stopping; "
                 f"{fix}")
 
+    def held(self) -> int:
+        """The descriptor that holds the lock (a watchdog keeps it open until it is done).
+
+        Raises:
+            RuntimeError: The lock is not held (taken after :meth:`release`, or never).
+        """
+        if self.fd is None:
+            raise RuntimeError(f"{self.path} is not locked by this launcher")
+        return self.fd
+
     def release(self) -> None:
         """Drop the lock (the file stays: it is ours, and an unlocked file means free)."""
         if self.fd is not None:
@@ -216,7 +226,7 @@ WATCHDOG_TAG = "kfp-nvrx watchdog"
 _WATCHDOG = r"""
 # kfp-nvrx watchdog
 import os, signal, sys, time
-from kfp_nvrx.components.launch.lifetime import processes_with_env
+from kfp_nvrx.components.launch.local.lifetime import processes_with_env
 key, _, value = sys.argv[1].partition("=")
 grace = float(sys.argv[2])
 sys.stdin.buffer.read()  # returns at EOF: the launcher is gone
@@ -285,7 +295,8 @@ class Watchdog:
     """
 
     def __init__(self, env_marker: str, grace: float, keep_fds: tuple[int, ...] = ()) -> None:
-        read, self._write = os.pipe()  # both ends close-on-exec: only we hold the write end
+        read, write = os.pipe()  # both ends close-on-exec: only we hold the write end
+        self._write: int | None = write
         env = {k: v for k, v in os.environ.items() if f"{k}={v}" != env_marker}
         self.proc = subprocess.Popen(
             [sys.executable, "-c", _WATCHDOG, env_marker, str(grace)], stdin=read,

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kfp_nvrx.components.launch.kueue import KueueReads, Reading
+from kfp_nvrx.components.launch.kube.kueue import KueueReads, Reading
 
 #: Seconds a queued job may have no Workload before the launcher says so (Kueue not running,
 #: a WorkloadPriorityClass the launcher could not check).

@@ -17,8 +17,8 @@ Retry-After ignored, and reads it under a :class:`_Guard`: a timer that shuts th
 down once :data:`CALL_DEADLINE_S` has passed, or at once when :func:`interrupt_calls` is called
 (from a SIGTERM handler: the blocked read returns, the launcher goes on to delete its job). A
 body is read up to :data:`MAX_BODY_BYTES`; a stream (logs, watches) is passed on with every line
-cut at :data:`MAX_LINE_BYTES`. A 429 is retried by :mod:`.k8s_api` with :func:`pause`, which a
-signal cuts short too. This module imports nothing of ours, so :mod:`.k8s_api` can import it.
+cut at :data:`MAX_LINE_BYTES`. A 429 is retried by :mod:`.calls` with :func:`pause`, which a
+signal cuts short too. This module imports nothing of ours, so :mod:`.calls` can import it.
 """
 
 from __future__ import annotations
@@ -205,7 +205,7 @@ class _HTTPPool(HTTPConnectionPool):
 
 
 class _HTTPSPool(HTTPSConnectionPool):
-    ConnectionCls = _HTTPSConnection  # type: ignore[assignment]
+    ConnectionCls = _HTTPSConnection
 
 
 def _read_body(resp: HTTPResponse, guard: _Guard) -> bytes:

@@ -1,7 +1,7 @@
 """``ResolvedJob`` -> Kubeflow Trainer v2 ``TrainJob`` (trainer.kubeflow.org/v1alpha1), validated.
 
-The same resolved job means the same job as the PyTorchJob of :mod:`.pytorchjob`: the worker pod is
-built by the same code (:mod:`.pod`) and then split the way v2 wants it:
+The same resolved job means the same job as the PyTorchJob of :mod:`..pytorchjob.render`: the
+worker pod is built by the same code (:mod:`..jobspec.pod`) and then split the way v2 wants it:
 
 * ``spec.trainer`` takes image, command, env, node count, processes per node and resources;
 * ``spec.runtimePatches`` takes what v2 lets a TrainJob change in the runtime's pod template:
@@ -27,19 +27,20 @@ import yaml
 
 from kfp_nvrx.components.core.launch_command import pod_grace_period_s
 from kfp_nvrx.components.errors import UserError
+from kfp_nvrx.components.launch.job_apis import Rendered
 from kfp_nvrx.components.launch.jobspec import naming
-from kfp_nvrx.components.launch.jobspec import runtime as rt
 from kfp_nvrx.components.launch.jobspec.pod import (
-    Rendered,
-    annotations,
+    job_annotations,
     labels,
     pod_spec,
     to_dict,
     trainer_command,
 )
-from kfp_nvrx.components.launch.jobspec.resolve import ResolvedJob, resolve
+from kfp_nvrx.components.launch.jobspec.resolve import ResolvedJob
 from kfp_nvrx.components.launch.jobspec.spec import JobSpec, check_resource_name
-from kfp_nvrx.components.launch.jobspec.validate_jobset import POD_SUFFIX
+from kfp_nvrx.components.launch.trainjob import runtime as rt
+from kfp_nvrx.components.launch.trainjob.validate import validate_trainjob
+from kfp_nvrx.components.launch.trainjob.validate_jobset import POD_SUFFIX
 
 KIND = "TrainJob"
 #: The torch plugin injects these into the trainer container; the webhook rejects a TrainJob
@@ -72,7 +73,7 @@ def refuse(job: ResolvedJob, runtime_name: str = rt.RUNTIME_NAME,
         runtime_name: The runtime the TrainJob would refer to.
         runtime_kind: ``TrainingRuntime`` or ``ClusterTrainingRuntime``.
     """
-    pod = job.pod
+    pod = job.worker()
     if job.elastic:
         raise UserError("nodes", f"'{job.min_nodes}:{job.max_nodes}': Trainer v2 has no elastic "
                         "policy (fixed node count); use `nodes=N`, or `job_api=pytorchjob` for "
@@ -163,6 +164,12 @@ class RenderedTrainJob(Rendered):
         docs = [self.runtime, self.job] if with_runtime else [self.job]
         return yaml.safe_dump_all(docs, sort_keys=False, default_flow_style=False)
 
+    def describe(self) -> str:
+        """Nodes, processes, the runtime it refers to and the run dir."""
+        job, ref = self.resolved, self.job["spec"]["runtimeRef"]
+        return (f"{job.max_nodes} x {job.worker().profile.name} ({job.procs_per_node} procs "
+                f"each), runtime {ref['kind']}/{ref['name']}, run dir {job.run_dir}")
+
 
 def _split_pod(pod: dict[str, Any]) -> tuple[dict, dict]:
     """Split a worker pod spec into (trainer, pod patch); refuse fields v2 cannot carry."""
@@ -219,25 +226,25 @@ def build_trainjob(job: ResolvedJob, runtime_name: str = rt.RUNTIME_NAME,
             "spec": {"replicatedJobs": [{"name": rt.REPLICATED_JOB, "template": {
                 "spec": {"template": template}}}]}}}}],
     }
-    if job.pod.active_deadline_s is not None:
-        job_spec["activeDeadlineSeconds"] = job.pod.active_deadline_s
+    if job.worker().active_deadline_s is not None:
+        job_spec["activeDeadlineSeconds"] = job.worker().active_deadline_s
     meta: dict[str, Any] = {"name": job.name}
     if job.namespace:
         meta["namespace"] = job.namespace
     # Kueue reads its labels on the TrainJob only (jobspec.queue), not on the pods.
     meta.update(labels={**pod_labels, **(job.queue.labels() if job.queue else {})},
-                annotations=annotations(job))
+                annotations=job_annotations(job))
     manifest = {"apiVersion": rt.API_VERSION, "kind": KIND, "metadata": meta, "spec": job_spec}
     runtime = rt.build_runtime(runtime_name, namespace=job.namespace, kind=runtime_kind)
     return RenderedTrainJob(job=manifest, runtime=runtime, resolved=job)
 
 
-def render(job: ResolvedJob | JobSpec, runtime_name: str = rt.RUNTIME_NAME,
+def render(job: ResolvedJob, runtime_name: str = rt.RUNTIME_NAME,
            runtime_kind: str = rt.RUNTIME_KIND) -> RenderedTrainJob:
     """Build the TrainJob and validate it (CRD schemas, webhook rules, the node pod).
 
     Args:
-        job: The resolved job, or a JobSpec to resolve first.
+        job: The resolved job.
         runtime_name: The runtime the TrainJob refers to.
         runtime_kind: ``TrainingRuntime`` (namespaced) or ``ClusterTrainingRuntime``.
 
@@ -245,9 +252,6 @@ def render(job: ResolvedJob | JobSpec, runtime_name: str = rt.RUNTIME_NAME,
         UserError: Bad input, naming the field or the manifest field.
 
     """
-    from kfp_nvrx.components.launch.jobspec.validate_trainjob import validate_trainjob
-
-    rendered = build_trainjob(resolve(job) if isinstance(job, JobSpec) else job, runtime_name,
-                              runtime_kind)
+    rendered = build_trainjob(job, runtime_name, runtime_kind)
     validate_trainjob(rendered.job, rendered.runtime)
     return rendered

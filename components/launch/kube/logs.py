@@ -22,22 +22,21 @@ from kubernetes import client as k8s
 from kubernetes import watch as k8s_watch
 from kubernetes.client.rest import ApiException
 
-from kfp_nvrx.components.launch import k8s_api
-from kfp_nvrx.components.launch.pods import (
+from kfp_nvrx.components.launch.kube import calls
+from kfp_nvrx.components.launch.kube.followed import JobPods
+from kfp_nvrx.components.launch.kube.pods import (
     Ended,
     PodState,
     Progress,
     container_status,
     missing_objects,
     prefix,
-    pytorchjob_replica,
 )
 
 __all__ = ["Ended", "PodLogFollower", "PodState", "Progress"]
 
 #: Pause after the first failed or empty pod watch, and the most it grows to.
 WATCH_BACKOFF_S = (0.8, 30.0)
-JOB_NAME_LABEL = "training.kubeflow.org/job-name"
 
 
 def _phase(pod: k8s.V1Pod) -> str:
@@ -50,33 +49,24 @@ class PodLogFollower:
     Args:
         core: CoreV1Api of the cluster.
         namespace: The job's namespace.
-        job_name: The job's name (the PyTorchJob's or TrainJob's).
+        pods: Which pods are the job's, their container and how their replicas are named
+            (:meth:`.followed.FollowedJob.pods`).
         emit: Called with each prefixed line (and pod status notes); must be thread-safe.
-        container: The container to follow.
         watch_timeout_s: Length of one pod watch request (it is renewed until :meth:`stop`).
-        selector: Label selector of the job's pods ('' = the PyTorchJob's job-name label).
-        replica_name: Names a pod's replica for the line prefix (default: PyTorchJob labels).
-        first_success_ends_job: One pod exiting 0 ends the job (a PyTorchJob with an
-            ``elasticPolicy``: the operator marks it Succeeded, and ``cleanPodPolicy: Running``
-            stops the pods still running). A pod that then ends non-zero is no failure, and is
-            not said to be one. Not a TrainJob's: its JobSet succeeds when every pod has.
 
     """
 
-    def __init__(self, core: k8s.CoreV1Api, namespace: str, job_name: str, *,
-                 emit: Callable[[str], None], container: str = "pytorch",
-                 watch_timeout_s: int = 30, selector: str = "",
-                 replica_name: Callable[[k8s.V1Pod], str] | None = None,
-                 first_success_ends_job: bool = True) -> None:
+    def __init__(self, core: k8s.CoreV1Api, namespace: str, pods: JobPods, *,
+                 emit: Callable[[str], None], watch_timeout_s: int = 30) -> None:
         self.core = core
         self.namespace = namespace
-        self.job_name = job_name
         self.emit = emit
-        self.container = container
+        self.job_name = pods.job
+        self.container = pods.container
         self.watch_timeout_s = watch_timeout_s
-        self.selector = selector or f"{JOB_NAME_LABEL}={job_name}"
-        self.replica_name = replica_name or pytorchjob_replica
-        self.first_success_ends_job = first_success_ends_job
+        self.selector = pods.selector
+        self.replica_name = pods.replica
+        self.first_success_ends_job = pods.first_success_ends_job
         #: A pod of this admission exited 0: training completed (see first_success_ends_job).
         self._completed = False
         self.progress = Progress()
@@ -181,12 +171,12 @@ class PodLogFollower:
             return tail
         try:
             pod = self.core.read_namespaced_pod(ended.name, self.namespace,
-                                                _request_timeout=k8s_api.REQUEST_TIMEOUT)
+                                                _request_timeout=calls.REQUEST_TIMEOUT)
             if pod.metadata.uid != ended.uid:
                 return []
             text = self.core.read_namespaced_pod_log(
                 ended.name, self.namespace, container=self.container, tail_lines=lines,
-                _request_timeout=k8s_api.REQUEST_TIMEOUT)
+                _request_timeout=calls.REQUEST_TIMEOUT)
         except Exception:  # noqa: BLE001 - no log to show (gone, API unreachable): no tail
             return []
         return [t for t in (text or "").splitlines() if t]
@@ -208,34 +198,8 @@ class PodLogFollower:
         while not self._stop.is_set():
             started, delivered = time.monotonic(), False
             try:
-                if not rv:
-                    self.requests["list"] += 1
-                    pods = self.core.list_namespaced_pod(
-                        self.namespace, label_selector=self.selector,
-                        _request_timeout=k8s_api.REQUEST_TIMEOUT)
-                    # A listing has no order in time: a pod that succeeded is taken first, as
-                    # the watch would have delivered it before the pods stopped after it.
-                    for pod in sorted(pods.items, key=lambda p: _phase(p) != "Succeeded"):
-                        self._on_pod(pod)
-                    rv = pods.metadata.resource_version or ""
-                self.requests["watch"] += 1
-                w = k8s_watch.Watch()
-                for event in w.stream(self.core.list_namespaced_pod, self.namespace,
-                                      label_selector=self.selector, resource_version=rv,
-                                      allow_watch_bookmarks=True,
-                                      timeout_seconds=self.watch_timeout_s,
-                                      # silence past the server's own end: a dead connection
-                                      _request_timeout=(k8s_api.REQUEST_TIMEOUT[0],
-                                                        self.watch_timeout_s + 30)):
-                    delivered = True
-                    raw = event.get("raw_object") or {}
-                    rv = (raw.get("metadata") or {}).get("resourceVersion") or rv
-                    if event["type"] == "BOOKMARK":
-                        self.requests["bookmark"] += 1
-                    elif event["type"] in ("ADDED", "MODIFIED"):
-                        self._on_pod(event["object"])
-                    if self._stop.is_set():
-                        w.stop()
+                rv = rv or self._list()
+                rv, delivered = self._watch(rv)
                 self._error = ""
             except ApiException as err:
                 if err.status == 410:  # our resourceVersion is older than the server keeps
@@ -251,10 +215,42 @@ class PodLogFollower:
             if pause:
                 self._stop.wait(pause)
 
+    def _list(self) -> str:
+        """LIST the job's pods, take each in; the listing's resourceVersion."""
+        self.requests["list"] += 1
+        pods = self.core.list_namespaced_pod(self.namespace, label_selector=self.selector,
+                                             _request_timeout=calls.REQUEST_TIMEOUT)
+        # A listing has no order in time: a pod that succeeded is taken first, as the watch
+        # would have delivered it before the pods stopped after it.
+        for pod in sorted(pods.items, key=lambda p: _phase(p) != "Succeeded"):
+            self._on_pod(pod)
+        return str(pods.metadata.resource_version or "")
+
+    def _watch(self, rv: str) -> tuple[str, bool]:
+        """One WATCH from ``rv``: the last resourceVersion seen, and whether it delivered any."""
+        self.requests["watch"] += 1
+        delivered, w = False, k8s_watch.Watch()
+        for event in w.stream(self.core.list_namespaced_pod, self.namespace,
+                              label_selector=self.selector, resource_version=rv,
+                              allow_watch_bookmarks=True, timeout_seconds=self.watch_timeout_s,
+                              # silence past the server's own end: a dead connection
+                              _request_timeout=(calls.REQUEST_TIMEOUT[0],
+                                                self.watch_timeout_s + 30)):
+            delivered = True
+            raw = event.get("raw_object") or {}
+            rv = (raw.get("metadata") or {}).get("resourceVersion") or rv
+            if event["type"] == "BOOKMARK":
+                self.requests["bookmark"] += 1
+            elif event["type"] in ("ADDED", "MODIFIED"):
+                self._on_pod(event["object"])
+            if self._stop.is_set():
+                w.stop()
+        return rv, delivered
+
     def _warn_once(self, err: BaseException) -> None:
         """Say once what keeps the pod watch from working (until it works again)."""
-        line = str(k8s_api.describe(f"watching the pods of {self.job_name}", err,
-                                    k8s_api.host_of(getattr(self.core, "api_client", None))))
+        line = str(calls.describe(f"watching the pods of {self.job_name}", err,
+                                    calls.host_of(getattr(self.core, "api_client", None))))
         if line != self._error:
             self._error = line
             self.emit(f"warning: {line} (retrying)")
@@ -332,13 +328,13 @@ class PodLogFollower:
 
     # -- log streams ----------------------------------------------------------------------------
 
-    def _line(self, state: PodState, uid: str, prefix: str, line: str) -> None:
+    def _line(self, state: PodState, uid: str, label: str, line: str) -> None:
         with self._lock:
             state.instance(uid).tail.append(line)
         self.progress.feed(line)
-        self.emit(f"[{prefix}] {line}")
+        self.emit(f"[{label}] {line}")
 
-    def _previous(self, state: PodState, uid: str, prefix: str) -> None:
+    def _previous(self, state: PodState, uid: str, label: str) -> None:
         """Emit the whole log of the container instance before the current one."""
         try:
             text = self.core.read_namespaced_pod_log(
@@ -346,9 +342,9 @@ class PodLogFollower:
         except Exception:  # noqa: BLE001 - gone (kubelet GC) or the API unreachable: skip it
             return
         for line in filter(None, (text or "").splitlines()):
-            self._line(state, uid, prefix, line)
+            self._line(state, uid, label, line)
 
-    def _stream(self, state: PodState, key: tuple[str, int], prefix: str) -> None:
+    def _stream(self, state: PodState, key: tuple[str, int], label: str) -> None:
         uid, instance = key
         try:
             # Pod events can arrive late: the log endpoint serves the *current* container, so make
@@ -360,7 +356,7 @@ class PodLogFollower:
             current = status.restart_count or 0
             if current > instance:
                 if current == instance + 1:  # the instance just before the current one
-                    self._previous(state, uid, prefix)
+                    self._previous(state, uid, label)
                 return
             with self._lock:
                 missed = instance > 0 and (uid, instance - 1) not in self._streamed
@@ -379,7 +375,7 @@ class PodLogFollower:
         self._streams[key] = (threading.current_thread(), resp)
         try:
             for line in k8s_watch.watch.iter_resp_lines(resp):
-                self._line(state, uid, prefix, line)
+                self._line(state, uid, label, line)
         except Exception:  # noqa: BLE001 - stream cut (shutdown, pod deleted): nothing to add
             pass
         finally:

@@ -2,7 +2,7 @@
 
 ``images/deploy/base/trainer-runtime.yaml`` is this object as YAML (a test keeps them equal); it is
 applied with the rest of the deploy kustomization. It holds only what is the same for every job;
-each TrainJob patches in its own volumes, placement and security settings (:mod:`.trainjob`).
+each TrainJob patches in its own volumes, placement and security settings (:mod:`.render`).
 
 Failure handling, the counterpart of the PyTorchJob's ``restartPolicy: ExitCode`` (the table in
 docs/eks.md, each row shown on the real controllers by tests/cluster/test_failure_policy.py and
@@ -48,7 +48,7 @@ GAVE_UP_EXIT_CODES = list(range(1, 128))
 POD_ANNOTATIONS = {"sidecar.istio.io/inject": "false"}
 #: The runtime pods' ``terminationGracePeriodSeconds``. A TrainJob sets the grace its resilience
 #: settings need in a runtime patch, except a queued one: Kueue v0.17 drops that field when it
-#: admits the job (:mod:`.trainjob`), and its pods get this, which must be at least what they need
+#: admits the job (:mod:`.render`), and its pods get this, which must be at least what they need
 #: (longer costs nothing: a pod ends when its processes do).
 GRACE_PERIOD_S = 300
 #: Placeholder image; every TrainJob sets ``trainer.image``.
@@ -70,6 +70,35 @@ def build_runtime(name: str = RUNTIME_NAME, namespace: str = "",
         meta["namespace"] = namespace
     meta["labels"] = {"trainer.kubeflow.org/framework": "torch",
                       "app.kubernetes.io/name": "kfp-nvrx"}
+    return {
+        "apiVersion": API_VERSION,
+        "kind": kind,
+        "metadata": meta,
+        "spec": {
+            "mlPolicy": {"numNodes": 1, "torch": {}},
+            "template": {"spec": {
+                "replicatedJobs": [_node_job()],
+                "failurePolicy": {
+                    "maxRestarts": MAX_RESTARTS,
+                    "restartStrategy": "Recreate",
+                    # Rule names: the JobSet webhook allows ^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$
+                    # only (no '-'); it checks them when the Trainer creates the JobSet, long
+                    # after the runtime and the TrainJob were accepted.
+                    "rules": [
+                        {"name": "ft_launcher_gave_up", "action": "FailJobSet",
+                         "onJobFailureReasons": ["PodFailurePolicy"]},
+                        {"name": "infrastructure", "action": "RestartJobSet",
+                         "onJobFailureReasons": ["BackoffLimitExceeded"]},
+                        {"name": "anything_else", "action": "FailJobSet"},
+                    ],
+                },
+            }},
+        },
+    }
+
+
+def _node_job() -> dict[str, Any]:
+    """The ``node`` replicated job: its pod, and which of its failures are final."""
     pod = {
         "metadata": {"annotations": dict(POD_ANNOTATIONS)},
         "spec": {
@@ -80,7 +109,7 @@ def build_runtime(name: str = RUNTIME_NAME, namespace: str = "",
                             "imagePullPolicy": IMAGE_PULL_POLICY}],
         },
     }
-    node_job = {
+    return {
         "name": REPLICATED_JOB,
         "template": {
             "metadata": {"labels": {"trainer.kubeflow.org/trainjob-ancestor-step": "trainer"}},
@@ -99,30 +128,5 @@ def build_runtime(name: str = RUNTIME_NAME, namespace: str = "",
                 ]},
                 "template": pod,
             },
-        },
-    }
-    return {
-        "apiVersion": API_VERSION,
-        "kind": kind,
-        "metadata": meta,
-        "spec": {
-            "mlPolicy": {"numNodes": 1, "torch": {}},
-            "template": {"spec": {
-                "replicatedJobs": [node_job],
-                "failurePolicy": {
-                    "maxRestarts": MAX_RESTARTS,
-                    "restartStrategy": "Recreate",
-                    # Rule names: the JobSet webhook allows ^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$
-                    # only (no '-'); it checks them when the Trainer creates the JobSet, long
-                    # after the runtime and the TrainJob were accepted.
-                    "rules": [
-                        {"name": "ft_launcher_gave_up", "action": "FailJobSet",
-                         "onJobFailureReasons": ["PodFailurePolicy"]},
-                        {"name": "infrastructure", "action": "RestartJobSet",
-                         "onJobFailureReasons": ["BackoffLimitExceeded"]},
-                        {"name": "anything_else", "action": "FailJobSet"},
-                    ],
-                },
-            }},
         },
     }

@@ -16,9 +16,6 @@ from typing import Any
 
 from kubernetes import client as k8s
 
-REPLICA_TYPE_LABEL = "training.kubeflow.org/replica-type"
-REPLICA_INDEX_LABEL = "training.kubeflow.org/replica-index"
-
 
 class Progress:
     """The step a live progress line shows, parsed from log lines (thread-safe).
@@ -118,15 +115,6 @@ class PodState:
             nth = self.uids.index(uid) if uid in self.uids else 0
             self.instances[uid] = Ended(self.name, uid, self.replica + (f"/p{nth}" if nth else ""))
         return self.instances[uid]
-
-
-def pytorchjob_replica(pod: k8s.V1Pod) -> str:
-    """``worker-<index>`` from a PyTorchJob pod's labels (its name when it has none)."""
-    labels = pod.metadata.labels or {}
-    rtype, index = labels.get(REPLICA_TYPE_LABEL), labels.get(REPLICA_INDEX_LABEL)
-    if rtype and index is not None:
-        return f"{rtype.lower()}-{index}"
-    return pod.metadata.name
 
 
 def prefix(state: PodState, restart: int) -> str:

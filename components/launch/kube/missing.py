@@ -52,7 +52,7 @@ def missing_error(what: str, namespace: str, job: ResolvedJob, waited_s: float) 
     kind, _, name = what.partition(" ")
     field = "secret_env"
     if kind == "PersistentVolumeClaim":
-        field = "pvc" if name == job.pod.pvc else "extra_pvcs"
+        field = "pvc" if name == job.worker().pvc else "extra_pvcs"
     return UserError(field, f"{kind} {name!r} does not exist in namespace {namespace!r} (the "
                      f"pods waited {waited_s:g} s for it; the job was deleted): create it first, "
                      f"or give one that exists")

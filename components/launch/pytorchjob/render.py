@@ -29,17 +29,17 @@ from kubeflow.training.constants import constants
 from kubernetes import client as k8s
 
 from kfp_nvrx.components.core.pod_entry import PEER_WAIT_ENV
+from kfp_nvrx.components.launch.job_apis import Rendered
 from kfp_nvrx.components.launch.jobspec import naming
 from kfp_nvrx.components.launch.jobspec.pod import (
-    Rendered,
-    annotations,
+    job_annotations,
     labels,
     pod_spec,
     to_dict,
     trainer_command,
 )
-from kfp_nvrx.components.launch.jobspec.resolve import ResolvedJob, resolve
-from kfp_nvrx.components.launch.jobspec.spec import JobSpec
+from kfp_nvrx.components.launch.jobspec.resolve import ResolvedJob
+from kfp_nvrx.components.launch.pytorchjob.validate import validate_job
 
 CONTAINER_NAME = "pytorch"  # the operator (and its webhook) require this name
 REPLICA_TYPE = "Worker"
@@ -58,8 +58,8 @@ class RenderedJob(Rendered):
         """Return the manifest as plain JSON-able data (camelCase field names)."""
         return to_dict(self.job)
 
-    def to_yaml(self) -> str:
-        """Return the manifest as YAML (``kubectl apply -f`` ready)."""
+    def to_yaml(self, with_runtime: bool = False) -> str:
+        """Return the manifest as YAML (``kubectl apply -f`` ready; it refers to no runtime)."""
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
 
 
@@ -76,6 +76,7 @@ def build_pytorchjob(job: ResolvedJob) -> RenderedJob:
 
     """
     refuse(job)
+    worker = job.worker()
     pod_labels = labels(job)
     pod = pod_spec(job, container_name=CONTAINER_NAME, command=trainer_command(job),
                    ports=[k8s.V1ContainerPort(name="pytorchjob-port", container_port=RDZV_PORT)])
@@ -101,7 +102,7 @@ def build_pytorchjob(job: ResolvedJob) -> RenderedJob:
             namespace=job.namespace or None,
             # Kueue reads its labels on the PyTorchJob only (jobspec.queue), not on the pods.
             labels={**pod_labels, **(job.queue.labels() if job.queue else {})},
-            annotations=annotations(job),
+            annotations=job_annotations(job),
         ),
         spec=models.KubeflowOrgV1PyTorchJobSpec(
             elastic_policy=models.KubeflowOrgV1ElasticPolicy(
@@ -120,27 +121,22 @@ def build_pytorchjob(job: ResolvedJob) -> RenderedJob:
             },
             run_policy=models.KubeflowOrgV1RunPolicy(
                 clean_pod_policy=CLEAN_POD_POLICY,
-                backoff_limit=job.pod.backoff_limit,
-                active_deadline_seconds=job.pod.active_deadline_s,
-                ttl_seconds_after_finished=job.pod.ttl_after_finished_s,
+                backoff_limit=worker.backoff_limit,
+                active_deadline_seconds=worker.active_deadline_s,
+                ttl_seconds_after_finished=worker.ttl_after_finished_s,
             ),
         ),
     )
     return RenderedJob(job=manifest, resolved=job)
 
 
-def render(job: ResolvedJob | JobSpec) -> RenderedJob:
+def render(job: ResolvedJob) -> RenderedJob:
     """Build the PyTorchJob and validate it (CRD schema, webhook rules, pod) before returning.
-
-    Args:
-        job: The resolved job, or a JobSpec to resolve first.
 
     Raises:
         UserError: Bad input, naming the field or the manifest field.
 
     """
-    from kfp_nvrx.components.launch.jobspec.validate import validate_job
-
-    rendered = build_pytorchjob(resolve(job) if isinstance(job, JobSpec) else job)
+    rendered = build_pytorchjob(job)
     validate_job(rendered.to_dict())
     return rendered

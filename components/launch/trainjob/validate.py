@@ -1,6 +1,6 @@
 """Checks a rendered TrainJob and its TrainingRuntime the way the cluster would, offline.
 
-The same three layers as :mod:`.validate` for the PyTorchJob:
+The same three layers as :mod:`..pytorchjob.validate` for the PyTorchJob:
 
 1. The Kubeflow Trainer v2.3.0 CRD schemas (vendored in ``schemas/``, sha256 in
    ``trainer-v2.3.0.SHA256SUMS``), strict: unknown fields are rejected.
@@ -19,23 +19,22 @@ Every failure is a :class:`UserError` naming the manifest field.
 from __future__ import annotations
 
 import copy
-import functools
 import re
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.launch.jobspec import runtime as rt
 from kfp_nvrx.components.launch.jobspec.naming import DNS1035, MAX_LABEL
-from kfp_nvrx.components.launch.jobspec.validate import (
+from kfp_nvrx.components.launch.kube.validation import (
     K8S_VERSION,
-    _path,
-    _resource_rules,
-    _strict,
+    check_pod,
+    check_schema,
 )
-from kfp_nvrx.components.launch.jobspec.validate_jobset import (
+from kfp_nvrx.components.launch.kube.validation import (
+    crd_schema as _crd_schema,
+)
+from kfp_nvrx.components.launch.trainjob import runtime as rt
+from kfp_nvrx.components.launch.trainjob.validate_jobset import (
     validate_jobset_names,
     validate_runtime,
 )
@@ -54,29 +53,28 @@ MASTER_PORT = 29500
 _TRAINJOB_PATCH_PATH = "spec.runtimePatches[0].trainingRuntimeSpec.template.spec"
 
 
-@functools.lru_cache(maxsize=4)
 def crd_schema(path: Path) -> dict[str, Any]:
     """Load a CRD's ``openAPIV3Schema`` in strict form."""
-    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-    crd = yaml.load(path.read_text(), Loader=loader)  # noqa: S506 - a safe loader
-    return _strict(copy.deepcopy(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]))
+    return _crd_schema(path)
 
 
 def validate_schema(manifest: dict[str, Any], path: Path) -> None:
     """CRD schema, strict. Raises UserError naming the first bad field."""
-    import jsonschema
-
-    validator = jsonschema.Draft7Validator(crd_schema(path))
-    errors = sorted(validator.iter_errors(manifest), key=lambda e: list(map(str, e.absolute_path)))
-    if errors:
-        err = errors[0]
-        raise UserError(_path(err.absolute_path),
-                        f"rejected by the {manifest.get('kind', '?')} schema: {err.message}")
+    check_schema(manifest, crd_schema(path), manifest.get("kind", "?"))
 
 
 def _node_job(runtime_spec: dict[str, Any]) -> dict[str, Any] | None:
     jobs = ((runtime_spec.get("template") or {}).get("spec") or {}).get("replicatedJobs") or []
     return next((j for j in jobs if j.get("name") == rt.REPLICATED_JOB), None)
+
+
+def _runtime_node_job(runtime: dict[str, Any]) -> dict[str, Any]:
+    """The runtime's node job; a runtime without one is refused, naming the TrainJob's reference."""
+    node = _node_job(runtime["spec"])
+    if node is None:
+        raise UserError("spec.runtimeRef.name", f"runtime {runtime['metadata']['name']} has no "
+                        f"replicated job {rt.REPLICATED_JOB!r}")
+    return node
 
 
 _HTTP_PATH = re.compile(r"^[A-Za-z0-9/\-._~%!$&'()*+,;=:]+$")
@@ -97,6 +95,22 @@ def validate_rules(job: dict[str, Any], runtime: dict[str, Any]) -> None:
         raise UserError("metadata.name", f"{name!r} must match RFC 1035 DNS label format "
                         f"(<= {MAX_LABEL} chars)")
     spec = job.get("spec") or {}
+    _check_reference(spec, runtime)
+    trainer = spec.get("trainer") or {}
+    _check_trainer(trainer)
+    if spec.get("activeDeadlineSeconds") is not None and spec["activeDeadlineSeconds"] < 1:
+        raise UserError("spec.activeDeadlineSeconds", "must be at least 1")
+    node_containers = {c.get("name") for c in _runtime_node_job(runtime)["template"]["spec"][
+        "template"]["spec"].get("containers") or []}
+    for p, patch in enumerate(spec.get("runtimePatches") or []):
+        _check_patch(p, patch, node_containers)
+    nodes = trainer.get("numNodes") or runtime["spec"].get("mlPolicy", {}).get("numNodes") or 1
+    # Checked by the JobSet webhook only when the Trainer creates the JobSet (after acceptance).
+    validate_jobset_names(name, nodes)
+
+
+def _check_reference(spec: dict[str, Any], runtime: dict[str, Any]) -> None:
+    """``runtimeRef`` names this runtime, by a kind and group the Trainer serves; ``managedBy``."""
     ref = spec.get("runtimeRef") or {}
     if ref.get("kind", "ClusterTrainingRuntime") not in RUNTIME_KINDS:
         raise UserError("spec.runtimeRef.kind", f"must be one of {', '.join(RUNTIME_KINDS)}")
@@ -108,7 +122,10 @@ def validate_rules(job: dict[str, Any], runtime: dict[str, Any]) -> None:
                         f"the runtime {runtime['kind']}/{runtime['metadata']['name']}")
     if spec.get("managedBy") not in (None, *MANAGED_BY):
         raise UserError("spec.managedBy", f"must be one of {', '.join(MANAGED_BY)}")
-    trainer = spec.get("trainer") or {}
+
+
+def _check_trainer(trainer: dict[str, Any]) -> None:
+    """``spec.trainer``: no env the torch plugin injects, at least one node and process."""
     for i, env in enumerate(trainer.get("env") or []):
         if env.get("name") in RESERVED_ENV:
             raise UserError(f"spec.trainer.env[{i}].name", f"{env['name']} is reserved: the "
@@ -116,38 +133,36 @@ def validate_rules(job: dict[str, Any], runtime: dict[str, Any]) -> None:
     for key in ("numNodes", "numProcPerNode"):
         if trainer.get(key) is not None and trainer[key] < 1:
             raise UserError(f"spec.trainer.{key}", "must be at least 1")
-    if spec.get("activeDeadlineSeconds") is not None and spec["activeDeadlineSeconds"] < 1:
-        raise UserError("spec.activeDeadlineSeconds", "must be at least 1")
-    if _node_job(runtime["spec"]) is None:
-        raise UserError("spec.runtimeRef.name", f"runtime {runtime['metadata']['name']} has no "
-                        f"replicated job {rt.REPLICATED_JOB!r}")
-    node_containers = {c.get("name") for c in _node_job(runtime["spec"])["template"]["spec"][
-        "template"]["spec"].get("containers") or []}
-    for p, patch in enumerate(spec.get("runtimePatches") or []):
-        if not _domain_prefixed_path(patch.get("manager") or ""):
-            raise UserError(f"spec.runtimePatches[{p}].manager", "must be a domain-prefixed path "
-                            "(such as 'acme.io/foo')")
-        tmpl = (patch.get("trainingRuntimeSpec") or {}).get("template") or {}
-        for j, rjob in enumerate((tmpl.get("spec") or {}).get("replicatedJobs") or []):
-            where = f"spec.runtimePatches[{p}].trainingRuntimeSpec.template.spec.replicatedJobs[{j}]"
-            if _node_job({"template": {"spec": {"replicatedJobs": [rjob]}}}) is None:
-                raise UserError(f"{where}.name", f"the runtime has no replicated job "
-                                f"{rjob.get('name')!r}")
-            pod = (((rjob.get("template") or {}).get("spec") or {}).get("template") or {}).get(
-                "spec") or {}
-            for c, container in enumerate(pod.get("containers") or []):
-                cpath = f"{where}.template.spec.template.spec.containers[{c}]"
-                # The Trainer webhook: a patch may change the runtime's containers, not add any,
-                # and the node container's env belongs to trainer.env (PET_* injection).
-                if container.get("name") not in node_containers:
-                    raise UserError(f"{cpath}.name", f"the runtime's {rt.REPLICATED_JOB!r} job "
-                                    f"has no container {container.get('name')!r}")
-                if container.get("env"):
-                    raise UserError(f"{cpath}.env", "must not be set for the node container "
-                                    "(use spec.trainer.env)")
-    nodes = trainer.get("numNodes") or runtime["spec"].get("mlPolicy", {}).get("numNodes") or 1
-    # Checked by the JobSet webhook only when the Trainer creates the JobSet (after acceptance).
-    validate_jobset_names(name, nodes)
+
+
+def _check_patch(p: int, patch: dict[str, Any], node_containers: set[Any]) -> None:
+    """Runtime patch ``p``: a domain-prefixed manager; jobs and containers the runtime has."""
+    if not _domain_prefixed_path(patch.get("manager") or ""):
+        raise UserError(f"spec.runtimePatches[{p}].manager", "must be a domain-prefixed path "
+                        "(such as 'acme.io/foo')")
+    tmpl = (patch.get("trainingRuntimeSpec") or {}).get("template") or {}
+    for j, rjob in enumerate((tmpl.get("spec") or {}).get("replicatedJobs") or []):
+        where = f"spec.runtimePatches[{p}].trainingRuntimeSpec.template.spec.replicatedJobs[{j}]"
+        if _node_job({"template": {"spec": {"replicatedJobs": [rjob]}}}) is None:
+            raise UserError(f"{where}.name", f"the runtime has no replicated job "
+                            f"{rjob.get('name')!r}")
+        pod = (((rjob.get("template") or {}).get("spec") or {}).get("template") or {}).get(
+            "spec") or {}
+        for c, container in enumerate(pod.get("containers") or []):
+            _check_patched_container(f"{where}.template.spec.template.spec.containers[{c}]",
+                                     container, node_containers)
+
+
+def _check_patched_container(cpath: str, container: dict[str, Any],
+                             node_containers: set[Any]) -> None:
+    # The Trainer webhook: a patch may change the runtime's containers, not add any, and the
+    # node container's env belongs to trainer.env (PET_* injection).
+    if container.get("name") not in node_containers:
+        raise UserError(f"{cpath}.name", f"the runtime's {rt.REPLICATED_JOB!r} job "
+                        f"has no container {container.get('name')!r}")
+    if container.get("env"):
+        raise UserError(f"{cpath}.env", "must not be set for the node container "
+                        "(use spec.trainer.env)")
 
 
 def _merge_named(base: list[dict], patch: list[dict]) -> list[dict]:
@@ -165,7 +180,7 @@ def _merge_named(base: list[dict], patch: list[dict]) -> list[dict]:
 def node_pod(job: dict[str, Any], runtime: dict[str, Any], index: int = 0) -> dict[str, Any]:
     """Build the Pod the controllers would create for node ``index``."""
     name = job["metadata"]["name"]
-    base = copy.deepcopy(_node_job(runtime["spec"])["template"]["spec"]["template"])
+    base = copy.deepcopy(_runtime_node_job(runtime)["template"]["spec"]["template"])
     meta, pod = base.get("metadata") or {}, base["spec"]
     spec = job["spec"]
     for patch in spec.get("runtimePatches") or []:
@@ -187,7 +202,7 @@ def node_pod(job: dict[str, Any], runtime: dict[str, Any], index: int = 0) -> di
                        ("resourcesPerNode", "resources")):
         if trainer.get(key) is not None:
             container[field] = copy.deepcopy(trainer[key])
-    injected = [{"name": "PET_NNODES", "value": str(trainer.get("numNodes", 1))},
+    injected: list[dict[str, Any]] = [{"name": "PET_NNODES", "value": str(trainer.get("numNodes", 1))},
                 {"name": "PET_NPROC_PER_NODE", "value": str(trainer.get("numProcPerNode", 1))},
                 {"name": "PET_NODE_RANK", "valueFrom": {"fieldRef": {"fieldPath": (
                     "metadata.annotations['batch.kubernetes.io/job-completion-index']")}}},
@@ -204,21 +219,7 @@ def node_pod(job: dict[str, Any], runtime: dict[str, Any], index: int = 0) -> di
 def validate_pod(job: dict[str, Any], runtime: dict[str, Any],
                  k8s_version: str = K8S_VERSION) -> None:
     """``kubernetes-validate`` strict on the node Pod, then the API-server resource rules."""
-    import kubernetes_validate
-
-    pod = node_pod(job, runtime)
-    try:
-        kubernetes_validate.validate(pod, k8s_version, strict=True)
-    except kubernetes_validate.ValidationError as err:
-        path = list(err.path)
-        where = _path([_TRAINJOB_PATCH_PATH, *path[1:]]) if path[:1] == ["spec"] \
-            else _path(["pod", *path])
-        raise UserError(where, f"rejected by the Kubernetes {err.version} Pod schema: "
-                        f"{err.message}") from None
-    try:
-        _resource_rules(pod)
-    except UserError as err:
-        raise UserError(f"node pod {err.field}", err.message) from None
+    check_pod(node_pod(job, runtime), _TRAINJOB_PATCH_PATH, "node pod ", k8s_version)
 
 
 def validate_trainjob(job: dict[str, Any], runtime: dict[str, Any],

@@ -26,8 +26,8 @@ import re
 from typing import Any
 
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.launch.jobspec import runtime as rt
 from kfp_nvrx.components.launch.jobspec.naming import DNS1035, MAX_LABEL
+from kfp_nvrx.components.launch.trainjob import runtime as rt
 
 #: The TrainingRuntime webhook: ancestor label value -> the container that step must have.
 ANCESTOR_LABEL = "trainer.kubeflow.org/trainjob-ancestor-step"
@@ -112,27 +112,32 @@ def validate_failure_policy(jobset: dict[str, Any], where: str = "spec.template.
                         "needs a JobSet feature gate that is off by default")
     seen: set[str] = set()
     for i, rule in enumerate(policy.get("rules") or []):
-        path = f"{where}.failurePolicy.rules[{i}]"
-        if rule.get("action") in GATED_ACTIONS:
-            raise UserError(f"{path}.action", f"{rule['action']} needs the JobSet RestartJob "
-                            "feature gate, off by default")
-        # The webhook names an unnamed rule failurePolicyRule<i> before it validates.
-        name = rule.get("name") or f"failurePolicyRule{i}"
-        if len(name) > RULE_NAME_MAX or not RULE_NAME.match(name):
-            raise UserError(f"{path}.name", f"{name!r}: a JobSet failure policy rule name must "
-                            "start with a letter, then letters, digits or '_,:', end with a "
-                            f"letter, digit or '_', at most {RULE_NAME_MAX} characters")
-        if name in seen:
-            raise UserError(f"{path}.name", f"{name!r}: rule names must be unique")
-        seen.add(name)
-        for target in rule.get("targetReplicatedJobs") or []:
-            if target not in names:
-                raise UserError(f"{path}.targetReplicatedJobs",
-                                f"{target!r} does not appear in replicatedJobs")
-        for reason in rule.get("onJobFailureReasons") or []:
-            if reason not in JOB_FAILURE_REASONS:
-                raise UserError(f"{path}.onJobFailureReasons", f"{reason!r} is not a job "
-                                f"failure reason ({', '.join(JOB_FAILURE_REASONS)})")
+        seen.add(_check_failure_rule(f"{where}.failurePolicy.rules[{i}]", i, rule, names, seen))
+
+
+def _check_failure_rule(path: str, i: int, rule: dict[str, Any], names: set[Any],
+                        seen: set[str]) -> str:
+    """One failure policy rule (``seen``: the names of the rules before it); its name."""
+    if rule.get("action") in GATED_ACTIONS:
+        raise UserError(f"{path}.action", f"{rule['action']} needs the JobSet RestartJob "
+                        "feature gate, off by default")
+    # The webhook names an unnamed rule failurePolicyRule<i> before it validates.
+    name = rule.get("name") or f"failurePolicyRule{i}"
+    if len(name) > RULE_NAME_MAX or not RULE_NAME.match(name):
+        raise UserError(f"{path}.name", f"{name!r}: a JobSet failure policy rule name must "
+                        "start with a letter, then letters, digits or '_,:', end with a "
+                        f"letter, digit or '_', at most {RULE_NAME_MAX} characters")
+    if name in seen:
+        raise UserError(f"{path}.name", f"{name!r}: rule names must be unique")
+    for target in rule.get("targetReplicatedJobs") or []:
+        if target not in names:
+            raise UserError(f"{path}.targetReplicatedJobs",
+                            f"{target!r} does not appear in replicatedJobs")
+    for reason in rule.get("onJobFailureReasons") or []:
+        if reason not in JOB_FAILURE_REASONS:
+            raise UserError(f"{path}.onJobFailureReasons", f"{reason!r} is not a job "
+                            f"failure reason ({', '.join(JOB_FAILURE_REASONS)})")
+    return str(name)
 
 
 def validate_pod_failure_policy(job: dict[str, Any], where: str) -> None:
@@ -158,18 +163,22 @@ def validate_pod_failure_policy(job: dict[str, Any], where: str) -> None:
             raise UserError(rpath, "exactly one of onExitCodes and onPodConditions is required")
         if rule.get("action") == "FailIndex" and jspec.get("backoffLimitPerIndex") is None:
             raise UserError(f"{rpath}.action", "FailIndex requires backoffLimitPerIndex")
-        if not codes:
-            continue
-        if codes.get("containerName") is not None and codes["containerName"] not in containers:
-            raise UserError(f"{rpath}.onExitCodes.containerName", "must be one of the container "
-                            "or initContainer names in the pod template")
-        values = codes.get("values") or []
-        if not values or len(values) > MAX_EXIT_CODES:
-            raise UserError(f"{rpath}.onExitCodes.values", f"1..{MAX_EXIT_CODES} values")
-        if codes.get("operator") == "In" and 0 in values:
-            raise UserError(f"{rpath}.onExitCodes.values", "must not be 0 for the In operator")
-        if len(set(values)) != len(values) or values != sorted(values):
-            raise UserError(f"{rpath}.onExitCodes.values", "must be ordered and unique")
+        if codes:
+            _check_exit_codes(f"{rpath}.onExitCodes", codes, containers)
+
+
+def _check_exit_codes(path: str, codes: dict[str, Any], containers: set[Any]) -> None:
+    """A pod failure policy rule's ``onExitCodes``."""
+    if codes.get("containerName") is not None and codes["containerName"] not in containers:
+        raise UserError(f"{path}.containerName", "must be one of the container "
+                        "or initContainer names in the pod template")
+    values = codes.get("values") or []
+    if not values or len(values) > MAX_EXIT_CODES:
+        raise UserError(f"{path}.values", f"1..{MAX_EXIT_CODES} values")
+    if codes.get("operator") == "In" and 0 in values:
+        raise UserError(f"{path}.values", "must not be 0 for the In operator")
+    if len(set(values)) != len(values) or values != sorted(values):
+        raise UserError(f"{path}.values", "must be ordered and unique")
 
 
 def validate_runtime(runtime: dict[str, Any]) -> None:

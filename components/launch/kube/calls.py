@@ -14,7 +14,7 @@ the ``kubernetes`` client unless handled here:
 
 :func:`describe` turns each into one line; :func:`expect_object` refuses an answer that is not a
 Kubernetes object; :func:`configure` silences urllib3's retry warnings (our own loops retry and
-say so once). Every client made here is bounded (:mod:`.k8s_http`: time, size, no redirects,
+say so once). Every client made here is bounded (:mod:`.http`: time, size, no redirects,
 cut short by a stop signal); :func:`call` retries a 429 a few times, a short and interruptible
 wait each, never the hour a ``Retry-After`` may ask for.
 """
@@ -29,8 +29,7 @@ from typing import Any
 
 from kubernetes.client.rest import ApiException
 
-from kfp_nvrx.components.launch import k8s_http
-from kfp_nvrx.components.launch.k8s_config import check_kubeconfig
+from kfp_nvrx.components.launch.kube import http
 
 #: (connect, read) seconds of one call: a connection that a load balancer dropped without a
 #: word must end in an error the loops retry, not block the launcher (and its SIGTERM) forever.
@@ -53,7 +52,7 @@ class ClusterError(RuntimeError):
 
 
 class Interrupted(ClusterError):
-    """A call cut short by a stop signal (:func:`.k8s_http.interrupt_calls`)."""
+    """A call cut short by a stop signal (:func:`.http.interrupt_calls`)."""
 
 
 def configure(configuration: Any) -> Any:
@@ -138,9 +137,9 @@ def describe(action: str, err: BaseException, host: str, hints: dict[int, str] |
     """
     if isinstance(err, ClusterError):
         return err
-    if isinstance(err, k8s_http.CallInterrupted):
+    if isinstance(err, http.CallInterrupted):
         return Interrupted(f"{action}: {err}")
-    if isinstance(err, k8s_http.CallLimit):
+    if isinstance(err, http.CallLimit):
         return ClusterError(f"{action}: {host} {err}")
     if isinstance(err, ApiException) and 300 <= (err.status or 0) < 400:
         where = (err.headers or {}).get("Location") or "elsewhere"
@@ -215,8 +214,8 @@ def call(action: str, host: str, fn: Any, *args: Any, ok: tuple[int, ...] = (),
                 raise
             if err.status == 429 and attempt < THROTTLE_RETRIES:
                 try:
-                    k8s_http.pause(_retry_after(err))
-                except k8s_http.CallInterrupted as stop:
+                    http.pause(_retry_after(err))
+                except http.CallInterrupted as stop:
                     raise describe(action, stop, host) from None
                 continue
             raise describe(action, err, host, hints) from None
@@ -247,55 +246,3 @@ def warning_events(core: Any, namespace: str, host: str, kind: str, name: str,
         if message and message not in out:
             out.append(message)
     return out
-
-
-#: Where a pod finds its own namespace (the KFP step runs in the profile's namespace).
-SA_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
-
-
-def current_namespace() -> str:
-    """The namespace a job goes to when none is given, the way kubectl picks it.
-
-    Inside a pod: the service account's namespace. Elsewhere: the kubeconfig's current context's
-    namespace (``kubectl config set-context --current --namespace=...``), else ``default``.
-    """
-    try:
-        with open(SA_NAMESPACE) as fh:
-            if ns := fh.read(256).strip():
-                return ns
-    except OSError:
-        pass
-    try:
-        from kubernetes import config
-
-        check_kubeconfig(None)  # a FIFO there: "default", not a wait for a writer
-        _, active = config.list_kube_config_contexts()
-        return (active or {}).get("context", {}).get("namespace") or "default"
-    except Exception:  # noqa: BLE001 - no kubeconfig: the API default
-        return "default"
-
-
-def api_client(configuration: Any = None) -> Any:
-    """A Kubernetes ApiClient: ``configuration``, else in-cluster or kubeconfig credentials.
-
-    Raises:
-        ClusterError: No credentials could be loaded (one line, no token quoted).
-    """
-    from kubernetes import client, config
-
-    from kfp_nvrx.components.redaction import register_kube_configuration, register_kubeconfig
-
-    if configuration is None:
-        configuration = client.Configuration()
-        check_kubeconfig(None)  # no FIFO or /dev/zero for the loader (or the redaction) to open
-        register_kubeconfig(None)  # before loading: a loader error must not quote a token
-        try:
-            config.load_incluster_config(client_configuration=configuration)
-        except config.ConfigException:
-            try:
-                config.load_kube_config(client_configuration=configuration)
-            except Exception as err:  # noqa: BLE001 - no kubeconfig: one line
-                raise ClusterError(f"no Kubernetes credentials: {' '.join(str(err).split())}") \
-                    from None
-    register_kube_configuration(configuration)  # every later line we print is redacted
-    return k8s_http.bound(client.ApiClient(configuration))

@@ -1,4 +1,4 @@
-"""The polling loop of one followed Kubernetes job (:meth:`.k8s_job.JobRun.run` calls it).
+"""The polling loop of one followed Kubernetes job (:meth:`.job_run.JobRun.run` calls it).
 
 Each pass reads the job once and decides, in this order: a stop signal cancels; a job deleted by
 someone else fails; a final condition ends the follow; the launcher's deadline passes; an object
@@ -13,17 +13,16 @@ from __future__ import annotations
 import signal
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from kfp_nvrx.components.launch.k8s_api import ClusterError
-from kfp_nvrx.components.launch.k8s_http import StopSignals
-from kfp_nvrx.components.launch.logs import PodLogFollower
-from kfp_nvrx.components.launch.missing import MissingWatch
-from kfp_nvrx.components.launch.queue_follow import QueueWatch
+from kfp_nvrx.components.launch.kube.calls import ClusterError
+from kfp_nvrx.components.launch.kube.followed import FollowedJob
+from kfp_nvrx.components.launch.kube.http import StopSignals
+from kfp_nvrx.components.launch.kube.logs import PodLogFollower
+from kfp_nvrx.components.launch.kube.missing import MissingWatch
+from kfp_nvrx.components.launch.kube.queue_follow import QueueWatch
+from kfp_nvrx.components.launch.options import FollowOptions
 from kfp_nvrx.components.launch.result import LaunchResult, RestartsSoFar
-
-if TYPE_CHECKING:
-    from kfp_nvrx.components.launch.k8s_job import JobAPI, K8sOptions
 
 #: Extra time past ``activeDeadlineSeconds`` before the launcher itself gives up, so the
 #: operator's own deadline (with its reason) normally ends the job first.
@@ -42,18 +41,19 @@ class Follow:
     """One follow of one job, from its first read to its end.
 
     Args:
-        jobs: The API calls on the job.
+        jobs: The API calls on the job (its resolved job: the run directory, whose restarts so
+            far the progress line shows, and its active deadline).
         job: The job as last read.
-        run_dir: The run directory (restarts so far, for the progress line).
         opts: How to follow.
         say: Sink for lines.
         follower: The pods' log streams.
         watch: Kueue's hold on the job (None: not queued).
     """
 
-    def __init__(self, jobs: JobAPI, job: Any, run_dir: str, opts: K8sOptions,
+    def __init__(self, jobs: FollowedJob, job: dict[str, Any], opts: FollowOptions,
                  say: Callable[[str], None], follower: PodLogFollower,
                  watch: QueueWatch | None) -> None:
+        run_dir = jobs.job.run_dir
         self.jobs, self.job, self.opts, self.say = jobs, job, opts, say
         self.follower, self.watch = follower, watch
         self.created = jobs.created_at(job) or time.time()
@@ -63,7 +63,7 @@ class Follow:
         self.missing = MissingWatch(jobs.namespace, opts.missing_s, say)
         self.last_state, self.last_summary, self.last_progress = "", "", 0.0
         self.errors, self.failing_since, self.last_error = 0, 0.0, ""
-        self.next_events, self.warned = time.monotonic() + 1.0, set()
+        self.next_events, self.warned = time.monotonic() + 1.0, set[str]()
 
     def deadline_s(self, active_deadline_s: float | None) -> float | None:
         """The launcher's deadline: given, or the job's active deadline plus a margin."""
@@ -71,9 +71,10 @@ class Follow:
             return active_deadline_s + DEADLINE_MARGIN_S
         return self.opts.deadline_s
 
-    def run(self, active_deadline_s: float | None, signals: StopSignals) -> LaunchResult:
+    def run(self, signals: StopSignals) -> LaunchResult:
         """Poll the job until it ends, the deadline passes or a signal arrives."""
-        deadline_s, result = self.deadline_s(active_deadline_s), self.result
+        deadline_s = self.deadline_s(self.jobs.job.worker().active_deadline_s)
+        result = self.result
         while not self._stopped(signals):
             current = self._read()
             if current is None:
@@ -104,7 +105,7 @@ class Follow:
         self.result.extra["signal"] = signals.signum
         return True
 
-    def _read(self) -> Any | None:
+    def _read(self) -> dict[str, Any] | None:
         """The job now; the last reading while the API server fails (until it fails too long)."""
         try:
             current = self.jobs.get()

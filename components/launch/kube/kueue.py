@@ -8,7 +8,7 @@ nothing created. While the job is followed, its Workload (``kueue.x-k8s.io/job-u
 says why it waits (the ``QuotaReserved`` condition), where it was admitted (``status.admission``)
 and why it was evicted (the ``Evicted`` condition: ``Preempted``, ...).
 
-Every call is bounded (:mod:`.k8s_api`); a read the launcher's RBAC forbids is said once and the
+Every call is bounded (:mod:`.calls`); a read the launcher's RBAC forbids is said once and the
 job is followed without it (``images/deploy`` grants the reads).
 """
 
@@ -22,8 +22,9 @@ from kubernetes import client as k8s
 from kubernetes.client.rest import ApiException
 
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.launch import k8s_api
-from kfp_nvrx.components.launch.jobspec.queue import GROUP, VERSION, Queue
+from kfp_nvrx.components.launch.jobspec.queue import DEFAULT_QUEUE, GROUP, VERSION, Queue
+from kfp_nvrx.components.launch.jobspec.resolve import ResolvedJob
+from kfp_nvrx.components.launch.kube import calls
 
 JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
 #: A job has one Workload; a few more are tolerated (one being replaced), never a whole list.
@@ -62,7 +63,7 @@ def _ts(text: str | None) -> float:
     return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
 
 
-def _one_line(text: str, limit: int = 300) -> str:
+def _one_line(text: object, limit: int = 300) -> str:
     return " ".join(str(text or "").split())[:limit]
 
 
@@ -99,41 +100,37 @@ def default_queue(api: k8s.ApiClient, namespace: str) -> Queue | None:
     Returns:
         ``Queue("default")`` when the namespace has it, else None.
     """
-    from kfp_nvrx.components.launch.jobspec.queue import DEFAULT_QUEUE
-
     custom = k8s.CustomObjectsApi(api)
     try:
-        resp = k8s_api.call(f"reading LocalQueue {namespace}/{DEFAULT_QUEUE}", k8s_api.host_of(api),
+        resp = calls.call(f"reading LocalQueue {namespace}/{DEFAULT_QUEUE}", calls.host_of(api),
                             custom.get_namespaced_custom_object, GROUP, VERSION, namespace,
                             "localqueues", DEFAULT_QUEUE, ok=(403, 404))
-    except (ApiException, k8s_api.ClusterError):
+    except (ApiException, calls.ClusterError):
         return None
     return Queue(DEFAULT_QUEUE) if isinstance(resp, dict) else None
 
 
-def with_default_queue(api: k8s.ApiClient, namespace: str, job: Any,
-                       say: Callable[[str], None]) -> Any | None:
-    """``job`` (a ResolvedJob) in its namespace's default LocalQueue, if it needs one; else None.
+def with_default_queue(api: k8s.ApiClient, job: ResolvedJob,
+                       say: Callable[[str], None]) -> ResolvedJob | None:
+    """``job`` in its namespace's default LocalQueue, if it needs one; else None.
 
     It needs one when it names no queue and the namespace has Kueue's default: Kueue labels such
     a job itself when it is created. Rendered as queued from the start, a TrainJob carries no
-    grace period Kueue would drop (:mod:`.jobspec.trainjob`), and the launcher follows it as
+    grace period Kueue would drop (:mod:`..trainjob.render`), and the launcher follows it as
     queued.
     """
-    import dataclasses
-
-    if job.queue is not None or (queue := default_queue(api, namespace)) is None:
+    if job.queue is not None or (queue := default_queue(api, job.namespace)) is None:
         return None
-    say(f"namespace {namespace} has Kueue's default LocalQueue {queue.name!r}: the job waits "
+    say(f"namespace {job.namespace} has Kueue's default LocalQueue {queue.name!r}: the job waits "
         "in it for quota (name another with --queue-name)")
-    return dataclasses.replace(job, queue=queue)
+    return job.in_queue(queue)
 
 
 class KueueReads:
     """The reads of one queued job's Kueue objects.
 
     Args:
-        api: A bounded ApiClient (:func:`.k8s_api.api_client`).
+        api: A bounded ApiClient (:func:`.calls.api_client`).
         namespace: The job's namespace (its LocalQueue's too).
         queue: The job's queue settings.
         say: Sink for the lines said once (a read RBAC forbids).
@@ -142,11 +139,11 @@ class KueueReads:
     def __init__(self, api: k8s.ApiClient, namespace: str, queue: Queue,
                  say: Callable[[str], None] = print) -> None:
         self.custom = k8s.CustomObjectsApi(api)
-        self.host = k8s_api.host_of(api)
+        self.host = calls.host_of(api)
         self.namespace, self.queue, self.say = namespace, queue, say
         #: The ClusterQueue the LocalQueue points at ('' until read).
         self.cluster_queue = ""
-        self._hints = k8s_api.hints(CRD)
+        self._hints = calls.hints(CRD)
         self._forbidden: set[str] = set()
 
     @property
@@ -158,21 +155,21 @@ class KueueReads:
     def _get(self, action: str, fn: Any, *args: Any) -> dict[str, Any] | None:
         """One read; None on a 404 (the caller tells a missing object from a missing Kueue)."""
         try:
-            resp = k8s_api.call(action, self.host, fn, GROUP, VERSION, *args, ok=(404,),
+            resp = calls.call(action, self.host, fn, GROUP, VERSION, *args, ok=(404,),
                                 hints=self._hints)
         except ApiException as err:
-            if "could not find the requested resource" in k8s_api.body_text(err.body):
+            if "could not find the requested resource" in calls.body_text(err.body):
                 raise UserError("queue_name", f"{self.queue.name!r}: the cluster serves no Kueue "
                                 "(kueue.x-k8s.io/v1beta2 is not installed); leave the queue "
                                 "empty or install Kueue") from None
             return None
-        return k8s_api.expect_object(resp, action, self.host)
+        return calls.expect_object(resp, action, self.host)
 
     def _allowed(self, action: str, fn: Any, *args: Any) -> tuple[bool, dict[str, Any] | None]:
         """(read, object): ``read`` is False when RBAC forbids it (said once)."""
         try:
             return True, self._get(action, fn, *args)
-        except k8s_api.ClusterError as err:
+        except calls.ClusterError as err:
             if "HTTP 403" not in str(err) or "admission webhook" in str(err):
                 raise
             if action not in self._forbidden:
@@ -215,12 +212,12 @@ class KueueReads:
         if not job_uid:
             return Reading()
         try:
-            listed = k8s_api.call(
+            listed = calls.call(
                 f"reading the Workload of {self.namespace}/{job_uid}", self.host,
                 self.custom.list_namespaced_custom_object, GROUP, VERSION, self.namespace,
                 "workloads", label_selector=f"{JOB_UID_LABEL}={job_uid}", limit=MAX_WORKLOADS,
                 hints=self._hints)
-        except k8s_api.ClusterError as err:
+        except calls.ClusterError as err:
             forbidden = "HTTP 403" in str(err)
             line = f"warning: {err} ({'followed without it' if forbidden else 'retrying'})"
             if line not in self._forbidden:
