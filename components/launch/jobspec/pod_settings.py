@@ -145,7 +145,7 @@ def _check_pod_paths(spec: JobSpec, cfg: Config, profile: InstanceProfile,
     """What the trainer reads and uses must exist inside the pods (volumes, a GPU for cuda)."""
     if cfg.train.device == "cuda" and not profile.is_gpu:
         raise UserError("train.device", f"is cuda but instance type {profile.name} has no "
-                        "GPU; use --set train.device=cpu (or auto) or a GPU `instance_type`")
+                        "GPU; use `overrides=train.device=cpu` (or auto) or a GPU `instance_type`")
 
     def mounted(path: str) -> bool:
         return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)

@@ -231,7 +231,7 @@ def check_env_name(flag: str, name: str) -> str:
     if name.startswith("PET_"):
         raise UserError(flag, f"{name} is ours: the Training Operator sets PET_* from "
                               "elasticPolicy (use `nodes`, `nproc_per_node`, "
-                              "--set resilience.max_restarts=N)")
+                              "`overrides=resilience.max_restarts=N`)")
     return name
 
 

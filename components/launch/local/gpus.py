@@ -54,9 +54,9 @@ def slice_gpus(nodes: int, nproc_per_node: int, device: str,
     want = nodes * nproc_per_node
     if not gpus:
         raise UserError("train.device", "is cuda but this host shows no NVIDIA GPU; use "
-                        "--set train.device=cpu or run on a GPU host")
+                        "`overrides=train.device=cpu` or run on a GPU host")
     if want > len(gpus):
         raise UserError("nproc_per_node", f"{nodes} node(s) x {nproc_per_node} proc need {want} "
                         f"GPUs, this host has {len(gpus)}; lower `nodes`/`nproc_per_node` or use "
-                        "--set train.device=cpu")
+                        "`overrides=train.device=cpu`")
     return [",".join(gpus[i * nproc_per_node:(i + 1) * nproc_per_node]) for i in range(nodes)]

@@ -90,7 +90,7 @@ def refuse(job: ResolvedJob, runtime_name: str = rt.RUNTIME_NAME,
         raise UserError("image_pull_policy", f"a TrainJob takes the pull policy from the "
                         f"TrainingRuntime ({rt.IMAGE_PULL_POLICY}); edit the runtime instead")
     if pod.ttl_after_finished_s != _default("ttl_after_finished_s"):
-        raise UserError("ttl_after_finished_s", "a TrainJob has no TTL; `launch --delete-after` "
+        raise UserError("ttl_after_finished_s", "a TrainJob has no TTL; `delete_after` "
                         "removes it, or use `job_api=pytorchjob`")
     if pod.backoff_limit != _default("backoff_limit"):
         raise UserError("backoff_limit", "whole-job restarts of a TrainJob come from the "
