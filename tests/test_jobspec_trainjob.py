@@ -21,7 +21,7 @@ from golden_specs import IMAGE, golden_specs
 from rendering import render_pytorchjob, render_trainjob
 
 from kfp_nvrx.components.core.config import load_config
-from kfp_nvrx.components.core.launch_command import TrainerArgs, ft_launcher_argv
+from kfp_nvrx.components.core.launch_command import Rendezvous, TrainerArgs, ft_launcher_argv
 from kfp_nvrx.components.core.pod_entry import PEER_WAIT_ENV
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.launch.jobspec.pod import POD_ENTRY
@@ -126,7 +126,7 @@ def test_command_is_the_one_builder_with_v2_rendezvous() -> None:
     expected = ft_launcher_argv(
         res, TrainerArgs(spec.config, rendered.run_dir, list(spec.overrides), spec.faults),
         local_addr="$(POD_IP)", nic_monitor=get_profile(spec.instance_type).nic_monitor,
-        rdzv_endpoint="$(PET_MASTER_ADDR):$(PET_MASTER_PORT)", rdzv_id=rendered.name)
+        rdzv=Rendezvous("$(PET_MASTER_ADDR):$(PET_MASTER_PORT)", rendered.name))
     assert rendered.job["spec"]["trainer"]["command"] == [*POD_ENTRY, *expected]
 
 

@@ -16,6 +16,7 @@ import pytest
 
 from kfp_nvrx.components.core.config import ResilienceConfig, load_config
 from kfp_nvrx.components.core.launch_command import (
+    FtLauncher,
     TrainerArgs,
     ft_flags,
     ft_launcher_argv,
@@ -79,7 +80,7 @@ def test_launcher_flags_follow_the_poll_interval() -> None:
     for old in ("0.4.1", "0.6.2", None, ""):
         assert not any(a.startswith(GPU_POLL) for a in ft_flags(res, nvrx_version=old))
     local = ft_launcher_argv(res, TrainerArgs("tiny", "/r"), local_addr="127.0.0.1",
-                             executable="/elsewhere/bin/ft_launcher", nvrx_version="0.7.0")
+                             launcher=FtLauncher("/elsewhere/bin/ft_launcher", "0.7.0"))
     assert f"{GPU_POLL}=0.25" in local
 
 
@@ -87,12 +88,12 @@ def test_iteration_file_flag_only_for_an_nvrx_that_reads_it() -> None:
     res = load_config("tiny").resilience
     flag = "--ft-checkpoint-iteration-file"
     new = ft_launcher_argv(res, TrainerArgs("tiny", "/runs/r1"), local_addr="127.0.0.1",
-                           executable="/x/ft_launcher", nvrx_version="0.7.0")
+                           launcher=FtLauncher("/x/ft_launcher", "0.7.0"))
     assert f"{flag}=/runs/r1/checkpoints/latest_committed_step" in new
     assert new.index(f"{flag}=/runs/r1/checkpoints/latest_committed_step") < new.index("-m")
     for old in ("0.4.1", "0.6.2", None):  # 0.4.1 has no progress tracking and rejects the flag
         argv = ft_launcher_argv(res, TrainerArgs("tiny", "/runs/r1"), local_addr="127.0.0.1",
-                                executable="/x/ft_launcher", nvrx_version=old)
+                                launcher=FtLauncher("/x/ft_launcher", old))
         assert not any(a.startswith(flag) for a in argv), old
 
 
@@ -115,7 +116,7 @@ def test_installed_ft_launcher_knows_every_flag_we_pass_it() -> None:
     assert helped.returncode == 0, helped.stderr[-2000:]
     known = set(re.findall(r"--[a-z][a-z0-9_-]*", helped.stdout))
     argv = ft_launcher_argv(ResilienceConfig(), TrainerArgs("tiny", "/r"), local_addr="127.0.0.1",
-                            executable=str(exe))
+                            launcher=FtLauncher(str(exe)))
     ours = {a.split("=")[0] for a in argv[1:argv.index("-m")]}
     assert ours <= known, f"flags unknown to the installed ft_launcher: {ours - known}"
 

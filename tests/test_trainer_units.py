@@ -13,6 +13,7 @@ from kfp_nvrx.components.core.faults import FAULT_KINDS, Fault, When, parse_faul
 from kfp_nvrx.components.core.goodput import summarize_events
 from kfp_nvrx.components.core.launch_command import (
     POD_STOP_MARGIN_S,
+    FtLauncher,
     TrainerArgs,
     ft_flags,
     ft_launcher_argv,
@@ -126,7 +127,8 @@ def test_one_builder_for_pod_and_local_commands():
     res = load_config("tiny").resilience
     trainer = TrainerArgs("tiny", "/fsx/runs/r", ["train.steps=5"], ["kill@3/1"])
     pod = ft_launcher_argv(res, trainer, local_addr="$(POD_IP)", nic_monitor=True)
-    local = ft_launcher_argv(res, trainer, local_addr="127.0.0.1", executable="/venv/bin/ft_launcher")
+    local = ft_launcher_argv(res, trainer, local_addr="127.0.0.1",
+                             launcher=FtLauncher("/venv/bin/ft_launcher"))
     strip = {0, pod.index("--local-addr=$(POD_IP)")}
     assert [a for i, a in enumerate(pod) if i not in strip and "nic-monitor" not in a] == \
         [a for i, a in enumerate(local) if i not in strip and "nic-monitor" not in a]

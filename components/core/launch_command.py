@@ -173,16 +173,43 @@ def ft_flags(res: ResilienceConfig, *, nic_monitor: bool = False,
     return flags
 
 
+@dataclass(frozen=True)
+class FtLauncher:
+    """Which ft_launcher runs an agent.
+
+    Attributes:
+        executable: The launcher binary (an absolute path for local runs).
+        nvrx_version: NVRx version of that launcher, enabling flags only newer versions accept;
+            None: the installed one when ``executable`` is this environment's ft_launcher
+            (``launch-local``), else none (pods: the image's version is not known here).
+    """
+
+    executable: str = "ft_launcher"
+    nvrx_version: str | None = None
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where an agent meets its peers, when its command line says so rather than ``PET_*``.
+
+    Attributes:
+        endpoint: c10d endpoint ('' = from ``PET_RDZV_ENDPOINT``, which a PyTorchJob and
+            ``launch-local`` set; a TrainJob sets none).
+        id: Rendezvous id ('' = from ``PET_RDZV_ID``).
+    """
+
+    endpoint: str = ""
+    id: str = ""
+
+
 def ft_launcher_argv(
     res: ResilienceConfig,
     trainer: TrainerArgs,
     *,
     local_addr: str,
     nic_monitor: bool = False,
-    executable: str = "ft_launcher",
-    nvrx_version: str | None = None,
-    rdzv_endpoint: str = "",
-    rdzv_id: str = "",
+    launcher: FtLauncher = FtLauncher(),
+    rdzv: Rendezvous = Rendezvous(),
 ) -> list[str]:
     """The full ``ft_launcher`` command line.
 
@@ -193,17 +220,13 @@ def ft_launcher_argv(
             In a pod this is ``$(POD_IP)`` (expanded by Kubernetes from the downward API).
         nic_monitor: Whether NVRx watches the NICs' ``link_downed`` counters (the instance
             profile decides: EFA has no such counter).
-        executable: The launcher binary (an absolute path for local runs).
-        nvrx_version: NVRx version of that launcher, enabling flags only newer versions accept;
-            by default the installed one when ``executable`` is this environment's ft_launcher
-            (``launch-local``), else none (pods: the image's version is not known here).
-        rdzv_endpoint: c10d endpoint given on the command line ('' = from ``PET_RDZV_ENDPOINT``,
-            which a PyTorchJob and ``launch-local`` set; a TrainJob sets none).
-        rdzv_id: Rendezvous id on the command line ('' = from ``PET_RDZV_ID``).
+        launcher: The ft_launcher binary and its NVRx version.
+        rdzv: The rendezvous endpoint and id given on the command line.
 
     Returns:
         argv, ready for ``subprocess`` or a container ``command``.
     """
+    executable, nvrx_version = launcher.executable, launcher.nvrx_version
     if nvrx_version is None:
         nvrx_version = launcher_nvrx_version(executable)
     progress = []
@@ -211,12 +234,12 @@ def ft_launcher_argv(
         # FT: ft_launcher's progress tracking reads the newest committed step the trainer writes
         # (without it NVRx 0.7 warns that no iterations are reported and tracks nothing).
         progress = [f"--ft-checkpoint-iteration-file={iteration_file(trainer.run_dir)}"]
-    rdzv = [f"--rdzv-endpoint={rdzv_endpoint}"] if rdzv_endpoint else []
-    rdzv += [f"--rdzv-id={rdzv_id}"] if rdzv_id else []
+    rdzv_flags = [f"--rdzv-endpoint={rdzv.endpoint}"] if rdzv.endpoint else []
+    rdzv_flags += [f"--rdzv-id={rdzv.id}"] if rdzv.id else []
     return [
         executable,
         f"--rdzv-backend={RDZV_BACKEND}",
-        *rdzv,
+        *rdzv_flags,
         f"--local-addr={local_addr}",
         f"--max-restarts={res.max_restarts}",
         # FT: restarts stop workers at once; a stopped pod's workers save first (term_timeout_s).

@@ -17,7 +17,11 @@ from kubeflow.training.api_client import ApiClient
 from kubernetes import client as k8s
 
 from kfp_nvrx.components import __version__
-from kfp_nvrx.components.core.launch_command import ft_launcher_argv, pod_grace_period_s
+from kfp_nvrx.components.core.launch_command import (
+    Rendezvous,
+    ft_launcher_argv,
+    pod_grace_period_s,
+)
 from kfp_nvrx.components.launch.jobspec import naming
 from kfp_nvrx.components.launch.jobspec.cluster_fields import escape_expansion
 from kfp_nvrx.components.launch.jobspec.profiles import (
@@ -145,7 +149,7 @@ def trainer_command(job: ResolvedJob, *, rdzv_endpoint: str = "",
     # FT: one builder for pods and launch-local; $(POD_IP) is expanded by the kubelet from the env.
     return [*POD_ENTRY, *ft_launcher_argv(job.config.resilience, args, local_addr="$(POD_IP)",
                                           nic_monitor=job.worker().profile.nic_monitor,
-                                          rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)]
+                                          rdzv=Rendezvous(rdzv_endpoint, rdzv_id))]
 
 
 def pod_spec(job: ResolvedJob, *, container_name: str, command: list[str],

@@ -26,6 +26,7 @@ from typing import Any
 from kfp_nvrx.components.core.events import End, Event, read_events
 from kfp_nvrx.components.core.host_copy import remove_run_copy
 from kfp_nvrx.components.core.launch_command import (
+    FtLauncher,
     ft_launcher_argv,
     in_process_env,
     pet_env,
@@ -128,7 +129,7 @@ class LocalRun:
         preflight(trainer, dict(job.user_env))
         trainer.run_dir = str(self.run_path)
         argv = ft_launcher_argv(job.config.resilience, trainer, local_addr="127.0.0.1",
-                                executable=ft_launcher())
+                                launcher=FtLauncher(ft_launcher()))
         env = self._base_env(free_port())
         lock = self._take_run_dir()
         # FT: each node's stop request (core.stop_request): a cancelled run, or one past its
