@@ -22,6 +22,7 @@ from kfp_nvrx.components.launch import job_apis
 if TYPE_CHECKING:
     from kfp_nvrx.components.launch.kube.cluster import Cluster
     from kfp_nvrx.components.launch.options import Options
+    from kfp_nvrx.components.launch.result import LaunchResult
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -106,17 +107,11 @@ def _options(args: argparse.Namespace) -> Options:
 def _run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from kfp_nvrx.components.errors import UserError
     from kfp_nvrx.components.launch.backends import check, launch
     from kfp_nvrx.components.launch.kube.calls import ClusterError
     from kfp_nvrx.components.launch.options import KubernetesOptions
 
-    if args.deadline is not None and args.deadline <= 0:
-        raise UserError("--deadline", f"must be > 0 seconds, got {args.deadline:g}")
-    if args.poll_interval <= 0:
-        raise UserError("--poll-interval", f"must be > 0 seconds, got {args.poll_interval:g}")
-    if args.result:  # checked now: found unwritable after a whole training run, it cost the run
-        check_output(args.result, "--result")
+    _check_flags(args)
     opts = _options(args)
     job = check(spec_from_args(args), opts)  # bad input is reported before credentials
 
@@ -134,6 +129,23 @@ def _run(args: argparse.Namespace) -> int:
         from kfp_nvrx.components.redaction import redact
 
         write_atomic(args.result, redact(json.dumps(result.to_dict(), indent=2)) + "\n")
+    return _report(result)
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """The flags the launch options do not check themselves; ``--result`` can be written."""
+    from kfp_nvrx.components.errors import UserError
+
+    if args.deadline is not None and args.deadline <= 0:
+        raise UserError("--deadline", f"must be > 0 seconds, got {args.deadline:g}")
+    if args.poll_interval <= 0:
+        raise UserError("--poll-interval", f"must be > 0 seconds, got {args.poll_interval:g}")
+    if args.result:  # checked now: found unwritable after a whole training run, it cost the run
+        check_output(args.result, "--result")
+
+
+def _report(result: LaunchResult) -> int:
+    """Prints the launch's summary line (and why it failed); returns the exit code."""
     queued = (f" ({result.queued_s:.0f}s of it queued by Kueue, preempted "
               f"{result.preemptions}x)" if "queue" in result.extra else "")
     print(f"{result.state}: {result.name} ({result.backend}) in {result.duration_s:.0f}s"
