@@ -15,7 +15,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,20 @@ class DrillError(RuntimeError):
     """The drill itself could not run (e.g. the fault-free reference failed)."""
 
 
+@dataclass(frozen=True)
+class _Run:
+    """One run of a drill: its run directory, its log file, the token its processes carry."""
+
+    dir: Path
+    log_file: Path
+    token: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    @classmethod
+    def named(cls, out: Path, name: str) -> _Run:
+        """The run ``name`` under the drill's output directory, with a fresh token."""
+        return cls(out / "runs" / name, out / "logs" / f"{name}.log")
+
+
 @dataclass
 class _Ctx:
     out: Path
@@ -67,20 +81,20 @@ class _Ctx:
         return [f"data.path={self.data}", *BASE_OVERRIDES, *self.place.overrides(sc)]
 
 
-def _train(run_dir: Path, overrides: list[str], faults: list[str], nodes: str, log_file: Path,
-           token: str, action: Action | None = None) -> Any:
+def _train(run: _Run, overrides: list[str], faults: list[str], nodes: str,
+           action: Action | None = None) -> Any:
     from kfp_nvrx.components.launch.jobspec.resolve import LOCAL, resolve
     from kfp_nvrx.components.launch.jobspec.spec import JobSpec
     from kfp_nvrx.components.launch.local.run import LocalRun
 
-    with open(log_file, "a") as fh:
+    with open(run.log_file, "a") as fh:
         def log(line: str) -> None:
             fh.write(line + "\n")
             if action is not None:
                 action.on_line(line)
 
-        spec = JobSpec(nodes=nodes, run_dir=str(run_dir), config="tiny", overrides=overrides,
-                       faults=faults, env={DRILL_ENV: token})
+        spec = JobSpec(nodes=nodes, run_dir=str(run.dir), config="tiny", overrides=overrides,
+                       faults=faults, env={DRILL_ENV: run.token})
         return LocalRun(resolve(spec, LOCAL), log=log, deadline_s=DEADLINE_S, verbose=True,
                         on_start=action.on_start if action is not None else None).run()
 
@@ -96,9 +110,9 @@ def _hot_spare(action: Any, events: list[Event]) -> bool:
         (starts[0].world_size or 0) < len(action.pids)
 
 
-def _common(row: Row, sc: Scenario, ctx: _Ctx, run_dir: Path, res: Any, token: str,
-            action: Any = None) -> None:
+def _common(row: Row, sc: Scenario, ctx: _Ctx, run: _Run, res: Any, action: Any = None) -> None:
     """Figures and expectations every scenario shares."""
+    run_dir = run.dir
     events = read_events(run_dir)
     g = res.summary
     row.survived = res.succeeded and g.steps_final == STEPS
@@ -112,7 +126,7 @@ def _common(row: Row, sc: Scenario, ctx: _Ctx, run_dir: Path, res: Any, token: s
     reaped = int(res.extra.get("leftover_processes_killed", 0))
     if reaped:
         row.notes.append(f"launcher reaped {reaped} straggler process(es) after the agents stopped")
-    left = processes_with_env(DRILL_ENV, token)
+    left = processes_with_env(DRILL_ENV, run.token)
     row.check(not left, f"processes still running after the launcher returned: {left}")
     for problem in measure.run_dir_problems(run_dir):
         row.check(False, problem)
@@ -166,9 +180,8 @@ def _specific(row: Row, sc: Scenario, run_dir: Path, action: Any) -> None:
 
 def _scenario(sc: Scenario, ctx: _Ctx) -> Row:
     row = Row(sc.name, sc.what, sc.expect)
-    run_dir = ctx.out / "runs" / sc.name
-    action = make_action(sc.action, run_dir, ctx.ckpt_bytes)
-    token = uuid.uuid4().hex
+    run = _Run.named(ctx.out, sc.name)
+    action = make_action(sc.action, run.dir, ctx.ckpt_bytes)
     t0 = time.time()
     nodes = ctx.place.nodes(sc.nodes)
     try:
@@ -181,14 +194,13 @@ def _scenario(sc: Scenario, ctx: _Ctx) -> Row:
         return row
     try:
         with Watcher(action):
-            res = _train(run_dir, ctx.overrides(sc), ctx.place.faults(sc), nodes,
-                         ctx.out / "logs" / f"{sc.name}.log", token, action)
+            res = _train(run, ctx.overrides(sc), ctx.place.faults(sc), nodes, action)
     finally:
         action.teardown()
     row.state = res.state
     row.notes.extend(action.notes)
-    _common(row, sc, ctx, run_dir, res, token, action)
-    _specific(row, sc, run_dir, action)
+    _common(row, sc, ctx, run, res, action)
+    _specific(row, sc, run.dir, action)
     row.wall_s = round(time.time() - t0, 1)
     row.passed = not row.failures
     return row
@@ -197,20 +209,42 @@ def _scenario(sc: Scenario, ctx: _Ctx) -> Row:
 def _sigterm(sc: Scenario, ctx: _Ctx, relaunch: bool) -> Row:
     """SIGTERM to the ``kfp-nvrx launch-local`` process, checks, then a relaunch to the end."""
     row = Row(sc.name, sc.what, sc.expect)
-    run_dir = ctx.out / "runs" / sc.name
-    log_file = ctx.out / "logs" / f"{sc.name}.log"
-    token = uuid.uuid4().hex
+    run = _Run.named(ctx.out, sc.name)
     t0 = time.time()
     nodes = str(ctx.place.world)
     argv = [sys.executable, "-m", "kfp_nvrx.components.cli", "launch-local", "--nodes", nodes,
-            "--run-dir", str(run_dir), "--config", "tiny", "--verbose"]
+            "--run-dir", str(run.dir), "--config", "tiny", "--verbose"]
     for item in ctx.overrides(sc):
         argv += ["--set", item]
-    with open(log_file, "w") as fh:
+    rc, t_sig = _launch_then_stop(argv, run, row, t0)
+    events = _check_stopped(row, run, rc, t_sig)
+    row.state = "Cancelled"
+    if not relaunch:  # drill --quick: the stop and the run dir checks only
+        row.survived = None
+        row.notes.append("no relaunch (--quick)")
+        row.wall_s = round(time.time() - t0, 1)
+        row.passed = not row.failures
+        return row
+    res = _train(run, ctx.overrides(sc), [], nodes)
+    row.state = f"Cancelled, relaunch {res.state}"
+    _common(row, sc, ctx, run, res)
+    first = next((e for e in read_events(run.dir)[len(events):] if isinstance(e, Step)), None)
+    if first is not None:
+        row.recovery_s = [round(first.end - t_sig, 3)]
+        row.notes.append("recovery = SIGTERM -> first step of the relaunch")
+    row.check(bool(row.survived), f"relaunch did not finish: {res.state} {res.reason}")
+    row.wall_s = round(time.time() - t0, 1)
+    row.passed = not row.failures
+    return row
+
+
+def _launch_then_stop(argv: list[str], run: _Run, row: Row, t0: float) -> tuple[int, float]:
+    """Runs ``argv`` (launch-local) until its first commit, then SIGTERMs it: (exit code, when)."""
+    with open(run.log_file, "w") as fh:
         proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT,
-                                env={**os.environ, DRILL_ENV: token})
+                                env={**os.environ, DRILL_ENV: run.token})
         while proc.poll() is None and time.time() - t0 < DEADLINE_S:
-            if first_commit_passed(read_events(run_dir)):
+            if first_commit_passed(read_events(run.dir)):
                 break
             time.sleep(0.05)
         row.check(proc.poll() is None, "launch-local ended before the first commit")
@@ -222,48 +256,36 @@ def _sigterm(sc: Scenario, ctx: _Ctx, relaunch: bool) -> Row:
             proc.kill()
             rc = proc.wait()
             row.check(False, "launch-local did not stop within 120 s of SIGTERM")
+    return rc, t_sig
+
+
+def _check_stopped(row: Row, run: _Run, rc: int, t_sig: float) -> list[Event]:
+    """Checks the stopped run (nothing left running, exit 143, intact run dir); its events."""
     stop_s = time.time() - t_sig
-    left = processes_with_env(DRILL_ENV, token)
+    left = processes_with_env(DRILL_ENV, run.token)
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     row.check(not left, f"{len(left)} process(es) still running after launch-local exited")
     row.check(rc == 128 + signal.SIGTERM, f"launch-local exited {rc} after SIGTERM, not 143")
-    events = read_events(run_dir)
+    events = read_events(run.dir)
     row.check(not measure.completed(events), "trainer logged a completed end before SIGTERM")
-    problems = measure.run_dir_problems(run_dir)
+    problems = measure.run_dir_problems(run.dir)
     for problem in problems:
         row.check(False, problem)
-    kept = committed_steps(checkpoints_dir(run_dir))
+    kept = committed_steps(checkpoints_dir(run.dir))
     steps_before = max((e.step for e in events if isinstance(e, Step)), default=0)
     row.notes.append(f"stopped {stop_s:.1f} s after SIGTERM (exit code {rc}) at step "
                      f"{steps_before}; nothing left running; committed {sorted(kept)} all verify")
-    row.state = "Cancelled"
-    if not relaunch:  # drill --quick: the stop and the run dir checks only
-        row.survived = None
-        row.notes.append("no relaunch (--quick)")
-        row.wall_s = round(time.time() - t0, 1)
-        row.passed = not row.failures
-        return row
-    res = _train(run_dir, ctx.overrides(sc), [], nodes, log_file, token)
-    row.state = f"Cancelled, relaunch {res.state}"
-    _common(row, sc, ctx, run_dir, res, token)
-    first = next((e for e in read_events(run_dir)[len(events):] if isinstance(e, Step)), None)
-    if first is not None:
-        row.recovery_s = [round(first.end - t_sig, 3)]
-        row.notes.append("recovery = SIGTERM -> first step of the relaunch")
-    row.check(bool(row.survived), f"relaunch did not finish: {res.state} {res.reason}")
-    row.wall_s = round(time.time() - t0, 1)
-    row.passed = not row.failures
-    return row
+    return events
 
 
 def _reference(ctx_out: Path, data: str,
                place: Placement) -> tuple[dict[str, Any] | None, int, float]:
-    run_dir = ctx_out / "runs" / "reference"
+    run = _Run.named(ctx_out, "reference")
+    run_dir = run.dir
     t0 = time.time()
-    res = _train(run_dir, [f"data.path={data}", *BASE_OVERRIDES, *place.overrides(None)], [],
-                 str(place.world),
-                 ctx_out / "logs" / "reference.log", uuid.uuid4().hex)
+    res = _train(run, [f"data.path={data}", *BASE_OVERRIDES, *place.overrides(None)], [],
+                 str(place.world))
     if not res.succeeded:
         raise DrillError(f"the fault-free reference run {res.state}: {res.reason} (see "
                          f"{ctx_out / 'logs' / 'reference.log'})")
