@@ -88,6 +88,11 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else 0.0
 
 
+def ratio(a: float | None, b: float | None) -> float | None:
+    """``a / b``, or None when either is missing or zero."""
+    return a / b if a and b else None
+
+
 def write_json(path: str | os.PathLike, obj: Any) -> None:
     """Writes ``obj`` as indented JSON (creating parent directories)."""
     path = Path(path)
