@@ -304,11 +304,13 @@ def _run_dir(kube, name: str):
     return kube.root / "volumes" / kube.namespace / "kfp-nvrx-shared" / "runs" / name
 
 
-def test_a_preempted_trainjob_saves_on_sigterm_and_resumes_there_bitwise(queue, launch) -> None:
+@pytest.mark.parametrize("job_api", ["trainjob", "pytorchjob"])
+def test_a_preempted_job_saves_on_sigterm_and_resumes_there_bitwise(queue, launch,
+                                                                    job_api) -> None:
     """Issue 31 item 4: the preempted pods get SIGTERM; every rank saves the step it trained
     (no periodic save falls in the run: checkpoint.interval is past its end) and the re-admitted
     job resumes from that step, not from the start, and ends with the weights of a run that was
-    never preempted (CPU: deterministic)."""
+    never preempted (CPU: deterministic). Kueue v0.17 preempts both job APIs."""
     from kfp_nvrx.components.core import events as ev
     from kfp_nvrx.components.core.events import read_events
     from kfp_nvrx.components.core.rundir import committed_steps, step_dir
@@ -317,15 +319,16 @@ def test_a_preempted_trainjob_saves_on_sigterm_and_resumes_there_bitwise(queue, 
     steps = 40
     # Half-second steps: the preemption lands mid-run on any machine; no saves but the final one.
     slow = ("--set", "checkpoint.interval=1000", "--set", "train.step_sleep=0.5")
-    ref = launch("kq-ref", "trainjob", steps=steps, extra=slow)  # no queue: not Kueue's
+    ref_name, name = f"kq-ref-{job_api}", f"kq-save-{job_api}"
+    ref = launch(ref_name, job_api, steps=steps, extra=slow)  # no queue: not Kueue's
     assert ref.wait() == 0, ref.text()[-3000:]
-    low = launch("kq-save", "trainjob", steps=steps, queue=LQ, priority=LOW, extra=slow)
+    low = launch(name, job_api, steps=steps, queue=LQ, priority=LOW, extra=slow)
     low.wait_line("progress: step ")
-    high = launch("kq-save-high", "trainjob", steps=10, queue=LQ, priority=HIGH)
+    high = launch(f"{name}-high", "trainjob", steps=10, queue=LQ, priority=HIGH)
     low.wait_line("preempted at step ")
     assert high.wait() == 0, high.text()[-3000:]
     assert low.wait() == 0, low.text()[-3000:]
-    run = _run_dir(queue, "kq-save")
+    run = _run_dir(queue, name)
     events = read_events(run)
     [stop] = [e for e in events if isinstance(e, ev.End) and e.status == ev.STOPPED]
     starts = [e for e in events if isinstance(e, ev.Start)]
@@ -334,7 +337,7 @@ def test_a_preempted_trainjob_saves_on_sigterm_and_resumes_there_bitwise(queue, 
     resumed = next(line for line in low.lines() if ", resumed from step " in line)
     assert f"resumed from step {stop.step} " in resumed, resumed
     got = load_model_state(step_dir(run / "checkpoints", steps))
-    want = load_model_state(step_dir(_run_dir(queue, "kq-ref") / "checkpoints", steps))
+    want = load_model_state(step_dir(_run_dir(queue, ref_name) / "checkpoints", steps))
     assert committed_steps(run / "checkpoints")[0] == steps and got.keys() == want.keys()
     for key, value in want.items():
         assert torch.equal(got[key], value), f"{key} differs from the run never preempted"
