@@ -129,6 +129,33 @@ def test_a_stopped_node_that_saved_does_not_end_the_session(tmp_path: Path) -> N
     assert report["steps_redone"] == 0  # the stop saved step 4: nothing is trained twice
 
 
+def test_time_a_queue_held_the_job_is_kept_apart_in_goodput_metrics_and_timeline(
+        tmp_path: Path) -> None:
+    """Issue 31 item 4: a preemption's wait for quota is no wall time, no recovery, no lost work;
+    it is its own figure in the summary, the KFP Metrics and the timeline."""
+    from kfp_nvrx.components.core.events import parse_events
+    from kfp_nvrx.components.core.goodput import summarize_events
+    from kfp_nvrx.components.launch.ui_outputs import metrics_from_summary, render_timeline
+
+    raw = _steps("run-aaaa", 1, 4, T0)
+    raw.append({"type": "end", "time": T0 + 5, "step": 4, "status": "stopped"})
+    raw += _steps("run-aaaa", 5, 7, T0 + 105, inc=1)  # re-admitted 100 s later
+    events = parse_events(raw)
+    wait = (T0 + 5.5, T0 + 100.5)
+    held = summarize_events(events, [wait])
+    plain = summarize_events(events)
+    assert held.queued_s == 95.0 and plain.queued_s == 0.0
+    assert held.wall_s == round(plain.wall_s - 95.0, 6)
+    assert held.goodput > 0.5 > plain.goodput  # the wait no longer reads as lost time
+    assert held.recovery_s == [round(plain.recovery_s[0] - 95.0, 3)]
+    assert held.lost_work_s == plain.lost_work_s == 0
+    assert any("held 95 s in the queue" in line for line in held.what_happened)
+    summary = held.to_dict()
+    assert metrics_from_summary(summary)["queued_s"] == 95.0
+    page = render_timeline(events, summary)
+    assert "queued 95 s (Kueue held the job)" in page and "Queued" in page
+
+
 def test_a_huge_line_is_skipped_without_being_held(tmp_path: Path) -> None:
     good = [json.dumps(e) for e in _steps("r1", 1, 3, T0)]
     _write(tmp_path, [good[0], '{"type": "x", "pad": "' + "a" * (1 << 20) + '"}', *good[1:]])

@@ -22,7 +22,7 @@ Definitions:
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -63,6 +63,10 @@ class GoodputReport:
     final_loss: float | None = None
     faults: int = 0
     what_happened: list[str] = field(default_factory=list)
+    #: Seconds a queue (Kueue) held the job while the run's wall clock ran, not counted in
+    #: ``wall_s``, lost work or recovery; and those waits as [start, end] (the timeline).
+    queued_s: float = 0.0
+    queued: list[list[float]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form."""
@@ -115,13 +119,29 @@ def kept_steps(events: list[Event]) -> list[tuple[Step, bool]]:
     return [(e, last[e.step] == i) for i, e in enumerate(steps)]
 
 
-def summarize_events(events: list[Event]) -> GoodputReport:
-    """Computes the report from typed events in time order (:func:`.events.read_events`)."""
+def _held(lo: float, hi: float, queued: Sequence[tuple[float, float]]) -> float:
+    """Seconds of ``[lo, hi]`` that a queue held the job."""
+    return sum(max(0.0, min(hi, b) - max(lo, a)) for a, b in queued)
+
+
+def summarize_events(events: list[Event],
+                     queued: Sequence[tuple[float, float]] = ()) -> GoodputReport:
+    """Computes the report from typed events in time order (:func:`.events.read_events`).
+
+    Args:
+        events: The run's events.
+        queued: ``(start, end)`` of every wait in a queue (Kueue holding the job, before its
+            first admission and after each preemption), as the launcher saw them: kept apart
+            from the wall time the goodput is taken over, from lost work and from recovery.
+    """
     rep = GoodputReport()
     if not events:
         return rep
     sess = sessions(events)
-    rep.wall_s = _wall(events, sess)
+    lo, hi = min(e.when for e in events), max(e.time for e in events)
+    rep.queued = [[a, b] for a, b in queued if b > a]
+    rep.queued_s = round(_held(lo, hi, queued), 3)
+    rep.wall_s = max(0.0, _wall(events, sess) - rep.queued_s)
     final: Step | None = None
     for e, kept in kept_steps(events):
         rep.steps_run += 1
@@ -141,11 +161,15 @@ def summarize_events(events: list[Event]) -> GoodputReport:
             rep.checkpoint_stall_s += float(event.blocking_s)
         elif isinstance(event, Fault):
             rep.faults += 1
-    rep.recovery_s = _recoveries(events, sess)
+    rep.recovery_s = [round(end - origin - _held(origin, end, queued), 3)
+                      for origin, end in recovery_windows(events, sess)]
     if rep.recovery_s:
         rep.recovery_mean_s = sum(rep.recovery_s) / len(rep.recovery_s)
         rep.recovery_max_s = max(rep.recovery_s)
     rep.what_happened = narrate(events, sess)
+    if rep.queued_s:
+        rep.what_happened.append(f"held {rep.queued_s:.0f} s in the queue ({len(rep.queued)} "
+                                 "wait(s)), kept out of the wall time and the recovery")
     return rep
 
 
@@ -288,11 +312,6 @@ def recovery_windows(events: list[Event],
             current = inc
             last_step_end = e.end
     return out
-
-
-def _recoveries(events: list[Event], sess: list[int]) -> list[float]:
-    """Fault -> first step of the next incarnation, in seconds, one figure per restart."""
-    return [round(end - origin, 3) for origin, end in recovery_windows(events, sess)]
 
 
 def summarize(run_dir: str | os.PathLike,

@@ -119,7 +119,7 @@ class LaunchResult:
 
 def account(result: LaunchResult, events: list[Event]) -> GoodputReport:
     """Fills the fields of ``result`` that come from the run's events; returns their report."""
-    report = summarize_events(events)
+    report = summarize_events(events, queued_periods(result))
     result.summary = report
     result.restarts = sum(report.restarts.values())
     result.restarts_in_process = report.restarts_of(IN_PROCESS)
@@ -128,6 +128,13 @@ def account(result: LaunchResult, events: list[Event]) -> GoodputReport:
     result.goodput = report.goodput
     result.recovery_s = list(report.recovery_s)
     return report
+
+
+def queued_periods(result: LaunchResult) -> list[tuple[float, float]]:
+    """``(start, end)`` of every wait in a Kueue queue the launcher followed (none elsewhere)."""
+    waits = (result.extra.get("queue") or {}).get("waits") or []
+    return [(float(w["start"]), float(w["end"])) for w in waits
+            if isinstance(w, dict) and w.get("start") is not None and w.get("end") is not None]
 
 
 def account_run_dir(result: LaunchResult, run_dir: str | os.PathLike,

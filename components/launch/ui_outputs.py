@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import html
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,7 @@ COLORS = {
     "fault": "#d62d2d",
     "restart": "#8a3ad8",
     "recovery": "#f3c6c6",
+    "queued": "#c9ced6",
 }
 _LANES = ("Steps kept", "Steps redone", "Checkpoints", "Faults", "Restarts")
 _W, _LEFT, _RIGHT, _TOP, _LANE_H, _AXIS_H = 1000, 120, 985, 10, 34, 30
@@ -49,7 +51,7 @@ _W, _LEFT, _RIGHT, _TOP, _LANE_H, _AXIS_H = 1000, 120, 985, 10, 34, 30
 _HEAD_METRICS = (("goodput", float), ("wall_s", float), ("productive_s", float),
                  ("lost_work_s", float), ("steps_final", int), ("steps_run", int),
                  ("steps_redone", int))
-_TAIL_METRICS = (("recovery_mean_s", float), ("recovery_max_s", float),
+_TAIL_METRICS = (("recovery_mean_s", float), ("recovery_max_s", float), ("queued_s", float),
                  ("checkpoint_stall_s", float), ("checkpoints", int), ("faults", int))
 
 
@@ -106,6 +108,8 @@ def _headline(summary: dict[str, Any]) -> list[tuple[str, str]]:
         ("Steps", f"{summary.get('steps_final', 0)} final, "
                   f"{summary.get('steps_redone', 0)} redone"),
         ("Lost work", f"{float(summary.get('lost_work_s', 0)):.2f} s"),
+        *((("Queued", f"{float(summary['queued_s']):.0f} s (not in the wall time)"),)
+          if summary.get("queued_s") else ()),
         ("Restarts", rs),
         ("Recovery", f"mean {float(summary.get('recovery_mean_s', 0)):.2f} s, "
                      f"max {float(summary.get('recovery_max_s', 0)):.2f} s"),
@@ -229,8 +233,11 @@ def _axis_shapes(ax: _Axis, axis_y: int) -> list[str]:
     return out
 
 
-def render_svg(events: list[Event]) -> str:
-    """Draw the timeline lanes of one run as an inline ``<svg>`` element."""
+def render_svg(events: list[Event], queued: Sequence[Sequence[float]] = ()) -> str:
+    """Draw the timeline lanes of one run as an inline ``<svg>`` element.
+
+    ``queued``: the waits in a queue (``[start, end]``), drawn as their own bands.
+    """
     ax = _Axis(events)
     body_h = _TOP + len(_LANES) * _LANE_H
     svg: list[str] = []
@@ -243,6 +250,12 @@ def render_svg(events: list[Event]) -> str:
     for a, b in recovery_windows(events):
         svg.append(_rect((ax.x(a), _TOP, ax.w(b - a), len(_LANES) * _LANE_H - 4),
                          COLORS["recovery"], f"recovery {b - a:.2f} s", ' opacity="0.6"'))
+    for a, b in queued:  # drawn over the recovery it interrupts: that time is the queue's
+        a, b = max(a, ax.t0), min(b, ax.t0 + ax.span)
+        if b > a:
+            svg.append(_rect((ax.x(a), _TOP, ax.w(b - a), len(_LANES) * _LANE_H - 4),
+                             COLORS["queued"], f"queued {b - a:.0f} s (Kueue held the job)",
+                             ' opacity="0.8"'))
     svg += _step_shapes(events, ax)
     sess = sessions(events)
     kinds = restart_kinds(events, sess)  # the layers goodput counts, not rank 0's word alone
@@ -274,7 +287,7 @@ svg{width:100%;height:auto;max-width:1000px;font-family:inherit}
 _LEGEND = (("kept", "step kept"), ("redone", "step redone (rolled back)"),
            ("ckpt", "checkpoint save"), ("ckpt_block", "training blocked by save"),
            ("fault", "fault"), ("restart", "restart (dot) / workers start (bar)"),
-           ("recovery", "recovery window"))
+           ("recovery", "recovery window"), ("queued", "queued (Kueue held the job)"))
 
 
 def render_timeline(events: list[Event], summary: dict[str, Any], title: str = "") -> str:
@@ -298,10 +311,11 @@ def render_timeline(events: list[Event], summary: dict[str, Any], title: str = "
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
             f"<title>Goodput timeline {esc(title)}</title><style>{_CSS}</style></head><body>\n"
             f"<h1>Goodput timeline <small>{esc(title)}</small></h1>\n"
-            f'<div class="cards">{cards}</div>{empty}\n{render_svg(events)}\n'
-            '<p class="note">Goodput = time inside steps that were kept / wall time. A restart '
-            "rolls training back to the last committed checkpoint; the steps after it are run "
-            "again (redone). Hover a shape for details.</p>\n"
+            f'<div class="cards">{cards}</div>{empty}\n'
+            f'{render_svg(events, summary.get("queued") or ())}\n'
+            '<p class="note">Goodput = time inside steps that were kept / wall time, without the '
+            "time a queue held the job. A restart rolls training back to the newest saved state; "
+            "the steps after it are run again (redone). Hover a shape for details.</p>\n"
             f'<div class="legend">{legend}</div>\n</body></html>\n')
 
 
@@ -359,7 +373,7 @@ def publish(run_dir: str | os.PathLike, result: Any, *, run: Any, metrics: Any, 
                          "goodput": summary["goodput"],
                          "steps_final": summary["steps_final"]})
     if "queue" in result.extra:  # the launcher's facts, not events: how long Kueue held it
-        metrics.log_metric("queued_s", round(float(result.queued_s), 1))
+        # (queued_s is among the summary's Metrics: the waits while the run's clock ran)
         metrics.log_metric("preemptions", int(result.preemptions))
         run.metadata["queued_s"] = result.queued_s
     # Words for the run's story (the UI and `kfp-nvrx run-local` show them; Metrics take numbers).
