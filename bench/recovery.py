@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import log, machine_info, make_dataset, write_json
-from bench.runs import run_trainer
+from bench.runs import Training, run_trainer
 
 # NVRx 0.7 logs "Event: failure_detected"; torch elastic "failed (exitcode ...)".
 # The rank monitor's own decision on a hang (NVRx: "Did not get subsequent heartbeat", "Section
@@ -135,8 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         sc = SCENARIOS[name]
         faults = [f.format(f=pre[sc["at"]]) + on_rank for f in sc["faults"]]
         run_dir = work / f"run_{name}"
-        run = run_trainer("ft", args.preset, run_dir, [*base, *sc["set"]], faults,
-                          timeout=args.run_timeout, nodes=args.gpus)
+        run = run_trainer("ft", Training(args.preset, [*base, *sc["set"]], faults, args.gpus),
+                          run_dir, timeout=args.run_timeout)
         row = {"kind": sc["kind"], "state": run["state"], "wall_s": run["wall_s"],
                **split(run["events"], run["lines"], sc["kind"] == "in-process")}
         row["detect_lines"] = [ln[-300:] for t, ln in run["lines"] if _DETECT.search(ln)][:8]

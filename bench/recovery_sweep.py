@@ -29,7 +29,7 @@ from typing import Any
 
 from bench.common import log, machine_info, make_dataset, write_json
 from bench.recovery import _DETECT, split
-from bench.runs import run_trainer
+from bench.runs import Training, run_trainer
 
 #: Per preset: checkpoint interval, steps after every restart, least run length, where hangs may
 #: start (after the first incarnation learned its timeouts), the expected seconds of one run.
@@ -212,8 +212,8 @@ def main(argv: list[str] | None = None) -> int:
                 "checkpoint.save_final=false", "resilience.workers_stop_timeout=5"]
         layer_set = KINDS.get(run["kind"], {"set": []})["set"]
         timeout = left - 5 if args.budget else pre["run_s"] * 4
-        result = run_trainer("ft", args.preset, run_dir, [*base, *layer_set], run["faults"],
-                             timeout=timeout)
+        result = run_trainer("ft", Training(args.preset, [*base, *layer_set], run["faults"]),
+                             run_dir, timeout=timeout)
         row = {"index": run["index"], **measure(run, result, pre["interval"])}
         shutil.rmtree(run_dir, ignore_errors=True)  # a 1b save is 13 GB; the disk is 64 GB
         res["runs"].append(row)

@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,14 +24,24 @@ from bench.common import SAFE_ENV, log, median, single_process_env
 TRAINER = "kfp_nvrx.components.training.trainer"
 
 
-def run_trainer(mode: str, preset: str, run_dir: Path, overrides: list[str],
-                faults: list[str] | None = None, timeout: float = 300,
-                nodes: int = 1) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Training:
+    """What a bench run trains: a preset with overrides and faults, on ``nodes`` one-GPU agents."""
+
+    preset: str
+    overrides: list[str]
+    faults: list[str] = field(default_factory=list)
+    nodes: int = 1
+
+
+def run_trainer(mode: str, training: Training, run_dir: Path,
+                timeout: float = 300) -> dict[str, Any]:
     """Runs one training job to the end; returns state, wall seconds, events and log lines."""
     from kfp_nvrx.components.core.events import read_events
 
+    preset, overrides, nodes = training.preset, training.overrides, training.nodes
     shutil.rmtree(run_dir, ignore_errors=True)
-    faults = list(faults or [])
+    faults = list(training.faults)
     lines: list[tuple[float, str]] = []
     t0 = time.time()
     if mode == "direct" and nodes == 1:

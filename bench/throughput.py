@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import PEAK_BF16_FLOPS, log, machine_info, make_dataset, write_json
-from bench.runs import run_trainer, step_summary
+from bench.runs import Training, run_trainer, step_summary
 
 PLAIN = ["resilience.monitor=off", "checkpoint.interval=0", "checkpoint.save_final=false"]
 
@@ -113,8 +113,8 @@ def main(argv: list[str] | None = None) -> int:
             data[seq] = make_dataset(work, seq)
         t0 = time.time()
         gpus = v.get("gpus", 1)
-        run = run_trainer(v["mode"], v["preset"], work / "run", [f"data.path={data[seq]}", *v["set"]],
-                          timeout=420, nodes=gpus)
+        training = Training(v["preset"], [f"data.path={data[seq]}", *v["set"]], nodes=gpus)
+        run = run_trainer(v["mode"], training, work / "run", timeout=420)
         fpt = flops_per_token(cfg.model, seq)
         row = {**{k: v[k] for k in ("name", "preset", "mode", "kind")}, "gpus": gpus,
                "compile": v.get("compile"), "state": run["state"], "wall_s": time.time() - t0,
