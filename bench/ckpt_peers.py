@@ -52,8 +52,6 @@ def torch_async(state: dict, root: Path, reps: int, stager_opts: bool, fwd_bwd, 
     only change after that) and seconds until the upload finished. With the stager, the second
     save runs the next forward/backward before waiting for staging, as a loop would.
     """
-    import torch
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
     out: dict[str, Any] = {"runs": [], "errors": []}
@@ -70,30 +68,9 @@ def torch_async(state: dict, root: Path, reps: int, stager_opts: bool, fwd_bwd, 
         overlap = stager_opts and i > 0
         for attempt in ("reused", "fresh"):
             try:
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                res = dcp.async_save(state, checkpoint_id=str(path),
-                                     **({"async_stager": stager} if stager else {}), **kwargs)
-                ret = time.perf_counter() - t0
-                staged_fut = getattr(res, "staging_completion", None)
-                upload = getattr(res, "upload_completion", res)
-                fb = 0.0
-                if overlap:
-                    t1 = time.perf_counter()
-                    fwd_bwd()
-                    torch.cuda.synchronize()
-                    fb = time.perf_counter() - t1
-                t2 = time.perf_counter()
-                if staged_fut is not None:
-                    staged_fut.result()
-                wait = time.perf_counter() - t2
-                staged = time.perf_counter() - t0
-                if overlap:
-                    opt_step()
-                upload.result()
-                out["runs"].append({"return_s": ret, "staged_s": staged, "wait_after_fwd_bwd_s":
-                                    wait if overlap else None, "fwd_bwd_s": fb if overlap else None,
-                                    "upload_done_s": time.perf_counter() - t0, "stager": attempt})
+                save_kwargs = {**({"async_stager": stager} if stager else {}), **kwargs}
+                run = _timed_async_save(state, path, save_kwargs, overlap, fwd_bwd, opt_step)
+                out["runs"].append({**run, "stager": attempt})
                 break
             except Exception as err:  # recorded: torch 2.11's reused stager failed here before
                 out["errors"].append(f"save {i} ({attempt} stager): {type(err).__name__}: "
@@ -110,6 +87,36 @@ def torch_async(state: dict, root: Path, reps: int, stager_opts: bool, fwd_bwd, 
     out["first_s"] = rets[0] if rets else None
     out["steady_s"] = median(rets[1:]) if len(rets) > 1 else out["first_s"]
     return out
+
+
+def _timed_async_save(state: dict, path: Path, save_kwargs: dict[str, Any], overlap: bool,
+                      fwd_bwd, opt_step) -> dict[str, Any]:
+    """One ``dcp.async_save`` timed: call return, staging done, upload done (see torch_async)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    res = dcp.async_save(state, checkpoint_id=str(path), **save_kwargs)
+    ret = time.perf_counter() - t0
+    staged_fut = getattr(res, "staging_completion", None)
+    upload = getattr(res, "upload_completion", res)
+    fb = 0.0
+    if overlap:
+        t1 = time.perf_counter()
+        fwd_bwd()
+        torch.cuda.synchronize()
+        fb = time.perf_counter() - t1
+    t2 = time.perf_counter()
+    if staged_fut is not None:
+        staged_fut.result()
+    wait = time.perf_counter() - t2
+    staged = time.perf_counter() - t0
+    if overlap:
+        opt_step()
+    upload.result()
+    return {"return_s": ret, "staged_s": staged, "wait_after_fwd_bwd_s": wait if overlap else None,
+            "fwd_bwd_s": fb if overlap else None, "upload_done_s": time.perf_counter() - t0}
 
 
 def torch_sync(state: dict, root: Path, kind: str) -> dict[str, float]:

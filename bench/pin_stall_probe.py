@@ -72,6 +72,54 @@ def trainer_bank(nbytes: int, state: dict) -> None:
     state["bank"] = bank
 
 
+class _ProbeBank:
+    """The background work on one probe bank, a phase each (its state kept between phases).
+
+    Args:
+        nbytes: The bank's size.
+    """
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.path = f"/dev/shm/pin-stall-probe-{os.getpid()}"
+        self.state: dict = {}
+        self.register = _host_register()
+        self.cudart = torch.cuda.cudart()
+
+    def falloc(self) -> None:
+        nbytes, state = self.nbytes, self.state
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.posix_fallocate(fd, 0, nbytes)
+        state["mm"] = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        os.close(fd)
+        state["buf"] = torch.frombuffer(state["mm"], dtype=torch.uint8)
+
+    def pin(self, chunk: int, pause: float) -> None:
+        nbytes, state = self.nbytes, self.state
+        base = state["buf"].data_ptr()
+        state["pinned"] = []
+        for off in range(0, nbytes, chunk):
+            t0 = time.perf_counter()
+            assert self.register(base + off, min(chunk, nbytes - off), 1) == 0
+            state["pinned"].append(base + off)
+            if pause:
+                time.sleep(pause * (time.perf_counter() - t0))
+
+    def unpin(self) -> None:
+        for ptr in self.state.pop("pinned"):
+            self.cudart.cudaHostUnregister(ptr)
+
+    def crc(self) -> None:
+        nbytes, state = self.nbytes, self.state
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(crc_of, [state["buf"][o:o + PIN_CHUNK] for o in range(0, nbytes, PIN_CHUNK)]))
+
+    def delete(self) -> None:
+        self.state.pop("buf")
+        self.state.pop("mm").close()
+        os.unlink(self.path)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs every phase once and writes one JSON file."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -79,62 +127,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gb", type=float, default=13.25)
     args = p.parse_args(argv)
     nbytes = int(args.gb * 1e9) // 4096 * 4096
-    path = f"/dev/shm/pin-stall-probe-{os.getpid()}"
     times: list[tuple[float, float]] = []
     stop = threading.Event()
     loop = threading.Thread(target=_loop, args=(stop, times), daemon=True)
     loop.start()
     time.sleep(3.0)  # warm-up
     out: dict = {"bench": "pin stall probe", "gb": args.gb, "machine": machine_info()}
-    state: dict = {}
-    register = _host_register()
-    cudart = torch.cuda.cudart()
-
-    def falloc() -> None:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.posix_fallocate(fd, 0, nbytes)
-        state["mm"] = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        os.close(fd)
-        state["buf"] = torch.frombuffer(state["mm"], dtype=torch.uint8)
-
-    def pin(chunk: int, pause: float) -> None:
-        base = state["buf"].data_ptr()
-        state["pinned"] = []
-        for off in range(0, nbytes, chunk):
-            t0 = time.perf_counter()
-            assert register(base + off, min(chunk, nbytes - off), 1) == 0
-            state["pinned"].append(base + off)
-            if pause:
-                time.sleep(pause * (time.perf_counter() - t0))
-
-    def unpin() -> None:
-        for ptr in state.pop("pinned"):
-            cudart.cudaHostUnregister(ptr)
-
-    def crc() -> None:
-        with ThreadPoolExecutor(8) as pool:
-            list(pool.map(crc_of, [state["buf"][o:o + PIN_CHUNK] for o in range(0, nbytes, PIN_CHUNK)]))
-
-    def delete() -> None:
-        state.pop("buf")
-        state.pop("mm").close()
-        os.unlink(path)
-
+    bank = _ProbeBank(nbytes)
+    state = bank.state
     try:
-        _phase("fallocate", falloc, times, out)
-        _phase("pin_256MiB", lambda: pin(PIN_CHUNK, 0), times, out)
-        _phase("crc32_8_threads", crc, times, out)
-        _phase("unpin", unpin, times, out)
-        _phase("pin_32MiB_paced", lambda: pin(32 << 20, 1.0), times, out)
-        _phase("unpin_again", unpin, times, out)
-        _phase("delete", delete, times, out)
+        _phase("fallocate", bank.falloc, times, out)
+        _phase("pin_256MiB", lambda: bank.pin(PIN_CHUNK, 0), times, out)
+        _phase("crc32_8_threads", bank.crc, times, out)
+        _phase("unpin", bank.unpin, times, out)
+        _phase("pin_32MiB_paced", lambda: bank.pin(32 << 20, 1.0), times, out)
+        _phase("unpin_again", bank.unpin, times, out)
+        _phase("delete", bank.delete, times, out)
         _phase("trainer_bank_map_and_pin", lambda: trainer_bank(nbytes, state), times, out)
         _phase("trainer_bank_release", lambda: state.pop("bank").unmap(), times, out)
     finally:
         stop.set()
         loop.join()
-        if os.path.exists(path):
-            os.unlink(path)
+        if os.path.exists(bank.path):
+            os.unlink(bank.path)
     write_json(args.out, out)
     return 0
 
