@@ -34,11 +34,11 @@ def tiny_dataset(root: Path) -> str:
     return str(out)
 
 
-def train(run_dir: Path, dataset: str, base: Sequence[str], *, faults: Sequence[str] = (),
-          extra: Sequence[str] = (), nodes: str = "2", deadline_s: float = 480):
-    """One launch-local run of the tiny preset, which must end Succeeded; its result."""
+def train(run_dir: Path, dataset: str, overrides: Sequence[str], *, faults: Sequence[str] = (),
+          nodes: str = "2", deadline_s: float = 480):
+    """One launch-local run of the tiny preset on ``dataset``, which must end Succeeded."""
     spec = JobSpec(nodes=nodes, run_dir=str(run_dir), config="tiny", faults=list(faults),
-                   overrides=[f"data.path={dataset}", *base, *extra])
+                   overrides=[f"data.path={dataset}", *overrides])
     res = run_local(spec, log=lambda _line: None, deadline_s=deadline_s)
     assert res.state == "Succeeded", (res.reason, res.last_log_lines)
     return res

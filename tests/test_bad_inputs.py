@@ -342,10 +342,10 @@ def _call_component(kind: str, params: dict, ws: Path, fx: dict[str, str]):
     return compare_models.python_func(**{**args, **params})
 
 
-@pytest.mark.parametrize("id_, kind, params, field", COMPONENT_CASES,
-                         ids=[c[0] for c in COMPONENT_CASES])
+@pytest.mark.parametrize("case", COMPONENT_CASES, ids=[c[0] for c in COMPONENT_CASES])
 def test_component_bad_parameter_is_a_user_error_before_anything_exists(
-        id_, kind, params, field, fixtures, tmp_path, monkeypatch) -> None:
+        case, fixtures, tmp_path, monkeypatch) -> None:
+    _, kind, params, field = case  # (id, component, parameters, field the error must name)
     monkeypatch.setenv("KUBECONFIG", str(Path(fixtures["fx"], "kubeconfig")))
     monkeypatch.chdir(tmp_path)
     with pytest.raises(UserError) as err:

@@ -31,7 +31,7 @@ def dataset(tmp_path_factory) -> str:
 
 
 def _train(run_dir: Path, dataset: str, faults=(), extra=()):
-    return train(run_dir, dataset, BASE, faults=faults, extra=extra)
+    return train(run_dir, dataset, [*BASE, *extra], faults=faults)
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ def dataset(tmp_path_factory) -> str:
 
 
 def _train(run_dir: Path, dataset: str, *, nodes="2", faults=(), extra=()) -> object:
-    return train(run_dir, dataset, BASE, faults=faults, extra=extra, nodes=nodes, deadline_s=360)
+    return train(run_dir, dataset, [*BASE, *extra], faults=faults, nodes=nodes, deadline_s=360)
 
 
 def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:

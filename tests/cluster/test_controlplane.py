@@ -49,18 +49,27 @@ def test_every_component_runs_and_crds_are_served(kube):
 
 
 def test_webhooks_are_called_for_real(kube):
-    """A TrainJob naming a runtime that does not exist is refused by the Trainer's webhook."""
+    """A TrainJob asking for a dataset initializer its runtime does not have is refused by the
+    Trainer's webhook.
+
+    Not a missing runtime: Kueue's TrainJob webhook (topology-aware scheduling, on by default)
+    refuses that too, and validating webhooks run in parallel, so whose refusal the server
+    returns is a race. Kueue accepts this one (the runtime exists); only the Trainer refuses it.
+    """
     from kubernetes.client.rest import ApiException
 
     res = kube.dynamic().resources.get(api_version="trainer.kubeflow.org/v1alpha1",
                                        kind="TrainJob")
     body = {"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob",
-            "metadata": {"name": "no-such-runtime"},
-            "spec": {"runtimeRef": {"name": "absent", "kind": "TrainingRuntime",
-                                    "apiGroup": "trainer.kubeflow.org"}}}
+            "metadata": {"name": "no-dataset-initializer"},
+            "spec": {"runtimeRef": {"name": "kfp-nvrx-ft", "kind": "TrainingRuntime",
+                                    "apiGroup": "trainer.kubeflow.org"},
+                     "initializer": {"dataset": {"storageUri": "hf://absent/absent"}}}}
     with pytest.raises(ApiException) as e:
         res.create(body=body, namespace=USER_NAMESPACE, query_params=[("dryRun", "All")])
     body = e.value.body.decode() if isinstance(e.value.body, bytes) else e.value.body
+    assert 'admission webhook "validator.trainjob.trainer.kubeflow.org"' in body, body
+    assert "must have dataset-initializer job" in body, body
     assert "validator.trainjob.trainer.kubeflow.org" in body
 
 

@@ -239,13 +239,14 @@ def test_service_account_role_is_enough_for_a_whole_run(kube, tmp_path) -> None:
 
 
 def test_refusals_are_one_line_and_say_whose(kube, tmp_path) -> None:
-    """The Trainer's webhook refusing a missing runtime is not called RBAC; RBAC's own 403 is.
+    """A webhook refusing a missing runtime is not called RBAC; RBAC's own 403 is.
 
+    The Trainer's and Kueue's TrainJob webhooks both refuse a missing runtime and validating
+    webhooks run in parallel, so either may be the one the server returns; the line says which.
     The second run is the namespace's ``default`` ServiceAccount, which no Role binds.
     """
-    cases = [(kube.kubeconfig, "no-such-runtime", 'admission webhook "validator.trainjob.'
-              'trainer.kubeflow.org" denied the request', 'TrainingRuntime.trainer.kubeflow.org '
-              '"no-such-runtime" not found'),
+    cases = [(kube.kubeconfig, "no-such-runtime", 'admission webhook "', '" denied the request',
+              "no-such-runtime", "not found"),
              (sa_kubeconfig(kube, tmp_path, "default"), rt.RUNTIME_NAME,
               "answered HTTP 403 Forbidden. RBAC forbids it (see docs/eks.md).",
               'cannot get resource "trainjobs"')]
