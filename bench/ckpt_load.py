@@ -75,10 +75,10 @@ def cold_load(ckpt, step: int, state: dict, profile: bool = False) -> dict[str, 
 
     import torch
 
-    from kfp_nvrx.components.core.rundir import step_dir
+    from kfp_nvrx.components.core.volume_store import VolumeStore
 
-    path = step_dir(ckpt.root, step)
-    files = [f for f in sorted(path.iterdir()) if f.is_file()]
+    store = VolumeStore(ckpt.run_dir)  # the bench reads the volume's files itself
+    path, files = store.location(step), store.files(step)
     nbytes = sum(f.stat().st_size for f in files)
     raw = min(_raw_read(files, parallel=False), _raw_read(files, parallel=True))
     out: dict[str, Any] = {"bytes": nbytes, "files": len(files), "raw_read_s": raw,
@@ -110,7 +110,7 @@ def cold_load(ckpt, step: int, state: dict, profile: bool = False) -> dict[str, 
         out["memory_restore_s"] = time.perf_counter() - t0
         out["memory_restored"] = ckpt.restored_from_memory
     out["load_over_disk_read"] = out["cold_load_gb_per_s"] / out["raw_gb_per_s"]
-    df = subprocess.run(["df", "-T", str(path)], capture_output=True, text=True).stdout
+    df = subprocess.run(["df", "-T", path], capture_output=True, text=True).stdout
     out["filesystem"] = " ".join(df.splitlines()[-1].split()[:2]) if df else ""
     return out
 

@@ -109,10 +109,10 @@ def test_restarted_worker_loads_the_newest_sealed_bank_and_skips_the_files(run_d
     manifests = sorted(json.loads(p.read_text())["step"] for p in home.path.glob("rank0.bank*.json"))
     assert manifests == [newest - 1, newest] and oct(home.path.stat().st_mode & 0o777) == "0o700"
 
-    # No CRC pass over the files on this path: verify() must not be called.
-    import kfp_nvrx.components.training.checkpoint.recovery as ckpt_mod
+    # No CRC pass over the files on this path: the store's check must not be called.
+    from kfp_nvrx.components.core.volume_store import VolumeStore
 
-    monkeypatch.setattr(ckpt_mod, "verify", lambda *a, **k: pytest.fail("files verified"))
+    monkeypatch.setattr(VolumeStore, "problem", lambda *a, **k: pytest.fail("files verified"))
     again, resumed, target, _ = _restart(run_dir, cfg)
     assert resumed == newest and again.restored_from_memory
     assert again.staging.adopted_step == newest

@@ -28,9 +28,9 @@ from kfp_nvrx.components.core.rundir import (
     remove_torn,
     step_dir,
 )
+from kfp_nvrx.components.core.volume_store import prune
 from kfp_nvrx.components.data.shards import FORMAT, INDEX_NAME
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.training.checkpoint.files import prune
 
 
 def _commit(root: Path, step: int, payload: bytes = b"x" * 16) -> Path:

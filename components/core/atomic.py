@@ -13,7 +13,7 @@ again just before the rename: ``os.replace`` would swap any of them for our file
 ``--out /dev/null`` once replaced the machine's /dev/null with a 0600 regular file. The temporary
 file gets a fresh name and is created exclusively (``O_EXCL | O_NOFOLLOW``), so a link planted
 under its name is never written through. ``inside=`` asks for more: no link may lie between that
-directory and the target (the run dir's rule, see :func:`.rundir.refuse_link`).
+directory and the target (the run dir's rule, see :func:`refuse_link`).
 
 Every error names the target, never the temporary file: the user named the target (a flag's
 value), and the CLI maps that path back to the flag. Imports no torch.
@@ -50,6 +50,22 @@ def link_in(path: StrPath, top: StrPath) -> Path | None:
         if part == ".." or cur.is_symlink():
             return cur
     return None
+
+
+def refuse_link(path: StrPath, top: StrPath, field: str = "run_dir") -> Path:
+    """``path``, after checking that no link lies between it and ``top`` (:func:`link_in`).
+
+    Raises:
+        UserError: Naming ``field`` and the link.
+    """
+    from kfp_nvrx.components.errors import UserError
+
+    link = link_in(path, top)
+    if link is not None:
+        raise UserError(field, f"{link} is a symbolic link (to {os.readlink(link)!r}); kfp-nvrx "
+                        "never writes or deletes through a link inside a run dir: replace it "
+                        "with a real directory or use a fresh `run_dir`")
+    return Path(path)
 
 
 def refuse_replacing(path: StrPath) -> None:

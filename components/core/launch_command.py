@@ -15,6 +15,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kfp_nvrx.components.core.ckpt_store import open_store
 from kfp_nvrx.components.core.config import ResilienceConfig
 from kfp_nvrx.components.errors import UserError
 
@@ -27,13 +28,11 @@ GPU_MEMORY_POLL_SINCE = (0, 7)
 #: First NVRx release known to read ``--ft-checkpoint-iteration-file`` (its progress tracker;
 #: 0.4.1 has neither and rejects the flag).
 ITERATION_FILE_SINCE = (0, 7)
-#: The newest committed step (one integer), written by the trainer's rank 0 at every commit.
-ITERATION_FILE = "latest_committed_step"
 
 
 def iteration_file(run_dir: str | Path) -> Path:
-    """Where the trainer writes the newest committed step and ft_launcher reads it."""
-    return Path(run_dir) / "checkpoints" / ITERATION_FILE
+    """Where the trainer writes the newest committed step and ft_launcher reads it (the store's)."""
+    return open_store(run_dir).progress_file
 
 
 @dataclass

@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 
 from kfp_nvrx.components.core.atomic import write_atomic
+from kfp_nvrx.components.core.ckpt_store import CheckpointStore, open_store
 from kfp_nvrx.components.core.config import GUARDED_KEYS, Config, check_allow_changes
 from kfp_nvrx.components.core.dataset_record import (
     check_dataset,
@@ -34,16 +35,9 @@ from kfp_nvrx.components.core.rundir import (
     CONFIG_FILE,
     RESUMED_CONFIG_FILE,
     check_run_dir_links,
-    checkpoints_dir,
     link_in,
     refuse_link,
-    step_dir,
-    verify,
 )
-
-# Imported here, not through rundir.committed_steps' lazy import: the check runs while ranks
-# start, and an import inside it would run the first time there.
-from kfp_nvrx.components.core.timeline import committed_steps
 from kfp_nvrx.components.errors import UserError
 
 
@@ -90,17 +84,18 @@ def _same(key: str, recorded: Any, wanted: Any) -> bool:
     return False
 
 
-def _check_load_step(cfg: Config, root: Path, crc: bool) -> None:
+def _check_load_step(cfg: Config, store: CheckpointStore, crc: bool) -> None:
     """``checkpoint.load_step=N`` must name a committed, intact step."""
     want = cfg.checkpoint.load_step
     if want < 0:
         return
-    steps = committed_steps(root)
+    steps = store.committed_steps()
     if want not in steps:
         have = ", ".join(map(str, sorted(steps))) or "none"
-        raise UserError("checkpoint.load_step", f"{want} is no committed checkpoint in {root} "
-                        f"(committed: {have}); give one of those, or -1 for the newest")
-    problem = verify(step_dir(root, want), crc=crc)
+        raise UserError("checkpoint.load_step", f"{want} is no committed checkpoint in "
+                        f"{store.where} (committed: {have}); give one of those, or -1 for the "
+                        "newest")
+    problem = store.problem(want, crc=crc)
     if problem:
         raise UserError("checkpoint.load_step", f"step {want} is damaged: {problem}; give "
                         "another step, or -1 for the newest intact one")
@@ -161,10 +156,10 @@ def check_resume(cfg: Config, run_dir: Path, crc: bool = False) -> None:
     Raises:
         UserError: Naming the key, before anything is written.
     """
-    root = checkpoints_dir(run_dir)
-    _check_load_step(cfg, root, crc)
+    store = open_store(run_dir)
+    _check_load_step(cfg, store, crc)
     allowed = check_allow_changes(cfg.checkpoint.allow_changes)
-    steps = committed_steps(root)
+    steps = store.committed_steps()
     _check_record(cfg, run_dir, steps, allowed)
     check_dataset(cfg.data.path, run_dir, bool(steps), _allowed("data.path", allowed))
 

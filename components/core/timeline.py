@@ -8,7 +8,8 @@ must never resume them. So the rollback moves them out of the way, into
 folder when it is not needed), and it does so crash-safely: a journal (``ROLLBACK.json``, written
 atomically first) lists the steps, :func:`committed_steps` never reports a step the journal lists,
 and any later start finishes an interrupted move (:func:`finish_rollback`) before it reads the
-checkpoints. Imports no torch.
+checkpoints. Part of the volume store (:mod:`.volume_store`: its listing of committed steps and
+its ``withdraw_newer``); nothing else imports it. Imports no torch.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ import os
 import time
 from pathlib import Path
 
-from kfp_nvrx.components.core.atomic import write_atomic
+from kfp_nvrx.components.core.atomic import refuse_link, write_atomic
 from kfp_nvrx.components.core.bounded import read_json
-from kfp_nvrx.components.core.rundir import COMMIT_MARKER, parse_step, refuse_link, step_dir
+from kfp_nvrx.components.core.volume_layout import COMMIT_MARKER, parse_step, step_dir
 from kfp_nvrx.components.errors import UserError
 
 ROLLBACK_FILE = "ROLLBACK.json"

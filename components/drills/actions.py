@@ -18,7 +18,7 @@ from pathlib import Path
 
 from kfp_nvrx.components.core.events import Checkpoint, Event, EventLog, Fault, Step, read_events
 from kfp_nvrx.components.core.host_copy import host_copy_dir
-from kfp_nvrx.components.core.rundir import checkpoints_dir, committed_steps, step_dir
+from kfp_nvrx.components.core.volume_store import VolumeStore
 
 
 class DrillSkipped(Exception):
@@ -95,14 +95,15 @@ class DamageNewest(Action):
     def poll(self, events: list[Event]) -> bool:  # noqa: D102
         if not any(isinstance(e, Fault) for e in events):
             return False
-        root = checkpoints_dir(self.run_dir)
-        steps = committed_steps(root)
+        store = VolumeStore(self.run_dir)  # the drills damage the volume store's files
+        steps = store.committed_steps()
         if not steps:
             self.notes.append("no committed checkpoint to damage")
             return True
         self.damaged = steps[0]
         self.commits_seen.append((time.time(), steps[0]))
-        target = max(step_dir(root, steps[0]).glob("*.distcp"), key=lambda p: p.stat().st_size)
+        target = max((f for f in store.files(steps[0]) if f.suffix == ".distcp"),
+                     key=lambda p: p.stat().st_size)
         size = target.stat().st_size
         if self.mode == "truncate":
             os.truncate(target, size // 2)
@@ -134,7 +135,7 @@ class DiskFull(Action):
     def __init__(self, run_dir: Path, ckpt_bytes: int) -> None:
         super().__init__(run_dir)
         self.ckpt_bytes = ckpt_bytes
-        self.mount = checkpoints_dir(run_dir)
+        self.mount = VolumeStore(run_dir).root
         self.ballast = self.mount / "ballast"
         self.mounted = False
         self.enospc_seen = False

@@ -6,14 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from kfp_nvrx.components.core.events import Checkpoint, End, Event, Start
-from kfp_nvrx.components.core.rundir import (
-    COMMIT_MARKER,
-    checkpoints_dir,
-    committed_steps,
-    parse_step,
-    step_dir,
-    verify,
-)
+from kfp_nvrx.components.core.volume_store import VolumeStore
 
 
 def starts(events: list[Event]) -> list[Start]:
@@ -51,38 +44,30 @@ def completed(events: list[Event]) -> bool:
 def run_dir_problems(run_dir: Path) -> list[str]:
     """What is inconsistent: committed checkpoints that fail verification, leftover temp files."""
     problems = []
-    root = checkpoints_dir(run_dir)
-    for step in committed_steps(root):
-        problem = verify(step_dir(root, step))
+    # The drills run on the local backend: the run's store is the volume one, whose files they
+    # inspect (and damage) themselves.
+    store = VolumeStore(run_dir)
+    for step in store.committed_steps():
+        problem = store.problem(step)
         if problem:
             problems.append(f"committed step {step}: {problem}")
     for tmp in run_dir.rglob("*.tmp"):
-        if not _in_torn_step(tmp, root):
+        # A worker SIGKILLed mid-save leaves its temp files in that torn step: it never commits
+        # and the next start removes it, so a run that ends right there (ft_launcher gave up) may
+        # hold one. A temp file anywhere else is a leak.
+        if not store.torn_entry_holds(tmp):
             problems.append(f"temporary file left: {tmp.relative_to(run_dir)}")
     return problems
-
-
-def _in_torn_step(path: Path, root: Path) -> bool:
-    """Whether ``path`` lies in a step folder under ``root`` that holds no commit marker.
-
-    A worker SIGKILLed mid-save leaves its temp files there: that step never commits and the next
-    start removes the torn folder (:func:`.rundir.remove_torn`), so a run that ends right there
-    (ft_launcher gave up) may hold one. A temp file anywhere else is a leak.
-    """
-    for folder in path.parents:
-        if folder.parent == root and parse_step(folder.name) is not None:
-            return not (folder / COMMIT_MARKER).exists()
-    return False
 
 
 def final_weights(run_dir: Path, step: int) -> dict[str, Any] | None:
     """Model tensors of the committed checkpoint ``step``, or None when it is not committed."""
     from kfp_nvrx.components.training.export.consolidate import load_model_state
 
-    root = checkpoints_dir(run_dir)
-    if step not in committed_steps(root):
+    store = VolumeStore(run_dir)
+    if step not in store.committed_steps():
         return None
-    return load_model_state(step_dir(root, step))
+    return load_model_state(store.location(step))
 
 
 def bitwise_equal(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:

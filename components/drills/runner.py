@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kfp_nvrx.components.core.events import IN_PROCESS, Event, Step, read_events
-from kfp_nvrx.components.core.rundir import COMMIT_MARKER, checkpoints_dir, committed_steps, step_dir
+from kfp_nvrx.components.core.volume_store import VolumeStore
 from kfp_nvrx.components.drills import measure
 from kfp_nvrx.components.drills.actions import (
     Action,
@@ -272,7 +272,7 @@ def _check_stopped(row: Row, run: _Run, rc: int, t_sig: float) -> list[Event]:
     problems = measure.run_dir_problems(run.dir)
     for problem in problems:
         row.check(False, problem)
-    kept = committed_steps(checkpoints_dir(run.dir))
+    kept = VolumeStore(run.dir).committed_steps()
     steps_before = max((e.step for e in events if isinstance(e, Step)), default=0)
     row.notes.append(f"stopped {stop_s:.1f} s after SIGTERM (exit code {rc}) at step "
                      f"{steps_before}; nothing left running; committed {sorted(kept)} all verify")
@@ -289,10 +289,8 @@ def _reference(ctx_out: Path, data: str,
     if not res.succeeded:
         raise DrillError(f"the fault-free reference run {res.state}: {res.reason} (see "
                          f"{ctx_out / 'logs' / 'reference.log'})")
-    marker = (step_dir(checkpoints_dir(run_dir), INTERVAL) / COMMIT_MARKER).read_text()
-    import json
-
-    return measure.final_weights(run_dir, STEPS), int(json.loads(marker)["bytes"]), time.time() - t0
+    record = VolumeStore(run_dir).record(INTERVAL) or {}
+    return measure.final_weights(run_dir, STEPS), int(record["bytes"]), time.time() - t0
 
 
 def _gpu_line(place: Placement) -> str:

@@ -18,8 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from kfp_nvrx.components.core.ckpt_store import open_store
 from kfp_nvrx.components.core.pod_entry import GAVE_UP
-from kfp_nvrx.components.core.rundir import CHECKPOINTS_DIR
 from kfp_nvrx.components.launch.local.agent_log import AgentLog, DiskFullNotice
 from kfp_nvrx.components.launch.local.lifetime import die_with_parent
 
@@ -101,7 +101,7 @@ class Agent:
         # prints while stopping (NVRx's asyncio CancelledError traceback, SignalException
         # lines) is its shutdown, not news; it goes to the node log only.
         self.stopping = False
-        self.disk_full = DiskFullNotice(out.path.parent.parent / CHECKPOINTS_DIR)
+        self.disk_full = DiskFullNotice(Path(open_store(out.path.parent.parent).where))
         # The kernel SIGTERMs the agent when the launcher dies (die_with_parent); its own lock on
         # ``hold`` (the run-dir lock file) keeps the run dir taken until it has stopped its
         # workers. Not our flock's descriptor: ft_launcher's forks would share it and hold the

@@ -10,7 +10,9 @@ Modules, and the object each one holds:
 * :mod:`.staging`: :class:`HostStaging`, the pinned, shared host buffer a save is copied into (and
   an in-process restart restores from); the writer-process side of a staged write.
 * :mod:`.async_save`: how a save's data reaches the writer (staged or NVRx-staged), finalisation.
-* :mod:`.files`: the on-disk layout, commit markers, verification, checksums and pruning.
+* :mod:`.recovery`: where a start resumes from: the host-memory tier (:mod:`.host_tier`) or the
+  run's checkpoint store (:mod:`kfp_nvrx.components.core.ckpt_store`, which alone knows the layout,
+  commits, verifies and prunes); :mod:`.dcp_io` turns a store's step into DCP readers/writers.
 * :mod:`.reader`: a faster reader for DCP checkpoints (pipelined large reads).
 """
 

@@ -17,12 +17,12 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from kfp_nvrx.components.training.checkpoint.files import write_checksums
+# The volume store's CRC32 sidecar: NVRx's async writer writes files, checksummed where written.
+from kfp_nvrx.components.core.volume_store import write_checksums
 from kfp_nvrx.components.training.checkpoint.staged_write import (
     staged_writer,
     write_staged,
@@ -58,7 +58,7 @@ class AsyncSaver:
         # incarnation: the dist wrapper belongs to this process group.
         self._plan_cache: tuple | None = None
 
-    def staged(self, path: Path, state: dict[str, Any], flat: dict[str, Any],
+    def staged(self, path: str, state: dict[str, Any], flat: dict[str, Any],
                staging: HostStaging, step: int, submit: bool) -> Gather:
         """Plans the save, starts the copies into ``staging``; returns the finalise step.
 
@@ -75,7 +75,7 @@ class AsyncSaver:
         # (seconds, on the first save only) inside the checkpoint section: waited for in the next
         # step's submit, it would inflate the learned step timeout.
         self.writer.wait_started(self.start_timeout)
-        writer = staged_writer(str(path), staging, self.write_threads)
+        writer = staged_writer(path, staging, self.write_threads)
         cache = self._plan_cache
         if cache is not None and all_ranks(cache[0] == staging.layout_key, self.device):
             # Same layout as the last save (same keys, shapes, shards): its plan and metadata hold;
@@ -109,7 +109,7 @@ class AsyncSaver:
         self.writer.schedule(AsyncRequest(
             write_staged, (self.rank, writer.request(), writer.results_queue), []))
 
-    def nvrx_staged(self, path: Path, state: dict[str, Any]) -> Gather:
+    def nvrx_staged(self, path: str, state: dict[str, Any]) -> Gather:
         """Starts a save staged by NVRx; returns the finalise step."""
         # FT: NVRx async DCP writer: plan collectively, stage, write in a persistent worker.
         from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
@@ -127,7 +127,7 @@ class AsyncSaver:
             # worker keeps them between saves (same plan and storages) instead of reopening
             # hundreds of handles inside every save's blocking part.
             kwargs["use_cached_data_structure"] = self.device.type == "cuda"
-        writer = FileSystemWriterAsync(str(path), thread_count=1, **kwargs)
+        writer = FileSystemWriterAsync(path, thread_count=1, **kwargs)
         plan = save_state_dict_async_plan(state, writer)
         save_fn, preload_fn, args = writer.get_save_function_and_args()
         if self.device.type != "cuda" and hasattr(writer, "write_buckets"):

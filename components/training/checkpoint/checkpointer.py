@@ -1,12 +1,13 @@
 """DCP checkpoints written asynchronously with NVRx's async DCP writer, committed atomically.
 
-Layout: ``<run_dir>/checkpoints/step_XXXXXXXX/`` holds a torch DCP checkpoint (reshardable to any
-world size). It counts only once ``COMMITTED`` exists: rank 0 writes that marker (tmp + fsync +
-rename) after every rank's write finished and the DCP metadata was written. The marker records each
-file's size and CRC32 (every rank checksums its own files in the writer process, off the training
-loop). Resume takes the newest committed checkpoint whose files match both; torn or corrupt ones are
-skipped with a log line (DCP itself loads flipped bytes silently). Resume splits the CRC work over
-the ranks.
+Where: the run's checkpoint store (:mod:`kfp_nvrx.components.core.ckpt_store`; the volume store
+keeps one torch DCP checkpoint per step, reshardable to any world size). A step counts only once
+committed: rank 0 commits it (on the volume, an atomic marker) after every rank's write finished
+and the DCP metadata was written. The commit records each file's size and CRC32 (every rank
+checksums its own files in the writer process, off the training loop). Resume takes the newest
+intact committed step (:func:`~kfp_nvrx.components.core.ckpt_store.newest_intact`); torn or corrupt
+ones are skipped with a log line (DCP itself loads flipped bytes silently). Resume splits the CRC
+work over the ranks.
 
 One save is in flight at a time. Staging (``checkpoint.staging``, see :mod:`.staging`) copies the
 state into a persistent pinned, shared host buffer: on CUDA on a side stream, overlapped with the
@@ -19,8 +20,8 @@ bounded by ``checkpoint.finalize_timeout``.
 The staging banks keep the newest committed state in host memory, as files under ``/dev/shm``
 that outlive the worker (:mod:`.hostcopy`): an in-process restart restores from them, and so does
 an in-job restart on the same node once the bank's manifest matches the newest commit marker;
-neither reads (nor CRC-checks) the files back. Rank 0 also writes the newest committed step to
-``checkpoints/latest_committed_step`` for ft_launcher's progress tracking (NVRx >= 0.7).
+neither reads (nor CRC-checks) the files back. Rank 0 also records the newest committed step in
+the store's progress file for ft_launcher's progress tracking (NVRx >= 0.7).
 """
 
 from __future__ import annotations
@@ -37,19 +38,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from kfp_nvrx.components.core.ckpt_store import CheckpointStore, open_store
 from kfp_nvrx.components.core.config import CheckpointConfig
-from kfp_nvrx.components.core.rundir import (
-    checkpoints_dir,
-    remove_torn,
-    step_dir,
-)
+from kfp_nvrx.components.training.checkpoint import dcp_io
 from kfp_nvrx.components.training.checkpoint.async_save import AsyncSaver
 from kfp_nvrx.components.training.checkpoint.commit import (
     InFlight,
     advance,
     write_commit,
 )
-from kfp_nvrx.components.training.checkpoint.files import write_checksums
 from kfp_nvrx.components.training.checkpoint.hostcopy import HostCopyDir
 from kfp_nvrx.components.training.checkpoint.recovery import Recovery
 from kfp_nvrx.components.training.checkpoint.staging import (
@@ -122,7 +119,7 @@ class Checkpointer:
         kept = kept or Kept()
         staging = kept.staging
         self.run_dir = Path(run_dir)
-        self.root = checkpoints_dir(run_dir)
+        self.store: CheckpointStore = open_store(run_dir)
         self.cfg = cfg
         self.device = device
         self.rank = dist.get_rank()
@@ -150,8 +147,13 @@ class Checkpointer:
         self.saver = AsyncSaver(self.writer, device, self.rank, cfg.write_threads,
                                 start_timeout=cfg.finalize_timeout)
         self.log = reports.log
-        self.recovery = Recovery(self.run_dir, cfg, device, self.staging,
+        self.recovery = Recovery(self.store, cfg, device, self.staging,
                                  lambda msg: self.log(msg))  # self.log may be replaced
+
+    @property
+    def root(self) -> Path:
+        """Where the store keeps the checkpoints (the folder, for a volume store)."""
+        return Path(self.store.where)
 
     # ---------------------------------------------------------------- policy
     @property
@@ -205,17 +207,16 @@ class Checkpointer:
         """
         self.finalize(blocking=True)
         t0 = time.perf_counter()
-        path = step_dir(self.root, step)
+        path = self.store.location(step)
         if self.rank == 0:
-            remove_torn(path, self.root.parent)  # a torn leftover; never through a symlink
-            path.mkdir(parents=True)
+            self.store.begin(step)  # a torn leftover goes; never through a symlink
         dist.barrier()
         sync = sync or not self.cfg.async_save
         staging = self.staging
         flat = flat_state(state) if staging is not None and not sync else None
         if sync:
-            dcp.save(state, checkpoint_id=str(path))
-            write_checksums(sorted(str(p) for p in path.glob(f"__{self.rank}_*")), self.rank)
+            dcp.save(state, checkpoint_id=path, storage_writer=dcp_io.writer(self.store, step))
+            self.store.seal_rank(step, self.rank)
             finalize_fns = []
         elif staging is not None and flat is not None and self._staging_ok(staging, flat):
             finalize_fns = [self.saver.staged(path, state, flat, staging, step,
@@ -285,8 +286,7 @@ class Checkpointer:
         inf = self.inflight
         if inf is None:
             return True
-        files = functools.partial(write_commit, self.run_dir, inf.path, inf.step, self.world_size,
-                                  self.cfg.keep)
+        files = functools.partial(write_commit, self.store, inf.step, self.world_size, self.cfg.keep)
         limit = self.cfg.finalize_timeout if timeout is None else max(0.0, timeout)
         if not advance(inf, self._poll_local, files if self.rank == 0 else None, self.device,
                        blocking, limit):

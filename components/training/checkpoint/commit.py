@@ -13,15 +13,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from kfp_nvrx.components.core.launch_command import iteration_file
-from kfp_nvrx.components.core.rundir import checkpoints_dir, write_atomic, write_commit_marker
+from kfp_nvrx.components.core.ckpt_store import CheckpointStore
 from kfp_nvrx.components.training.checkpoint.async_save import Gather
-from kfp_nvrx.components.training.checkpoint.files import prune
 from kfp_nvrx.components.training.checkpoint.writer import CheckpointError
 from kfp_nvrx.components.training.ranks import all_ranks, min_over_ranks
 
@@ -62,12 +59,12 @@ class CommitJob:
             self._thread.join(timeout)
 
 
-def write_commit(run_dir: Path, path: Path, step: int, world_size: int, keep: int) -> int:
+def write_commit(store: CheckpointStore, step: int, world_size: int, keep: int) -> int:
     """Rank 0, after ``.metadata``: the commit marker, the progress file, pruning; returns bytes."""
-    nbytes = write_commit_marker(path, step, world_size)
+    nbytes = store.commit(step, world_size)
     # FT: ft_launcher's progress tracking reads the newest committed step from here.
-    write_atomic(iteration_file(run_dir), f"{step}\n".encode())
-    prune(checkpoints_dir(run_dir), keep)
+    store.record_progress(step)
+    store.prune(keep)
     return nbytes
 
 
@@ -76,7 +73,7 @@ class InFlight:
     """The save being written (one at a time) and how far its commit got."""
 
     step: int
-    path: Path
+    path: str  # the step's location in the store (where DCP writes it)
     started: float
     blocking_s: float
     finalize_fns: list[Gather]

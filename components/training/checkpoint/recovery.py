@@ -1,37 +1,30 @@
-"""Where a start resumes from: host memory, or the newest intact committed checkpoint on disk.
+"""Where a start resumes from: the host-memory tier, or the newest intact step of the store.
 
 A start (the first, or a restart of any layer) agrees on one state for every rank: the newest
-snapshot every rank holds complete in its staging banks (:mod:`.staging`, :mod:`.hostcopy`) when
-it is at least as new as the newest committed checkpoint, else that checkpoint, checked by CRC32
-(falling back to older ones). ``checkpoint.load_step`` pins a launch's first start only and rolls
-the run's timeline back to it (:mod:`kfp_nvrx.components.core.timeline`). Every public method is
-collective.
+snapshot every rank holds complete in the host-memory tier (:mod:`.host_tier`) when it is at
+least as new as the newest committed checkpoint of the run's store
+(:mod:`kfp_nvrx.components.core.ckpt_store`), else that checkpoint, checked by CRC32 (falling back
+to older ones: :func:`~kfp_nvrx.components.core.ckpt_store.newest_intact`).
+``checkpoint.load_step`` pins a launch's first start only and withdraws the newer steps from both
+tiers (the store's ``withdraw_newer``). Every public method is collective.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
 
+from kfp_nvrx.components.core.ckpt_store import CheckpointStore, newest_intact, open_store
 from kfp_nvrx.components.core.config import CheckpointConfig
-from kfp_nvrx.components.core.launch_command import iteration_file
-from kfp_nvrx.components.core.rundir import (
-    checkpoints_dir,
-    committed_steps,
-    step_dir,
-    verify,
-    write_atomic,
-)
-from kfp_nvrx.components.core.timeline import finish_rollback, roll_back
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.training.checkpoint.reader import load as fast_load
+from kfp_nvrx.components.training.checkpoint import dcp_io
+from kfp_nvrx.components.training.checkpoint.host_tier import HostTier
 from kfp_nvrx.components.training.checkpoint.staging import HostStaging, SnapshotDamaged
 from kfp_nvrx.components.training.ranks import all_ranks, from_rank0, gather
 
@@ -40,20 +33,20 @@ class Recovery:
     """Finds and loads the state one incarnation resumes from.
 
     Args:
-        run_dir: The run directory.
+        store: The run's checkpoint store (the durable tier), or its run dir (its store is opened).
         cfg: The ``checkpoint`` config section.
         device: The training device.
         staging: The process's staging banks (None: no host-memory tier).
         log: Where one-line notices go.
     """
 
-    def __init__(self, run_dir: Path, cfg: CheckpointConfig, device: torch.device,
-                 staging: HostStaging | None, log: Callable[[str], None]) -> None:
-        self.run_dir = run_dir
-        self.root = checkpoints_dir(run_dir)
+    def __init__(self, store: CheckpointStore | str | os.PathLike[str], cfg: CheckpointConfig,
+                 device: torch.device, staging: HostStaging | None,
+                 log: Callable[[str], None]) -> None:
+        self.store = open_store(store) if isinstance(store, (str, os.PathLike)) else store
         self.cfg = cfg
         self.device = device
-        self.staging = staging
+        self.memory = HostTier(staging) if staging is not None else None
         self.log = log
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
@@ -72,8 +65,8 @@ class Recovery:
         fault. The ranks agree on the step first, and each checks its bank's CRC32s as it loads;
         a mismatch on any rank sends every rank on, never to a mixed state. Otherwise the newest
         intact committed checkpoint on disk (CRC-checked, falling back to older ones).
-        ``checkpoint.load_step`` pins the ``first_start`` of a launch only (and abandons the
-        commits after it, :mod:`kfp_nvrx.components.core.timeline`); restarts take the newest.
+        ``checkpoint.load_step`` pins the ``first_start`` of a launch only (and withdraws the
+        steps after it, :meth:`_timeline`); restarts take the newest.
         ``state_fn`` builds the state to load into; only the keys the checkpoint holds are
         loaded (e.g. not another world size's per-rank RNG). ``check(keys, step)`` may reject
         the checkpoint before anything is loaded.
@@ -102,7 +95,7 @@ class Recovery:
         if step is None:
             return None, None
         state = self._only_stored(state, step, check)
-        fast_load(state, str(step_dir(self.root, step)))
+        dcp_io.load(self.store, step, state)
         return step, state
 
     def _timeline(self, first_start: bool) -> tuple[list[int], bool]:
@@ -115,16 +108,16 @@ class Recovery:
         """
         out: list[Any] = [None, None]
         if self.rank == 0:
-            finish_rollback(self.root)
-            out = [committed_steps(self.root), first_start and self.cfg.load_step >= 0]
+            self.store.finish_withdraw()
+            out = [self.store.committed_steps(), first_start and self.cfg.load_step >= 0]
         steps, pinned = from_rank0(out)
         want = self.cfg.load_step
         if pinned and any(s > want for s in steps):
-            if self.staging is not None:
-                self.staging.forget(newer_than=want)
+            if self.memory is not None:
+                self.memory.withdraw_newer(want)
             dist.barrier()
             if self.rank == 0:
-                moved, into = roll_back(self.root, want)
+                moved, into = self.store.withdraw_newer(want)
                 self.log(f"checkpoint.load_step={want}: steps {', '.join(map(str, moved))} "
                          f"leave this run's timeline (kept in {into}; delete it when they are "
                          "not needed)")
@@ -132,8 +125,8 @@ class Recovery:
 
     def _forget_memory(self) -> None:
         """Nothing in host memory is taken: a later restart must not take it either."""
-        if self.staging is not None:
-            self.staging.forget()
+        if self.memory is not None:
+            self.memory.prune(0)
 
     def _only_stored(self, state: dict[str, Any], step: int,
                      check: Callable[[set[str], int], None] | None) -> dict[str, Any]:
@@ -150,22 +143,20 @@ class Recovery:
         Every rank adopts its bank (a new process) and checks it fits; then every rank copies it
         in, checking its CRC32s. ``self._loaded`` holds the state loaded.
         """
-        staging = self.staging
-        if staging is None:  # no host-memory tier: memory_steps() found nothing to agree on
+        memory = self.memory
+        if memory is None:  # no host-memory tier: memory_steps() found nothing to agree on
             return False
         flat, mapping = flatten_state_dict(state)
-        fits = staging.adopt(step, flat) if not staging.banks else True
-        fits = fits and staging.can_restore(flat, step)
-        if not all_ranks(fits, self.device):
+        if not all_ranks(memory.fits(step, flat), self.device):
             return False
         state = self._only_stored(state, step, check)
         flat, mapping = flatten_state_dict(state)
         problem = ""
         try:
-            leaves = staging.restore(flat, step)
+            leaves = memory.read_into(flat, step)
         except SnapshotDamaged as err:
             problem = str(err)
-            staging.drop(step)
+            memory.drop(step)
         if not all_ranks(not problem, self.device):
             self.log(f"step {step} in host memory is damaged ({problem or 'on another rank'}); "
                      "loading from disk")
@@ -175,13 +166,13 @@ class Recovery:
         if newest is None or step > newest:
             self.log(f"restoring step {step} from host memory (newest committed on disk: {newest})")
             if self.rank == 0:  # FT: ft_launcher's progress tracking: the run's recovery point
-                write_atomic(iteration_file(self.run_dir), f"{step}\n".encode())
+                self.store.record_progress(step)
         self.restored_from_memory, self._loaded = True, state
         return True
 
     def committed(self) -> list[int]:
         """Committed steps, newest first, as rank 0 sees them (collective)."""
-        return from_rank0(committed_steps(self.root) if self.rank == 0 else None)
+        return from_rank0(self.store.committed_steps() if self.rank == 0 else None)
 
     def select(self, steps: list[int] | None = None,
                log: Callable[[str], None] = print) -> int | None:
@@ -191,24 +182,26 @@ class Recovery:
         is skipped in favour of the next older one, logged once that one is known: one line per
         damaged step, naming the file, what is wrong with it and the step used instead.
         """
-        damaged: list[tuple[int, str]] = []
-        found = None
-        for step in self.committed() if steps is None else steps:
-            problem = verify(step_dir(self.root, step), share=(self.rank, self.world_size))
-            problems = gather(problem, self.world_size)
-            bad = next((p for p in problems if p), None)
-            if bad is None:
-                found = step
-                break
-            if self.cfg.load_step >= 0:  # asked for this one: no fallback, no start from scratch
-                raise UserError("checkpoint.load_step", f"step {step} is damaged: {bad}; give "
-                                "another step, or -1 for the newest intact one")
-            damaged.append((step, bad))
-        instead = (f"falling back to step {found}" if found is not None
+        pick = newest_intact(self.store, self.committed() if steps is None else steps,
+                             problem=self._problem_on_every_rank)
+        instead = (f"falling back to step {pick.step}" if pick.step is not None
                    else "no older intact checkpoint to fall back to")
-        for step, bad in damaged:
+        for step, bad in pick.damaged:
             log(f"checkpoint step {step} is damaged: {bad}; {instead}")
-        return found
+        return pick.step
+
+    def _problem_on_every_rank(self, step: int) -> str | None:
+        """The first rank's problem with ``step``, each rank checking its share of the CRC32s.
+
+        Raises:
+            UserError: ``checkpoint.load_step`` is set (no fallback, no start from scratch).
+        """
+        problem = self.store.problem(step, share=(self.rank, self.world_size))
+        bad = next((p for p in gather(problem, self.world_size) if p), None)
+        if bad is not None and self.cfg.load_step >= 0:
+            raise UserError("checkpoint.load_step", f"step {step} is damaged: {bad}; give "
+                            "another step, or -1 for the newest intact one")
+        return bad
 
     def load(self, step: int, state: dict[str, Any]) -> None:
         """Loads ``step`` into ``state`` in place (collective).
@@ -217,9 +210,9 @@ class Recovery:
         (DCP reshards to this world size).
         """
         self.restored_from_memory = False
-        if self.staging is None or not (step in self.memory_steps()
-                                         and self._load_memory(step, state, None, step)):
-            fast_load(state, str(step_dir(self.root, step)))
+        if self.memory is None or not (step in self.memory_steps()
+                                        and self._load_memory(step, state, None, step)):
+            dcp_io.load(self.store, step, state)
 
     def memory_steps(self, pinned: bool = False) -> list[int]:
         """Steps of the snapshots every rank holds complete in host memory, newest first.
@@ -229,7 +222,7 @@ class Recovery:
         fault interrupted); after an in-job restart the sealed banks an earlier worker left on
         this node. ``pinned``: only ``checkpoint.load_step``.
         """
-        mine = self.staging.held_steps() if self.staging is not None else []
+        mine = self.memory.committed_steps() if self.memory is not None else []
         if pinned:
             mine = [s for s in mine if s == self.cfg.load_step]
         every = gather(mine, self.world_size)
@@ -238,8 +231,8 @@ class Recovery:
 
     def metadata_keys(self, step: int) -> set[str]:
         """Flattened keys stored in a checkpoint (e.g. to skip per-rank RNG of another world size)."""
-        if self.staging is not None and step in self.staging.held_steps():
-            return self.staging.keys(step)
-        md = dcp.FileSystemReader(str(step_dir(self.root, step))).read_metadata()
+        if self.memory is not None and step in self.memory.committed_steps():
+            return self.memory.keys(step)
+        md = dcp_io.read_metadata(self.store.location(step))
         return set(md.state_dict_metadata)
 

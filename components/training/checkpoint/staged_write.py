@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kfp_nvrx.components.training.checkpoint.files import write_checksums
+from kfp_nvrx.components.core.volume_store import write_checksums
 from kfp_nvrx.components.training.checkpoint.staging import Slot
 
 if TYPE_CHECKING:

@@ -15,8 +15,10 @@ newest committed state, so that state stays in host memory while the next save i
 bank's copies are complete it is *sealed* in the background: the CRC32 of its pieces is taken and
 its manifest published (:mod:`.hostcopy`). The banks restore an in-process restart (H2D, the
 newest complete snapshot every rank holds) and an in-job restart on the same node (the newest
-sealed snapshot every rank holds, see :meth:`HostStaging.adopt`), even one whose write to the
-volume the fault interrupted, instead of a read from disk; every restore checks the CRC32s.
+sealed snapshot every rank holds), even one whose write to the volume the fault interrupted,
+instead of a read from disk; every restore checks the CRC32s. This module fills the banks; what
+they hold is read, adopted and withdrawn through :class:`.host_tier.HostTier`, the host-memory
+tier of the checkpoint-store interface.
 """
 
 from __future__ import annotations
@@ -43,17 +45,8 @@ from kfp_nvrx.components.training.checkpoint.bank import (
     layout_of,
     shm_free_bytes,
 )
-from kfp_nvrx.components.training.checkpoint.hostcopy import (
-    HostCopyDir,
-    HostCopyUnavailable,
-    decode_objects,
-)
-from kfp_nvrx.components.training.checkpoint.integrity import (
-    BackgroundCheck,
-    Sealer,
-    SnapshotDamaged,
-)
-from kfp_nvrx.components.training.checkpoint.restore import restore_bounced
+from kfp_nvrx.components.training.checkpoint.hostcopy import HostCopyDir, HostCopyUnavailable
+from kfp_nvrx.components.training.checkpoint.integrity import Sealer, SnapshotDamaged
 
 __all__ = ["HostStaging", "Slot", "SnapshotDamaged", "StagingUnavailable", "flat_state",
            "layout_of", "shm_free_bytes"]
@@ -305,115 +298,3 @@ class HostStaging:
         bank = self._holding(step)
         if bank is not None:
             self.committed = bank
-
-    # ------------------------------------------------------------------ restore
-    def keys(self, step: int | None = None) -> set[str]:
-        """The flattened keys of the snapshot of ``step`` (as a DCP checkpoint's metadata lists)."""
-        bank = self._holding(step if step is not None else self.valid_step)
-        return set(self.slots) | set(bank.objects if bank is not None else {})
-
-    def can_restore(self, flat: dict[str, Any], step: int) -> bool:
-        """Whether ``flat`` can be filled from the bank holding ``step`` (same layout)."""
-        bank = self._holding(step)
-        if bank is None or bank.buffer is None:
-            return False
-        want = layout_of({k: v for k, v in flat.items() if isinstance(v, torch.Tensor)})
-        return (all(self.slots.get(k) is not None and self.slots[k].shape == s.shape
-                    and self.slots[k].dtype == s.dtype for k, s in want.items())
-                and all(k in bank.objects or k in self.slots for k in flat))
-
-    def restore(self, flat: dict[str, Any], step: int | None = None) -> dict[str, Any]:
-        """Copies the bank of ``step`` into ``flat``'s tensors (in place); returns the other leaves.
-
-        The bank's bytes are checked against its CRC32s (when it is sealed) while they are copied.
-
-        Raises:
-            SnapshotDamaged: The bank changed since its snapshot was complete (``flat``'s tensors
-                then hold some of its bytes: load them from elsewhere).
-        """
-        bank = self._holding(step if step is not None else self.valid_step)
-        if bank is None or bank.buffer is None:
-            raise SnapshotDamaged(f"no bank holds step {step}")
-        if self.cuda and not bank.pinned:  # adopted, not pinned yet: through bounce buffers
-            restore_bounced(bank.buffer, self.slots, self.nbytes, flat, expected=bank.crc32)
-        else:
-            check = (BackgroundCheck(bank.buffer, bank.crc32, self.sealer.pool())
-                     if bank.crc32 is not None else None)
-            with torch.no_grad():
-                for key, value in flat.items():
-                    if isinstance(value, torch.Tensor):
-                        dst = _local(value)
-                        dst.copy_(self.view(key, bank), non_blocking=dst.is_cuda)
-            if self.cuda:
-                torch.cuda.current_stream(self.device).synchronize()
-            if check is not None:
-                check.result()  # raises SnapshotDamaged
-        return {k: copy.deepcopy(v) for k, v in bank.objects.items() if k in flat}
-
-    def held_steps(self) -> list[int]:
-        """Steps of the complete snapshots this rank could restore, newest first.
-
-        This process's own banks (an in-process restart), or else the sealed snapshots an
-        earlier worker of this run left on this node (an in-job restart), as their manifests
-        describe them.
-        """
-        if self.banks:
-            return sorted({b.step for b in self.banks if b.step is not None}, reverse=True)
-        return [m["step"] for m in self.home.snapshots()]
-
-    def adopt(self, step: int, flat: dict[str, Any]) -> bool:
-        """Takes over an earlier worker's sealed bank holding ``step`` (in-job restart).
-
-        Only when this rank's manifest describes that step of this run, rank and world size, and
-        exactly ``flat``'s layout; the bank is mapped (not pinned) as this process's kept bank,
-        with the CRC32s the restore checks.
-        """
-        if self.banks:
-            return False
-        manifest = next((m for m in self.home.snapshots() if m["step"] == step), None)
-        if manifest is None or _slot_rows(layout_of(flat)) != manifest["slots"]:
-            return False
-        try:  # mapped, not pinned: restore() copies through bounce buffers, prepare() pins
-            objects = decode_objects(manifest["objects"])
-            crcs = [[int(o), int(n), int(c)] for o, n, c in manifest["crc32"]]
-            self.home.ensure()
-            bank = _Bank(int(manifest["bank"]), self.home.bank_path(int(manifest["bank"])))
-            bank.map(int(manifest["nbytes"]), create=False)
-        except (OSError, KeyError, TypeError, ValueError, StagingUnavailable, HostCopyUnavailable):
-            return False
-        self.generation += 1
-        digest = hashlib.sha1(repr(manifest["slots"]).encode()).hexdigest()
-        self.layout_key = f"{os.getpid()}-{self.generation}-{digest[:16]}"
-        bank.key = f"{self.layout_key}-{bank.index}"
-        bank.step, bank.objects, bank.crc32 = step, objects, crcs
-        self.slots, self.nbytes = layout_of(flat), int(manifest["nbytes"])
-        self.banks = [bank]
-        self.committed = self.target = bank
-        self.adopted_step = self.sealer.sealed_step = step
-        for other in self.home.snapshots():  # older: never taken again (its file is reused by
-            if other["bank"] != bank.index:  # the background allocation, not deleted here)
-                self.home.withdraw(other["bank"])
-        return True
-
-    def drop(self, step: int) -> None:
-        """The bank holding ``step`` is damaged: it is never restored, described or kept again."""
-        bank = self._holding(step)
-        if bank is not None:
-            self.sealer.unseal(bank, self.banks)
-            bank.step, bank.objects = None, {}
-            if self.committed is bank:
-                self.committed = None
-
-    def forget(self, newer_than: int | None = None) -> None:
-        """Withdraws the snapshots an earlier worker described (a start that adopts none).
-
-        A later restart must never take them: they are older than what this start loads, or
-        (``newer_than``: only those) of a timeline a ``checkpoint.load_step`` rollback abandons.
-        """
-        if self.banks:
-            return
-        for m in self.home.snapshots():
-            if newer_than is None or m["step"] > newer_than:
-                self.home.withdraw(m["bank"])
-        # The files stay: the background allocation reuses or deletes them (freeing 13 GB of
-        # tmpfs takes a second, which a restart's load must not wait for).

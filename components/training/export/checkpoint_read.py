@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kfp_nvrx.components.core.rundir import checkpoints_dir, parse_step, read_commit_marker, verify
+from kfp_nvrx.components.core.ckpt_store import CheckpointStore, newest_intact, open_store
 from kfp_nvrx.components.errors import UserError
 
 MODEL_PREFIX = "model."
@@ -25,14 +25,16 @@ READ_ATTEMPTS = 3
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """One ``step_XXXXXXXX`` directory, its commit marker and what is wrong with it, if anything.
+    """One step of a run's checkpoint store, its commit record and what is wrong with it, if anything.
 
-    ``commit`` is None for a torn checkpoint (no marker: crashed or still being written);
-    ``problem`` is set when a committed checkpoint's files no longer match its marker.
+    ``commit`` is None for a torn checkpoint (no record: crashed or still being written);
+    ``problem`` is set when a committed checkpoint's files no longer match its record.
+    ``name`` is how messages name it (``step_00000040``), ``location`` where DCP reads it.
     """
 
     step: int
-    path: Path
+    name: str
+    location: str
     commit: dict[str, Any] | None
     problem: str | None = None
 
@@ -42,27 +44,35 @@ class Checkpoint:
         return self.commit is not None and self.problem is None
 
 
-def _inspect(step: int, path: Path) -> Checkpoint:
+def _inspect(store: CheckpointStore, step: int) -> Checkpoint:
+    name, location = store.name(step), store.location(step)
     try:
-        commit = read_commit_marker(path)
+        commit = store.record(step)
     except ValueError as err:
-        return Checkpoint(step, path, {}, str(err))
+        return Checkpoint(step, name, location, {}, str(err))
     if commit is None:
-        return Checkpoint(step, path, None)
-    return Checkpoint(step, path, commit, verify(path))  # the one check trainer and drills use
+        return Checkpoint(step, name, location, None)
+    # The one check trainer and drills use.
+    return Checkpoint(step, name, location, commit, store.problem(step))
 
 
 def list_checkpoints(run_dir: str | os.PathLike[str]) -> list[Checkpoint]:
-    """Return every ``step_*`` directory under ``<run_dir>/checkpoints``, oldest first."""
-    root = checkpoints_dir(run_dir)
-    if not root.is_dir():
-        return []
-    found = []
-    for child in root.iterdir():
-        step = parse_step(child.name)
-        if step is not None and child.is_dir():
-            found.append(_inspect(step, child))
-    return sorted(found, key=lambda c: c.step)
+    """Return every step entry of the run's checkpoint store, committed or torn, oldest first."""
+    store = open_store(run_dir)
+    return [_inspect(store, step) for step in store.entries()]
+
+
+def _pick_named(ckpts: list[Checkpoint], step: int, run_dir: str | os.PathLike[str],
+                steps: str) -> Checkpoint:
+    """The checkpoint at ``step`` when it is committed; else the error naming ``step``."""
+    for c in ckpts:
+        if c.step != step:
+            continue
+        if c.committed:
+            return c
+        why = c.problem or "not committed (torn or still being written)"
+        raise UserError("step", f"checkpoint {c.name} is {why}; committed steps: {steps}")
+    raise UserError("step", f"no checkpoint for step {step} in {run_dir}; committed: {steps}")
 
 
 def select_checkpoint(run_dir: str | os.PathLike[str], step: int | None = None,
@@ -74,24 +84,19 @@ def select_checkpoint(run_dir: str | os.PathLike[str], step: int | None = None,
             there is no intact committed checkpoint at all.
 
     """
+    store = open_store(run_dir)
     ckpts = list_checkpoints(run_dir)
-    committed = [c for c in ckpts if c.committed]
-    steps = ", ".join(str(c.step) for c in committed) or "none"
+    steps = ", ".join(str(c.step) for c in ckpts if c.committed) or "none"
     if step is not None:
-        for c in ckpts:
-            if c.step != step:
-                continue
-            if c.committed:
-                return c
-            why = c.problem or "not committed (torn or still being written)"
-            raise UserError("step", f"checkpoint {c.path.name} is {why}; committed steps: {steps}")
-        raise UserError("step", f"no checkpoint for step {step} in {run_dir}; committed: {steps}")
-    for c in ckpts:
-        if c.commit is not None and c.problem and (not committed or c.step > committed[-1].step):
-            (log or (lambda _m: None))(f"skipping damaged checkpoint {c.path.name}: {c.problem}")
-    if not committed:
-        raise UserError("run_dir", f"no committed checkpoint under {checkpoints_dir(run_dir)}")
-    return committed[-1]
+        return _pick_named(ckpts, step, run_dir, steps)
+    by_step = {c.step: c for c in ckpts}
+    recorded = [c.step for c in reversed(ckpts) if c.commit is not None]
+    pick = newest_intact(store, recorded, problem=lambda s: by_step[s].problem)
+    for bad, problem in reversed(pick.damaged):
+        (log or (lambda _m: None))(f"skipping damaged checkpoint {by_step[bad].name}: {problem}")
+    if pick.step is None:
+        raise UserError("run_dir", f"no committed checkpoint under {store.where}")
+    return by_step[pick.step]
 
 
 def model_tensors(ckpt_dir: str | os.PathLike[str], field: str = "step") -> dict[str, Any]:
@@ -103,12 +108,13 @@ def model_tensors(ckpt_dir: str | os.PathLike[str], field: str = "step") -> dict
         UserError: Naming ``field`` when the metadata cannot be read or lists no model tensors.
     """
     import torch
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from kfp_nvrx.components.training.checkpoint.dcp_io import read_metadata
 
     path = str(ckpt_dir)
     try:
-        metadata = dcp.FileSystemReader(path).read_metadata()
+        metadata = read_metadata(path)
     except Exception as err:  # noqa: BLE001 - any read/unpickle failure means a bad checkpoint
         raise UserError(field, f"cannot read DCP metadata of {path}: {err}") from None
     state = {
@@ -141,12 +147,14 @@ def read_into(state: dict[str, Any], ckpt_dir: str | os.PathLike[str],
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
+    from kfp_nvrx.components.training.checkpoint.dcp_io import storage_reader
+
     path = str(ckpt_dir)
     try:
         with warnings.catch_warnings():
             # "torch.distributed is disabled ... assuming ... a single process": the intent here.
             warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-            dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+            dcp.load(state, storage_reader=storage_reader(path), no_dist=True)
     # CheckpointException (a file gone mid-read) derives from BaseException, not Exception.
     except (Exception, CheckpointException) as err:  # noqa: BLE001
         msg = " ".join(_why(err).split())[:300]
@@ -167,10 +175,10 @@ def load_model_state(ckpt_dir: str | os.PathLike[str], field: str = "step") -> d
     return read_into(model_tensors(ckpt_dir, field), ckpt_dir, field)
 
 
-def _unchanged(ckpt: Checkpoint) -> bool:
-    """Whether ``ckpt`` is still on disk under the marker it was picked with (not pruned)."""
+def _unchanged(run_dir: Path, ckpt: Checkpoint) -> bool:
+    """Whether ``ckpt`` is still in the store under the record it was picked with (not pruned)."""
     try:
-        return ckpt.path.is_dir() and read_commit_marker(ckpt.path) == ckpt.commit
+        return open_store(run_dir).record(ckpt.step) == ckpt.commit
     except (OSError, ValueError):
         return False
 
@@ -195,20 +203,20 @@ def read_newest(run_dir: Path, step: int | None,
     for attempt in range(READ_ATTEMPTS):
         ckpt = first if attempt == 0 and first else select_checkpoint(run_dir, step, log)
         try:
-            state = model_tensors(ckpt.path, field)
+            state = model_tensors(ckpt.location, field)
             before_read(ckpt, state)
-            return ckpt, read_into(state, ckpt.path, field)
+            return ckpt, read_into(state, ckpt.location, field)
         except UserError as err:
-            if _unchanged(ckpt) or err.field != field:
+            if _unchanged(run_dir, ckpt) or err.field != field:
                 raise
             if step is not None:
-                raise UserError("step", f"checkpoint {ckpt.path.name} was removed while it was "
+                raise UserError("step", f"checkpoint {ckpt.name} was removed while it was "
                                 "read (the run is still training and pruned it); export a newer "
                                 "step, or leave out the step for the newest") from None
             if attempt + 1 == READ_ATTEMPTS:
                 raise UserError("run_dir", f"the newest checkpoint of {run_dir} was removed "
                                 f"while it was read, {READ_ATTEMPTS} times (the run is "
                                 "training and pruning fast); try again or once it ends") from None
-            log(f"{ckpt.path.name} was removed while it was read (the run is still training); "
+            log(f"{ckpt.name} was removed while it was read (the run is still training); "
                 "reading the newest committed checkpoint again")
     raise AssertionError("unreachable")

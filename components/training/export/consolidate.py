@@ -1,7 +1,7 @@
 """Export a committed DCP checkpoint as model.safetensors + config.json + export.json.
 
-Checkpoints live in ``<run_dir>/checkpoints/step_XXXXXXXX/`` (torch DCP) and count only once they
-hold the ``COMMITTED`` marker the trainer writes when every rank finished. Only the ``model.*``
+Checkpoints live in the run's checkpoint store (:mod:`kfp_nvrx.components.core.ckpt_store`, torch
+DCP) and count only once committed, when every rank finished. Only the ``model.*``
 tensors are read, in one process without a process group: DCP metadata gives each tensor's global
 shape, so the result does not depend on the world size that wrote the checkpoint. The export is
 built in a temporary directory and moved into place whole; the run directory is only read.
@@ -20,9 +20,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kfp_nvrx.components.core.ckpt_store import open_store
 from kfp_nvrx.components.core.disk import disk_full, free_bytes
 from kfp_nvrx.components.core.ownership import check_output_dir, refuse_foreign
-from kfp_nvrx.components.core.rundir import CHECKPOINTS_DIR, CONFIG_FILE, RESUMED_CONFIG_FILE
+from kfp_nvrx.components.core.rundir import CONFIG_FILE, RESUMED_CONFIG_FILE
 from kfp_nvrx.components.data.shards import publish_dir, write_json_atomic
 from kfp_nvrx.components.errors import UserError
 
@@ -82,8 +83,8 @@ def _check_out(out: Path, run_dir: Path) -> None:
         raise UserError("out_dir", f"{out} is the run dir itself; export to a folder of its own "
                         "(e.g. models/<run>)")
     if real_out.is_relative_to(real_run):
-        where = ("the run's checkpoints" if real_out.is_relative_to(real_run / CHECKPOINTS_DIR)
-                 else "the run dir")
+        ckpts = Path(os.path.realpath(open_store(run_dir).where))
+        where = "the run's checkpoints" if real_out.is_relative_to(ckpts) else "the run dir"
         raise UserError("out_dir", f"{out} is inside {where} ({run_dir}); export to a folder "
                         "outside it (e.g. models/<run>)")
     check_output_dir(out, "out_dir", [run_dir])
@@ -141,7 +142,7 @@ def _room_check(out: Path, log: Callable[[str], None]) -> Callable[[Any, dict[st
             raise UserError("out_dir", f"not enough room for the export on the file system of "
                             f"{out}: it needs about {_size(need)}, {_size(free)} is free; free "
                             "space there or export to another folder")
-        log(f"loading model tensors of {ckpt.path}")
+        log(f"loading model tensors of {ckpt.location}")
     return check
 
 
@@ -165,7 +166,7 @@ def _write_export(work: Path, state: dict[str, Any], cfg: Any, ckpt: Any,
         model.load_state_dict(state, strict=True)
     except RuntimeError as err:
         msg = " ".join(str(err).split())[:300]
-        raise UserError("run_dir", f"{ckpt.path} does not match config.yaml's model: {msg}"
+        raise UserError("run_dir", f"{ckpt.location} does not match config.yaml's model: {msg}"
                         ) from None
     del model
     os.chmod(work, 0o755)
@@ -174,7 +175,7 @@ def _write_export(work: Path, state: dict[str, Any], cfg: Any, ckpt: Any,
     dtype = Counter(str(t.dtype).removeprefix("torch.") for t in state.values()).most_common(1)
     write_json_atomic(work / "config.json", model_config_json(cfg.model, dtype[0][0]))
     return {
-        "format": EXPORT_FORMAT, "source_step": ckpt.step, "source_dir": str(ckpt.path),
+        "format": EXPORT_FORMAT, "source_step": ckpt.step, "source_dir": str(ckpt.location),
         "run_dir": str(run), "sha256": _file_sha256(weights),
         "num_params": sum(t.numel() for t in state.values()),
         "world_size": (ckpt.commit or {}).get("world_size"),

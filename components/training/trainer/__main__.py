@@ -17,10 +17,10 @@ import re  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from kfp_nvrx.components.core.ckpt_store import open_store  # noqa: E402
 from kfp_nvrx.components.core.disk import disk_full, disk_full_line  # noqa: E402
 from kfp_nvrx.components.core.faults import FAULT_KINDS  # noqa: E402
 from kfp_nvrx.components.core.fields import CLI  # noqa: E402
-from kfp_nvrx.components.core.rundir import checkpoints_dir  # noqa: E402
 from kfp_nvrx.components.errors import UserError  # noqa: E402
 
 
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"trainer: error: {CLI.reword(err).one_line()}\n")
         return UserError.exit_code
     except Exception as err:
-        where = checkpoints_dir(job.run_dir)
+        where = Path(open_store(job.run_dir).where)
         if disk_full(err, where):
             # One line instead of torch's "inline_container.cc ... unexpected pos" traceback;
             # exit 1 so the launcher restarts the workers, which resume once there is room.

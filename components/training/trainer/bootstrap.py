@@ -10,12 +10,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kfp_nvrx.components.core.ckpt_store import open_store
 from kfp_nvrx.components.core.config import Config, load_config
 from kfp_nvrx.components.core.events import EventLog
 from kfp_nvrx.components.core.faults import Fault, check_faults
 from kfp_nvrx.components.core.rounds import current_budget, join_event
 from kfp_nvrx.components.core.run_record import check_run_dir, record_config
-from kfp_nvrx.components.core.rundir import checkpoints_dir, committed_steps, step_dir
 from kfp_nvrx.components.core.safetensors_header import read_header
 from kfp_nvrx.components.errors import UserError
 
@@ -110,8 +110,9 @@ def check_checkpoint_model(cfg: Config, run_dir: Path) -> None:
     Otherwise reusing a run dir with another model fails inside every worker, once per restart
     (and a same-named model of other sizes only at ``dcp.load``, with a traceback).
     """
-    root = checkpoints_dir(run_dir)
-    steps = [s for s in committed_steps(root)
+    store = open_store(run_dir)
+    root = store.where
+    steps = [s for s in store.committed_steps()
              if cfg.checkpoint.load_step < 0 or s == cfg.checkpoint.load_step]
     if not steps:
         return
@@ -119,10 +120,10 @@ def check_checkpoint_model(cfg: Config, run_dir: Path) -> None:
         raise UserError("train.steps", f"{cfg.train.steps} is below the newest committed "
                         f"checkpoint (step {steps[0]}) in {root}: the run would end at once "
                         "without training; raise train.steps or use a fresh `run_dir`")
-    import torch.distributed.checkpoint as dcp
+    from kfp_nvrx.components.training.checkpoint.dcp_io import read_metadata
 
     try:
-        md = dcp.FileSystemReader(str(step_dir(root, steps[0]))).read_metadata()
+        md = read_metadata(store.location(steps[0]))
     except Exception:  # noqa: BLE001 - unreadable: resume falls back to an older one
         return
     ours = model_shapes(cfg)

@@ -1,0 +1,166 @@
+"""The checkpoint-store interface: where a run's checkpoints live, and the one newest-intact pick.
+
+Every module that lists, picks, opens, commits or prunes checkpoints goes through a store; only
+the stores know their layout. Two tiers implement it:
+
+* :class:`CheckpointStore`, the durable tier, one per run dir: the volume store
+  (:mod:`.volume_store`, a POSIX path: local disk or FSx) is the one registered today;
+* :class:`StepStore`, what every tier offers (the durable one and the host-memory tier of the
+  trainer, :mod:`kfp_nvrx.components.training.checkpoint.host_tier`): list what it holds, tell
+  what is wrong with a step, withdraw newer steps, prune.
+
+:func:`newest_intact` is the only function that picks "the newest intact committed step" (resume,
+export, the resume checks). Another durable store (e.g. S3) is one module implementing
+:class:`CheckpointStore` plus one line in :data:`_FACTORIES` (or a :func:`register_store` call);
+the trainer's DCP readers and writers come from the store's :meth:`CheckpointStore.location`
+(:mod:`kfp_nvrx.components.training.checkpoint.dcp_io`). Imports no torch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from kfp_nvrx.components.core.volume_store import VolumeStore
+
+StrPath = str | os.PathLike[str]
+
+
+class StepStore(Protocol):
+    """What every checkpoint tier offers: the steps it holds, their problems, withdrawal."""
+
+    kind: str
+
+    def committed_steps(self) -> list[int]:
+        """Steps held complete (committed), newest first; not yet checked (:meth:`problem`)."""
+        ...
+
+    def problem(self, step: int, share: tuple[int, int] = (0, 1), crc: bool = True) -> str | None:
+        """What is wrong with ``step`` (None: intact); ``share`` splits a CRC check over ranks."""
+        ...
+
+    def withdraw_newer(self, step: int) -> tuple[list[int], str | None]:
+        """Takes the steps newer than ``step`` out for good; returns them and where they went."""
+        ...
+
+    def prune(self, keep: int) -> None:
+        """Keeps the newest ``keep`` committed steps; drops older ones (only what we created)."""
+        ...
+
+
+class CheckpointStore(StepStore, Protocol):
+    """The durable tier of one run: a volume (POSIX path) today, an object store tomorrow.
+
+    Attributes:
+        kind: The registry key (``volume``).
+        where: Where the checkpoints are, as messages name it (a path, a URL).
+        progress_file: The local file ft_launcher reads the newest committed step from.
+    """
+
+    where: str
+    progress_file: Path
+
+    def entries(self) -> list[int]:
+        """Every step with an entry, committed or torn, oldest first (for messages)."""
+        ...
+
+    def name(self, step: int) -> str:
+        """The entry of ``step`` as messages name it (e.g. ``step_00000040``)."""
+        ...
+
+    def location(self, step: int) -> str:
+        """Where DCP reads and writes ``step`` (a path for the volume, a URL for others)."""
+        ...
+
+    def record(self, step: int) -> dict[str, Any] | None:
+        """The commit record of ``step``; None when torn (raises ValueError when unreadable)."""
+        ...
+
+    def begin(self, step: int) -> str:
+        """An empty entry for a new save of ``step`` (rank 0; a torn leftover goes); its location."""
+        ...
+
+    def seal_rank(self, step: int, rank: int) -> None:
+        """Records the checksums of ``rank``'s files of ``step`` (a synchronous save)."""
+        ...
+
+    def commit(self, step: int, world_size: int) -> int:
+        """Commits ``step`` once every rank wrote it (rank 0); returns its size in bytes."""
+        ...
+
+    def record_progress(self, step: int) -> None:
+        """Tells ft_launcher's progress tracking that ``step`` is the run's recovery point."""
+        ...
+
+    def finish_withdraw(self) -> None:
+        """Completes a :meth:`withdraw_newer` a crash interrupted (rank 0, before listing)."""
+        ...
+
+
+#: Durable stores by kind; a run dir's store is made by ``factory(run_dir)``.
+_FACTORIES: dict[str, Callable[[StrPath], CheckpointStore]] = {
+    "volume": VolumeStore,
+}
+#: The store every run uses unless told otherwise.
+DEFAULT_KIND = "volume"
+
+
+def register_store(kind: str, factory: Callable[[StrPath], CheckpointStore]) -> None:
+    """Makes ``open_store(run_dir, kind)`` build the store with ``factory(run_dir)``."""
+    _FACTORIES[kind] = factory
+
+
+def store_kinds() -> list[str]:
+    """The registered kinds, sorted."""
+    return sorted(_FACTORIES)
+
+
+def open_store(run_dir: StrPath, kind: str = DEFAULT_KIND) -> CheckpointStore:
+    """The durable checkpoint store of the run in ``run_dir``.
+
+    Raises:
+        KeyError: No store of that kind is registered.
+    """
+    return _FACTORIES[kind](run_dir)
+
+
+@dataclass
+class Pick:
+    """What :func:`newest_intact` found.
+
+    Attributes:
+        step: The newest intact step (None: none is).
+        damaged: The newer steps skipped, with what is wrong with each, newest first.
+    """
+
+    step: int | None = None
+    damaged: list[tuple[int, str]] = field(default_factory=list)
+
+
+def newest_intact(store: StepStore, steps: Iterable[int] | None = None, wanted: int = -1,
+                  problem: Callable[[int], str | None] | None = None) -> Pick:
+    """The newest intact committed step of ``store`` (or ``wanted``), and the damaged ones skipped.
+
+    The one place that decides which step a resume, an export or a check takes.
+
+    Args:
+        store: The tier to pick from.
+        steps: The candidates, newest first (default: ``store.committed_steps()``).
+        wanted: Only this step (-1: any).
+        problem: What is wrong with a step (default: ``store.problem``); a collective one lets
+            ranks split the check; it may raise to refuse falling back.
+    """
+    check = problem if problem is not None else store.problem
+    pick = Pick()
+    for step in store.committed_steps() if steps is None else steps:
+        if wanted >= 0 and step != wanted:
+            continue
+        bad = check(step)
+        if bad is None:
+            pick.step = step
+            return pick
+        pick.damaged.append((step, bad))
+    return pick
