@@ -118,13 +118,13 @@ def store_kinds() -> list[str]:
     return sorted(_FACTORIES)
 
 
-def open_store(run_dir: StrPath, kind: str = DEFAULT_KIND) -> CheckpointStore:
-    """The durable checkpoint store of the run in ``run_dir``.
+def open_store(run_dir: StrPath, kind: str | None = None) -> CheckpointStore:
+    """The durable checkpoint store of the run in ``run_dir`` (``kind``: :data:`DEFAULT_KIND`).
 
     Raises:
         KeyError: No store of that kind is registered.
     """
-    return _FACTORIES[kind](run_dir)
+    return _FACTORIES[kind or DEFAULT_KIND](run_dir)
 
 
 @dataclass
