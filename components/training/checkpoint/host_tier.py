@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -79,7 +80,8 @@ class HostTier:
         """
         self._withdraw(lambda _s, i: i >= keep)
 
-    def _withdraw(self, which: Any) -> list[int]:
+    def _withdraw(self, which: Callable[[int, int], bool]) -> list[int]:
+        """Withdraws the described snapshots ``which(step, index)`` picks (index 0: newest)."""
         st = self.staging
         if st.banks:
             return []
