@@ -37,8 +37,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 #: so the two workers end together instead of one waiting on a big module collected last. A
 #: module missing here only runs later.
 HEAVY = ("test_trainer_resume.py", "test_bad_inputs.py", "test_images.py", "test_drills.py",
-         "test_pipelines.py", "test_mounts.py", "test_launcher_lifetime.py",
-         "test_image_launcher_venv.py")
+         "test_pipelines.py", "test_mounts.py", "test_launch_local_lifetime.py",
+         "test_launcher_lifetime.py", "test_image_launcher_venv.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -98,40 +98,55 @@ class KfpApiDouble:
         body = json.loads(raw) if raw else None
         self.requests.append(Request(method, url.path, parse_qs(url.query),
                                      {k.lower(): v for k, v in h.headers.items()}, body))
-        if self.redirect_to:
-            return self._send(h, 302, None, {"Location": self.redirect_to})
-        if self.token and h.headers.get("Authorization") != f"Bearer {self.token}":
-            return self._send(h, 401, {"error": "Unauthorized", "code": 16,
-                                       "message": "Unauthorized"})
         route = (method, url.path)
+        if self._scripted(h, route):
+            return None
+        answer = _ROUTES.get(route)
+        if answer is None:
+            return self._send(h, 404, {"error": "Not Found", "code": 5, "message": "Not Found"})
+        return self._send(h, 200, getattr(self, answer)(parse_qs(url.query), body))
+
+    def _scripted(self, h: BaseHTTPRequestHandler, route: tuple[str, str]) -> bool:
+        """Answer as the test scripted (redirect, auth, stall, reply, fail); False: not scripted."""
+        if self.redirect_to:
+            self._send(h, 302, None, {"Location": self.redirect_to})
+            return True
+        if self.token and h.headers.get("Authorization") != f"Bearer {self.token}":
+            self._send(h, 401, {"error": "Unauthorized", "code": 16, "message": "Unauthorized"})
+            return True
         if route in self.redirect:
             status, location = self.redirect[route]
-            return self._send(h, status, None, {"Location": location})
+            self._send(h, status, None, {"Location": location})
+            return True
         if route in self.stall:
             self._released.wait(self.stall[route])
         if route in self.reply:
-            return self._send(h, 200, self.reply[route])
+            self._send(h, 200, self.reply[route])
+            return True
         if route in self.fail:
             status, message = self.fail[route]
             throttled = {"Retry-After": "3600"} if status == 429 else None  # an API's flow control
-            return self._send(h, status, {"error": message, "code": 3, "message": message},
-                              throttled)
-        if route == ("GET", "/apis/v2beta1/healthz"):
-            return self._send(h, 200, {"multi_user": False})
-        if route == ("GET", "/apis/v2beta1/experiments"):
-            return self._send(h, 200, self._list_experiments(parse_qs(url.query)))
-        if route == ("POST", "/apis/v2beta1/experiments"):
-            exp = {**body, "experiment_id": str(uuid.uuid4()), "storage_state": "AVAILABLE"}
-            self.experiments.append(exp)
-            return self._send(h, 200, exp)
-        if route == ("POST", "/apis/v2beta1/runs"):
-            return self._send(h, 200, {**body, "run_id": str(uuid.uuid4()), "state": "PENDING"})
-        if route == ("POST", "/apis/v2beta1/recurringruns"):
-            return self._send(h, 200, {**body, "recurring_run_id": str(uuid.uuid4()),
-                                       "status": "ENABLED"})
-        return self._send(h, 404, {"error": "Not Found", "code": 5, "message": "Not Found"})
+            self._send(h, status, {"error": message, "code": 3, "message": message}, throttled)
+            return True
+        return False
 
-    def _list_experiments(self, query: dict[str, list[str]]) -> dict[str, Any]:
+    # -- the API's answers: each takes the query and the request body --------------------------
+
+    def _healthz(self, _query: dict[str, list[str]], _body: Any) -> dict[str, Any]:
+        return {"multi_user": False}
+
+    def _create_experiment(self, _query: dict[str, list[str]], body: Any) -> dict[str, Any]:
+        exp = {**body, "experiment_id": str(uuid.uuid4()), "storage_state": "AVAILABLE"}
+        self.experiments.append(exp)
+        return exp
+
+    def _create_run(self, _query: dict[str, list[str]], body: Any) -> dict[str, Any]:
+        return {**body, "run_id": str(uuid.uuid4()), "state": "PENDING"}
+
+    def _create_recurring_run(self, _query: dict[str, list[str]], body: Any) -> dict[str, Any]:
+        return {**body, "recurring_run_id": str(uuid.uuid4()), "status": "ENABLED"}
+
+    def _list_experiments(self, query: dict[str, list[str]], _body: Any) -> dict[str, Any]:
         found = self.experiments
         if "filter" in query:
             flt = json.loads(query["filter"][0])
@@ -155,3 +170,13 @@ class KfpApiDouble:
             h.wfile.write(data)
         except (BrokenPipeError, ConnectionResetError):
             pass  # a client may hang up mid-body (ours stops reading a healthz past 64 KiB)
+
+
+#: The KFP API routes the double answers: (method, path) -> its method that makes the answer.
+_ROUTES = {
+    ("GET", "/apis/v2beta1/healthz"): "_healthz",
+    ("GET", "/apis/v2beta1/experiments"): "_list_experiments",
+    ("POST", "/apis/v2beta1/experiments"): "_create_experiment",
+    ("POST", "/apis/v2beta1/runs"): "_create_run",
+    ("POST", "/apis/v2beta1/recurringruns"): "_create_recurring_run",
+}

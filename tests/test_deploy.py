@@ -63,28 +63,38 @@ def render(directory: Path) -> list[dict]:
     for entry in kust.get("components", []):
         objs += render(directory / entry)
     for entry in kust.get("patches", []):
-        for patch in load(directory / entry["path"]):
-            key = (patch["kind"], patch["metadata"]["name"])
-            hits = [i for i, o in enumerate(objs) if (o["kind"], o["metadata"]["name"]) == key]
-            assert len(hits) == 1, f"{directory}/{entry['path']}: patch target {key} not unique"
-            objs[hits[0]] = _merge(objs[hits[0]], patch)
+        _patch(objs, directory, entry["path"])
     for label in kust.get("labels", []):
         assert label.get("includeSelectors") is False  # only metadata labels are implemented
         for obj in objs:
             obj["metadata"].setdefault("labels", {}).update(label["pairs"])
     for entry in kust.get("transformers", []):
-        (cfg,) = load(directory / entry)
-        assert cfg["kind"] == "NamespaceTransformer", f"unsupported transformer {cfg['kind']}"
-        namespace = cfg["metadata"]["namespace"]
-        all_subjects = cfg.get("setRoleBindingSubjects") == "allServiceAccounts"
-        for obj in objs:
-            if obj["kind"] not in CLUSTER_SCOPED:
-                obj["metadata"]["namespace"] = namespace
-            if obj["kind"] == "RoleBinding" and all_subjects:
-                for subject in obj["subjects"]:
-                    if subject["kind"] == "ServiceAccount":
-                        subject["namespace"] = namespace
+        _transform(objs, directory / entry)
     return objs
+
+
+def _patch(objs: list[dict], directory: Path, name: str) -> None:
+    """Merge each strategic-merge patch of ``directory/name`` into the one object it names."""
+    for patch in load(directory / name):
+        key = (patch["kind"], patch["metadata"]["name"])
+        hits = [i for i, o in enumerate(objs) if (o["kind"], o["metadata"]["name"]) == key]
+        assert len(hits) == 1, f"{directory}/{name}: patch target {key} not unique"
+        objs[hits[0]] = _merge(objs[hits[0]], patch)
+
+
+def _transform(objs: list[dict], path: Path) -> None:
+    """Apply the NamespaceTransformer in ``path`` (the only transformer these files use)."""
+    (cfg,) = load(path)
+    assert cfg["kind"] == "NamespaceTransformer", f"unsupported transformer {cfg['kind']}"
+    namespace = cfg["metadata"]["namespace"]
+    all_subjects = cfg.get("setRoleBindingSubjects") == "allServiceAccounts"
+    for obj in objs:
+        if obj["kind"] not in CLUSTER_SCOPED:
+            obj["metadata"]["namespace"] = namespace
+        if obj["kind"] == "RoleBinding" and all_subjects:
+            for subject in obj["subjects"]:
+                if subject["kind"] == "ServiceAccount":
+                    subject["namespace"] = namespace
 
 
 def _key(obj: dict) -> tuple[str, str]:

@@ -19,6 +19,7 @@ TRAINER = "kfp_nvrx.components.training.trainer"
 #: Folders (relative to the repo root) of the launcher side and of the core, with their package.
 LAUNCHER_SIDE = {
     "components/core": "kfp_nvrx.components.core",
+    "components/core/events": "kfp_nvrx.components.core.events",
     "components/data": "kfp_nvrx.components.data",
     "components/launch": "kfp_nvrx.components.launch",
     "components/launch/jobspec": "kfp_nvrx.components.launch.jobspec",

@@ -1,8 +1,7 @@
-"""No process outlives launch-local, and one launcher owns a run dir at a time.
+"""One launcher owns a run dir at a time, and the watchdog and the kernel stop what it leaves.
 
-Readiness is observed, never slept for: the tests wait until ``events.jsonl`` shows a training
-step (so agents and workers exist) before they signal the launcher, and then wait (with a generous
-deadline) until no process carrying the test's environment marker is left.
+The lock, the watchdog and the agents' leash (``die_with_parent``), each with small stand-in
+processes; launch-local end to end is in ``test_launch_local_lifetime.py``.
 """
 
 from __future__ import annotations
@@ -11,13 +10,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
 import pytest
+from lifetime_procs import TAG, alive, dead, gone, lock_free_only_once_all_are_gone, try_lock, wait_until
 
-from kfp_nvrx.components.data.prepare import prepare_dataset
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.launch.local.lifetime import (
     LOCK_FILE,
@@ -27,33 +25,6 @@ from kfp_nvrx.components.launch.local.lifetime import (
     processes_with_env,
 )
 
-TAG = "KFP_NVRX_LIFETIME_TEST"
-
-
-def _alive(token: str) -> list[int]:
-    needle = f"{TAG}={token}".encode()
-    found = []
-    for d in Path("/proc").glob("[0-9]*"):
-        try:
-            if needle in (d / "environ").read_bytes().split(b"\0"):
-                found.append(int(d.name))
-        except OSError:
-            continue
-    return found
-
-
-def _wait_until(cond, timeout: float, what: str) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def _gone(token: str, timeout: float = 90) -> None:
-    _wait_until(lambda: not _alive(token), timeout, "every process of the run to exit")
-
 
 def test_processes_with_env_finds_exactly_the_marked_ones() -> None:
     """psutil's scan agrees with a plain read of /proc: the marked process, not a near miss."""
@@ -61,7 +32,7 @@ def test_processes_with_env_finds_exactly_the_marked_ones() -> None:
     marked = subprocess.Popen(["sleep", "60"], env={**os.environ, TAG: token})
     other = subprocess.Popen(["sleep", "60"], env={**os.environ, TAG: token + "x"})
     try:
-        assert processes_with_env(TAG, token) == _alive(token) == [marked.pid]
+        assert processes_with_env(TAG, token) == alive(token) == [marked.pid]
     finally:
         for proc in (marked, other):
             proc.kill()
@@ -116,38 +87,13 @@ time.sleep(600)
     launcher = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)],
                                 stdout=subprocess.PIPE, text=True)
     assert launcher.stdout.readline().strip() == "ready"
-    assert len(_alive(token)) == 1
+    assert len(alive(token)) == 1
     with pytest.raises(UserError):  # the lock is held while the run lives
         RunDirLock(tmp_path).acquire()
     launcher.kill()
     launcher.wait()
-    _gone(token, 30)  # SIGTERM ignored: the watchdog escalates to SIGKILL
-    _wait_until(lambda: _try_lock(tmp_path), 30, "the watchdog to release the lock")
-
-
-def _lock_free_only_once_all_are_gone(run_dir: Path, token: str, timeout: float) -> None:
-    """Wait until no process of the run is left; never may the lock be free before that.
-
-    The lock is tried *before* the processes are listed: a free lock means every holder was
-    already dead, so a process still listed afterwards outlived the lock (no births here).
-    """
-    end = time.monotonic() + timeout
-    while True:
-        free = _try_lock(run_dir)
-        alive = _alive(token)
-        assert not (free and alive), f"run dir free while {alive} still run"
-        if not alive:
-            return
-        assert time.monotonic() < end, f"{alive} outlived the launcher"
-        time.sleep(0.1)
-
-
-def _try_lock(path: Path) -> bool:
-    try:
-        RunDirLock(path).acquire().release()
-        return True
-    except UserError:
-        return False
+    gone(token, 30)  # SIGTERM ignored: the watchdog escalates to SIGKILL
+    wait_until(lambda: try_lock(tmp_path), 30, "the watchdog to release the lock")
 
 
 def test_watchdog_finish_returns_when_nothing_is_left() -> None:
@@ -185,23 +131,15 @@ time.sleep(600)
                                 stdout=subprocess.PIPE, text=True)
     try:
         ready, pid = launcher.stdout.readline().split()
-        assert ready == "ready" and _alive(token) == [int(pid)]
+        assert ready == "ready" and alive(token) == [int(pid)]
         launcher.kill()
         launcher.wait()
-        _lock_free_only_once_all_are_gone(tmp_path, token, 60)
+        lock_free_only_once_all_are_gone(tmp_path, token, 60)
         assert stopped.read_text() == "SIGTERM"
-        assert _try_lock(tmp_path)
+        assert try_lock(tmp_path)
     finally:
-        for pid in _alive(token):
+        for pid in alive(token):
             os.kill(pid, signal.SIGKILL)
-
-
-def _dead(pid: int) -> bool:
-    """Gone, or a zombie (its locks and files are released before it becomes one)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
 
 
 _AGENT_WITH_HELPER = """
@@ -237,7 +175,7 @@ time.sleep(600)
     launcher = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)],
                                 stdout=subprocess.PIPE, text=True)
     pids = [int(p) for p in launcher.stdout.readline().split()]
-    _wait_until(lambda: len(_alive(token)) == 2, 30, "the agent and its helper")
+    wait_until(lambda: len(alive(token)) == 2, 30, "the agent and its helper")
     return launcher, pids
 
 
@@ -251,15 +189,15 @@ def test_sigkill_of_launcher_watchdog_and_agent_leaves_no_holder_and_no_orphan(t
         for pid in (launcher.pid, watchdog, agent):
             os.kill(pid, signal.SIGKILL)
         launcher.wait()
-        _wait_until(lambda: all(_dead(p) for p in (watchdog, agent)), 30, "the SIGKILLs")
-        (helper,) = _alive(token)  # the orphan: alive, and holding nothing
+        wait_until(lambda: all(dead(p) for p in (watchdog, agent)), 30, "the SIGKILLs")
+        (helper,) = alive(token)  # the orphan: alive, and holding nothing
         lock = RunDirLock(tmp_path).acquire(uuid.uuid4().hex)  # at once, no waiting
         assert lock.previous["marker"] == token and lock.previous["pid"] == launcher.pid
-        assert stop_leftovers(lock.previous, TAG) == 1 and _dead(helper)
-        assert _alive(token) == []
+        assert stop_leftovers(lock.previous, TAG) == 1 and dead(helper)
+        assert alive(token) == []
         lock.release()
     finally:
-        for pid in _alive(token):
+        for pid in alive(token):
             os.kill(pid, signal.SIGKILL)
 
 
@@ -270,7 +208,7 @@ def test_a_refusal_names_the_live_holder_not_the_dead_launcher(tmp_path):
         for pid in (launcher.pid, watchdog):
             os.kill(pid, signal.SIGKILL)
         launcher.wait()
-        _wait_until(lambda: _dead(watchdog), 30, "the watchdog's SIGKILL")
+        wait_until(lambda: dead(watchdog), 30, "the watchdog's SIGKILL")
         # The agent got its SIGTERM from the kernel and is slow to stop: the run dir stays taken.
         with pytest.raises(UserError) as err:
             RunDirLock(tmp_path).acquire()
@@ -280,10 +218,10 @@ def test_a_refusal_names_the_live_holder_not_the_dead_launcher(tmp_path):
         assert f"its launcher (pid {launcher.pid} on " in message and "is gone" in message
         assert str(watchdog) not in message  # dead, and the helper holds nothing
         os.kill(agent, signal.SIGKILL)
-        _wait_until(lambda: _dead(agent), 30, "the agent's SIGKILL")
+        wait_until(lambda: dead(agent), 30, "the agent's SIGKILL")
         RunDirLock(tmp_path).acquire().release()
     finally:
-        for pid in _alive(token):
+        for pid in alive(token):
             os.kill(pid, signal.SIGKILL)
 
 
@@ -320,201 +258,6 @@ def test_die_with_parent_does_not_start_a_child_whose_parent_is_already_gone(tmp
     assert subprocess.run(die_with_parent([sys.executable, "-c", f"open({str(ran)!r}, 'w')"])
                           ).returncode == 0
     assert ran.exists()
-
-
-# -- launch-local, end to end ----------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("data") / "ds"
-    prepare_dataset("sample:200", out, seq_len=64)
-    return out
-
-
-def _launch(run_dir: Path, data: Path, token: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "kfp_nvrx.components.cli", "launch-local", "--run-dir",
-         str(run_dir), "--nodes", "2", "--set", f"data.path={data}", "--set",
-         "train.steps=100000", "--set", "train.step_sleep=0.05"],
-        env={**os.environ, TAG: token}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True)
-
-
-def _training(run_dir: Path) -> bool:
-    events = run_dir / "events.jsonl"
-    return events.is_file() and '"type":"step"' in events.read_text()
-
-
-@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGKILL])
-def test_nothing_outlives_launch_local(sig: signal.Signals, data: Path, tmp_path: Path) -> None:
-    token = uuid.uuid4().hex
-    run_dir = tmp_path / "run"
-    launcher = _launch(run_dir, data, token)
-    try:
-        _wait_until(lambda: _training(run_dir), 180, "the first training step")
-        second = subprocess.run(
-            [sys.executable, "-m", "kfp_nvrx.components.cli", "launch-local", "--run-dir",
-             str(run_dir), "--set", f"data.path={data}", "--set", "train.steps=100000"],
-            capture_output=True, text=True, timeout=180)
-        assert second.returncode == 2, second.stderr
-        assert "--run-dir" in second.stderr and "in use" in second.stderr
-        assert len(second.stderr.strip().splitlines()) == 1
-        launcher.send_signal(sig)
-        rc = launcher.wait(timeout=120)
-        if sig == signal.SIGHUP:
-            assert rc == 128 + signal.SIGHUP, launcher.stderr.read()[-2000:]
-        _gone(token)
-        assert _try_lock(run_dir)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-        for pid in _alive(token):
-            os.kill(pid, signal.SIGKILL)
-
-
-def _starts(run_dir: Path) -> int:
-    """How many worker incarnations the run started (``start`` events)."""
-    return (run_dir / "events.jsonl").read_text().count('"type":"start"')
-
-
-def _watchdogs(token: str) -> list[int]:
-    """The run's watchdog processes (they carry the test's tag, and their script)."""
-    found = []
-    for pid in _alive(token):
-        try:
-            if b"sys.stdin.buffer.read()" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                found.append(pid)
-        except OSError:
-            continue
-    return found
-
-
-def _launch_logged(run_dir: Path, data: Path, token: str, out: Path) -> subprocess.Popen:
-    """launch-local as in :func:`_launch`, its output in a file (a pipe nobody reads fills up)."""
-    with open(out, "w") as fh:
-        return subprocess.Popen(
-            [sys.executable, "-m", "kfp_nvrx.components.cli", "launch-local", "--run-dir",
-             str(run_dir), "--nodes", "2", "--set", f"data.path={data}", "--set",
-             "train.steps=100000", "--set", "train.step_sleep=0.05"],
-            env={**os.environ, TAG: token}, stdout=fh, stderr=subprocess.STDOUT, text=True)
-
-
-def test_a_killed_watchdog_is_replaced_and_the_run_still_ends_with_its_launcher(data, tmp_path):
-    """SIGKILL the watchdog: the launcher starts a new one; SIGKILL the launcher: nothing of the
-    run is left, and the run dir is not free while any process of it runs."""
-    token, run_dir, out = uuid.uuid4().hex, tmp_path / "run", tmp_path / "launcher.log"
-    launcher = _launch_logged(run_dir, data, token, out)
-    try:
-        _wait_until(lambda: _training(run_dir), 180, "the first training step")
-        (first,) = _watchdogs(token)
-        os.kill(first, signal.SIGKILL)
-        _wait_until(lambda: [p for p in _watchdogs(token) if p != first], 60,
-                    "the launcher to start a new watchdog")
-        _wait_until(lambda: f"the watchdog (pid {first}) died (signal 9)" in out.read_text(), 30,
-                    "the launcher to say so")
-        assert launcher.poll() is None and _training(run_dir)  # the run goes on, covered again
-        launcher.kill()
-        launcher.wait()
-        _lock_free_only_once_all_are_gone(run_dir, token, 120)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-        for pid in _alive(token):
-            os.kill(pid, signal.SIGKILL)
-
-
-def test_agents_die_with_the_launcher_when_the_watchdog_cannot_act(data, tmp_path):
-    """The watchdog is stopped (alive, so not replaced, but useless): SIGKILL the launcher, and
-    the kernel's death signal alone stops the agents, which stop their workers."""
-    token, run_dir, out = uuid.uuid4().hex, tmp_path / "run", tmp_path / "launcher.log"
-    launcher = _launch_logged(run_dir, data, token, out)
-    stopped = None
-    try:
-        _wait_until(lambda: _training(run_dir), 180, "the first training step")
-        (stopped,) = _watchdogs(token)
-        os.kill(stopped, signal.SIGSTOP)
-        assert len(_alive(token)) >= 4  # launcher, watchdog, 2 agents (and their workers)
-        starts = _starts(run_dir)
-        launcher.kill()
-        launcher.wait()
-        _wait_until(lambda: _alive(token) == [stopped], 120,
-                    "every agent and worker to stop without the watchdog")
-        # Stopped, not restarted: without the death signal the workers die of their broken
-        # output pipe and the agents start new ones (what the issue saw) before giving up.
-        assert _starts(run_dir) == starts
-    finally:
-        if stopped is not None:
-            os.kill(stopped, signal.SIGKILL)
-        if launcher.poll() is None:
-            launcher.kill()
-        for pid in _alive(token):
-            os.kill(pid, signal.SIGKILL)
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for d in Path("/proc").glob("[0-9]*"):
-        try:
-            if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(d.name))
-        except (OSError, ValueError, IndexError):
-            continue
-    return found
-
-
-def _relaunch_until_it_trains(run_dir: Path, data: Path, token: str, out: Path,
-                              agents: list[int]) -> subprocess.Popen:
-    """launch-local again into ``run_dir``: it trains, or it is refused naming a live agent.
-
-    A refusal must name one of ``agents`` (still stopping) as the holder, never only the dead
-    launcher; once they are gone the next try must train.
-    """
-    while True:
-        second = _launch_logged(run_dir, data, token, out)
-        _wait_until(lambda s=second: s.poll() is not None or "[trainer]" in out.read_text(),
-                    240, "the relaunch to train or be refused")
-        if second.poll() is None:
-            return second
-        text = out.read_text()
-        assert second.returncode == 2 and "is gone, but pid " in text, text[-3000:]
-        named = [p for p in agents if f"pid {p} (an ft_launcher agent)" in text]
-        assert named, text
-        _wait_until(lambda n=named: all(_dead(p) for p in n), 120, "the named agents to stop")
-
-
-@pytest.mark.parametrize("agents_too", [True, False], ids=["with-agents", "launcher-watchdog"])
-def test_a_relaunch_right_after_sigkill_of_the_launch_tree(agents_too, data, tmp_path):
-    """Issue 30 item 16: SIGKILL launcher and watchdog (and the agents), relaunch at once.
-
-    The relaunch trains, or is refused naming a live holder; it never waits minutes on a
-    rank-monitor server (an orphan) holding the lock, nor names the dead launcher as holder. What
-    the dead run left running is stopped before the new one starts.
-    """
-    first, run_dir = uuid.uuid4().hex, tmp_path / "run"
-    launcher = _launch_logged(run_dir, data, first, tmp_path / "first.log")
-    second = None
-    try:
-        _wait_until(lambda: _training(run_dir), 180, "the first training step")
-        (watchdog,) = _watchdogs(first)
-        agents = [p for p in _children(launcher.pid) if p != watchdog]
-        assert len(agents) == 2
-        victims = [launcher.pid, watchdog, *(agents if agents_too else [])]
-        for pid in victims:
-            os.kill(pid, signal.SIGKILL)
-        launcher.wait()
-        _wait_until(lambda: all(_dead(p) for p in victims), 30, "the SIGKILLs")
-        token = uuid.uuid4().hex
-        second = _relaunch_until_it_trains(run_dir, data, token, tmp_path / "second.log", agents)
-        assert _alive(first) == [], "the dead run's processes outlived the relaunch's start"
-        second.send_signal(signal.SIGTERM)
-        second.wait(timeout=180)
-        _lock_free_only_once_all_are_gone(run_dir, token, 120)
-    finally:
-        for proc in (launcher, second):
-            if proc is not None and proc.poll() is None:
-                proc.kill()
-        for pid in _alive(first):
-            os.kill(pid, signal.SIGKILL)
 
 
 def test_agent_stream_shows_what_matters_and_logs_everything(tmp_path):

@@ -32,6 +32,7 @@ from .agent_hosts import Hosts, Netns, dns_names
 from .agent_kubelet import KubeletServer
 from .agent_node import CAPACITY, LEASE_NAMESPACE, lease_body, node_body, node_status
 from .agent_pod import PodRunner
+from .pki import Leaf
 
 if TYPE_CHECKING:
     from .controlplane import ControlPlane
@@ -69,7 +70,7 @@ class Agent:
         self.by_name: dict[tuple[str, str], str] = {}  # (ns, name) -> newest uid
         self.ips: dict[str, str] = {}
         self.claims: dict[str, str] = {}
-        pair = cp.pki.issue("kubelet", "kubelet", ips=("127.0.0.1",), dns=("localhost",))
+        pair = cp.pki.issue("kubelet", Leaf("kubelet", ips=("127.0.0.1",), dns=("localhost",)))
         self.kubelet = KubeletServer(self, str(pair.cert), str(pair.key))
         self.threads: list[threading.Thread] = []
 
@@ -304,33 +305,43 @@ class Agent:
 
     def _watch(self, list_fn, handler, listed: threading.Event | None = None) -> None:
         """List, then watch from that resourceVersion; re-list only after 410 Gone or an error."""
-        from kubernetes import watch
-
         while not self.stopping.is_set():
             try:
-                body = json.loads(list_fn(_preload_content=False).data)
-                for item in body.get("items") or []:
-                    handler("ADDED", item)
-                if listed is not None:
-                    listed.set()
-                rv = body["metadata"]["resourceVersion"]
+                rv = self._list(list_fn, handler, listed)
                 while not self.stopping.is_set():  # a watch that timed out resumes at rv
-                    w = watch.Watch()
-                    for ev in w.stream(list_fn, resource_version=rv, timeout_seconds=30,
-                                       allow_watch_bookmarks=True):
-                        raw = ev.get("raw_object") or {}
-                        if ev["type"] == "ERROR":
-                            raise RuntimeError(f"watch error: {raw.get('message', raw)}")
-                        rv = (raw.get("metadata") or {}).get("resourceVersion", rv)
-                        if ev["type"] in ("ADDED", "MODIFIED", "DELETED"):
-                            handler(ev["type"], raw)
-                        if self.stopping.is_set():
-                            w.stop()
-                            break
+                    rv = self._stream(list_fn, handler, rv)
             except Exception as e:  # noqa: BLE001 - 410 Gone, a reset connection: re-list
                 if not self.stopping.is_set() and "410" not in str(e) and "Expired" not in str(e):
                     print(f"agent: watch: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 self.stopping.wait(1.0)
+
+    @staticmethod
+    def _list(list_fn, handler, listed: threading.Event | None) -> str:
+        """Hand every listed item to ``handler`` as ADDED; the list's resourceVersion."""
+        body = json.loads(list_fn(_preload_content=False).data)
+        for item in body.get("items") or []:
+            handler("ADDED", item)
+        if listed is not None:
+            listed.set()
+        return body["metadata"]["resourceVersion"]
+
+    def _stream(self, list_fn, handler, rv: str) -> str:
+        """One watch from ``rv`` until it times out or the agent stops; the last resourceVersion."""
+        from kubernetes import watch
+
+        w = watch.Watch()
+        for ev in w.stream(list_fn, resource_version=rv, timeout_seconds=30,
+                           allow_watch_bookmarks=True):
+            raw = ev.get("raw_object") or {}
+            if ev["type"] == "ERROR":
+                raise RuntimeError(f"watch error: {raw.get('message', raw)}")
+            rv = (raw.get("metadata") or {}).get("resourceVersion", rv)
+            if ev["type"] in ("ADDED", "MODIFIED", "DELETED"):
+                handler(ev["type"], raw)
+            if self.stopping.is_set():
+                w.stop()
+                break
+        return rv
 
     def _thread(self, name: str, target, *args) -> None:
         t = threading.Thread(target=target, args=args, name=f"agent-{name}", daemon=True)

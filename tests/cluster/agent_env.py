@@ -135,32 +135,44 @@ def container_env(pod: dict[str, Any], container: dict[str, Any], lookup: Lookup
     ns = pod["metadata"]["namespace"]
     env = {"PATH": BASE_PATH, "HOME": "/root", "HOSTNAME": hostname}
     for src in container.get("envFrom") or []:
-        prefix = src.get("prefix", "")
-        for kind, key in (("configmap", "configMapRef"), ("secret", "secretRef")):
-            if key in src:
-                data = lookup(kind, ns, src[key]["name"])
-                if data is None and not src[key].get("optional"):
-                    raise ConfigError(f'{kind} "{src[key]["name"]}" not found')
-                env.update({prefix + k: v for k, v in (data or {}).items()})
+        env.update(_env_from(src, ns, lookup))
     for item in container.get("env") or []:
         name, vf = item["name"], item.get("valueFrom")
         if vf is None:
             env[name] = expand(item.get("value", ""), env)  # may refer to earlier variables
             continue
-        value: str | None
-        if "fieldRef" in vf:
-            value = field_ref(pod, vf["fieldRef"]["fieldPath"])
-        elif "resourceFieldRef" in vf:
-            value = resource_ref(pod, container, vf["resourceFieldRef"], allocatable)
-        elif "secretKeyRef" in vf:
-            value = _key_ref("secret", vf["secretKeyRef"], ns, lookup)
-        elif "configMapKeyRef" in vf:
-            value = _key_ref("configmap", vf["configMapKeyRef"], ns, lookup)
-        else:
-            raise ConfigError(f"env {name}: unsupported valueFrom {sorted(vf)}")
+        value = _value_from(name, vf, pod, container, lookup, allocatable)
         if value is not None:
             env[name] = value
     return env
+
+
+def _env_from(src: dict[str, Any], namespace: str, lookup: Lookup) -> dict[str, str]:
+    """The variables one ``envFrom`` entry brings (its ConfigMap's or Secret's data, prefixed)."""
+    prefix = src.get("prefix", "")
+    out: dict[str, str] = {}
+    for kind, key in (("configmap", "configMapRef"), ("secret", "secretRef")):
+        if key in src:
+            data = lookup(kind, namespace, src[key]["name"])
+            if data is None and not src[key].get("optional"):
+                raise ConfigError(f'{kind} "{src[key]["name"]}" not found')
+            out.update({prefix + k: v for k, v in (data or {}).items()})
+    return out
+
+
+def _value_from(name: str, vf: dict[str, Any], pod: dict[str, Any], container: dict[str, Any],
+                lookup: Lookup, allocatable: dict[str, str]) -> str | None:
+    """The value of env ``name``'s ``valueFrom`` (None: an optional key that is absent)."""
+    ns = pod["metadata"]["namespace"]
+    if "fieldRef" in vf:
+        return field_ref(pod, vf["fieldRef"]["fieldPath"])
+    if "resourceFieldRef" in vf:
+        return resource_ref(pod, container, vf["resourceFieldRef"], allocatable)
+    if "secretKeyRef" in vf:
+        return _key_ref("secret", vf["secretKeyRef"], ns, lookup)
+    if "configMapKeyRef" in vf:
+        return _key_ref("configmap", vf["configMapKeyRef"], ns, lookup)
+    raise ConfigError(f"env {name}: unsupported valueFrom {sorted(vf)}")
 
 
 def container_argv(container: dict[str, Any], env: dict[str, str]) -> list[str]:

@@ -12,8 +12,11 @@ from __future__ import annotations
 import ssl
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, BinaryIO
 from urllib.parse import parse_qs, urlparse
 
 if TYPE_CHECKING:
@@ -71,55 +74,94 @@ class _Handler(BaseHTTPRequestHandler):
         if len(parts) != 4 or parts[0] != "containerLogs":
             return self._fail(404, f"not served by the test node agent: {url.path}")
         _, ns, name, container = parts
-        q = {k: v[-1] for k, v in parse_qs(url.query).items()}
+        lq = _LogQuery.parse(url.query)
         runner = self.agent.runner(ns, name)
         c = runner.container(container) if runner else None
         if c is None:
             return self._fail(404, f"container {container} of pod {ns}/{name} not found")
-        previous = q.get("previous") == "true"
-        restart = c.restarts - 1 if previous else c.restarts
-        path = runner.log_path(container, restart)
-        if not previous and restart > 0 and not path.is_file():
-            # Waiting to restart (back-off): the current log is the instance that just ended.
-            restart -= 1
-            path = runner.log_path(container, restart)
+        restart, path = _log_file(runner, c, container, lq.previous)
         if restart < 0 or not path.is_file():
-            what = "previous terminated" if previous else "current"
+            what = "previous terminated" if lq.previous else "current"
             return self._fail(400, f"{what} container {container} in pod {name} not found")
-        follow = q.get("follow") == "true" and not previous
-        limit = int(q["limitBytes"]) if q.get("limitBytes") else None
         self.send_response(200)
         self.send_header("Content-Type", "text/plain")
         self.end_headers()  # HTTP/1.0: the body ends when the stream closes
-        sent = 0
         with open(path, "rb") as f:
-            if q.get("tailLines"):
-                data = f.read()
-                lines = data.splitlines(keepends=True)[-int(q["tailLines"]):] if int(
-                    q["tailLines"]) > 0 else []
-                chunk = b"".join(lines)
-                self.wfile.write(chunk[:limit] if limit is not None else chunk)
-                if not follow:
+            sent = 0
+            if lq.tail is not None:
+                sent = self._send_tail(f, lq)
+                if not lq.follow:
                     return
-                sent = len(chunk)
-            while True:
-                data = f.read(64 * 1024)
-                if data:
-                    if limit is not None:
-                        data = data[:max(0, limit - sent)]
-                    try:
-                        self.wfile.write(data)
-                        self.wfile.flush()
-                    except OSError:
-                        return  # the client went away
-                    sent += len(data)
-                    if limit is not None and sent >= limit:
-                        return
-                    continue
-                # End of file: a follow stream ends once this container instance is over.
-                if not follow or c.restarts != restart or "running" not in c.state:
-                    rest = f.read()
-                    if rest:
-                        self.wfile.write(rest)
+            self._send_rest(f, lq, lambda: _instance_over(lq, c, restart), sent)
+
+    def _send_tail(self, f: BinaryIO, lq: _LogQuery) -> int:
+        """Write the last ``tailLines`` lines (within ``limitBytes``); how many bytes they were."""
+        assert lq.tail is not None
+        lines = f.read().splitlines(keepends=True)[-lq.tail:] if lq.tail > 0 else []
+        chunk = b"".join(lines)
+        self.wfile.write(chunk[:lq.limit] if lq.limit is not None else chunk)
+        return len(chunk)
+
+    def _send_rest(self, f: BinaryIO, lq: _LogQuery, over: Callable[[], bool], sent: int) -> None:
+        """Write the log from where ``f`` is, following it until ``over()`` when asked to."""
+        while True:
+            data = f.read(64 * 1024)
+            if data:
+                if lq.limit is not None:
+                    data = data[:max(0, lq.limit - sent)]
+                if not self._write(data):
+                    return  # the client went away
+                sent += len(data)
+                if lq.limit is not None and sent >= lq.limit:
                     return
-                time.sleep(0.2)
+                continue
+            # End of file: a follow stream ends once this container instance is over.
+            if over():
+                rest = f.read()
+                if rest:
+                    self.wfile.write(rest)
+                return
+            time.sleep(0.2)
+
+    def _write(self, data: bytes) -> bool:
+        """Write and flush ``data``; False when the client has gone away."""
+        try:
+            self.wfile.write(data)
+            self.wfile.flush()
+        except OSError:
+            return False
+        return True
+
+
+@dataclass(frozen=True)
+class _LogQuery:
+    """The ``containerLogs`` query parameters this server honours."""
+
+    previous: bool
+    follow: bool
+    limit: int | None
+    tail: int | None
+
+    @classmethod
+    def parse(cls, query: str) -> _LogQuery:
+        q = {k: v[-1] for k, v in parse_qs(query).items()}
+        previous = q.get("previous") == "true"
+        return cls(previous=previous, follow=q.get("follow") == "true" and not previous,
+                   limit=int(q["limitBytes"]) if q.get("limitBytes") else None,
+                   tail=int(q["tailLines"]) if q.get("tailLines") else None)
+
+
+def _log_file(runner: Any, c: Any, container: str, previous: bool) -> tuple[int, Path]:
+    """Which instance's log to serve (its restart number) and its file."""
+    restart = c.restarts - 1 if previous else c.restarts
+    path = runner.log_path(container, restart)
+    if not previous and restart > 0 and not path.is_file():
+        # Waiting to restart (back-off): the current log is the instance that just ended.
+        restart -= 1
+        path = runner.log_path(container, restart)
+    return restart, path
+
+
+def _instance_over(lq: _LogQuery, c: Any, restart: int) -> bool:
+    """Whether the stream ends at end of file: not following, or that instance has ended."""
+    return not lq.follow or c.restarts != restart or "running" not in c.state

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from .pki import PKI
+from .pki import PKI, Leaf
 from .procs import Proc, free_port, wait_until
 
 #: The namespace the controllers run "in" (their Secrets, leases): Kubeflow's own.
@@ -144,12 +144,12 @@ class ControlPlane:
 
     def start_apiserver(self) -> None:
         pki, ep = self.pki, self.ep
-        serving = pki.issue("apiserver", "kube-apiserver", ips=("127.0.0.1", "10.0.0.1"),
-                            dns=("localhost", "kubernetes", "kubernetes.default",
-                                 "kubernetes.default.svc",
-                                 "kubernetes.default.svc.cluster.local"))
-        self.admin = pki.issue("admin", "kfp-nvrx-admin", organization="system:masters",
-                               server=False)
+        serving = pki.issue("apiserver", Leaf("kube-apiserver", ips=("127.0.0.1", "10.0.0.1"),
+                                              dns=("localhost", "kubernetes", "kubernetes.default",
+                                                   "kubernetes.default.svc",
+                                                   "kubernetes.default.svc.cluster.local")))
+        self.admin = pki.issue("admin", Leaf("kfp-nvrx-admin", organization="system:masters",
+                                             server=False))
         self._kubeconfig_file()
         p = self._proc("kube-apiserver", [
             str(self.bins / "kube-apiserver"),
@@ -250,7 +250,7 @@ class ControlPlane:
     def webhook_certs(self, name: str, dns: tuple[str, ...] = ()) -> Path:
         """Serving cert for one controller's webhook server, in controller-runtime's layout."""
         folder = self.root / name / "tmp" / "k8s-webhook-server" / "serving-certs"
-        self.pki.issue(f"{name}-webhook", name, ips=("127.0.0.1",), dns=("localhost", *dns),
+        self.pki.issue(f"{name}-webhook", Leaf(name, ips=("127.0.0.1",), dns=("localhost", *dns)),
                        folder=folder, cert_file="tls.crt", key_file="tls.key")
         return folder
 

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,29 +32,46 @@ def prepare_data(cluster: Any) -> None:
         prepare_dataset("sample:400", out, seq_len=64)
 
 
+@dataclass(frozen=True)
+class LaunchArgs:
+    """What one launch asks for: the job's name and API, and its queue, priority and extras."""
+
+    name: str
+    job_api: str
+    steps: int
+    queue: str = ""
+    priority: str = ""
+    extra: tuple[str, ...] = ()
+    namespace: str = ""
+
+    def argv(self, kube: Any, result: Path) -> list[str]:
+        """The ``kfp-nvrx launch`` command line (``--result`` to ``result``)."""
+        argv = [str(Path(sys.executable).parent / "kfp-nvrx"), "launch", "--backend",
+                "kubernetes", "--job-api", self.job_api, "--name", self.name, "--namespace",
+                self.namespace or kube.namespace, "--nodes", "2", "--instance-type", "cpu",
+                "--cpu", "1", "--memory", "1Gi", "--image", "kfp-nvrx-trainer:test", "--pvc",
+                "kfp-nvrx-shared", "--config", "tiny", "--poll-interval", "1",
+                "--result", str(result), "--set", f"data.path=/fsx/{DATA}",
+                f"train.steps={self.steps}", "checkpoint.interval=10"]
+        if self.queue:
+            argv += ["--queue-name", self.queue]
+        if self.priority:
+            argv += ["--priority-class", self.priority]
+        return [*argv, *self.extra]
+
+
 class Launch:
     """One ``kfp-nvrx launch --backend kubernetes`` of a 2-node CPU job (1 CPU per node)."""
 
-    def __init__(self, kube: Any, name: str, job_api: str, *, steps: int, queue: str = "",
-                 priority: str = "", extra: tuple[str, ...] = (), namespace: str = "") -> None:
-        self.kube, self.name = kube, name
-        self.out = kube.root / f"launch-{name}-{time.monotonic_ns()}.log"
+    def __init__(self, kube: Any, args: LaunchArgs) -> None:
+        self.kube, self.name = kube, args.name
+        self.out = kube.root / f"launch-{args.name}-{time.monotonic_ns()}.log"
         self.err = self.out.with_suffix(".err")
         self.result_path = self.out.with_suffix(".json")
-        argv = [str(Path(sys.executable).parent / "kfp-nvrx"), "launch", "--backend",
-                "kubernetes", "--job-api", job_api, "--name", name, "--namespace",
-                namespace or kube.namespace, "--nodes", "2", "--instance-type", "cpu", "--cpu", "1",
-                "--memory", "1Gi", "--image", "kfp-nvrx-trainer:test", "--pvc",
-                "kfp-nvrx-shared", "--config", "tiny", "--poll-interval", "1",
-                "--result", str(self.result_path), "--set", f"data.path=/fsx/{DATA}",
-                f"train.steps={steps}", "checkpoint.interval=10"]
-        if queue:
-            argv += ["--queue-name", queue]
-        if priority:
-            argv += ["--priority-class", priority]
+        argv = args.argv(kube, self.result_path)
         env = {**os.environ, "KUBECONFIG": str(kube.kubeconfig)}
         with open(self.out, "wb") as out, open(self.err, "wb") as err:
-            self.proc = subprocess.Popen([*argv, *extra], stdout=out, stderr=err, env=env,
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=err, env=env,
                                          stdin=subprocess.DEVNULL)
 
     def text(self) -> str:

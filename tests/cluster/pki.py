@@ -54,6 +54,25 @@ class Pair:
     key: Path
 
 
+@dataclass(frozen=True)
+class Leaf:
+    """What a leaf certificate says.
+
+    Attributes:
+        common_name: Subject CN (the user name for client certs).
+        organization: Subject O (the group for client certs).
+        dns: DNS subject alternative names.
+        ips: IP subject alternative names.
+        server: Serving cert (server auth) or client cert (client auth).
+    """
+
+    common_name: str
+    organization: str | None = None
+    dns: tuple[str, ...] = ()
+    ips: tuple[str, ...] = ()
+    server: bool = True
+
+
 class PKI:
     """A per-run CA in ``root`` that issues serving and client certificates.
 
@@ -90,19 +109,13 @@ class PKI:
         """The CA certificate (the ``caBundle`` of webhook configurations)."""
         return _pem_cert(self._ca)
 
-    def issue(self, name: str, common_name: str, *, organization: str | None = None,
-              dns: tuple[str, ...] = (), ips: tuple[str, ...] = (), server: bool = True,
-              folder: Path | None = None, cert_file: str | None = None,
-              key_file: str | None = None) -> Pair:
+    def issue(self, name: str, leaf: Leaf, *, folder: Path | None = None,
+              cert_file: str | None = None, key_file: str | None = None) -> Pair:
         """Issue a leaf certificate signed by the run's CA.
 
         Args:
             name: File stem (``<name>.crt`` / ``<name>.key``) unless file names are given.
-            common_name: Subject CN (the user name for client certs).
-            organization: Subject O (the group for client certs).
-            dns: DNS subject alternative names.
-            ips: IP subject alternative names.
-            server: Serving cert (server auth) or client cert (client auth).
+            leaf: What the certificate says (subject, alternative names, usage).
             folder: Where to write (default: the PKI root).
             cert_file: Certificate file name inside ``folder``.
             key_file: Key file name inside ``folder``.
@@ -113,11 +126,11 @@ class PKI:
         folder = folder or self.root
         folder.mkdir(parents=True, exist_ok=True)
         key = _key()
-        attrs = [x509.NameAttribute(NameOID.COMMON_NAME, common_name)]
-        if organization:
-            attrs.append(x509.NameAttribute(NameOID.ORGANIZATION_NAME, organization))
+        attrs = [x509.NameAttribute(NameOID.COMMON_NAME, leaf.common_name)]
+        if leaf.organization:
+            attrs.append(x509.NameAttribute(NameOID.ORGANIZATION_NAME, leaf.organization))
         now = datetime.datetime.now(datetime.timezone.utc)
-        usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
+        usage = ExtendedKeyUsageOID.SERVER_AUTH if leaf.server else ExtendedKeyUsageOID.CLIENT_AUTH
         builder = (x509.CertificateBuilder().subject_name(x509.Name(attrs))
                    .issuer_name(self._ca.subject).public_key(key.public_key())
                    .serial_number(x509.random_serial_number())
@@ -125,8 +138,8 @@ class PKI:
                    .not_valid_after(now + _VALID)
                    .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
                    .add_extension(x509.ExtendedKeyUsage([usage]), critical=False))
-        sans: list[x509.GeneralName] = [x509.DNSName(d) for d in dns]
-        sans += [x509.IPAddress(ipaddress.ip_address(i)) for i in ips]
+        sans: list[x509.GeneralName] = [x509.DNSName(d) for d in leaf.dns]
+        sans += [x509.IPAddress(ipaddress.ip_address(i)) for i in leaf.ips]
         if sans:
             builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
         cert = builder.sign(self._ca_key, hashes.SHA256())

@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from typing import NoReturn
 
 
 def main(argv: list[str]) -> int:
@@ -32,14 +33,25 @@ def main(argv: list[str]) -> int:
         return 127
     pid = os.fork()
     if pid == 0:
-        try:
-            # Back to default dispositions and a group of its own, as a container's command has.
-            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-                signal.signal(sig, signal.SIG_DFL)
-            os.execvp(argv[0], argv)
-        except OSError as e:
-            print(f"pod_init: cannot run {argv[0]!r}: {e.strerror}", file=sys.stderr, flush=True)
-            os._exit(127 if e.errno == 2 else 126)
+        _exec(argv)
+    _forward_signals(pid)
+    return _wait(pid)
+
+
+def _exec(argv: list[str]) -> NoReturn:
+    """In the child: become the container's command (127/126 when it cannot run)."""
+    try:
+        # Back to default dispositions and a group of its own, as a container's command has.
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+        os.execvp(argv[0], argv)
+    except OSError as e:
+        print(f"pod_init: cannot run {argv[0]!r}: {e.strerror}", file=sys.stderr, flush=True)
+        os._exit(127 if e.errno == 2 else 126)
+
+
+def _forward_signals(pid: int) -> None:
+    """Pass SIGTERM/SIGINT/SIGHUP sent to PID 1 on to the child."""
 
     def forward(signum: int, _frame) -> None:
         try:
@@ -49,6 +61,10 @@ def main(argv: list[str]) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, forward)
+
+
+def _wait(pid: int) -> int:
+    """Reap every process until ``pid`` ends; its exit code, or 128 + the signal that killed it."""
     while True:
         try:
             done, status = os.wait()  # reaps orphans too: they are re-parented to PID 1

@@ -42,6 +42,33 @@ class _Stopped(BaseException):
     """A stop signal arrived while the cluster was starting."""
 
 
+class _Signals:
+    """The supervisor's signals as events.
+
+    SIGTERM/SIGINT/SIGHUP set ``stop`` (and abort a start-up still waiting on a component).
+    SIGUSR1 asks for a kube-apiserver restart (tests of clients that must survive it); SIGUSR2
+    the same, with etcd compacted while it is down. The restart is done in the supervisor's loop,
+    where a component's exit is not mistaken for a death.
+    """
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self.restart = threading.Event()
+        self.compact = threading.Event()
+        self.starting = True
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, self._on_stop)
+        signal.signal(signal.SIGUSR1, lambda *_: self.restart.set())
+        signal.signal(signal.SIGUSR2, lambda *_: (self.compact.set(), self.restart.set()))
+
+    def _on_stop(self, signum: int, _frame) -> None:
+        self.stop.set()
+        if self.starting:  # abort a start-up that is waiting on a component; `finally` stops all
+            raise _Stopped(signal.Signals(signum).name)
+
+
 def serve(root: Path, bins: Path, nodes: int = 0) -> int:
     """Start the cluster in ``root`` and keep it until a stop signal.
 
@@ -54,40 +81,15 @@ def serve(root: Path, bins: Path, nodes: int = 0) -> int:
         Exit status (0 after a clean stop, 1 if start-up failed).
     """
     lock = Lock(root)  # noqa: F841 - held until the process exits
-    stop = threading.Event()
-    starting = True
-
-    def on_signal(signum: int, _frame) -> None:
-        stop.set()
-        if starting:  # abort a start-up that is waiting on a component; `finally` stops all
-            raise _Stopped(signal.Signals(signum).name)
-
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, on_signal)
-    # SIGUSR1: restart kube-apiserver (tests of clients that must survive it); SIGUSR2: the same,
-    # with etcd compacted while it is down. Done in the loop below, where a component's exit is
-    # not mistaken for a death.
-    restart = threading.Event()
-    compact = threading.Event()
-    signal.signal(signal.SIGUSR1, lambda *_: restart.set())
-    signal.signal(signal.SIGUSR2, lambda *_: (compact.set(), restart.set()))
+    signals = _Signals()
+    signals.install()
     owner.clean(root)  # an earlier cluster's etcd, agent control files, pods, volumes
     cp = ControlPlane(root, bins)
     agent = None
     status = 0
     try:
         t0 = time.monotonic()
-        cp.start_etcd()
-        cp.start_apiserver()
-        install.namespaces(cp, [SYSTEM_NAMESPACE, USER_NAMESPACE])
-        install.crds(cp)
-        install.webhooks(cp)
-        cp.start_kube_controllers()
-        controllers = [cp.start_trainer(), cp.start_jobset(), cp.start_training_operator(),
-                       cp.start_kueue()]
-        cp.wait_controllers(controllers)
-        install.upstream_runtimes(cp)
-        install.ours(cp, USER_NAMESPACE)
+        _start_control_plane(cp)
         if nodes:
             from .agent import start_agent
 
@@ -99,22 +101,8 @@ def serve(root: Path, bins: Path, nodes: int = 0) -> int:
         cp.write_state(ready)
         print(f"cluster: ready in {time.monotonic() - t0:.0f} s; KUBECONFIG={cp.kubeconfig}",
               flush=True)
-        starting = False
-        while not stop.wait(0.2 if restart.is_set() else 1.0):
-            if restart.is_set():
-                restart.clear()
-                cp.restart_apiserver(compact=compact.is_set())
-                compact.clear()
-                ready["apiserver_restarts"] += 1
-                cp.write_state(ready)
-            for p in cp.procs:
-                if (msg := p.died()) is not None:
-                    # A dead component is a broken cluster: say which and stop the rest.
-                    cp.write_state({"ready": False, "failed": msg, "supervisor": os.getpid()})
-                    print(f"cluster: {msg}", flush=True)
-                    stop.set()
-                    status = 1
-                    break
+        signals.starting = False
+        status = _keep(cp, signals, ready)
     except _Stopped as e:
         print(f"cluster: start-up stopped by {e}", flush=True)
     except Exception as e:  # noqa: BLE001 - any start-up failure: report it, stop what started
@@ -129,6 +117,40 @@ def serve(root: Path, bins: Path, nodes: int = 0) -> int:
         if status == 0:
             (root / "state.json").unlink(missing_ok=True)
     return status
+
+
+def _start_control_plane(cp: ControlPlane) -> None:
+    """etcd, the API server, what is installed in it, and every controller, in that order."""
+    cp.start_etcd()
+    cp.start_apiserver()
+    install.namespaces(cp, [SYSTEM_NAMESPACE, USER_NAMESPACE])
+    install.crds(cp)
+    install.webhooks(cp)
+    cp.start_kube_controllers()
+    controllers = [cp.start_trainer(), cp.start_jobset(), cp.start_training_operator(),
+                   cp.start_kueue()]
+    cp.wait_controllers(controllers)
+    install.upstream_runtimes(cp)
+    install.ours(cp, USER_NAMESPACE)
+
+
+def _keep(cp: ControlPlane, signals: _Signals, ready: dict) -> int:
+    """Keep the cluster until a stop signal (0) or a component's death (1); restart on request."""
+    while not signals.stop.wait(0.2 if signals.restart.is_set() else 1.0):
+        if signals.restart.is_set():
+            signals.restart.clear()
+            cp.restart_apiserver(compact=signals.compact.is_set())
+            signals.compact.clear()
+            ready["apiserver_restarts"] += 1
+            cp.write_state(ready)
+        msg = next((m for p in cp.procs if (m := p.died()) is not None), None)
+        if msg is not None:
+            # A dead component is a broken cluster: say which and stop the rest.
+            cp.write_state({"ready": False, "failed": msg, "supervisor": os.getpid()})
+            print(f"cluster: {msg}", flush=True)
+            signals.stop.set()
+            return 1
+    return 0
 
 
 def _wait_nodes_schedulable(cp: ControlPlane, nodes: int, timeout_s: float = 120.0) -> None:

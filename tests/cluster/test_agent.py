@@ -28,15 +28,13 @@ def _wait(what, check, timeout_s=WAIT_S):
     return wait_for(what, check, timeout_s)
 
 
-def _pod(name, script, *, policy="Never", volumes=(), mounts=(), env=(), grace=None, **spec):
-    body = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": {"t": name}},
+def _pod(name, script, *, policy="Never", volumes=(), mounts=(), env=(), **spec):
+    """A one-container pod running ``script``; ``spec`` adds pod spec fields (camelCase)."""
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": {"t": name}},
             "spec": {"restartPolicy": policy, "containers": [{
                 "name": "main", "image": "ignored", "command": ["/bin/sh", "-c", script],
                 "env": list(env), "volumeMounts": list(mounts)}], "volumes": list(volumes),
                 **spec}}
-    if grace is not None:
-        body["spec"]["terminationGracePeriodSeconds"] = grace
-    return body
 
 
 def _phase(core, ns, name, phases=("Succeeded", "Failed")):
@@ -103,7 +101,8 @@ def test_pod_gets_kubelet_env_volumes_hostname_and_names(kube):
     core.create_namespaced_config_map(ns, {"metadata": {"name": f"c-{tag}"},
                                            "data": {"level": "debug"}})
     target = f"target-{tag}"
-    core.create_namespaced_pod(ns, _pod(target, "exec sleep 300", grace=1))
+    core.create_namespaced_pod(ns, _pod(target, "exec sleep 300",
+                                        terminationGracePeriodSeconds=1))
     core.create_namespaced_service(ns, {"metadata": {"name": f"svc-{tag}"}, "spec": {
         "clusterIP": "None", "selector": {"t": target}, "ports": [{"port": 80}]}})
     tip = _phase(core, ns, target, ("Running",)).status.pod_ip
@@ -203,10 +202,10 @@ def test_delete_honours_grace_and_leaves_nothing(kube):
     polite_sh = (f"trap 'echo term > /fsx/{polite}; exit 0' TERM; "
                  f"setsid {grandchild} & echo $! > /fsx/{polite}.child; "
                  "while true; do sleep 0.2; done")
-    core.create_namespaced_pod(ns, _pod(polite, polite_sh, grace=30, volumes=[SHARED],
-                                        mounts=mounts))
+    core.create_namespaced_pod(ns, _pod(polite, polite_sh, volumes=[SHARED], mounts=mounts,
+                                        terminationGracePeriodSeconds=30))
     core.create_namespaced_pod(ns, _pod(stubborn, "trap '' TERM; while true; do sleep 0.2; "
-                                        "done", grace=3))
+                                        "done", terminationGracePeriodSeconds=3))
     pods = {n: _phase(core, ns, n, ("Running",)) for n in (polite, stubborn)}
     _wait("the grandchild's pid", lambda: (folder / f"{polite}.child").is_file())
     groups = {n: _wait(f"pids of {n}", lambda n=n: _pids(kube, pods[n].metadata.uid))

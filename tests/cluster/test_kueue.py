@@ -20,7 +20,7 @@ from kubernetes.client.rest import ApiException
 from rendering import render_pytorchjob, render_trainjob
 
 from cluster import kueue
-from cluster.kueue_launch import DATA, Launch, prepare_data
+from cluster.kueue_launch import DATA, Launch, LaunchArgs, prepare_data
 from cluster.launch_real import wait_for
 from kfp_nvrx.components.launch.jobspec.spec import JobSpec
 from kfp_nvrx.components.launch.trainjob.runtime import GRACE_PERIOD_S, build_runtime
@@ -64,7 +64,7 @@ def launch(queue):
     started: list[Launch] = []
 
     def start(name: str, job_api: str, **kw) -> Launch:
-        started.append(Launch(queue, name, job_api, **kw))
+        started.append(Launch(queue, LaunchArgs(name, job_api, **kw)))
         return started[-1]
 
     yield start
