@@ -83,8 +83,8 @@ def one_rank_env(monkeypatch):
 
 @pytest.fixture()
 def double():
-    """The Kubernetes API test double (tests/k8s_double.py), serving until the test ends."""
-    from k8s_double import K8sDouble
+    """The Kubernetes API test double (tests/support/k8s_double.py), serving until the test ends."""
+    from support.k8s_double import K8sDouble
 
     d = K8sDouble().serve()
     yield d

@@ -11,5 +11,5 @@
   connection, the one custom-object client, create/follow/delete, pod logs, Kueue);
 * :mod:`.result`, :mod:`.ui_outputs`: what a launch reports.
 
-Torch-free: it runs in the components image and the CLI (``tests/test_import_graph.py``).
+Torch-free: it runs in the components image and the CLI (``tests/unit/test_import_graph.py``).
 """

@@ -19,7 +19,7 @@ __all__ = ["DEFAULT_JOB_API", "train_fsdp"]
 
 
 # KFP runs this function's source alone, so its defaults are literals; job_api's is
-# job_apis.DEFAULT_JOB_API (tests/test_pipelines.py holds them equal). KFP takes the parameter
+# job_apis.DEFAULT_JOB_API (tests/unit/test_pipelines.py holds them equal). KFP takes the parameter
 # descriptions from the docstring, where with_fault_kinds lists the registered fault kinds (the
 # source KFP runs keeps the placeholder).
 @dsl.component(base_image=components_image(), install_kfp_package=False)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 
-from rendering import render_pytorchjob, render_trainjob
+from support.rendering import render_pytorchjob, render_trainjob
 
 from cluster.kutil import wait_for
 from kfp_nvrx.components.launch.jobspec.pod import POD_ENTRY
@@ -30,7 +30,7 @@ TRAINER = ("trainer.kubeflow.org", "v1alpha1")
 JOBSET = ("jobset.x-k8s.io", "v1alpha2")
 KUBEFLOW = ("kubeflow.org", "v1")
 
-#: ft_launcher's last lines (its ``main``; ``tests/test_pod_entry.py`` shows them on the real NVRx).
+#: ft_launcher's last lines (its ``main``; ``tests/unit/test_pod_entry.py`` shows them on the real NVRx).
 GAVE_UP = ("[ERROR] Some rank(s) exited with non-zero exit code: {1: ProcessFailure()}. "
            "Agent's exit code = 1")
 BROKE = ("[ERROR] Agent run ended with exception, e=RendezvousConnectionError(The connection "

@@ -14,7 +14,7 @@ import re
 from typing import Any
 
 import pytest
-from rendering import render_pytorchjob, render_trainjob
+from support.rendering import render_pytorchjob, render_trainjob
 
 from cluster.kutil import (
     SETTLE_S,

@@ -17,7 +17,7 @@ import pytest
 import torch
 from kubernetes import client
 from kubernetes.client.rest import ApiException
-from rendering import render_pytorchjob, render_trainjob
+from support.rendering import render_pytorchjob, render_trainjob
 
 from cluster import kueue
 from cluster.kueue_launch import DATA, Launch, LaunchArgs, prepare_data

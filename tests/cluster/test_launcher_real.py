@@ -303,7 +303,7 @@ def test_pods_refused_by_quota_are_said_once_not_just_pending(kube, tmp_path, qu
 
 def test_a_job_no_controller_takes_up_is_said(kube) -> None:
     """A TrainJob the real Trainer skips (``managedBy`` Kueue, which is not installed)."""
-    from rendering import render_trainjob
+    from support.rendering import render_trainjob
 
     from kfp_nvrx.components.launch.backends import launch
     from kfp_nvrx.components.launch.jobspec.resolve import resolve

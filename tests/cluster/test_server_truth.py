@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import yaml
-from rendering import render_pytorchjob, render_trainjob
+from support.rendering import render_pytorchjob, render_trainjob
 
 from cluster.kutil import (
     Verdict,
@@ -58,7 +58,7 @@ from kfp_nvrx.components.launch.trainjob.validate import (
 from kfp_nvrx.components.launch.trainjob.validate_jobset import validate_runtime
 
 REPO = Path(__file__).resolve().parents[2]
-GOLDEN = REPO / "tests" / "golden"
+GOLDEN = REPO / "tests" / "unit" / "golden"
 IMAGE = "123456789012.dkr.ecr.us-west-2.amazonaws.com/kfp-nvrx-trainer:0.1.0"
 
 

@@ -20,8 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from golden_specs import IMAGE, golden_specs
-from rendering import render_pytorchjob, render_trainjob
+from support.golden_specs import IMAGE, golden_specs
+from support.rendering import render_pytorchjob, render_trainjob
 
 from kfp_nvrx.components.launch.jobspec.spec import JobSpec
 from kfp_nvrx.components.launch.trainjob.runtime import build_runtime

@@ -1,7 +1,7 @@
 """CUDA checkpoint staging: pinned buffer, D2H overlapped with the next step, in-memory restore.
 
 Needs a CUDA GPU (``make test-gpu`` on the GPU machine); on a CPU-only machine these are skipped
-and the CPU side of the same code runs in ``tests/test_staging.py``. NCCL, world size 1, a model of
+and the CPU side of the same code runs in ``tests/unit/test_staging.py``. NCCL, world size 1, a model of
 ~60 MB of state so the copies take long enough to still be running during the next step.
 """
 
