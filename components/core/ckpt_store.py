@@ -14,6 +14,11 @@ export, the resume checks). Another durable store (e.g. S3) is one module implem
 :class:`CheckpointStore` plus one line in :data:`_FACTORIES` (or a :func:`register_store` call);
 the trainer's DCP readers and writers come from the store's :meth:`CheckpointStore.location`
 (:mod:`kfp_nvrx.components.training.checkpoint.dcp_io`). Imports no torch.
+
+A run picks its store with the config key ``checkpoint.store`` (:data:`STORE_KEY`, checked
+against :func:`store_kinds`); its first start records it in the run's ``config.yaml``, and
+:func:`open_store` without a kind opens the store that record names, so readers that have no
+config in hand (export, the local agent) open the run's own store.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kfp_nvrx.components.core.volume_store import VolumeStore
+from kfp_nvrx.components.errors import UserError
 
 StrPath = str | os.PathLike[str]
 
@@ -104,8 +110,10 @@ class CheckpointStore(StepStore, Protocol):
 _FACTORIES: dict[str, Callable[[StrPath], CheckpointStore]] = {
     "volume": VolumeStore,
 }
-#: The store every run uses unless told otherwise.
+#: The store every run uses unless told otherwise (also a run whose record predates the key).
 DEFAULT_KIND = "volume"
+#: The config key that picks a run's store (``CheckpointConfig.store``), as records name it.
+STORE_KEY = "checkpoint.store"
 
 
 def register_store(kind: str, factory: Callable[[StrPath], CheckpointStore]) -> None:
@@ -118,13 +126,53 @@ def store_kinds() -> list[str]:
     return sorted(_FACTORIES)
 
 
-def open_store(run_dir: StrPath, kind: str | None = None) -> CheckpointStore:
-    """The durable checkpoint store of the run in ``run_dir`` (``kind``: :data:`DEFAULT_KIND`).
+def check_kind(kind: str, source: str = "") -> str:
+    """``kind`` when a store of that kind is registered.
+
+    Args:
+        kind: A ``checkpoint.store`` value.
+        source: Where the value came from, for the message (e.g. the run's record).
 
     Raises:
-        KeyError: No store of that kind is registered.
+        UserError: Naming ``checkpoint.store`` and the registered kinds.
     """
-    return _FACTORIES[kind or DEFAULT_KIND](run_dir)
+    if kind not in _FACTORIES:
+        raise UserError(STORE_KEY, f"must be one of {', '.join(store_kinds())}, got {kind!r}"
+                        f"{source}")
+    return kind
+
+
+def recorded_kind(run_dir: StrPath) -> str:
+    """The store kind the run in ``run_dir`` records (``checkpoint.store`` in its config.yaml).
+
+    :data:`DEFAULT_KIND` when there is no record yet (a fresh run dir; its first start passes
+    its config's kind instead) or the record predates the key (every such run used the volume).
+
+    Raises:
+        UserError: Naming ``run_dir`` when the record exists but cannot be read.
+    """
+    # run_record imports this module (its checks go through a store), so it is imported here.
+    from kfp_nvrx.components.core.run_record import read_recorded_config
+
+    recorded = read_recorded_config(Path(run_dir)) or {}
+    return str(recorded.get(STORE_KEY, DEFAULT_KIND))
+
+
+def open_store(run_dir: StrPath, kind: str | None = None) -> CheckpointStore:
+    """The durable checkpoint store of the run in ``run_dir``.
+
+    Args:
+        run_dir: The run directory.
+        kind: The store kind (the caller's resolved ``checkpoint.store``); None: the kind the
+            run's record names (:func:`recorded_kind`), read once here.
+
+    Raises:
+        UserError: Naming ``checkpoint.store`` when no store of that kind is registered.
+    """
+    source = ""
+    if kind is None:
+        kind, source = recorded_kind(run_dir), f" (recorded in {run_dir}'s config.yaml)"
+    return _FACTORIES[check_kind(kind, source)](run_dir)
 
 
 @dataclass

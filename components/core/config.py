@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from kfp_nvrx.components.core.ckpt_store import DEFAULT_KIND, store_kinds
 from kfp_nvrx.components.core.config_text import parse_set_value, read_config_file
 from kfp_nvrx.components.core.settings import (
     check_setting,
@@ -22,6 +23,7 @@ from kfp_nvrx.components.core.settings import (
     non_negative,
     one_of,
     positive,
+    registered,
     setting,
 )
 from kfp_nvrx.components.errors import UserError
@@ -103,7 +105,7 @@ class TrainConfig(Section):
 
 @dataclass
 class CheckpointConfig(Section):
-    """DCP checkpoints under ``<run_dir>/checkpoints/step_XXXXXXXX``."""
+    """DCP checkpoints in the run's store (volume: ``<run_dir>/checkpoints/step_XXXXXXXX``)."""
 
     section: ClassVar[str] = "checkpoint"
     interval: int = non_negative(10)  # steps between saves; 0 disables periodic saves
@@ -119,6 +121,10 @@ class CheckpointConfig(Section):
     # blocking on CPU.
     staging: str = one_of("auto", "overlap", "blocking", "nvrx")
     write_threads: int = positive(4)  # files per rank written in parallel by the NVRx writer
+    # Where the checkpoints live: a kind of the checkpoint-store registry (.ckpt_store; volume =
+    # <run_dir>/checkpoints on the run dir's volume). Recorded in config.yaml by the first start;
+    # a resume must keep it (its checkpoints are in that store), and readers open the recorded one.
+    store: str = registered(DEFAULT_KIND, store_kinds)
     # Keys a resume may change from the run's config.yaml record, comma-separated: model (every
     # model key), model.<key>, data.path, train.seed. Empty: a resume with other values of
     # those is refused (the checkpoints were trained with the recorded ones).

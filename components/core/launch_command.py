@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kfp_nvrx.components.core.ckpt_store import open_store
+from kfp_nvrx.components.core.ckpt_store import DEFAULT_KIND, open_store
 from kfp_nvrx.components.core.config import ResilienceConfig
 from kfp_nvrx.components.errors import UserError
 
@@ -30,9 +30,15 @@ GPU_MEMORY_POLL_SINCE = (0, 7)
 ITERATION_FILE_SINCE = (0, 7)
 
 
-def iteration_file(run_dir: str | Path) -> Path:
-    """Where the trainer writes the newest committed step and ft_launcher reads it (the store's)."""
-    return open_store(run_dir).progress_file
+def iteration_file(run_dir: str | Path, store: str = DEFAULT_KIND) -> Path:
+    """Where the trainer writes the newest committed step and ft_launcher reads it (the store's).
+
+    Args:
+        run_dir: The run directory.
+        store: The run's resolved ``checkpoint.store`` (a rendered job's run dir is a path in
+            the pod, not here: nothing is read from it).
+    """
+    return open_store(run_dir, store).progress_file
 
 
 @dataclass
@@ -43,6 +49,9 @@ class TrainerArgs:
     run_dir: str
     overrides: list[str] = field(default_factory=list)
     faults: list[str] = field(default_factory=list)
+    # The resolved checkpoint.store: not a flag (the trainer resolves its own config), but the
+    # launcher's side of the store, ft_launcher's progress file, is that store's.
+    store: str = DEFAULT_KIND
 
     def argv(self) -> list[str]:
         """The trainer's own flags."""
@@ -232,7 +241,7 @@ def ft_launcher_argv(
     if _version_tuple(nvrx_version) >= ITERATION_FILE_SINCE:
         # FT: ft_launcher's progress tracking reads the newest committed step the trainer writes
         # (without it NVRx 0.7 warns that no iterations are reported and tracks nothing).
-        progress = [f"--ft-checkpoint-iteration-file={iteration_file(trainer.run_dir)}"]
+        progress = [f"--ft-checkpoint-iteration-file={iteration_file(trainer.run_dir, trainer.store)}"]
     rdzv_flags = [f"--rdzv-endpoint={rdzv.endpoint}"] if rdzv.endpoint else []
     rdzv_flags += [f"--rdzv-id={rdzv.id}"] if rdzv.id else []
     return [

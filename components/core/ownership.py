@@ -20,7 +20,7 @@ from collections.abc import Collection, Iterable
 from pathlib import Path
 
 from kfp_nvrx.components.core.atomic import fsync_dir
-from kfp_nvrx.components.core.ckpt_store import open_store
+from kfp_nvrx.components.core.ckpt_store import DEFAULT_KIND, open_store
 from kfp_nvrx.components.errors import UserError
 
 #: Written into every run dir we create; proves the folder is a kfp-nvrx run dir.
@@ -135,7 +135,9 @@ def is_run_dir(run_dir: str | os.PathLike[str], sections: Collection[str] = (),
         return True
     if not sections or "config.yaml" not in names or not (d / "config.yaml").is_file():
         return False
-    if not (Path(open_store(d).where).is_dir() or (d / "events.jsonl").is_file()):
+    # Runs from before the marker predate checkpoint.store: their store is the volume (and the
+    # config.yaml of a stranger's folder is not read as a record here).
+    if not (Path(open_store(d, DEFAULT_KIND).where).is_dir() or (d / "events.jsonl").is_file()):
         return False
     from kfp_nvrx.components.core.bounded import CONFIG_LIMIT, read_text
     from kfp_nvrx.components.core.config_text import load_yaml

@@ -23,7 +23,12 @@ from typing import Any
 import yaml
 
 from kfp_nvrx.components.core.atomic import write_atomic
-from kfp_nvrx.components.core.ckpt_store import CheckpointStore, open_store
+from kfp_nvrx.components.core.ckpt_store import (
+    DEFAULT_KIND,
+    STORE_KEY,
+    CheckpointStore,
+    open_store,
+)
 from kfp_nvrx.components.core.config import GUARDED_KEYS, Config, check_allow_changes
 from kfp_nvrx.components.core.dataset_record import (
     check_dataset,
@@ -101,6 +106,27 @@ def _check_load_step(cfg: Config, store: CheckpointStore, crc: bool) -> None:
                         "another step, or -1 for the newest intact one")
 
 
+def _with_store(recorded: dict[str, Any]) -> dict[str, Any]:
+    """``recorded`` with the store a record from before ``checkpoint.store`` means: the volume."""
+    return {STORE_KEY: DEFAULT_KIND, **recorded}
+
+
+def _check_store(cfg: Config, run_dir: Path) -> None:
+    """``checkpoint.store`` must be the recorded one: the run's checkpoints are in that store.
+
+    Not a key ``checkpoint.allow_changes`` may name: a resume in another store would find none
+    of them and train from scratch beside them.
+    """
+    recorded = read_recorded_config(run_dir)
+    if recorded is None:
+        return
+    was, wanted = _with_store(recorded)[STORE_KEY], cfg.checkpoint.store
+    if was != wanted:
+        raise UserError(STORE_KEY, f"is {wanted!r}, but {run_dir / CONFIG_FILE} records {was!r}: "
+                        f"this run's checkpoints are in that store; use `overrides={STORE_KEY}="
+                        f"{was}`, or a fresh `run_dir`")
+
+
 def _allowed(key: str, allowed: list[str]) -> bool:
     return any(key == a or key.startswith(f"{a}.") for a in allowed)
 
@@ -151,12 +177,15 @@ def check_resume(cfg: Config, run_dir: Path, crc: bool = False) -> None:
     - the data at ``data.path`` must be the data recorded in dataset.json (by content), unless
       ``data.path`` may change (:mod:`.dataset_record`);
     - committed checkpoints need both records, complete: a missing or cut-down one is refused,
-      never written anew over them.
+      never written anew over them;
+    - ``checkpoint.store`` must be the recorded store (a record without it: ``volume``); no
+      ``checkpoint.allow_changes`` changes it.
 
     Raises:
         UserError: Naming the key, before anything is written.
     """
-    store = open_store(run_dir)
+    _check_store(cfg, run_dir)  # first: every other check looks in the store
+    store = open_store(run_dir, cfg.checkpoint.store)
     _check_load_step(cfg, store, crc)
     allowed = check_allow_changes(cfg.checkpoint.allow_changes)
     steps = store.committed_steps()
@@ -177,7 +206,9 @@ def record_config(cfg: Config, run_dir: Path) -> None:
     text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
     target = run_dir / CONFIG_FILE
     if os.path.lexists(target):
-        if read_recorded_config(run_dir) == _flat(cfg.to_dict()):
+        recorded = read_recorded_config(run_dir)
+        # A record from before checkpoint.store is the same config when the store is the volume.
+        if recorded is not None and _with_store(recorded) == _flat(cfg.to_dict()):
             resumed = run_dir / RESUMED_CONFIG_FILE  # ours; it would describe an older start
             if os.path.lexists(resumed) and link_in(resumed, run_dir) is None:
                 resumed.unlink(missing_ok=True)

@@ -1,14 +1,15 @@
 """How a config setting is declared and checked: its constraint, its type, its bounds in words.
 
 :mod:`.config` declares every section's fields with :func:`setting` (or :func:`positive`,
-:func:`non_negative`, :func:`one_of`); ``Section.__setattr__`` runs :func:`coerce_setting` and
-:func:`check_setting` on every assignment, from YAML, ``--set`` or Python alike.
+:func:`non_negative`, :func:`one_of`, :func:`registered`); ``Section.__setattr__`` runs
+:func:`coerce_setting` and :func:`check_setting` on every assignment, from YAML, ``--set`` or
+Python alike.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import field
 from typing import Any
 
@@ -48,6 +49,21 @@ def one_of(default: str, *choices: str) -> Any:
     return setting(default, choices=(default, *[c for c in choices if c != default]))
 
 
+def registered(default: str, kinds: Callable[[], Iterable[str]]) -> Any:
+    """A field whose value is one of a registry's keys, ``kinds()``, read when it is checked.
+
+    A registry (e.g. the checkpoint stores of :mod:`.ckpt_store`) may gain a key after this
+    module is imported (:func:`~.ckpt_store.register_store`), so the choices are not frozen here.
+    """
+    return field(default=default, metadata={"kinds": kinds})
+
+
+def _choices(rule: Mapping[str, Any]) -> tuple[str, ...]:
+    """The values ``rule`` allows when it is a choice (empty: not a choice)."""
+    kinds = rule.get("kinds")
+    return tuple(rule.get("choices") or ()) or (tuple(kinds()) if kinds is not None else ())
+
+
 def bounds_text(rule: Mapping[str, Any]) -> str:
     """``rule``'s numeric bounds in words: ``> 0``, ``within [0, 1)``."""
     def num(x: float) -> str:
@@ -66,7 +82,7 @@ def bounds_text(rule: Mapping[str, Any]) -> str:
 
 def check_setting(key: str, value: Any, rule: Mapping[str, Any]) -> None:
     """Raises UserError naming ``key`` when ``value`` breaks its field's constraint."""
-    choices = rule.get("choices")
+    choices = _choices(rule)
     if choices and value not in choices:
         raise UserError(key, f"must be one of {', '.join(choices)}, got {value!r}")
     if isinstance(value, float) and not math.isfinite(value):

@@ -1,6 +1,7 @@
 """The checkpoint-store seam: another store is one class plus one registry line, and its callers
 (the trainer's pick and commit, the export's pick) run through it without knowing any layout;
-only the volume store's own modules know the volume's layout."""
+only the volume store's own modules know the volume's layout. A run picks its store with
+``checkpoint.store``, recorded in its config.yaml, which ``open_store(run_dir)`` follows."""
 
 from __future__ import annotations
 
@@ -11,10 +12,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+import yaml
 
 from kfp_nvrx.components.core import ckpt_store
 from kfp_nvrx.components.core.ckpt_store import newest_intact, open_store, register_store
-from kfp_nvrx.components.core.config import CheckpointConfig
+from kfp_nvrx.components.core.config import CheckpointConfig, Config, load_config
+from kfp_nvrx.components.core.volume_store import VolumeStore
+from kfp_nvrx.components.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -78,16 +82,61 @@ class MemoryStore:
             del self.held[s]
 
 
+def _record(run_dir: Path, store: str | None) -> None:
+    """The run's config.yaml as its first start writes it, with ``checkpoint.store`` = ``store``
+    (None: a record from before the key)."""
+    raw = Config().to_dict()
+    if store is None:
+        del raw["checkpoint"]["store"]
+    else:
+        raw["checkpoint"]["store"] = store
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+
+
 @pytest.fixture()
-def memory(monkeypatch, tmp_path) -> MemoryStore:
-    """The fake registered and made every run's default store (as a config switch would)."""
+def registered(monkeypatch) -> None:
+    """The fake registered with its one line (the registry restored after the test)."""
     monkeypatch.setattr(ckpt_store, "_FACTORIES", dict(ckpt_store._FACTORIES))
-    register_store("memory", MemoryStore)
-    monkeypatch.setattr(ckpt_store, "DEFAULT_KIND", "memory")
     monkeypatch.setattr(MemoryStore, "steps", {})
+    register_store("memory", MemoryStore)
+
+
+@pytest.fixture()
+def memory(registered, tmp_path) -> MemoryStore:
+    """A run whose config chose the fake: ``open_store(run_dir)`` opens it from the record."""
+    _record(tmp_path, "memory")
     store = open_store(tmp_path)
     assert isinstance(store, MemoryStore) and "memory" in ckpt_store.store_kinds()
     return store
+
+
+def test_a_run_opens_the_store_its_config_chose(registered, tmp_path) -> None:
+    cfg = load_config("tiny", ["checkpoint.store=memory"])  # valid once registered
+    assert cfg.checkpoint.store == "memory"
+    chose, old, fresh = tmp_path / "chose", tmp_path / "old", tmp_path / "fresh"
+    _record(chose, cfg.checkpoint.store)
+    _record(old, None)
+    assert isinstance(open_store(chose), MemoryStore)
+    assert isinstance(open_store(old), VolumeStore)  # a record from before the key: the volume
+    assert isinstance(open_store(fresh), VolumeStore)  # no record yet: the default
+    assert isinstance(open_store(fresh, "memory"), MemoryStore)  # the trainer's resolved kind
+
+
+def test_an_unknown_store_is_refused_naming_checkpoint_store(tmp_path) -> None:
+    with pytest.raises(UserError) as err:
+        load_config("tiny", ["checkpoint.store=s3"])
+    assert err.value.field == "checkpoint.store" and "volume" in err.value.message
+    with pytest.raises(UserError) as err:
+        CheckpointConfig().store = "s3"  # Python assignments are checked too
+    assert err.value.field == "checkpoint.store"
+    _record(tmp_path, "s3")  # a run recorded by a process that had an S3 store
+    with pytest.raises(UserError) as err:
+        open_store(tmp_path)
+    assert err.value.field == "checkpoint.store" and "recorded in" in err.value.message
+    with pytest.raises(UserError) as err:
+        open_store(tmp_path, "s3")
+    assert err.value.field == "checkpoint.store" and "got 's3'" in err.value.message
 
 
 def test_commit_progress_and_prune_go_through_the_store(memory: MemoryStore) -> None:

@@ -35,7 +35,7 @@ from kfp_nvrx.components.training.trainer.bootstrap import check_init_from
     ("train.weight_decay=nan", "train.weight_decay"), ("train.grad_clip=inf", "train.grad_clip"),
     ("resilience.heartbeat_timeout=inf", "resilience.heartbeat_timeout"),
     ("checkpoint.finalize_timeout=nan", "checkpoint.finalize_timeout"),
-    ("checkpoint.load_step=-2", "checkpoint.load_step"),
+    ("checkpoint.load_step=-2", "checkpoint.load_step"), ("checkpoint.store=s3", "checkpoint.store"),
     ("train.steps=1:30", "train.steps"), ("train.steps=0x10", "train.steps"),
     ("train.lr=1:30", "train.lr"), ("train.compile=maybe", "train.compile"),
     ("train.compile=1", "train.compile"),

@@ -153,6 +153,33 @@ def test_config_yaml_is_the_record_and_is_never_replaced(tmp_path) -> None:
     assert [p.name for p in run.iterdir() if p.name.endswith(".tmp")] == []
 
 
+def test_a_resume_in_another_checkpoint_store_is_refused(tmp_path, monkeypatch) -> None:
+    from kfp_nvrx.components.core import ckpt_store
+    from kfp_nvrx.components.core.volume_store import VolumeStore
+
+    monkeypatch.setattr(ckpt_store, "_FACTORIES", dict(ckpt_store._FACTORIES))
+    ckpt_store.register_store("other", VolumeStore)  # a second kind, as an S3 store would be
+    run, cfg = _run(tmp_path)
+    before = (run / CONFIG_FILE).read_bytes()
+    with pytest.raises(UserError) as err:
+        check_run_dir(run, load_config("tiny", ["data.path=data/a", "checkpoint.store=other"]))
+    assert err.value.field == "checkpoint.store" and "records 'volume'" in err.value.message
+    assert "\n" not in err.value.one_line() and (run / CONFIG_FILE).read_bytes() == before
+    with pytest.raises(UserError) as err:  # no allow_changes lets it change
+        load_config("tiny", ["checkpoint.allow_changes=checkpoint.store"])
+    assert err.value.field == "checkpoint.allow_changes"
+    # A record from before the key is a volume run: it resumes as before, no resumed config.
+    raw = yaml.safe_load(before)
+    del raw["checkpoint"]["store"]
+    (run / CONFIG_FILE).write_text(yaml.safe_dump(raw, sort_keys=False))
+    check_resume(cfg, run)
+    record_config(cfg, run)
+    assert not (run / RESUMED_CONFIG_FILE).exists()
+    with pytest.raises(UserError) as err:
+        check_resume(load_config("tiny", ["data.path=data/a", "checkpoint.store=other"]), run)
+    assert err.value.field == "checkpoint.store"
+
+
 # -- 1b. the records themselves: the data by content, and no record rewritten over checkpoints --
 
 def test_other_data_at_the_same_path_is_refused_unless_allowed(tmp_path) -> None:

@@ -100,7 +100,7 @@ class ResolvedJob:
     def trainer_args(self, run_dir: str | None = None) -> TrainerArgs:
         """The trainer's own flags (``run_dir`` overrides the job's, e.g. once made absolute)."""
         return TrainerArgs(self.config_ref, run_dir or self.run_dir, list(self.overrides),
-                           list(self.faults))
+                           list(self.faults), store=self.config.checkpoint.store)
 
     def in_namespace(self, namespace: str) -> ResolvedJob:
         """This job in ``namespace``, the cluster connection's, when the spec named none."""

@@ -119,7 +119,7 @@ class Checkpointer:
         kept = kept or Kept()
         staging = kept.staging
         self.run_dir = Path(run_dir)
-        self.store: CheckpointStore = open_store(run_dir)
+        self.store: CheckpointStore = open_store(run_dir, cfg.store)
         self.cfg = cfg
         self.device = device
         self.rank = dist.get_rank()

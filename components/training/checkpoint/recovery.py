@@ -43,7 +43,8 @@ class Recovery:
     def __init__(self, store: CheckpointStore | str | os.PathLike[str], cfg: CheckpointConfig,
                  device: torch.device, staging: HostStaging | None,
                  log: Callable[[str], None]) -> None:
-        self.store = open_store(store) if isinstance(store, (str, os.PathLike)) else store
+        self.store = (open_store(store, cfg.store) if isinstance(store, (str, os.PathLike))
+                      else store)
         self.cfg = cfg
         self.device = device
         self.memory = HostTier(staging) if staging is not None else None

@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"trainer: error: {CLI.reword(err).one_line()}\n")
         return UserError.exit_code
     except Exception as err:
-        where = Path(open_store(job.run_dir).where)
+        where = Path(open_store(job.run_dir, job.cfg.checkpoint.store).where)
         if disk_full(err, where):
             # One line instead of torch's "inline_container.cc ... unexpected pos" traceback;
             # exit 1 so the launcher restarts the workers, which resume once there is room.

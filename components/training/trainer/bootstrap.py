@@ -110,7 +110,7 @@ def check_checkpoint_model(cfg: Config, run_dir: Path) -> None:
     Otherwise reusing a run dir with another model fails inside every worker, once per restart
     (and a same-named model of other sizes only at ``dcp.load``, with a traceback).
     """
-    store = open_store(run_dir)
+    store = open_store(run_dir, cfg.checkpoint.store)
     root = store.where
     steps = [s for s in store.committed_steps()
              if cfg.checkpoint.load_step < 0 or s == cfg.checkpoint.load_step]
