@@ -6,64 +6,17 @@ instead, where the Kubernetes settings are ignored). The training task gets /dev
 node selector and tolerations, no caching and a long timeout; prepare and export are retried.
 """
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-from kfp import dsl, kubernetes
+from kfp import dsl
 
 from kfp_nvrx.components import images
 from kfp_nvrx.components.core.faults import with_fault_kinds
-from kfp_nvrx.components.export_checkpoint.component import export_checkpoint, size_export
+from kfp_nvrx.components.export_checkpoint.component import export_checkpoint
 from kfp_nvrx.components.prepare_dataset.component import prepare_dataset
 from kfp_nvrx.components.train_fsdp.component import DEFAULT_JOB_API, train_fsdp
-
-#: Mount path of the shared volume in every task (and in the training job's worker pods).
-MOUNT_PATH = "/fsx"
-#: Pod-level limits (activeDeadlineSeconds) of each task.
-PREPARE_TIMEOUT_S = 4 * 3600
-TRAIN_TIMEOUT_S = 7 * 24 * 3600
-EXPORT_TIMEOUT_S = 4 * 3600
-#: Memory-backed /dev/shm of the training task (the local backend's workers use it).
-SHM_SIZE = "2Gi"
-
-
-def on_shared_volume(task: dsl.PipelineTask, pvc_name: str) -> dsl.PipelineTask:
-    """Mount the shared volume at :data:`MOUNT_PATH`."""
-    return kubernetes.mount_pvc(task, pvc_name=pvc_name, mount_path=MOUNT_PATH)
-
-
-def retried(task: dsl.PipelineTask, timeout_s: int) -> dsl.PipelineTask:
-    """Retry a task that is safe to repeat (prepare, export, compare) and bound its pod time."""
-    task.set_retry(num_retries=2, backoff_duration="60s", backoff_factor=2.0)
-    return kubernetes.set_timeout(task, timeout_s)
-
-
-def launcher_task(task: dsl.PipelineTask, node_selector: dict, tolerations: list) -> None:
-    """Configure the training (launcher) task: no cache, /dev/shm, placement, timeout."""
-    task.set_caching_options(False)  # its cache key covers only inputs: a hit would skip training
-    task.set_cpu_request("1").set_memory_request("2Gi")
-    kubernetes.empty_dir_mount(task, volume_name="dshm", mount_path="/dev/shm", medium="Memory",
-                               size_limit=SHM_SIZE)
-    kubernetes.add_node_selector_json(task, node_selector)
-    kubernetes.add_toleration_json(task, tolerations)
-    kubernetes.set_timeout(task, TRAIN_TIMEOUT_S)
-
-
-def sized_task(task: dsl.PipelineTask, memory: Any, cpu: Any, node_selector: Any) -> None:
-    """Give a model-loading task (export, compare) its memory (request = limit), CPU and nodes."""
-    # kfp.local orders tasks by their inputs only: a resource channel alone does not make its
-    # producer run first.
-    task.after(memory.task)
-    task.set_memory_request(memory).set_memory_limit(memory).set_cpu_request(cpu)
-    kubernetes.add_node_selector_json(task, node_selector)
-
-
-def export_size(config: Any, overrides: Any, export_memory: Any,
-                pvc_name: Any) -> dsl.PipelineTask:
-    """The task that sizes the export step from the config (it may be a YAML on the volume)."""
-    size = size_export(config=config, overrides=overrides, export_memory=export_memory)
-    size.set_display_name("size-export")
-    on_shared_volume(size, pvc_name)
-    return retried(size, PREPARE_TIMEOUT_S)
+from kfp_nvrx.pipelines.steps import MOUNT_PATH, Placement, export_size, prepare_step, train_step
+from kfp_nvrx.pipelines.steps import export_step as place_export
 
 
 class Outputs(NamedTuple):
@@ -153,9 +106,7 @@ def fsdp_train(
     prep = prepare_dataset(source=source, workspace=workspace, dataset_name=dataset_name,
                            tokenizer=tokenizer, seq_len=seq_len, val_fraction=val_fraction,
                            text_field=text_field)
-    prep.set_display_name("prepare-dataset")
-    on_shared_volume(prep, pvc_name)
-    retried(prep, PREPARE_TIMEOUT_S)
+    prepare_step(prep, pvc_name)
 
     train = train_fsdp(dataset=prep.outputs["dataset"], workspace=workspace, pvc_name=pvc_name,
                        mount_path=MOUNT_PATH, config=config, overrides=overrides, faults=faults,
@@ -163,16 +114,11 @@ def fsdp_train(
                        trainer_image=trainer_image, backend=backend, job_api=job_api,
                        deadline_s=deadline_s, queue_name=queue_name,
                        priority_class=priority_class)
-    train.set_display_name("train-fsdp")
-    on_shared_volume(train, pvc_name)
-    launcher_task(train, launcher_node_selector, launcher_tolerations)
+    train_step(train, pvc_name, launcher_node_selector, launcher_tolerations)
 
     size = export_size(config, overrides, export_memory, pvc_name)
     export = export_checkpoint(run=train.outputs["run"], step=export_step,
                                eval_batches=eval_batches)
-    export.set_display_name("export-checkpoint")
-    on_shared_volume(export, pvc_name)
-    retried(export, EXPORT_TIMEOUT_S)
-    sized_task(export, size.output, export_cpu, export_node_selector)
+    place_export(export, pvc_name, Placement(size.output, export_cpu, export_node_selector))
     return Outputs(model=export.outputs["model"], train_metrics=train.outputs["metrics"],
                    eval_metrics=export.outputs["metrics"], timeline=train.outputs["timeline"])

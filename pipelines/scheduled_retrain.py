@@ -16,15 +16,17 @@ from kfp_nvrx.components.evaluate_promote.component import compare_models, promo
 from kfp_nvrx.components.export_checkpoint.component import export_checkpoint
 from kfp_nvrx.components.prepare_dataset.component import prepare_dataset
 from kfp_nvrx.components.train_fsdp.component import DEFAULT_JOB_API, train_fsdp
-from kfp_nvrx.pipelines.fsdp_train import (
+from kfp_nvrx.pipelines.steps import (
     EXPORT_TIMEOUT_S,
     MOUNT_PATH,
-    PREPARE_TIMEOUT_S,
+    Placement,
     export_size,
-    launcher_task,
+    export_step,
     on_shared_volume,
+    prepare_step,
     retried,
     sized_task,
+    train_step,
 )
 
 
@@ -114,9 +116,7 @@ def scheduled_retrain(
     prep = prepare_dataset(source=source, workspace=workspace, dataset_name=dataset_name,
                            tokenizer=tokenizer, seq_len=seq_len, val_fraction=val_fraction,
                            text_field=text_field)
-    prep.set_display_name("prepare-dataset")
-    on_shared_volume(prep, pvc_name)
-    retried(prep, PREPARE_TIMEOUT_S)
+    prepare_step(prep, pvc_name)
 
     train = train_fsdp(dataset=prep.outputs["dataset"], workspace=workspace, pvc_name=pvc_name,
                        mount_path=MOUNT_PATH, config=config, overrides=overrides, nodes=nodes,
@@ -125,16 +125,12 @@ def scheduled_retrain(
                        deadline_s=deadline_s, queue_name=queue_name,
                        priority_class=priority_class,
                        init_from=promoted, init_from_required=False)
-    train.set_display_name("train-fsdp")
-    on_shared_volume(train, pvc_name)
-    launcher_task(train, launcher_node_selector, launcher_tolerations)
+    train_step(train, pvc_name, launcher_node_selector, launcher_tolerations)
 
     size = export_size(config, overrides, export_memory, pvc_name)
+    model_task = Placement(size.output, export_cpu, export_node_selector)
     export = export_checkpoint(run=train.outputs["run"], eval_batches=eval_batches)
-    export.set_display_name("export-checkpoint")
-    on_shared_volume(export, pvc_name)
-    retried(export, EXPORT_TIMEOUT_S)
-    sized_task(export, size.output, export_cpu, export_node_selector)
+    export_step(export, pvc_name, model_task)
 
     compare = compare_models(candidate=export.outputs["model"], dataset=prep.outputs["dataset"],
                              promoted_dir=promoted, min_improvement=min_improvement,
@@ -143,7 +139,7 @@ def scheduled_retrain(
     compare.set_caching_options(False)  # the promoted model changes between runs
     on_shared_volume(compare, pvc_name)
     retried(compare, EXPORT_TIMEOUT_S)
-    sized_task(compare, size.output, export_cpu, export_node_selector)  # two models, eval batches
+    sized_task(compare, model_task)  # two models, eval batches
 
     with dsl.If(compare.outputs["Output"] == "promote", name="better-than-promoted"):
         promote = promote_model(candidate=export.outputs["model"], promoted_dir=promoted)
