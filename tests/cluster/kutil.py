@@ -141,8 +141,11 @@ TRANSIENT = ("already exists", "the object has been modified")
 
 
 def _refusals(dyn, namespace: str, kind: str, name: str, reason: str) -> list[str]:
+    # Kueue's JobSet webhook refuses a JobSet whose owner TrainJob its cache has not seen yet
+    # ('TrainJob.trainer.kubeflow.org "<name>" not found'); the Trainer's next try is accepted.
+    stale_owner = f'TrainJob.trainer.kubeflow.org "{name}" not found'
     return [n for n in warnings_about(dyn, namespace, kind, name, reason)
-            if not any(t in n for t in TRANSIENT)]
+            if not any(t in n for t in (*TRANSIENT, stale_owner))]
 
 
 def trainjob_outcome(dyn, namespace: str, name: str) -> Verdict:

@@ -128,8 +128,9 @@ class FollowedTrainJob(FollowedJob):
         (``TrainJobResourcesCreationFailed``), never as a condition: without this check a
         TrainJob whose runtime builds a JobSet that the JobSet webhook refuses would be followed
         as ``Pending`` until the deadline. A refusal by admission or validation is final for this
-        TrainJob and runtime; anything else (a webhook not reachable yet, a conflict) is retried
-        by the controller, so it is reported once and followed on.
+        TrainJob and runtime, unless it comes from a stale cache (:meth:`_stale_refusal`);
+        anything else (a webhook not reachable yet, a conflict) is retried by the controller, so
+        it is reported once and followed on.
         """
         if (job.get("status") or {}).get("jobsStatus"):
             return None  # the JobSet exists
@@ -138,7 +139,8 @@ class FollowedTrainJob(FollowedJob):
         except ClusterError as err:
             self._warn(f"warning: {err}")
             return None
-        final = [m for m in messages if any(r in m for r in FINAL_REFUSALS)]
+        final = [m for m in messages if any(r in m for r in FINAL_REFUSALS)
+                 and not self._stale_refusal(m)]
         if final:
             ref = job["spec"].get("runtimeRef") or {}
             return Outcome("Failed", f"{CREATION_FAILED}: {final[-1][:600]} (the "
@@ -147,6 +149,16 @@ class FollowedTrainJob(FollowedJob):
         for message in messages:
             self._warn(f"warning: {self.where}: {CREATION_FAILED}: {message[:300]}")
         return None
+
+    def _stale_refusal(self, message: str) -> bool:
+        """A webhook refused because its cache had not seen this TrainJob yet: not final.
+
+        Kueue v0.17's JobSet webhook looks up the JobSet's owner TrainJob in its informer cache
+        and refuses with ``TrainJob.trainer.kubeflow.org "<name>" not found`` when the Trainer
+        created the JobSet first (seen on the test cluster under load). The TrainJob exists (it
+        was just read), so the Trainer's next try, with backoff, is accepted.
+        """
+        return f'{RESOURCE.kind}.{rt.GROUP} "{self.name}" not found' in message
 
     def creation_warnings(self) -> list[str]:
         """Why the Job controller could not create node pods (quota, admission): FailedCreate."""
