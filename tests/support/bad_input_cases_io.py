@@ -21,6 +21,7 @@ from pathlib import Path
 
 from support.bad_input_cases import HOST, LAUNCH, RENDER, TRAINER, Case, _c
 from support.kfp_api_double import KfpApiDouble
+from support.recorded_runs import recorded_run
 
 RENDER_NO_OUT = RENDER[:-2]
 TRAINJOB_NO_OUT = ("render-job", "--job-api", "trainjob", "--image", "img:1", "--pvc", "shared")
@@ -239,29 +240,12 @@ def _kubeconfigs(fx: Path) -> dict[str, str]:
     return out
 
 
-def _cluster_run(run_dir: Path) -> None:
-    """A run of ours made on the cluster: config.yaml records data.path=/fsx/...; step 4 committed."""
-    import torch.distributed.checkpoint as dcp
-
-    from kfp_nvrx.components.core.config import load_config
-    from kfp_nvrx.components.core.run_record import record_config
-    from kfp_nvrx.components.core.rundir import step_dir, write_commit_marker
-    from kfp_nvrx.components.training.model import build_model
-
-    cfg = load_config("tiny", ["data.path=/fsx/kfp-nvrx-sweep/data/corpus"])
-    record_config(cfg, run_dir)
-    path = step_dir(run_dir / "checkpoints", 4)
-    path.mkdir(parents=True)
-    dcp.save({"model": build_model(cfg.model).state_dict()},
-             storage_writer=dcp.FileSystemWriter(str(path)), no_dist=True)
-    write_commit_marker(path, 4, 1)
-
-
 def fixtures(fx: Path) -> dict[str, str]:
     """Special outputs, run dirs, safetensors and kubeconfigs; a KFP API that throttles."""
     throttled = KfpApiDouble(fail={("GET", "/apis/v2beta1/experiments"): (429, "slow down")})
     _KEEP.append(throttled.__enter__())  # noqa: PLC2801 - closed with the process
-    _cluster_run(fx / "fsxrun")
+    # a run made on the cluster: its config.yaml records a data.path on /fsx
+    recorded_run(fx / "fsxrun", "/fsx/kfp-nvrx-sweep/data/corpus")
     return {**_outputs(fx), **_run_dirs(fx), **_safetensors(fx), **_kubeconfigs(fx),
             "throttled": throttled.url, "fsxrun": str(fx / "fsxrun")}
 

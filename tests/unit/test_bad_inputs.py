@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 from support.bad_input_cases import CASES as BASE_CASES
 from support.bad_input_cases import SECRET, TWO_TO_THE_70, Case
+from support.recorded_runs import recorded_run
 
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.training.trainer.bootstrap import LAUNCHER_ENV
@@ -98,27 +99,6 @@ def _other_model_run(run_dir: Path, data: Path) -> None:
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(path)), no_dist=True)
     files = {p.name: p.stat().st_size for p in path.iterdir()}
     (path / COMMIT_MARKER).write_text(json.dumps({"step": 4, "world_size": 1, "files": files}))
-
-
-def _recorded_run(run_dir: Path, data: Path, damaged: bool = False) -> None:
-    """A run dir of ours: config.yaml records tiny with ``data``; step 4 committed (CRC32s)."""
-    import torch.distributed.checkpoint as dcp
-
-    from kfp_nvrx.components.core.config import load_config
-    from kfp_nvrx.components.core.run_record import record_config
-    from kfp_nvrx.components.core.rundir import step_dir, write_commit_marker
-    from kfp_nvrx.components.training.model import build_model
-
-    cfg = load_config("tiny", [f"data.path={data}"])
-    record_config(cfg, run_dir)
-    path = step_dir(run_dir / "checkpoints", 4)
-    path.mkdir(parents=True)
-    dcp.save({"model": build_model(cfg.model).state_dict()},
-             storage_writer=dcp.FileSystemWriter(str(path)), no_dist=True)
-    write_commit_marker(path, 4, 1)
-    if damaged:
-        biggest = max(path.glob("*.distcp"), key=lambda p: p.stat().st_size)
-        os.truncate(biggest, biggest.stat().st_size // 2)
 
 
 def _link_fixtures(fx: Path) -> dict[str, str]:
@@ -215,8 +195,8 @@ def fixtures(tmp_path_factory) -> dict[str, str]:
     _safetensors(fx / "trunc.safetensors", {"w": ("F32", [4], [0, 16])}, body=8)
     _safetensors(fx / "other.safetensors", {"w": ("F32", [2], [0, 8])}, body=8)
     prepare_dataset("sample:150", fx / "data2", seq_len=64)
-    _recorded_run(fx / "recorded", data)
-    _recorded_run(fx / "damaged", data, damaged=True)
+    recorded_run(fx / "recorded", str(data))
+    recorded_run(fx / "damaged", str(data), damaged=True)
     extra = {**_link_fixtures(fx), **_input_fixtures(fx), "data2": str(fx / "data2"),
              "recorded": str(fx / "recorded"), "damaged": str(fx / "damaged")}
     for module in EXTRA:
