@@ -194,14 +194,14 @@ def unstarted_restarts(events: list[Event], sess: list[int]) -> list[tuple[float
     its ``restart`` event, counted there.
     """
     session_of = {id(e): k for e, k in zip(events, sess, strict=True)}
-    started = {e.pid for e in events if isinstance(e, Start) and not e.iteration}
+    started = {(e.agent, e.pid) for e in events if isinstance(e, Start) and not e.iteration}
     out: list[tuple[float, str]] = []
     seen: set[int] = set()
     for r in rounds(events):
         k = session_of[id(next(iter(r.joins.values())))]
         first = k not in seen  # a session's first round is its launch, no restart
         seen.add(k)
-        if not first and r.layer is not None and r.pid_of_rank0() not in started:
+        if not first and r.layer is not None and r.rank0() not in started:
             out.append((r.time, r.layer))
     return out
 

@@ -37,9 +37,11 @@ __all__ = ["BUDGET_SPENT", "Budget", "Round", "agent_identity", "budget", "curre
 def agent_identity(ppid: int | None = None) -> str:
     """The agent (ft_launcher, torchrun) that started this worker, named for good.
 
-    The machine's boot id, the agent's pid and its start time: a pid alone repeats across
-    containers (ft_launcher is pid 12 in every pod). '' off Linux. The trainer's ``start`` event
-    names rank 0's agent the same way.
+    The machine's boot id, the PID namespace this worker shares with its agent, the agent's pid
+    and its start time (clock ticks since boot). Every part is needed: ft_launcher has the same
+    pid (13) in every pod, and two pods of one job on one node (one kernel: one boot id) often
+    start their agents in the same 10 ms tick; their PID namespaces differ. '' off Linux. The
+    trainer's ``start`` event names rank 0's agent the same way.
     """
     ppid = os.getppid() if ppid is None else ppid
     try:
@@ -47,7 +49,19 @@ def agent_identity(ppid: int | None = None) -> str:
         started = Path(f"/proc/{ppid}/stat").read_text().rsplit(")", 1)[1].split()[19]
     except (OSError, IndexError):
         return ""
-    return f"{boot}/{ppid}/{started}"
+    return f"{boot}/{_pid_namespace()}/{ppid}/{started}"
+
+
+def _pid_namespace() -> str:
+    """This process's PID namespace (``pid:[4026532573]`` -> ``4026532573``); '' unreadable.
+
+    A worker is forked by its agent, so it shares the agent's namespace; reading our own link
+    needs no permission over another process.
+    """
+    try:
+        return os.readlink("/proc/self/ns/pid").partition("[")[2].rstrip("]")
+    except OSError:
+        return ""
 
 
 def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
@@ -97,9 +111,9 @@ class Round:
         """Every node of the round has joined."""
         return len(self.joins) >= self.nodes
 
-    def pid_of_rank0(self) -> int | None:
-        """Rank 0's process id (the ``pid`` of the round's ``start``), when it joined."""
-        return next((j.pid for j in self.joins.values() if j.rank == 0), None)
+    def rank0(self) -> tuple[str, int] | None:
+        """Rank 0's agent and process id (those of the round's ``start``), when it joined."""
+        return next(((j.agent, j.pid) for j in self.joins.values() if j.rank == 0), None)
 
 
 def _opens_round(cur: Round | None, join: Join) -> bool:
@@ -201,17 +215,20 @@ def start_layers(events: list[Event]) -> dict[int, str | None]:
     """The restart layer of each incarnation's first ``start`` (by ``id``), from the joins.
 
     A start is linked to its round through rank 0's process id; starts without a round (runs
-    written before joins existed, in-process re-entries) are not in the map.
+    written before joins existed, in-process re-entries) are not in the map. Rank 0's agent is
+    part of the link: a pid repeats in every pod (the worker is pid 20 in each).
     """
-    by_pid: dict[int, Round] = {}
+    by_rank0: dict[tuple[str | None, int], Round] = {}
     for r in rounds(events):
-        pid = r.pid_of_rank0()
-        if pid is not None:
-            by_pid[pid] = r
+        key = r.rank0()
+        if key is not None:
+            by_rank0[key] = r
     out: dict[int, str | None] = {}
     for e in events:
-        if isinstance(e, Start) and not e.iteration and isinstance(e.pid, int) and e.pid in by_pid:
-            out[id(e)] = by_pid.pop(e.pid).layer
+        if isinstance(e, Start) and not e.iteration and isinstance(e.pid, int):
+            r = by_rank0.pop((e.agent, e.pid), None)
+            if r is not None:
+                out[id(e)] = r.layer
     return out
 
 

@@ -12,7 +12,7 @@ def test_the_layer_is_read_from_the_agent_and_the_wrapper() -> None:
     from kfp_nvrx.components.training.trainer.train import agent_identity, restart_kind
 
     me = agent_identity()  # this test's parent process stands in for the agent
-    assert me and me == agent_identity() and me.count("/") == 2
+    assert me and me == agent_identity() and me.count("/") == 3
     assert restart_kind(iteration=2, previous_agent=me, agent=me) == "in-process"
     assert restart_kind(iteration=0, previous_agent=me, agent=me) == "in-job"
     # Another agent on a run that ran before: the pods were recreated.
@@ -108,7 +108,7 @@ def test_the_timeline_names_the_layer_goodput_counts() -> None:
                "rank": n, "pid": 600 + n, "run_id": "j"} for n, a in enumerate(("b/1/1", "b/3/1"))]
     starts = [e for e in ev if e["type"] == "start"]
     for start, pid in zip(starts, (500, 600), strict=True):
-        start.update(pid=pid, run_id="j")
+        start.update(pid=pid, run_id="j", agent="b/1/1")  # rank 0 says so
     events = parse_events(ev + joins)
     rep = summarize_events(events)
     assert rep.restarts == {"pod": 1}, rep.restarts

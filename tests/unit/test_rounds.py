@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -74,6 +75,49 @@ def test_a_recreated_pod_of_another_node_is_a_pod_restart() -> None:
     rep = summarize_events(events)
     assert rep.restarts == {"in-job": 1, "pod": 1}, rep.restarts  # rank 0 said in-job twice
     assert any(s.startswith("rank 1 killed at step 6") for s in rep.what_happened)
+
+
+def test_a_pid_that_repeats_in_every_pod_links_each_start_to_its_own_round() -> None:
+    """The worker is pid 20 in every pod: a JobSet restart's new pods reuse rank 0's pid, and
+    rank 0's worker-1 recreated (PyTorchJob) reads in-job to rank 0 alone."""
+    run = _Run()
+    run.round([A, B])
+    run.pid -= 10  # the new pods' rank 0 is pid 1010 again
+    run.round([C, D])
+    run.round([C, E], fault=False)  # worker-1 recreated; rank 0 said in-job
+    events = run.events()
+    assert [r.layer for r in rounds(events)] == [None, "pod", "pod"]
+    assert summarize_events(events).restarts == {"pod": 2}
+
+
+def test_two_pods_on_one_node_are_two_agents_even_when_their_pids_and_ticks_agree(
+        tmp_path: Path) -> None:
+    """ft_launcher is pid 13 in every container and two pods of one node often start it in the
+    same 10 ms tick: the PID namespace tells their agents apart (here, two ``unshare --pid``
+    containers whose agent is pid 1 of each)."""
+    from kfp_nvrx.components.core.rounds import agent_identity
+
+    code = ("import os; from kfp_nvrx.components.core.rounds import agent_identity; "
+            "print(agent_identity())")
+    ids = []
+    for _ in range(2):
+        # sh is pid 1 (the agent), python its child (the worker); '; :' keeps sh from exec'ing
+        out = subprocess.run(["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "sh",
+                              "-c", f'"$0" -c "{code}"; :', sys.executable],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        ids.append(out.stdout.strip())
+    (boot0, ns0, pid0, _), (boot1, ns1, pid1, _) = (i.split("/") for i in ids)
+    assert boot0 == boot1 and pid0 == pid1 == "1"  # what alone named them alike before
+    assert ns0 and ns1 and ns0 != ns1
+    assert agent_identity().split("/")[1] == os.readlink("/proc/self/ns/pid")[5:-1]
+    # Joins whose agents differ only there make one complete round, then an in-job restart.
+    a, b = (f"{boot0}/{ns}/13/2633848" for ns in (ns0, ns1))
+    run = _Run()
+    run.round([a, b])
+    run.round([a, b], fault=False)
+    assert [(r.layer, r.complete) for r in rounds(run.events())] == [(None, True),
+                                                                      ("in-job", True)]
 
 
 def test_a_round_that_never_started_is_still_a_restart() -> None:
