@@ -177,6 +177,12 @@ def check_job(config: str, overrides: list[str], faults: list[str], run_dir: Pat
         0 when every check passes; else 2 after printing the UserError as one JSON line
         (``field``, ``message``) for the launcher to raise again.
     """
+    import importlib.util
+
+    # Most checks need no torch (the dataset's index and shards, the run dir's records); the
+    # workers do: a missing install is said here, as the preflight's import error.
+    if importlib.util.find_spec("torch") is None:
+        raise ModuleNotFoundError("No module named 'torch'", name="torch")
     try:
         cfg, _, _ = validate_inputs(config, overrides, faults, verify_data=True)
         check_device(cfg)

@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from kfp_nvrx.components.errors import UserError
+
+# torch is imported where a batch is made: the launcher's preflight opens the dataset only to
+# check it, and importing torch would cost it seconds.
+if TYPE_CHECKING:
+    import torch
 
 INDEX_FILE = "index.json"
 
@@ -71,5 +76,7 @@ class TokenDataset:
         for sid in shard_ids:
             start = int(rng.integers(0, usable[sid]))
             rows.append(np.asarray(self.shards[sid][start:start + seq_len + 1], dtype=np.int64))
+        import torch
+
         window = torch.from_numpy(np.stack(rows))
         return window[:, :-1], window[:, 1:]
