@@ -115,6 +115,8 @@ CASES = [
        "--kubeconfig", "{fx}/kubeconfig"),
     _c("launch-deadline", "--deadline", "launch", "--backend", "kubernetes", "--image", "i:1",
        "--pvc", "shared", "--deadline", "0"),
+    _c("launch-missing-grace", "--missing-grace", "launch", "--backend", "kubernetes", "--image",
+       "i:1", "--pvc", "shared", "--missing-grace", "-1"),
     _c("launch-local-nodes", "--nodes", "launch", "--backend", "local", "--nodes", "0",
        "--run-dir", "{ws}/run", "--set", "data.path={data}"),
     # pipelines: compile, run-local, submit, schedule

@@ -18,6 +18,7 @@ from kfp_nvrx.components.cli.commands.render_job import add_job_arguments, spec_
 from kfp_nvrx.components.core import argtypes
 from kfp_nvrx.components.core.atomic import check_output
 from kfp_nvrx.components.launch import job_apis
+from kfp_nvrx.components.launch.kube.missing import MISSING_S
 
 if TYPE_CHECKING:
     from kfp_nvrx.components.launch.kube.cluster import Cluster
@@ -43,6 +44,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     f.add_argument("--delete-after", choices=("always", "on_success", "never"),
                    default="on_success", help="delete the PyTorchJob/TrainJob when it ends")
     f.add_argument("--poll-interval", type=float, default=5.0, help="seconds between reads")
+    f.add_argument("--missing-grace", type=argtypes.seconds, default=MISSING_S,
+                   metavar="SECONDS", help="kubernetes: a PVC or Secret the pods need may be "
+                   "missing this long (it may be created meanwhile) before the job is deleted "
+                   f"and the launch fails; default {MISSING_S:g}")
     f.add_argument("--kubeconfig", default="", help="kubeconfig file (default: $KUBECONFIG, "
                    "~/.kube/config, or in-cluster)")
     f.add_argument("--context", default="", help="kubeconfig context")
@@ -101,7 +106,8 @@ def _options(args: argparse.Namespace) -> Options:
                              runtime_kind=args.runtime_kind,
                              follow=FollowOptions(deadline_s=args.deadline,
                                                   delete_after=args.delete_after,
-                                                  poll_s=args.poll_interval))
+                                                  poll_s=args.poll_interval,
+                                                  missing_s=args.missing_grace))
 
 
 def _run(args: argparse.Namespace) -> int:
