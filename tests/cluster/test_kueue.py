@@ -304,9 +304,36 @@ def _run_dir(kube, name: str):
     return kube.root / "volumes" / kube.namespace / "kfp-nvrx-shared" / "runs" / name
 
 
+#: The preemption runs: half-second steps, so that the preemption lands mid-run on any machine,
+#: and no save but the final one.
+SAVE_STEPS = 40
+SLOW = ("--set", "checkpoint.interval=1000", "--set", "train.step_sleep=0.5")
+
+
+@pytest.fixture(scope="module")
+def never_preempted(queue) -> dict:
+    """The weights a run of the preemption tests' settings ends with when nothing stops it.
+
+    One TrainJob that no queue holds, for both job APIs (the same trainer, world and data: CPU
+    training is deterministic). It runs alone, before the queued jobs: the test cluster's pods
+    share one network namespace, so a second job's rendezvous store would take the port of the
+    first job's (on EKS every pod has its own).
+    """
+    from kfp_nvrx.components.core.rundir import step_dir
+    from kfp_nvrx.components.training.export.consolidate import load_model_state
+
+    ref = Launch(queue, LaunchArgs("kq-never-preempted", "trainjob", steps=SAVE_STEPS, extra=SLOW))
+    try:
+        assert ref.wait() == 0, ref.text()[-3000:]
+    finally:
+        ref.stop()
+    return load_model_state(step_dir(_run_dir(queue, "kq-never-preempted") / "checkpoints",
+                                     SAVE_STEPS))
+
+
 @pytest.mark.parametrize("job_api", ["trainjob", "pytorchjob"])
-def test_a_preempted_job_saves_on_sigterm_and_resumes_there_bitwise(queue, launch,
-                                                                    job_api) -> None:
+def test_a_preempted_job_saves_on_sigterm_and_resumes_there_bitwise(queue, launch, job_api,
+                                                                    never_preempted) -> None:
     """Issue 31 item 4: the preempted pods get SIGTERM; every rank saves the step it trained
     (no periodic save falls in the run: checkpoint.interval is past its end) and the re-admitted
     job resumes from that step, not from the start, and ends with the weights of a run that was
@@ -316,13 +343,8 @@ def test_a_preempted_job_saves_on_sigterm_and_resumes_there_bitwise(queue, launc
     from kfp_nvrx.components.core.rundir import committed_steps, step_dir
     from kfp_nvrx.components.training.export.consolidate import load_model_state
 
-    steps = 40
-    # Half-second steps: the preemption lands mid-run on any machine; no saves but the final one.
-    slow = ("--set", "checkpoint.interval=1000", "--set", "train.step_sleep=0.5")
-    ref_name, name = f"kq-ref-{job_api}", f"kq-save-{job_api}"
-    ref = launch(ref_name, job_api, steps=steps, extra=slow)  # no queue: not Kueue's
-    assert ref.wait() == 0, ref.text()[-3000:]
-    low = launch(name, job_api, steps=steps, queue=LQ, priority=LOW, extra=slow)
+    steps, name = SAVE_STEPS, f"kq-save-{job_api}"
+    low = launch(name, job_api, steps=steps, queue=LQ, priority=LOW, extra=SLOW)
     low.wait_line("progress: step ")
     high = launch(f"{name}-high", "trainjob", steps=10, queue=LQ, priority=HIGH)
     low.wait_line("preempted at step ")
@@ -337,7 +359,7 @@ def test_a_preempted_job_saves_on_sigterm_and_resumes_there_bitwise(queue, launc
     resumed = next(line for line in low.lines() if ", resumed from step " in line)
     assert f"resumed from step {stop.step} " in resumed, resumed
     got = load_model_state(step_dir(run / "checkpoints", steps))
-    want = load_model_state(step_dir(_run_dir(queue, ref_name) / "checkpoints", steps))
+    want = never_preempted
     assert committed_steps(run / "checkpoints")[0] == steps and got.keys() == want.keys()
     for key, value in want.items():
         assert torch.equal(got[key], value), f"{key} differs from the run never preempted"
