@@ -111,7 +111,7 @@ class Round:
         """Every node of the round has joined."""
         return len(self.joins) >= self.nodes
 
-    def rank0(self) -> tuple[str, int] | None:
+    def rank0(self) -> tuple[str, int | None] | None:
         """Rank 0's agent and process id (those of the round's ``start``), when it joined."""
         return next(((j.agent, j.pid) for j in self.joins.values() if j.rank == 0), None)
 
@@ -218,17 +218,15 @@ def start_layers(events: list[Event]) -> dict[int, str | None]:
     written before joins existed, in-process re-entries) are not in the map. Rank 0's agent is
     part of the link: a pid repeats in every pod (the worker is pid 20 in each).
     """
-    by_rank0: dict[tuple[str | None, int], Round] = {}
+    by_rank0: dict[tuple[str | None, int | None], Round] = {}
     for r in rounds(events):
         key = r.rank0()
         if key is not None:
             by_rank0[key] = r
     out: dict[int, str | None] = {}
     for e in events:
-        if isinstance(e, Start) and not e.iteration and isinstance(e.pid, int):
-            r = by_rank0.pop((e.agent, e.pid), None)
-            if r is not None:
-                out[id(e)] = r.layer
+        if isinstance(e, Start) and not e.iteration and (e.agent, e.pid) in by_rank0:
+            out[id(e)] = by_rank0.pop((e.agent, e.pid)).layer
     return out
 
 
