@@ -6,7 +6,9 @@ are untouched. The namespace matters because every TrainJob's rendezvous store l
 ``0.0.0.0:29500`` (the torch plugin's fixed ``PET_MASTER_PORT``): two test clusters on one
 machine (two engineers, a CI run) would otherwise reach each other's stores through 127.0.0.x.
 The pods of one cluster share it (loopback, 127.0.0.0/8, one address per pod), as pods of a
-cluster share a pod network.
+cluster share a pod network. Unlike a pod network, it is one port space: two jobs running at once
+in one test cluster meet at port 29500 (the second's store host joins the first's store), so the
+tests run one training job at a time (a queued or finished one may overlap).
 """
 
 from __future__ import annotations
