@@ -37,7 +37,6 @@ import datetime as dt
 import fcntl
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -191,14 +190,34 @@ def stop_leftovers(previous: dict[str, Any], key: str, timeout: float = 30.0) ->
     marker = previous.get("marker")
     if not (isinstance(marker, str) and marker) or previous.get("host") != socket.gethostname():
         return 0
+    import psutil
+
     pids = processes_with_env(key, marker)
+    killed = []
     for pid in pids:
-        with contextlib.suppress(OSError):  # gone meanwhile
-            os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(psutil.Error):  # gone meanwhile
+            proc = psutil.Process(pid)
+            proc.kill()
+            killed.append(proc)
     end = time.monotonic() + timeout
-    while processes_with_env(key, marker) and time.monotonic() < end:
-        time.sleep(0.1)  # SIGKILLed: gone in a moment (a zombie no longer counts)
+    # A dying process stops showing its environment before it closes its files (the run dir's
+    # lock among them): the scan alone could say "gone" too early.
+    while time.monotonic() < end and (
+            not all(_ended(p) for p in killed) or processes_with_env(key, marker)):
+        time.sleep(0.1)  # SIGKILLed: gone in a moment
     return len(pids)
+
+
+def _ended(proc: Any) -> bool:
+    """Past its exit: gone (or its pid reused) or a zombie, its files and locks released."""
+    import psutil
+
+    try:
+        return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.Error:  # not ours to read: take the scan's word
+        return True
 
 
 def processes_with_env(key: str, value: str) -> list[int]:
