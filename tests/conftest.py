@@ -9,8 +9,7 @@ TESTS = Path(__file__).resolve().parent
 
 @pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: unknown without it
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
-    """``--dist loadfile`` with tests/cluster as one file (``make test``: ``-n 2``), but for the
-    modules that start control planes of their own (:data:`OWN_CLUSTER`).
+    """``--dist loadfile`` with all of tests/cluster as one file (``make test``: ``-n 2``).
 
     A file runs on one worker, so a module's module- and session-scoped fixtures (the bad-input
     sweep, the image venvs, the trainer runs) are built once, and a single worker starts the
@@ -23,23 +22,14 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
         return None
     from xdist.scheduler import LoadFileScheduling
 
+    cluster = TESTS / "cluster"
+
     class ClusterAsOneFile(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             scope = super()._split_scope(nodeid)
-            return "tests/cluster" if _on_session_cluster(config.rootpath / scope) else scope
+            return "tests/cluster" if (config.rootpath / scope).is_relative_to(cluster) else scope
 
     return ClusterAsOneFile(config, log)
-
-
-#: Modules of tests/cluster that start control planes of their own (each in its own folder) and
-#: never use the session's: they run on whichever worker is free, beside the session cluster,
-#: instead of lengthening the one worker that runs every other cluster test.
-OWN_CLUSTER = ("test_controlplane_lifecycle.py", "test_cluster_dir.py")
-
-
-def _on_session_cluster(path: Path) -> bool:
-    """Whether ``path`` (a test module) runs on the session's test cluster."""
-    return path.is_relative_to(TESTS / "cluster") and path.name not in OWN_CLUSTER
 
 
 #: Modules of a minute or more (test time in a loaded CI run: trainer runs, the bad-input sweep,
@@ -48,7 +38,7 @@ def _on_session_cluster(path: Path) -> bool:
 #: module missing here only runs later.
 HEAVY = ("test_trainer_resume.py", "test_bad_inputs.py", "test_images.py", "test_drills.py",
          "test_pipelines.py", "test_mounts.py", "test_launch_local_lifetime.py",
-         "test_launcher_lifetime.py", "test_image_launcher_venv.py", *OWN_CLUSTER)
+         "test_launcher_lifetime.py", "test_image_launcher_venv.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -56,10 +46,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     module stays in one piece, in its own order; every worker sorts alike)."""
     if not hasattr(config, "workerinput"):
         return
+    cluster = TESTS / "cluster"
 
     def rank(item: pytest.Item) -> int:
         path = Path(item.path)
-        if _on_session_cluster(path):
+        if path.is_relative_to(cluster):
             return 0
         return 1 + HEAVY.index(path.name) if path.name in HEAVY else 1 + len(HEAVY)
     items.sort(key=rank)  # stable
