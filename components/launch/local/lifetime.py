@@ -214,9 +214,7 @@ def _ended(proc: Any) -> bool:
 
     try:
         return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-    except psutil.Error:  # not ours to read: take the scan's word
+    except psutil.Error:  # gone meanwhile, or not ours to read: take the scan's word
         return True
 
 
