@@ -90,15 +90,13 @@ def test_a_pid_that_repeats_in_every_pod_links_each_start_to_its_own_round() -> 
     assert summarize_events(events).restarts == {"pod": 2}
 
 
-def test_two_pods_on_one_node_are_two_agents_even_when_their_pids_and_ticks_agree(
-        tmp_path: Path) -> None:
+def test_two_pods_on_one_node_are_two_agents_even_when_their_pids_and_ticks_agree() -> None:
     """ft_launcher is pid 13 in every container and two pods of one node often start it in the
     same 10 ms tick: the PID namespace tells their agents apart (here, two ``unshare --pid``
     containers whose agent is pid 1 of each)."""
     from kfp_nvrx.components.core.rounds import agent_identity
 
-    code = ("import os; from kfp_nvrx.components.core.rounds import agent_identity; "
-            "print(agent_identity())")
+    code = "from kfp_nvrx.components.core.rounds import agent_identity; print(agent_identity())"
     ids = []
     for _ in range(2):
         # sh is pid 1 (the agent), python its child (the worker); '; :' keeps sh from exec'ing
