@@ -45,8 +45,13 @@ def private_dir(path: Path, create: bool = True) -> None:
 
 
 def remove_copy(d: Path) -> bool:
-    """Deletes host copy directory ``d`` when it is a private directory of ours (never a link)."""
+    """Deletes host copy directory ``d`` when it and the base holding it are private and ours.
+
+    Both are checked (never following a link): a private ``d`` under a linked base would be a
+    folder somewhere else.
+    """
     try:
+        private_dir(d.parent, create=False)
         private_dir(d, create=False)
     except HostCopyUnavailable:
         return False

@@ -9,12 +9,14 @@ newest save by a write: tens of seconds at 1b, minutes on FSx).
 The mechanism, and what keeps it safe:
 
 * **Owned.** ``/dev/shm/kfp-nvrx-<uid>/<run key>/``: both directories are created by us with mode
-  0700 and used (written, read or swept) only when they are real directories owned by this user
-  and closed to everyone else; a link in their place is refused, never followed. Only our trainer
-  writes there: rank R's banks are ``rank<R>.bank<i>``, each described by ``rank<R>.bank<i>.json``.
+  0700 and nothing in them is listed, read, written or deleted, by any method, before both are
+  proven real directories owned by this user and closed to everyone else (:meth:`HostCopyDir.
+  private`); a link in their place is refused, never followed. Only our trainer writes there:
+  rank R's banks are ``rank<R>.bank<i>``, each described by ``rank<R>.bank<i>.json``.
 * **Verified.** A bank's manifest is published (atomically, tmp + rename) only once its snapshot
-  is complete, with the CRC32 of each of its pieces, the layout, the step, the rank, the world
-  size and the run's identity (:func:`run_identity`: a run dir deleted and made again is another
+  is complete, with the CRC32 of each of its pieces (together the whole bank: a manifest whose
+  pieces leave bytes out describes nothing), the layout, the step, the rank, the world size and
+  the run's identity (:func:`run_identity`: a run dir deleted and made again is another
   run). Staging into a bank first withdraws its manifest, so a torn bank is never described. A
   restart agrees on one step every rank holds (:meth:`.checkpointer.Checkpointer.resume`) and
   checks every piece's CRC32 as it loads; one mismatch on any rank sends every rank to the disk.
@@ -105,8 +107,13 @@ def decode_objects(value: Any) -> Any:
     return value
 
 
+#: Linux's largest pid (``PID_MAX_LIMIT``, 2^22): a bigger number in a record names no process
+#: (``os.kill`` would raise OverflowError on one past a C int).
+PID_MAX = 4_194_304
+
+
 def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
+    if not 0 < pid <= PID_MAX:
         return False
     try:
         os.kill(pid, 0)
@@ -157,6 +164,22 @@ class HostCopyDir:
         self.rank = rank
         self.world_size = world_size
 
+    def private(self) -> bool:
+        """The base and this run's directory are real directories of ours closed to others.
+
+        Checked (``lstat``: a link is refused, never followed) before anything in them is
+        listed, read, written or deleted: a link planted in either place (``/dev/shm`` is open
+        to every user) would otherwise turn our deletes of ``rank<N>.*`` into deletes in any
+        folder the link names. Once the base is proven ours, no other user can replace anything
+        in it (0700), so the check holds for what follows.
+        """
+        try:
+            private_dir(self.base, create=False)
+            private_dir(self.path, create=False)
+        except HostCopyUnavailable:
+            return False
+        return True
+
     @property
     def keeps(self) -> bool:
         """Whether snapshots are described for a later worker (a run with a config record)."""
@@ -202,7 +225,7 @@ class HostCopyDir:
         Returns:
             False when nothing was published (no run record, or a leaf JSON cannot carry).
         """
-        if not self.keeps:
+        if not self.keeps or not self.private():
             return False
         try:
             encoded = encode_objects(objects)
@@ -220,6 +243,8 @@ class HostCopyDir:
 
     def withdraw(self, index: int | None = None) -> None:
         """Removes the manifest of bank ``index`` (before it is written again); None: all of them."""
+        if not self.private():
+            return  # nothing of ours is there to withdraw
         paths = ([self.manifest_path(index)] if index is not None
                  else list(self.path.glob(f"rank{self.rank}.bank*.json")))
         for path in paths:
@@ -233,12 +258,7 @@ class HostCopyDir:
         the described size; anything else (a stranger's file, a FIFO, another run's copy, an
         older format) is not a snapshot of this run.
         """
-        if not self.keeps:
-            return []
-        try:
-            private_dir(self.base, create=False)
-            private_dir(self.path, create=False)
-        except HostCopyUnavailable:
+        if not self.keeps or not self.private():
             return []
         found = []
         for path in self.path.glob(f"rank{self.rank}.bank*.json"):
@@ -256,6 +276,8 @@ class HostCopyDir:
             return False
         if path.name != self.manifest_path(m["bank"]).name:
             return False
+        if not covers(m.get("crc32"), m["nbytes"]):
+            return False  # a piece left unchecked would be loaded unchecked
         try:
             st = self.bank_path(m["bank"]).lstat()
         except OSError:
@@ -264,6 +286,8 @@ class HostCopyDir:
 
     def drop_banks(self, keep: set[int]) -> None:
         """Deletes this rank's bank files (and manifests) other than ``keep``."""
+        if not self.private():
+            return
         for p in self.path.glob(f"rank{self.rank}.bank*"):
             index = p.name.removeprefix(f"rank{self.rank}.bank").removesuffix(".json")
             if not index.isdigit() or int(index) not in keep:
@@ -272,8 +296,10 @@ class HostCopyDir:
 
     def drop_other_ranks(self) -> None:
         """Deletes the files of ranks this job does not have (a relaunch on fewer nodes)."""
+        if not self.private():
+            return
         pattern = re.compile(r"^\.?rank(\d+)\.")
-        for p in self.path.iterdir() if self.path.is_dir() else ():
+        for p in self.path.iterdir():
             match = pattern.match(p.name)
             if match and int(match.group(1)) >= self.world_size:
                 with contextlib.suppress(OSError):
@@ -281,13 +307,16 @@ class HostCopyDir:
 
     def remove_rank_files(self) -> None:
         """Deletes this rank's banks, manifests and owner record; the directory once empty."""
+        if not self.private():
+            return
         for p in self.path.glob(f"rank{self.rank}.*"):
             with contextlib.suppress(OSError):
                 p.unlink()
-        with contextlib.suppress(OSError):
-            self.path.rmdir()  # only when no other rank's files are left
         if not self.persistent:
             remove_copy(self.path)
+            return
+        with contextlib.suppress(OSError):
+            self.path.rmdir()  # only when no other rank's files are left
 
     def sweep(self) -> list[Path]:
         """Removes other runs' directories whose every ft_launcher agent has exited.
@@ -306,11 +335,39 @@ class HostCopyDir:
         except (HostCopyUnavailable, OSError):
             return removed
         for d in entries:
-            if d == self.path or not _OURS.match(d.name) or not d.is_dir() or d.is_symlink():
-                continue
+            if d == self.path or not _OURS.match(d.name) or not _is_private(d):
+                continue  # only a private directory of ours is read (its owner records)
             if _agents_gone(d) and remove_copy(d):
                 removed.append(d)
         return removed
+
+
+def _is_private(d: Path) -> bool:
+    try:
+        private_dir(d, create=False)
+    except HostCopyUnavailable:
+        return False
+    return True
+
+
+def covers(crc32: Any, nbytes: int) -> bool:
+    """Whether ``crc32`` is ``[offset, length, crc]`` pieces covering ``[0, nbytes)`` end to end.
+
+    The manifest's CRCs are how a restart knows a bank holds what was staged; pieces that leave
+    bytes out (``[]``, a gap, an overlap, one past the end) would let those bytes load unchecked.
+    """
+    if not isinstance(crc32, list):
+        return False
+    end = 0
+    for piece in crc32:
+        if not (isinstance(piece, list) and len(piece) == 3
+                and all(type(v) is int for v in piece)):
+            return False
+        offset, length, crc = piece
+        if offset != end or length <= 0 or not 0 <= crc < 2**32:
+            return False
+        end += length
+    return end == nbytes
 
 
 def _agents_gone(d: Path) -> bool:
@@ -321,7 +378,7 @@ def _agents_gone(d: Path) -> bool:
         if isinstance(owner, dict) and isinstance(owner.get("agent_pid"), int):
             agents.append(owner["agent_pid"])
     if d.name.startswith("private-"):
-        agents.append(int(d.name.split("-")[1]))
+        agents.append(int(d.name.split("-")[1]))  # any digits (_OURS): _pid_alive bounds them
     if not agents and _recent(d):
         return False  # being set up by a worker that has not written its owner record yet
     return not any(_pid_alive(pid) for pid in agents)
