@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -12,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from kfp_nvrx.components.core.ckpt_store import open_store
 from kfp_nvrx.components.core.config import Config, load_config
-from kfp_nvrx.components.core.events import EventLog
+from kfp_nvrx.components.core.events import EventLog, Start, read_events
 from kfp_nvrx.components.core.faults import Fault, check_faults
 from kfp_nvrx.components.core.rounds import current_budget, join_event
 from kfp_nvrx.components.core.run_record import check_run_dir, record_config
@@ -244,17 +245,43 @@ def env_int(name: str, default: int = 0) -> int:
         return default
 
 
+def launch_started(run_dir: Path) -> bool:
+    """Whether this launch started before: this worker's start is a restart's.
+
+    An in-job restart (``TORCHELASTIC_RESTART_COUNT``), or a new agent (a recreated pod) of a
+    launch whose rank 0 already recorded a ``start`` under this rendezvous id: the same test
+    the trainer's ``Recovery`` applies (``first_start``), so the two never disagree.
+    """
+    if env_restart_count() > 0:
+        return True
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return bool(run_id) and any(isinstance(e, Start) and e.run_id == run_id and e.iteration == 0
+                                for e in read_events(run_dir))
+
+
+def first_start_pins_dropped(cfg: Config) -> Config:
+    """``cfg`` as a restart checks it: without ``checkpoint.load_step``.
+
+    The pin is the launch's first start's only: the run trained on from that step and may have
+    pruned it since; a restart resumes from the newest intact step (``Recovery``), so re-checking
+    the pin would fail every restarted worker with "no committed checkpoint".
+    """
+    return dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, load_step=-1))
+
+
 def prepare_job(config: str, overrides: list[str], faults: list[str], run_dir: Path) -> Job:
     """Validates everything, then creates the run dir and the per-worker Job."""
     t0 = time.time()
     cfg, parsed, data = validate_inputs(config, overrides, faults)
     check_device(cfg)
     check_init_from(cfg)
-    check_run_dir(run_dir, cfg)
-    if env_restart_count() == 0:
-        # A restarted worker group (ft_launcher's in-job restart) resumes from checkpoints this
-        # job wrote with this config, after the first group checked the run dir: building the
-        # model on the meta device and reading the DCP metadata again cost a second per restart.
+    restart = launch_started(run_dir)
+    check_run_dir(run_dir, first_start_pins_dropped(cfg) if restart else cfg)
+    if not restart:
+        # A restarted worker group (ft_launcher's in-job restart, or a recreated pod) resumes
+        # from checkpoints this job wrote with this config, after the first group checked the
+        # run dir: building the model on the meta device and reading the DCP metadata again
+        # cost a second per restart.
         check_checkpoint_model(cfg, run_dir)
     check_launcher_env()
     from kfp_nvrx.components.training.trainer.resilience import Monitor
