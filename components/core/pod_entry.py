@@ -33,6 +33,7 @@ stops its workers within ``--term-timeout``) and reaps the orphans re-parented t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -44,6 +45,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from kfp_nvrx.components.core.pod_child import BARRIER_ENV, SUCCEEDED_LINE, Child, exit_barrier_s
+from kfp_nvrx.components.core.run_claim import RUN_DIR_ENV, Claim, PodClaim, in_use
 from kfp_nvrx.components.core.stop_request import (
     SAVE_MARGIN_S,
     STOP_FILE_ENV,
@@ -226,9 +228,21 @@ def main(argv: list[str] | None = None) -> int:
               f"got {os.environ.get(PEER_WAIT_ENV)!r}, {os.environ.get(BARRIER_ENV)!r}; unset "
               "them for the defaults", file=sys.stderr)
         return 2
+    # One writer per run dir (core.run_claim): another job's claim is waited out for one lease,
+    # then this pod is refused in one line naming the holder (2: the job fails, not restarts).
+    claim = PodClaim.from_env(os.environ, lambda line: print(f"pod_entry: {line}",
+                                                             file=sys.stderr, flush=True))
+    refusal = claim.hold() if claim is not None else None
+    if refusal is not None:
+        print(f"pod_entry: {refusal}", file=sys.stderr, flush=True)
+        return 2
     entry = _Entry(argv, barrier_s)
-    code = entry.run()
-    return entry.exit_code(code, wait_s)
+    if claim is not None:
+        claim.keep(entry.lose_claim)
+    code = entry.exit_code(entry.run(), wait_s)
+    if claim is not None:  # a pod that is restarted (lost peer, killed child) keeps the claim
+        claim.end(final=code != PEER_LOST and (code < 128 or code == TERMINATED))
+    return code
 
 
 class _Entry:
@@ -251,6 +265,15 @@ class _Entry:
         self.term_s = term_timeout_s(argv)
         self.pid = 0
         self.copies: list[_Copy] = []
+        self.lost: str | None = None  # another job took the run dir's claim: why we stopped
+
+    def lose_claim(self, holder: Claim) -> None:
+        """Another job holds the run dir now (our lease ran out): stop writing it at once."""
+        self.lost = in_use(os.environ.get(RUN_DIR_ENV, "the run dir"), holder).message
+        print(f"pod_entry: stopping the trainer: {self.lost}", file=sys.stderr, flush=True)
+        if self.child_alive and self.pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGTERM)  # no stop request: nothing more is saved
 
     def forward(self, signum: int, _frame: object) -> None:
         """The handler of the forwarded signals: note them, pass them on to the child."""
@@ -297,6 +320,8 @@ class _Entry:
     def exit_code(self, code: int, wait_s: float) -> int:
         """The container's exit code once the child exited with ``code`` (module docstring)."""
         stopped = self.stopped
+        if self.lost is not None:
+            return 2  # final: the run dir is another job's now
         if signal.SIGTERM in stopped:
             # Asked to stop: report the stop, never ft_launcher's "gave up" 1 (nor a 0 from
             # workers that exited cleanly on the signal: this pod did not finish the job).

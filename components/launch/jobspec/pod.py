@@ -22,6 +22,7 @@ from kfp_nvrx.components.core.launch_command import (
     ft_launcher_argv,
     pod_grace_period_s,
 )
+from kfp_nvrx.components.core.run_claim import HOLDER_ENV, RUN_DIR_ENV, kube_holder
 from kfp_nvrx.components.launch.jobspec import naming
 from kfp_nvrx.components.launch.jobspec.cluster_fields import escape_expansion
 from kfp_nvrx.components.launch.jobspec.profiles import (
@@ -47,11 +48,16 @@ def _field_ref(path: str) -> k8s.V1EnvVarSource:
 def container_env(job: ResolvedJob) -> list[k8s.V1EnvVar]:
     """The trainer container's env: downward API, then defaults and user env, then Secrets.
 
-    ``POD_IP`` comes first: it feeds ``--local-addr=$(POD_IP)``.
+    ``POD_IP`` comes first: it feeds ``--local-addr=$(POD_IP)``; ``POD_NAMESPACE`` names the
+    job in its run-dir claim (``$(POD_NAMESPACE)``, expanded by the kubelet).
     """
     env = [
         k8s.V1EnvVar(name="POD_IP", value_from=_field_ref("status.podIP")),
         k8s.V1EnvVar(name="POD_NAME", value_from=_field_ref("metadata.name")),
+        k8s.V1EnvVar(name="POD_NAMESPACE", value_from=_field_ref("metadata.namespace")),
+        # FT: one writer per run dir: the pods' entrypoint claims it for this job (core.run_claim)
+        k8s.V1EnvVar(name=RUN_DIR_ENV, value=escape_expansion(job.run_dir)),
+        k8s.V1EnvVar(name=HOLDER_ENV, value=kube_holder("$(POD_NAMESPACE)", job.name)),
     ]
     pod = job.worker()
     env += [k8s.V1EnvVar(name=k, value=v) for k, v in pod.env]

@@ -28,6 +28,9 @@ _DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z
 RESERVED_ENV = {
     "POD_IP": "the downward API sets it for ft_launcher --local-addr",
     "POD_NAME": "the downward API sets it",
+    "POD_NAMESPACE": "the downward API sets it (the job's run-dir claim names it)",
+    "KFP_NVRX_RUN_DIR": "the pod spec sets it: the run dir the pods claim (one writer per run dir)",
+    "KFP_NVRX_RUN_HOLDER": "the pod spec sets it: the job that claims the run dir",
     "MASTER_ADDR": "ft_launcher sets it per worker from the rendezvous",
     "MASTER_PORT": "ft_launcher sets it per worker from the rendezvous",
     "WORLD_SIZE": "ft_launcher sets it per worker from the rendezvous",

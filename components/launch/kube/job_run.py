@@ -27,6 +27,8 @@ from kfp_nvrx.components.launch.kube.kueue import KueueReads
 from kfp_nvrx.components.launch.kube.logs import PodLogFollower
 from kfp_nvrx.components.launch.kube.missing import missing_error
 from kfp_nvrx.components.launch.kube.queue_follow import QueueWatch
+from kfp_nvrx.components.launch.kube.run_dir_claim import LauncherClaim
+from kfp_nvrx.components.launch.kube.run_dir_claim import claim as claim_run_dir
 from kfp_nvrx.components.launch.options import FollowOptions
 from kfp_nvrx.components.launch.result import LaunchResult, account_run_dir
 
@@ -83,6 +85,7 @@ class JobRun:
         self.opts = (opts or FollowOptions()).checked()
         self._log = log
         self._lock = threading.Lock()
+        self.claim: LauncherClaim | None = None  # this launcher's claim on the run dir
 
     def say(self, line: str) -> None:
         """Log one line (called from the log streams' threads too)."""
@@ -109,13 +112,21 @@ class JobRun:
         queue = None if job.queue is None else KueueReads(client, job.namespace, job.queue,
                                                           self.say)
         with StopSignals(self.opts.handle_signals) as signals:
-            found, attached = self._attach_or_create(jobs, rendered, queue)
+            try:
+                found, attached = self._attach_or_create(jobs, rendered, queue, client)
+            except BaseException:
+                self._end_claim("not created")
+                raise
             follower.start()
             try:
                 result = Follow(jobs, found, self.opts, self.say, follower,
                                 self._queue_watch(queue, jobs, found, follower)).run(signals)
+            except BaseException:
+                self._end_claim("")
+                raise
             finally:
                 follower.stop(drain_s=0.0 if signals.event.is_set() else self.opts.drain_s)
+            self._end_claim(result.state)
         if "missing" in result.extra:  # bad input: the job we made can never start
             self._delete(jobs)
             raise missing_error(result.extra["missing"], jobs.namespace, job, self.opts.missing_s)
@@ -123,6 +134,15 @@ class JobRun:
         if should_delete(result.state, self.opts.delete_after):
             self._delete(jobs)
         return result
+
+    def _end_claim(self, state: str) -> None:
+        """Stops renewing this launcher's run-dir claim; released once the job has ended.
+
+        A stopped or still running job keeps it: its pods hold it (and release it at their
+        final exit); a job that was never created holds nothing.
+        """
+        if self.claim is not None:
+            self.claim.end(job_ended=state in ("Succeeded", "Failed", "not created"))
 
     def _queue_watch(self, queue: KueueReads | None, jobs: FollowedJob, found: dict[str, Any],
                      follower: PodLogFollower) -> QueueWatch | None:
@@ -174,10 +194,12 @@ class JobRun:
             time.sleep(1.0)
 
     def _attach_or_create(self, jobs: FollowedJob, rendered: Rendered,
-                          queue: KueueReads | None) -> tuple[dict[str, Any], bool]:
+                          queue: KueueReads | None, client: Any) -> tuple[dict[str, Any], bool]:
         """Return (job, attached): the existing job of this run, or a newly created one.
 
-        A job to create that names a queue has its LocalQueue and priority class checked first.
+        A job to create that names a queue has its LocalQueue and priority class checked first;
+        its run dir is claimed for it where this launcher sees the volume (:mod:`.run_dir_claim`:
+        a run dir another job writes is refused before anything is created).
         """
         run_id = rendered.resolved.run_id
         for _ in range(3):
@@ -190,10 +212,15 @@ class JobRun:
                 raise naming.name_taken(jobs.where, owner, run_id)
             if queue is not None:
                 queue.check()
+            if self.claim is None:
+                self.claim = claim_run_dir(rendered.run_dir, jobs.namespace, jobs.name, client,
+                                           self.say)
             if jobs.create(rendered.to_dict()):
                 self.say(f"created {jobs.where}: {rendered.describe()}")
                 created = self._read_created(jobs)
                 if created is not None:
+                    if self.claim is not None:
+                        self.claim.keep()
                     return created, False
         raise ClusterError(f"{jobs.where} could not be created or read")
 
