@@ -51,6 +51,11 @@ class K8sDouble:
         self.requests: list[dict[str, Any]] = []
         #: ``{"POST": (403, "Forbidden")}``: answer the next request of that verb with an error.
         self.fail_next: dict[str, tuple[int, str]] = {}
+        #: Verbs (``{"DELETE", "GET"}``) answered by a trickle: the status line and headers of a
+        #: 200, then one body byte every :attr:`trickle_s`, until the client hangs up (a slow API
+        #: server or a proxy holding the connection).
+        self.trickle: set[str] = set()
+        self.trickle_s = 0.5
         #: Job plurals the API server serves (discovery; creating another kind answers 404).
         self.served = set(JOB_APIS)
         self.rv = 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlparse
@@ -80,6 +81,25 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def _trickled(self) -> bool:
+        """Answers this request by a trickle when its verb is in ``double.trickle``."""
+        if self.command not in self.double.trickle:
+            return False
+        self._record()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", "100000")
+        self.end_headers()
+        try:
+            while not self.double.closed:
+                self.wfile.write(b" ")
+                self.wfile.flush()
+                time.sleep(self.double.trickle_s)
+        except OSError:
+            pass  # the client hung up: what a bounded client does
+        self.close_connection = True
+        return True
+
     def _no_endpoint(self) -> None:
         self._json(404, _status(404, "NotFound", "no such endpoint"))
 
@@ -117,6 +137,8 @@ class _Handler(BaseHTTPRequestHandler):
         self._json(201, stored)
 
     def do_DELETE(self) -> None:  # noqa: N802
+        if self._trickled():
+            return
         double = self.double
         body = self._body()
         parts, _ = self._record(body)
@@ -135,6 +157,8 @@ class _Handler(BaseHTTPRequestHandler):
         self._json(200, {"kind": "Status", "apiVersion": "v1", "status": "Success"})
 
     def do_GET(self) -> None:  # noqa: N802
+        if self._trickled():
+            return
         parts, query = self._record()
         for (prefix, count), method in _GET_ROUTES.items():
             if len(parts) == count and tuple(parts[:len(prefix)]) == prefix:

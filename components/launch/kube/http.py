@@ -35,9 +35,14 @@ from urllib3 import HTTPConnectionPool, HTTPSConnectionPool
 from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.response import HTTPResponse
 from urllib3.util.retry import Retry
+from urllib3.util.timeout import Timeout
 
 #: Seconds one call may take in all: connecting, sending, the headers and the whole body.
 CALL_DEADLINE_S = 120.0
+#: Seconds a stopped launcher has, from its stop signal, for everything it still does (the job's
+#: delete, its retries and the wait for it to be gone), all of it together: below KFP's 30 s
+#: termination grace, after which the step's pod is SIGKILLed with the job left behind.
+STOP_BUDGET_S = 25.0
 #: Largest body read into memory (a list of a big namespace's pods is a few MiB).
 MAX_BODY_BYTES = 64 << 20
 #: Longest line of a streamed response passed on whole (an object the API serves is < 1.5 MiB).
@@ -48,6 +53,9 @@ _CHUNK = 64 << 10
 #: Connection attempts only: a sent request is never re-sent, a status never retried here.
 _RETRIES = Retry(total=2, connect=2, read=0, redirect=False, status=0, other=0,
                  respect_retry_after_header=False, raise_on_status=False)
+#: A stopped launcher's calls: one connection attempt (a refused connect must not eat the budget).
+_STOP_RETRIES = Retry(total=0, connect=0, read=0, redirect=False, status=0, other=0,
+                      respect_retry_after_header=False, raise_on_status=False)
 
 
 class CallLimit(Exception):  # noqa: N818 - the message says what limit
@@ -61,6 +69,23 @@ class CallInterrupted(Exception):  # noqa: N818 - it is what happened
 _local = threading.local()
 _active: dict[int, _Guard] = {}  # in-flight guarded calls (dict ops are atomic under the GIL)
 _interrupts = [0]  # times interrupt_calls() ran: a pause that sees it change stops
+_stop_by = [0.0]  # time.monotonic() by which a stopped launcher's calls end (0: not stopped)
+
+
+def start_stop_clock(budget_s: float = STOP_BUDGET_S) -> None:
+    """From now on every call and pause ends within ``budget_s`` in all (signal-handler safe)."""
+    if not _stop_by[0]:
+        _stop_by[0] = time.monotonic() + budget_s
+
+
+def reset_stop_clock() -> None:
+    """No stop is under way (a new launch in this process)."""
+    _stop_by[0] = 0.0
+
+
+def stop_left() -> float | None:
+    """Seconds left of the stop's budget; None when no stop signal came."""
+    return None if not _stop_by[0] else max(0.0, _stop_by[0] - time.monotonic())
 
 
 def _shutdown(sock: Any) -> None:
@@ -81,6 +106,7 @@ class _Guard:
     def __init__(self, deadline_s: float) -> None:
         self.conns: list[Any] = []
         self.expired = self.interrupted = False
+        self.deadline_s = deadline_s
         self._timer = threading.Timer(deadline_s, self._expire)
         self._timer.daemon = True
 
@@ -119,8 +145,10 @@ class _Guard:
         if self.interrupted:
             raise CallInterrupted("interrupted by a stop signal") from err
         if self.expired:
-            raise CallLimit(f"gave no complete answer within {CALL_DEADLINE_S:g} s (a server "
-                            "that answers too slowly, or a proxy holding the connection)") from err
+            within = (f"the {STOP_BUDGET_S:g} s a stopped launcher has" if
+                      self.deadline_s < CALL_DEADLINE_S else f"{CALL_DEADLINE_S:g} s")
+            raise CallLimit(f"gave no complete answer within {within} (a server that answers "
+                            "too slowly, or a proxy holding the connection)") from err
 
 
 def interrupt_calls() -> None:
@@ -139,7 +167,9 @@ def pause(seconds: float) -> None:
     Raises:
         CallInterrupted: It did.
     """
-    seen, end = _interrupts[0], time.monotonic() + seconds
+    left = stop_left()
+    seen, end = _interrupts[0], time.monotonic() + (seconds if left is None else
+                                                      min(seconds, left))
     while (left := end - time.monotonic()) > 0:
         time.sleep(min(left, 0.1))
         if _interrupts[0] != seen:
@@ -161,10 +191,12 @@ class StopSignals:
 
     def _handler(self, signum: int, _frame: Any) -> None:
         self.signum = signum
+        start_stop_clock()  # FT: what the launcher still does ends within STOP_BUDGET_S
         self.event.set()
         interrupt_calls()  # a call blocked on the API server returns now
 
     def __enter__(self) -> StopSignals:
+        reset_stop_clock()
         if self._enabled:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._old[sig] = signal.signal(sig, self._handler)
@@ -295,7 +327,14 @@ class BoundedPool:
             CallInterrupted: :func:`interrupt_calls` cut it short.
         """
         kwargs.update(redirect=False, retries=_RETRIES)
-        with _Guard(CALL_DEADLINE_S) as guard:
+        deadline_s, left = CALL_DEADLINE_S, stop_left()
+        if left is not None:  # stopping: this call gets what is left of the stop's budget
+            if left <= 0:
+                raise CallLimit(f"not sent: the {STOP_BUDGET_S:g} s a stopped launcher has "
+                                "are used up")
+            deadline_s = min(deadline_s, left)
+            kwargs.update(retries=_STOP_RETRIES, timeout=Timeout(connect=left, read=left))
+        with _Guard(deadline_s) as guard:
             try:
                 resp = self.inner.request(method, url, preload_content=False, **kwargs)
             except Exception as err:

@@ -22,7 +22,7 @@ from kfp_nvrx.components.launch.jobspec import naming
 from kfp_nvrx.components.launch.kube.calls import ClusterError
 from kfp_nvrx.components.launch.kube.follow import Follow
 from kfp_nvrx.components.launch.kube.followed import FollowedJob
-from kfp_nvrx.components.launch.kube.http import StopSignals
+from kfp_nvrx.components.launch.kube.http import STOP_BUDGET_S, StopSignals, stop_left
 from kfp_nvrx.components.launch.kube.kueue import KueueReads
 from kfp_nvrx.components.launch.kube.logs import PodLogFollower
 from kfp_nvrx.components.launch.kube.missing import missing_error
@@ -35,8 +35,8 @@ from kfp_nvrx.components.launch.result import LaunchResult, account_run_dir
 if TYPE_CHECKING:
     from kfp_nvrx.components.launch.job_apis import Rendered
 
-#: Seconds the launcher waits for a deleted job and its pods to be gone;
-#: below KFP's 30 s termination grace, so a cancelled step still exits on its own.
+#: Seconds the launcher waits for a deleted job and its pods to be gone (after a stop signal,
+#: at most what is left of :data:`.http.STOP_BUDGET_S`, below KFP's 30 s termination grace).
 DELETE_WAIT_S = 20.0
 #: Attempts at the delete call itself (a job must not be left behind by one dropped connection).
 DELETE_ATTEMPTS = 3
@@ -132,7 +132,10 @@ class JobRun:
             raise missing_error(result.extra["missing"], jobs.namespace, job, self.opts.missing_s)
         self._account(result, jobs, follower, attached)
         if should_delete(result.state, self.opts.delete_after):
-            self._delete(jobs)
+            unfinished = self._delete(jobs)
+            if unfinished:  # FT: exit 143 still comes within the stop's budget, saying what
+                result.reason += (f"; not finished within the {STOP_BUDGET_S:g} s a stopped "
+                                  f"launcher has: {unfinished}")
         return result
 
     def _end_claim(self, state: str) -> None:
@@ -166,18 +169,32 @@ class JobRun:
                             f"{posixpath.relpath(job.run_dir, pod.mount)}",
                             progress=follower.progress.summary())
 
-    def _delete(self, jobs: FollowedJob) -> None:
-        """Delete the job (retrying a failed call) and wait a while for it to be gone."""
+    def _delete(self, jobs: FollowedJob) -> str | None:
+        """Delete the job (retrying a failed call) and wait a while for it to be gone.
+
+        After a stop signal all of it, retries and wait included, ends within what is left of
+        :data:`.http.STOP_BUDGET_S` (its calls are cut there too, :mod:`.http`).
+
+        Returns:
+            After a stop signal, what did not finish in time (None: the job is gone).
+
+        Raises:
+            ClusterError: Without a stop signal, when every delete call failed.
+        """
         for attempt in range(DELETE_ATTEMPTS):
             try:
                 jobs.delete()
                 break
             except ClusterError as err:
+                left = stop_left()
+                if left is not None and (attempt + 1 == DELETE_ATTEMPTS or left < 1.0 + attempt):
+                    return f"deleting {jobs.where}: {err}"
                 if attempt + 1 == DELETE_ATTEMPTS:
                     raise
                 self.say(f"warning: {err} (retrying)")
                 time.sleep(1.0 + attempt)
-        deadline = time.monotonic() + DELETE_WAIT_S
+        left = stop_left()
+        deadline = time.monotonic() + (DELETE_WAIT_S if left is None else min(DELETE_WAIT_S, left))
         while True:
             try:
                 gone = jobs.gone()
@@ -186,12 +203,13 @@ class JobRun:
             if gone:
                 self.say(f"deleted {jobs.where} and its pods "
                          f"(propagationPolicy={jobs.propagation})")
-                return
+                return None
             if time.monotonic() > deadline:
                 self.say(f"deleting {jobs.where} (propagationPolicy={jobs.propagation}): "
                          "still in progress, its pods are stopping")
-                return
-            time.sleep(1.0)
+                return None if left is None else f"the wait for {jobs.where} to be gone " \
+                    "(the delete was sent; its pods were still stopping)"
+            time.sleep(max(0.0, min(1.0, deadline - time.monotonic())))
 
     def _attach_or_create(self, jobs: FollowedJob, rendered: Rendered,
                           queue: KueueReads | None, client: Any) -> tuple[dict[str, Any], bool]:
