@@ -92,8 +92,17 @@ def test_same_meaning_as_the_pytorchjob(filename: str) -> None:
     v1 = render_pytorchjob(spec).to_dict()["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
     v2 = _pod(spec)
     c1, c2 = v1["spec"]["containers"][0], v2["spec"]["containers"][0]
-    for key in ("image", "resources", "volumeMounts", "securityContext"):
+    # What the runtime gives every pod, for TrainJobs that bring no command or volumes (the
+    # Kubeflow SDK's): the TrainJob's name in the env; its claim at /fsx, which stays beside a
+    # job's own mount elsewhere (strategic merge keys mounts by path).
+    own_mount = [m for m in c2["volumeMounts"] if m not in c1["volumeMounts"]]
+    assert own_mount in ([], [{"name": "shared", "mountPath": "/fsx"}]), own_mount
+    c2 = {**c2, "env": [e for e in c2["env"] if e["name"] != "KFP_NVRX_TRAINJOB"]}
+    for key in ("image", "resources", "securityContext"):
         assert c1.get(key) == c2.get(key), key
+    by_path = sorted((m for m in c2["volumeMounts"] if m not in own_mount),
+                     key=lambda m: m["mountPath"])
+    assert by_path == sorted(c1["volumeMounts"], key=lambda m: m["mountPath"])
     pet = {e["name"] for e in c2["env"] if e["name"].startswith("PET_")}
     # The one difference on purpose: a PyTorchJob's pod that lost a peer exits 200 at once, a
     # TrainJob's waits to be stopped first (pod_entry; docs/eks.md, the failure policies).

@@ -53,6 +53,21 @@ POD_ANNOTATIONS = {"sidecar.istio.io/inject": "false"}
 GRACE_PERIOD_S = 300
 #: Placeholder image; every TrainJob sets ``trainer.image``.
 DEFAULT_IMAGE = "kfp-nvrx-trainer:0.1.0"
+#: The node container's command when a TrainJob sets none (the Kubeflow SDK's
+#: ``CustomTrainerContainer``): it reads the run from the env and args
+#: (:mod:`kfp_nvrx.components.core.runtime_entry`). A rendered TrainJob's ``trainer.command``
+#: replaces it.
+COMMAND = ["python", "-m", "kfp_nvrx.components.core.runtime_entry"]
+#: The shared volume every node mounts unless a TrainJob patches its own claim in (the claim of
+#: images/deploy; a runtime patch's volume of the same name replaces its source).
+SHARED_CLAIM = "kfp-nvrx-shared"
+SHARED_VOLUME, SHARED_MOUNT = "shared", "/fsx"
+SHM_VOLUME = "dshm"
+#: Downward-API env of the node container. A rendered TrainJob's ``trainer.env`` sets the pod's
+#: three again (same values); the TrainJob's name is the JobSet's, on every pod as a label.
+_ENV = [("POD_IP", "status.podIP"), ("POD_NAME", "metadata.name"),
+        ("POD_NAMESPACE", "metadata.namespace"),
+        ("KFP_NVRX_TRAINJOB", "metadata.labels['jobset.sigs.k8s.io/jobset-name']")]
 
 
 def build_runtime(name: str = RUNTIME_NAME, namespace: str = "",
@@ -105,8 +120,13 @@ def _node_job() -> dict[str, Any]:
             # podFailurePolicy requires Never: pod-level retries are the Job controller's.
             "restartPolicy": "Never",
             "terminationGracePeriodSeconds": GRACE_PERIOD_S,
-            "containers": [{"name": CONTAINER_NAME, "image": DEFAULT_IMAGE,
-                            "imagePullPolicy": IMAGE_PULL_POLICY}],
+            "containers": [_node_container()],
+            # What a TrainJob without runtime patches mounts (one made by the Kubeflow SDK).
+            "volumes": [
+                {"name": SHARED_VOLUME, "persistentVolumeClaim": {"claimName": SHARED_CLAIM}},
+                # NCCL, DataLoader workers and the checkpoint staging buffers use /dev/shm.
+                {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}},
+            ],
         },
     }
     return {
@@ -129,4 +149,16 @@ def _node_job() -> dict[str, Any]:
                 "template": pod,
             },
         },
+    }
+
+
+def _node_container() -> dict[str, Any]:
+    """The trainer container: what a TrainJob that sets only image, env and resources runs."""
+    return {
+        "name": CONTAINER_NAME, "image": DEFAULT_IMAGE, "imagePullPolicy": IMAGE_PULL_POLICY,
+        "command": list(COMMAND),
+        "env": [{"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+                for name, path in _ENV],
+        "volumeMounts": [{"name": SHARED_VOLUME, "mountPath": SHARED_MOUNT},
+                         {"name": SHM_VOLUME, "mountPath": "/dev/shm"}],
     }

@@ -165,15 +165,23 @@ def _check_patched_container(cpath: str, container: dict[str, Any],
                         "(use spec.trainer.env)")
 
 
-def _merge_named(base: list[dict], patch: list[dict]) -> list[dict]:
-    """Merge two lists of objects keyed by ``name`` (list-type map), patch values winning."""
+def _merge_named(base: list[dict], patch: list[dict], key: str = "name") -> list[dict]:
+    """Merge two lists of objects keyed by ``key`` (list-type map), patch values winning.
+
+    A container's ``volumeMounts`` merge by ``mountPath``, as the Trainer's strategic merge
+    patch does (the runtime's /fsx mount stays beside a patched mount elsewhere).
+    """
     out = [copy.deepcopy(b) for b in base]
     for item in patch:
-        old = next((o for o in out if o.get("name") == item.get("name")), None)
+        old = next((o for o in out if o.get(key) == item.get(key)), None)
         if old is None:
             out.append(copy.deepcopy(item))
-        else:
-            old.update(copy.deepcopy(item))
+            continue
+        mounts = _merge_named(old.get("volumeMounts") or [], item.get("volumeMounts") or [],
+                              "mountPath")
+        old.update(copy.deepcopy(item))
+        if mounts:
+            old["volumeMounts"] = mounts
     return out
 
 
