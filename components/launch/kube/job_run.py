@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from kubernetes import client as k8s
 
-from kfp_nvrx.components.core.pod_entry import exit_meaning
+from kfp_nvrx.components.core.pod_entry import GAVE_UP, exit_meaning
 from kfp_nvrx.components.launch.jobspec import naming
 from kfp_nvrx.components.launch.kube.calls import ClusterError
 from kfp_nvrx.components.launch.kube.follow import Follow
@@ -61,6 +61,10 @@ def fill_failure(result: LaunchResult, follower: PodLogFollower, lines: int) -> 
     if pod is None:
         return
     result.extra["failed_replica"] = pod.replica
+    if pod.exit_code is None:  # its verdict came first; its pod is still stopping its agent
+        result.reason += f" ({pod.replica}: {pod.verdict.split(GAVE_UP, 1)[1].strip()})"
+        result.last_log_lines = follower.last_lines(pod, lines)
+        return
     meaning = exit_meaning(pod.exit_code)
     result.reason += f" ({pod.replica} exited with code {pod.exit_code}" + (
         f", {pod.exit_reason}" if pod.exit_reason else "") + (

@@ -141,16 +141,21 @@ class PodLogFollower:
     def failed_pod(self) -> Ended | None:
         """The pod instance whose exit decided a failure, if any exited non-zero.
 
-        A final exit (1..127: ft_launcher gave up, bad input; no policy retries it) decides
-        over the exits a controller answers with a new pod (a signal, a stop, a lost peer,
-        200): in a PyTorchJob whose worker-1 gave up, worker-0 lost its peer and exited 200
-        first, and was recreated. Among equals, the earliest.
+        The pod whose trainer said the job's final verdict (``[trainer] gave up: ...``: the
+        restart budget is spent) decides first, exited or not: its pod exits only once its agent
+        has stopped, and meanwhile a peer that lost the gone rendezvous store fails with a c10d
+        timeout and ends the job (issue 38 item 7: the launcher named that peer). Then a final
+        exit (1..127: ft_launcher gave up, bad input; no policy retries it) decides over the
+        exits a controller answers with a new pod (a signal, a stop, a lost peer, 200): in a
+        PyTorchJob whose worker-1 gave up, worker-0 lost its peer and exited 200 first, and was
+        recreated. Among equals, the earliest.
         """
         with self._lock:
             ended = [i for p in self.pods.values() for i in p.instances.values()
-                     if i.exit_code not in (None, 0)
+                     if (i.exit_code not in (None, 0) or (i.exit_code is None and i.verdict))
                      and self._admission_of.get(i.uid, 0) == self._admission]
-        return min(ended, key=lambda i: (not i.final, i.finished_at)) if ended else None
+        return min(ended, key=lambda i: (not i.verdict, not i.final,
+                                         i.finished_at or float("inf"))) if ended else None
 
     def tail(self, pod_name: str, lines: int, uid: str = "") -> list[str]:
         """The last ``lines`` log lines streamed from ``pod_name`` (instance ``uid``: its own)."""

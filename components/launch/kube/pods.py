@@ -16,6 +16,8 @@ from typing import Any
 
 from kubernetes import client as k8s
 
+from kfp_nvrx.components.core.pod_entry import GAVE_UP
+
 
 class Progress:
     """The step a live progress line shows, parsed from log lines (thread-safe).
@@ -75,6 +77,11 @@ class Ended:
     exit_reason: str = ""
     finished_at: float = 0.0
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_KEPT))
+
+    @property
+    def verdict(self) -> str:
+        """The trainer's own final verdict among its lines (the job's budget spent...), or ''."""
+        return next((line for line in reversed(self.tail) if GAVE_UP in line), "")
 
     @property
     def final(self) -> bool:
