@@ -108,8 +108,18 @@ def _check_layout(field: str, file: Path, spans: list[tuple[int, int, str]], bod
                         "or copy it again")
 
 
+#: The dtypes of floating-point tensors (weights): what a model's floating parameter can load.
+FLOAT_DTYPES = frozenset({"F8_E4M3", "F8_E4M3FNUZ", "F8_E5M2", "F8_E5M2FNUZ", "F16", "BF16",
+                          "F32", "F64"})
+
+
 def read_header(field: str, path: str | Path) -> dict[str, tuple[int, ...]]:
-    """Each tensor's shape from a safetensors file's header, after the library's own checks.
+    """Each tensor's shape from a safetensors file's header (see :func:`read_entries`)."""
+    return {name: shape for name, (_dtype, shape) in read_entries(field, path).items()}
+
+
+def read_entries(field: str, path: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Each tensor's dtype and shape from a safetensors file's header, after the library's checks.
 
     Args:
         field: The setting that names the file (for the error).
@@ -120,7 +130,7 @@ def read_header(field: str, path: str | Path) -> dict[str, tuple[int, ...]]:
             not one the safetensors library would load (see the module docstring).
     """
     file, header, body = _raw_header(field, path)
-    shapes: dict[str, tuple[int, ...]] = {}
+    shapes: dict[str, tuple[str, tuple[int, ...]]] = {}
     spans: list[tuple[int, int, str]] = []
     for name, info in header.items():
         if name == "__metadata__":
@@ -130,11 +140,11 @@ def read_header(field: str, path: str | Path) -> dict[str, tuple[int, ...]]:
                                 "must map names to strings); re-export it")
             continue
         try:
-            _dtype, shape, begin, end = _entry(name, info)
+            dtype, shape, begin, end = _entry(name, info)
         except ValueError as err:
             raise UserError(field, f"{file} is not a valid safetensors file (tensor {name!r}: "
                             f"{err}); re-export it") from None
-        shapes[name] = shape
+        shapes[name] = (dtype, shape)
         spans.append((begin, end, name))
     _check_layout(field, file, spans, body)
     return shapes

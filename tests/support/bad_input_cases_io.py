@@ -109,6 +109,11 @@ CASES: list[Case] = [
       for name, (_, _, says) in _SAFETENSORS.items()],
     _c("local-init-from-fifo", "checkpoint.init_from", *LAUNCH, "--set",
        "checkpoint.init_from={stfifo}", says="FIFO"),
+    # issue 38 item 4: the tiny model's weights with one F32 tensor relabelled I32 (same bytes)
+    _c("local-init-from-relabelled-dtype", "checkpoint.init_from", *LAUNCH, "--set",
+       "checkpoint.init_from={strelabel}", says="as I32"),
+    _c("trainer-init-from-relabelled-dtype", "checkpoint.init_from", *TRAINER, "--set",
+       "checkpoint.init_from={strelabel}", program="trainer", says="as I32"),
     *[_c(f"trainer-init-from-{name[2:]}", "checkpoint.init_from", *TRAINER, "--set",
          f"checkpoint.init_from={{{name}}}", program="trainer", says=says)
       for name, (_, _, says) in list(_SAFETENSORS.items())[:5:4]],
@@ -224,7 +229,28 @@ def _safetensors(fx: Path) -> dict[str, str]:
         (fx / f"{name}.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(body))
         out[name] = str(fx / f"{name}.safetensors")
     os.mkfifo(fx / "fifo.safetensors")
-    return {**out, "stfifo": str(fx / "fifo.safetensors")}
+    return {**out, "stfifo": str(fx / "fifo.safetensors"), "strelabel": _relabelled(fx)}
+
+
+def _relabelled(fx: Path) -> str:
+    """The tiny preset's weights (zeros) whose first F32 tensor is labelled I32: same sizes."""
+    import torch
+
+    from kfp_nvrx.components.core.config import load_config
+    from kfp_nvrx.components.training.model import build_model
+
+    with torch.device("meta"):
+        state = build_model(load_config("tiny").model).state_dict()
+    header, offset = {}, 0
+    for i, (key, t) in enumerate(state.items()):
+        n = t.numel() * 4
+        header[key] = {"dtype": "I32" if i == 0 else "F32", "shape": list(t.shape),
+                       "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header).encode()
+    path = fx / "relabelled.safetensors"
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(offset))
+    return str(path)
 
 
 def _kubeconfigs(fx: Path) -> dict[str, str]:

@@ -17,7 +17,7 @@ from kfp_nvrx.components.core.events import EventLog, Start, read_events
 from kfp_nvrx.components.core.faults import Fault, check_faults
 from kfp_nvrx.components.core.rounds import current_budget, join_event
 from kfp_nvrx.components.core.run_record import check_run_dir, record_config
-from kfp_nvrx.components.core.safetensors_header import read_header
+from kfp_nvrx.components.core.safetensors_header import FLOAT_DTYPES, read_entries
 from kfp_nvrx.components.errors import UserError
 
 if TYPE_CHECKING:  # data.py imports torch and numpy: imported where a dataset is opened
@@ -88,11 +88,11 @@ def check_launcher_env() -> None:
                         "launcher (kfp-nvrx launch-local, ft_launcher or torchrun), not on its own")
 
 
-def model_shapes(cfg: Config) -> dict[str, tuple[int, ...]] | None:
-    """This config's model's state dict keys and shapes, built on the meta device (no memory).
+def model_layout(cfg: Config) -> dict[str, tuple[tuple[int, ...], bool]] | None:
+    """This config's model's state dict: each key's shape and whether it is floating point.
 
-    None when the model factory cannot build on the meta device: the checks that compare shapes
-    then leave the misfit to be reported where the weights are loaded.
+    Built on the meta device (no memory). None when the model factory cannot build there: the
+    checks that compare them then leave the misfit to be reported where the weights are loaded.
     """
     import torch
 
@@ -100,9 +100,16 @@ def model_shapes(cfg: Config) -> dict[str, tuple[int, ...]] | None:
 
     try:
         with torch.device("meta"):
-            return {k: tuple(t.shape) for k, t in build_model(cfg.model).state_dict().items()}
+            return {k: (tuple(t.shape), t.dtype.is_floating_point)
+                    for k, t in build_model(cfg.model).state_dict().items()}
     except Exception:  # noqa: BLE001 - a meta-unfriendly factory
         return None
+
+
+def model_shapes(cfg: Config) -> dict[str, tuple[int, ...]] | None:
+    """This config's model's state dict keys and shapes (see :func:`model_layout`)."""
+    layout = model_layout(cfg)
+    return None if layout is None else {k: shape for k, (shape, _) in layout.items()}
 
 
 def check_checkpoint_model(cfg: Config, run_dir: Path) -> None:
@@ -148,16 +155,25 @@ def check_init_from(cfg: Config) -> None:
     """
     if not cfg.checkpoint.init_from:
         return
-    shapes = read_header("checkpoint.init_from", cfg.checkpoint.init_from)
-    ours = model_shapes(cfg)
-    if ours is None:  # warm_start reports a misfit
+    entries = read_entries("checkpoint.init_from", cfg.checkpoint.init_from)
+    layout = model_layout(cfg)
+    if layout is None:  # warm_start reports a misfit
         return
+    shapes = {k: shape for k, (_, shape) in entries.items()}
+    ours = {k: shape for k, (shape, _) in layout.items()}
     for key in sorted(set(ours) | set(shapes)):
         if ours.get(key) != shapes.get(key):
             raise UserError("checkpoint.init_from", f"{cfg.checkpoint.init_from} does not fit "
                             f"this config's model ({key}: file {shapes.get(key, 'none')}, model "
                             f"{ours.get(key, 'none')}); use the model.* settings it was "
                             "trained with")
+    for key in sorted(ours):
+        dtype, floating = entries[key][0], layout[key][1]
+        if floating != (dtype in FLOAT_DTYPES):
+            raise UserError("checkpoint.init_from", f"{cfg.checkpoint.init_from} holds {key} as "
+                            f"{dtype}, but the model's {key} is "
+                            f"{'floating point' if floating else 'an integer tensor'}: these "
+                            "are not weights of this model (re-export them)")
 
 
 def check_device(cfg: Config) -> None:
