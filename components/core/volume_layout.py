@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kfp_nvrx.components.core.atomic import refuse_link, write_atomic
-from kfp_nvrx.components.core.bounded import read_json
+from kfp_nvrx.components.core.bounded import kind_of, read_json
 from kfp_nvrx.components.errors import UserError
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -188,11 +188,26 @@ def _size_problem(path: Path, files: dict[str, int], actual: dict[str, int]) -> 
     """The first file of ``files`` missing from ``path`` or not of its recorded size."""
     for name, size in files.items():
         if name not in actual:
-            return f"{path / name} is missing"
+            return _not_there(path / name)
         if actual[name] != size:
             return (f"{path / name} has {actual[name]} bytes where its commit recorded {size}, "
                     "so it was truncated or overwritten")
     return None
+
+
+def _not_there(file: Path) -> str:
+    """Why a committed file is not among the step's files: missing, or something else there.
+
+    A FIFO, device, socket or folder in its place is said as what it is (it was reported as
+    "missing" although ``ls`` shows it).
+    """
+    try:
+        mode = file.lstat().st_mode
+    except FileNotFoundError:
+        return f"{file} is missing"
+    except OSError as err:
+        return f"cannot stat {file}: {err.strerror or err}"
+    return f"{file} is {kind_of(mode)}, not the file its commit recorded"
 
 
 def _crc_problem(path: Path, crcs: dict[str, int], share: tuple[int, int]) -> str | None:

@@ -128,3 +128,17 @@ def test_verify_and_the_disk_only_selection_say_it_the_same_way(tmp_path):
     assert select_checkpoint(checkpoints_dir(run), log=lines.append) == 4
     assert lines == [f"checkpoint step 8 is damaged: {verify(data.parent)}; trying the next "
                      "older one"]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dir"])
+def test_a_fifo_or_folder_in_place_of_a_checkpoint_file_is_said_as_what_it_is(tmp_path,
+                                                                               kind) -> None:
+    """Issue 38 item 4: a FIFO where a committed file belongs was reported as "missing"."""
+    run = tmp_path / "run"
+    _commit(run, 4)
+    data = _commit(run, 8)
+    data.unlink()
+    os.mkfifo(data) if kind == "fifo" else data.mkdir()
+    what = "a FIFO (named pipe)" if kind == "fifo" else "a directory"
+    assert verify(data.parent) == f"{data} is {what}, not the file its commit recorded"
+    assert select_checkpoint(checkpoints_dir(run), log=lambda _l: None) == 4
