@@ -126,6 +126,11 @@ CASES: list[Case] = [
                                        ("sockevents", "cannot read"))],
     # 12. a kubeconfig, or a file it names, that is a FIFO, device, folder or huge
     _c("launch-kubeconfig-fifo", "--kubeconfig", *K8S, "--kubeconfig", "{fifo}", says="FIFO"),
+    # issue 38 item 4: nesting the YAML parser recurses on ("unexpected RecursionError" before)
+    _c("launch-kubeconfig-nested", "--kubeconfig", *K8S, "--kubeconfig", "{kcnested}",
+       says="nests deeper"),
+    _c("launch-env-kubeconfig-nested", "--kubeconfig", *K8S, says="nests deeper",
+       KUBECONFIG="{kcnested}"),
     _c("launch-kubeconfig-dir", "--kubeconfig", *K8S, "--kubeconfig", "{empty}",
        says="directory"),
     _c("launch-kubeconfig-dev-zero", "--kubeconfig", *K8S, "--kubeconfig", "/dev/zero",
@@ -263,7 +268,8 @@ def _kubeconfigs(fx: Path) -> dict[str, str]:
         doc[f"{item}s"][0][item].update(entry)
         (fx / f"{name}.yaml").write_text(json.dumps(doc))
         out[name] = str(fx / f"{name}.yaml")
-    return out
+    (fx / "nested.yaml").write_text("a: " + "[" * 5000 + "]" * 5000 + "\n")  # 10 kB
+    return {**out, "kcnested": str(fx / "nested.yaml")}
 
 
 def fixtures(fx: Path) -> dict[str, str]:

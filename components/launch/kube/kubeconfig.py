@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from kfp_nvrx.components.core.bounded import CONFIG_LIMIT, read_bytes, read_text
+from kfp_nvrx.components.errors import UserError
 
 #: Keys that name a file, per kubeconfig section (``users[].user``, ``clusters[].cluster``).
 FILE_KEYS = {"users": ("user", ("tokenFile", "client-certificate", "client-key")),
@@ -63,6 +64,9 @@ def check_kubeconfig(explicit: str | None, field: str = "kubeconfig") -> None:
             doc = yaml.safe_load(text)
         except yaml.YAMLError:
             continue  # the loader reports the file's own errors
+        except RecursionError:  # [[[[...: the YAML parser (and the loader's) recurses per level
+            raise UserError(field, f"{path} nests deeper than a kubeconfig ever does (the YAML "
+                            "parser gave up); give the cluster's kubeconfig") from None
         for key, file in _named_files(doc, path.parent):
             if os.path.lexists(file):
                 read_bytes(file, field, CONFIG_LIMIT, f"kubeconfig {key}")
