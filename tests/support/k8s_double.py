@@ -56,6 +56,7 @@ class K8sDouble:
         #: server or a proxy holding the connection).
         self.trickle: set[str] = set()
         self.trickle_s = 0.5
+        self.tls = False
         #: Job plurals the API server serves (discovery; creating another kind answers 404).
         self.served = set(JOB_APIS)
         self.rv = 1
@@ -71,7 +72,17 @@ class K8sDouble:
     def url(self) -> str:
         """Base URL of the double."""
         host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"{'https' if self.tls else 'http'}://{host}:{port}"
+
+    def use_tls(self, certfile: Path, keyfile: Path) -> K8sDouble:
+        """Serve HTTPS with this (self-signed) certificate; call before :meth:`serve`."""
+        import ssl
+
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(str(certfile), str(keyfile))
+        self._server.socket = ctx.wrap_socket(self._server.socket, server_side=True)
+        self.tls = True
+        return self
 
     def configuration(self) -> k8s.Configuration:
         """A client configuration pointing at the double."""
@@ -83,7 +94,8 @@ class K8sDouble:
         """Write a kubeconfig whose current context is the double (a token, no secret)."""
         path.write_text(json.dumps({
             "apiVersion": "v1", "kind": "Config", "current-context": "double",
-            "clusters": [{"name": "double", "cluster": {"server": self.url}}],
+            "clusters": [{"name": "double", "cluster": {
+                "server": self.url, **({"insecure-skip-tls-verify": True} if self.tls else {})}}],
             "users": [{"name": "tester", "user": {"token": "not-a-secret"}}],
             "contexts": [{"name": "double", "context": {"cluster": "double", "user": "tester",
                                                         "namespace": namespace}}],

@@ -25,6 +25,7 @@ import json
 import logging
 import math
 import re
+import sys
 from typing import Any
 
 from kubernetes.client.rest import ApiException
@@ -69,7 +70,30 @@ def configure(configuration: Any) -> Any:
 
     """
     logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
+    if getattr(configuration, "verify_ssl", True) is False:
+        _say_insecure_once(str(getattr(configuration, "host", "") or "the API server"))
     return configuration
+
+
+_insecure_said: set[str] = set()
+
+
+def _say_insecure_once(host: str) -> None:
+    """One line for a kubeconfig's ``insecure-skip-tls-verify``, not urllib3's two per call.
+
+    urllib3 warns (``InsecureRequestWarning``, with its URL) on every request to an unverified
+    HTTPS server: every poll of a long job printed two lines. The choice is the kubeconfig's;
+    it is said once, and the warning category is silenced for this process.
+    """
+    import warnings
+
+    from urllib3.exceptions import InsecureRequestWarning
+
+    warnings.filterwarnings("ignore", category=InsecureRequestWarning)
+    if host not in _insecure_said:
+        _insecure_said.add(host)
+        sys.stderr.write(f"warning: TLS certificates of {host} are not verified "
+                         "(insecure-skip-tls-verify in the kubeconfig)\n")
 
 
 def host_of(api_client: Any) -> str:
