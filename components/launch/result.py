@@ -98,17 +98,32 @@ class LaunchResult:
             return f"unknown ({self._unreadable_why()})"
         return restarts_in_words(self.restarts, self.summary.restarts)
 
-    def _unreadable_why(self) -> str:
-        """Why the run's events were not read here, and what gets them read."""
+    def _mount(self) -> str | None:
+        """Where the pods mount the run dir's volume, when the run dir is on a PVC (else None)."""
         uri = str(self.extra.get("run_dir_uri", ""))
         rel = uri.split("/", 3)[3] if uri.startswith("pvc://") and uri.count("/") >= 3 else ""
         if not rel or not self.run_dir.endswith(rel):
+            return None
+        return self.run_dir[:-len(rel)].rstrip("/") or "/"
+
+    def _unreadable_why(self) -> str:
+        """Why the run's events were not read here, in a few words (the summary line's)."""
+        if self._mount() is None:
             return "the run's events are not readable from here"
-        mount = self.run_dir[:-len(rel)].rstrip("/") or "/"
-        return (f"the run dir {self.run_dir} is on the volume {self.extra.get('pvc', '')!r}, "
-                f"which this machine does not have at {mount}: mount it here at the path the "
-                f"pods mount it at (--mount, default /fsx), or run `kfp-nvrx goodput --run-dir "
-                f"{self.run_dir}` where it is mounted")
+        return f"PVC {self.extra.get('pvc', '')!r} is not mounted here"
+
+    def restarts_hint(self) -> str:
+        """One line on how to get the restart counts when they are unknown here ('' otherwise).
+
+        Kept out of the summary line, which it made ~300 characters long (issue 38 item 8).
+        """
+        if self.restarts is not None and self.summary is not None:
+            return ""
+        mount = self._mount()
+        if mount is None:
+            return ""
+        return (f"restart counts: mount PVC {self.extra.get('pvc', '')!r} here at {mount}, or "
+                f"run `kfp-nvrx goodput --run-dir {self.run_dir}` where it is mounted")
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form."""

@@ -122,3 +122,19 @@ def test_log_lines_count_no_restart() -> None:
         progress.feed(line)
     assert progress.summary() == "step 6/12 (50%)"  # the step only: restarts are events
     assert progress.summary(restarts=1) == "step 6/12 (50%), restarts 1"
+
+
+def test_restarts_unknown_is_a_few_words_and_the_way_to_know_them_a_line_of_its_own(
+        capsys) -> None:
+    """Issue 38 item 8: every launch without the volume ended with a ~300-character line."""
+    from kfp_nvrx.components.cli.commands.launch import _report
+
+    result = LaunchResult(name="llm", backend="kubernetes", state="Succeeded",
+                          run_dir="/fsx/runs/llm",
+                          extra={"pvc": "fsx-claim", "run_dir_uri": "pvc://fsx-claim/runs/llm"})
+    assert result.restarts_text() == "unknown (PVC 'fsx-claim' is not mounted here)"
+    assert _report(result) == 0
+    summary, hint = capsys.readouterr().out.splitlines()
+    assert len(summary) < 160, summary
+    assert hint == ("restart counts: mount PVC 'fsx-claim' here at /fsx, or run `kfp-nvrx "
+                    "goodput --run-dir /fsx/runs/llm` where it is mounted")

@@ -123,12 +123,14 @@ def test_compiled_descriptions_list_every_kind(name: str) -> None:
         assert FAULT_KINDS.listing() in text, text
 
 
-def test_the_help_of_launch_local_and_the_trainer_derive_them(capsys, monkeypatch) -> None:
+def test_the_help_of_every_launcher_and_the_trainer_derive_them(capsys, monkeypatch) -> None:
     from kfp_nvrx.components.training.trainer.__main__ import parse_args
 
     monkeypatch.setenv("COLUMNS", "300")  # argparse wraps at a hyphen (kill-in-ckpt)
 
-    for show in (lambda: main(["launch-local", "--help"]), lambda: parse_args(["--help"])):
+    # launch and render-job too (issue 38 item 8: only launch-local listed them)
+    for show in (lambda: main(["launch-local", "--help"]), lambda: parse_args(["--help"]),
+                 lambda: main(["launch", "--help"]), lambda: main(["render-job", "--help"])):
         with pytest.raises(SystemExit):
             show()
         assert FAULT_KINDS.listing() in " ".join(capsys.readouterr().out.split())

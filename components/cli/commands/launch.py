@@ -157,6 +157,8 @@ def _report(result: LaunchResult) -> int:
     print(f"{result.state}: {result.name} ({result.backend}) in {result.duration_s:.0f}s"
           f"{queued}, restarts {result.restarts_text()}, pod restarts {result.pod_restarts}, "
           f"run dir {result.run_dir}", flush=True)
+    if hint := result.restarts_hint():
+        print(hint, flush=True)
     if result.succeeded:
         return 0
     sys.stderr.write(f"kfp-nvrx launch: {result.state}: {result.reason}\n")

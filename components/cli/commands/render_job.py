@@ -15,6 +15,7 @@ from typing import Any
 from kfp_nvrx.components.core import argtypes
 from kfp_nvrx.components.core.atomic import check_output
 from kfp_nvrx.components.core.atomic import write_atomic as core_write_atomic
+from kfp_nvrx.components.core.faults import FAULT_KINDS
 from kfp_nvrx.components.launch import job_apis
 
 
@@ -45,7 +46,9 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[],
                    metavar="SECTION.KEY=VALUE", help="trainer override (repeatable)")
     t.add_argument("--fault", dest="faults", action="extend", nargs="+", default=[],
-                   metavar="KIND@STEP[/RANK]", help="inject a fault (drills; repeatable)")
+                   metavar="KIND@STEP[/RANK]",
+                   help=f"inject a fault once per run (drills; repeatable): "
+                   f"{FAULT_KINDS.listing()}")
     q = p.add_argument_group("queue (Kueue)")
     q.add_argument("--queue-name", default="",
                    help="Kueue LocalQueue the job waits in for quota (its namespace's)")
