@@ -126,8 +126,13 @@ def _run(args: argparse.Namespace) -> int:
 
     try:
         if isinstance(opts, KubernetesOptions):  # --backend kubernetes
-            opts = replace(opts, cluster=_cluster(args))
-        result = launch(job, opts, log=log)
+            from kfp_nvrx.components.launch.kube.kubeconfig import exec_plugins_stopped
+
+            # no kubeconfig exec plugin outlives the launcher, however it ends (a SIGTERM too)
+            with exec_plugins_stopped():
+                result = launch(job, replace(opts, cluster=_cluster(args)), log=log)
+        else:
+            result = launch(job, opts, log=log)
     except ClusterError as err:
         sys.stderr.write(f"kfp-nvrx launch: cluster error: {err}\n")
         return 1

@@ -9,7 +9,9 @@ through the bounded reader (:mod:`..core.bounded`), before any loader runs.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -70,3 +72,31 @@ def check_kubeconfig(explicit: str | None, field: str = "kubeconfig") -> None:
         for key, file in _named_files(doc, path.parent):
             if os.path.lexists(file):
                 read_bytes(file, field, CONFIG_LIMIT, f"kubeconfig {key}")
+
+
+@contextlib.contextmanager
+def exec_plugins_stopped(grace_s: float = 2.0) -> Iterator[None]:
+    """Stops, when the block ends however it ends, every process it started and left running.
+
+    A kubeconfig's ``exec`` credential plugin (``aws eks get-token``, an SSO helper waiting for a
+    login) is a child of the launcher, run by the ``kubernetes`` client, which waits for it: a
+    SIGTERM that ended the launcher while it waited left the plugin running (issue 38 item 4).
+    The Kubernetes launch path starts no other process, so what is new below us is the plugin:
+    SIGTERM, then after ``grace_s`` SIGKILL.
+    """
+    import psutil
+
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    try:
+        yield
+    finally:
+        left = [p for p in me.children(recursive=True) if p.pid not in before]
+        for proc in left:
+            with contextlib.suppress(psutil.Error):
+                proc.terminate()
+        _, alive = psutil.wait_procs(left, timeout=grace_s)
+        for proc in alive:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+
