@@ -246,6 +246,10 @@ import os, signal, sys, time
 from kfp_nvrx.components.launch.local.lifetime import processes_with_env
 key, _, value = sys.argv[1].partition("=")
 grace = float(sys.argv[2])
+sweep = sys.argv[3:5]  # the run dir and the /dev/shm snapshot of the run's start
+if sweep:
+    from kfp_nvrx.components.core.shm_leftovers import read_snapshot, sweep_run
+    before = read_snapshot(sweep[1])  # now: the launcher deletes the file when it ends
 sys.stdin.buffer.read()  # returns at EOF: the launcher is gone
 def alive():
     return processes_with_env(key, value)
@@ -260,6 +264,8 @@ for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
     while pids and time.monotonic() < end:
         time.sleep(0.1)
         pids = alive()
+if sweep:  # every process of the run is gone: its host copy and leaked semaphores go too
+    sweep_run(sweep[0], before)
 """
 
 
@@ -309,14 +315,18 @@ class Watchdog:
         env_marker: ``NAME=value`` that every process of the run carries in its environment.
         grace: Seconds between SIGTERM and SIGKILL.
         keep_fds: File descriptors the watchdog keeps open until it is done (the run-dir lock).
+        sweep: The run dir and the file of :func:`..core.shm_leftovers.snapshot` taken at the
+            run's start: once the run's processes are gone the watchdog removes the run's host
+            copy and the semaphores it leaked in ``/dev/shm`` (a SIGKILLed launcher left them).
     """
 
-    def __init__(self, env_marker: str, grace: float, keep_fds: tuple[int, ...] = ()) -> None:
+    def __init__(self, env_marker: str, grace: float, keep_fds: tuple[int, ...] = (),
+                 sweep: tuple[str, str] | tuple[()] = ()) -> None:
         read, write = os.pipe()  # both ends close-on-exec: only we hold the write end
         self._write: int | None = write
         env = {k: v for k, v in os.environ.items() if f"{k}={v}" != env_marker}
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", _WATCHDOG, env_marker, str(grace)], stdin=read,
+            [sys.executable, "-c", _WATCHDOG, env_marker, str(grace), *sweep], stdin=read,
             env=env, pass_fds=keep_fds, start_new_session=True,  # Ctrl-C reaches it not
             stdout=subprocess.DEVNULL)
         os.close(read)

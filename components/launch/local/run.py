@@ -35,6 +35,7 @@ from kfp_nvrx.components.core.launch_command import (
 from kfp_nvrx.components.core.ownership import claim_run_dir
 from kfp_nvrx.components.core.pod_entry import quiet_warnings
 from kfp_nvrx.components.core.rundir import LOGS_DIR
+from kfp_nvrx.components.core.shm_leftovers import remove_new_semaphores, semaphores, snapshot
 from kfp_nvrx.components.core.stop_request import (
     SAVE_MARGIN_S,
     STOP_FILE_ENV,
@@ -112,6 +113,8 @@ class LocalRun:
         self.received: dict[str, int] = {}
         self.agents: list[Agent] = []
         self._stop = threading.Event()
+        #: The watchdog's sweep (run dir, /dev/shm snapshot of the run's start), once taken.
+        self.sweep: tuple[str, str] | tuple[()] = ()
 
     def run(self) -> LaunchResult:
         """Check, start the agents, follow them to the end, stop everything they left.
@@ -135,9 +138,15 @@ class LocalRun:
         # FT: each node's stop request (core.stop_request): a cancelled run, or one past its
         # deadline, lets its workers save first; a failed one stops them at once.
         stops = Path(tempfile.mkdtemp(prefix="kfp-nvrx-stop-"))
-        # Stops everything of this run if the launcher itself dies (SIGKILL included); it holds
-        # the lock until then. If the watchdog dies first, the loop starts a new one.
-        watchdog = Watchdog(f"{_MARKER}={self.marker}", self.grace, keep_fds=(lock.held(),))
+        # What /dev/shm held before the run: the semaphores its processes leak are the others.
+        shm_before = semaphores()
+        snapshot(stops / "shm-before.json")
+        self.sweep = (str(self.run_path), str(stops / "shm-before.json"))
+        # Stops everything of this run if the launcher itself dies (SIGKILL included), then
+        # removes what the run left in /dev/shm; it holds the lock until then. If the watchdog
+        # dies first, the loop starts a new one.
+        watchdog = Watchdog(f"{_MARKER}={self.marker}", self.grace, keep_fds=(lock.held(),),
+                            sweep=self.sweep)
         self.log(f"[launch-local] {job.name}: {job.max_nodes} node(s) x {job.procs_per_node} "
                  f"proc, run dir {self.run_path}")
         started = time.time()
@@ -151,6 +160,7 @@ class LocalRun:
             # rank's state in /dev/shm) would hold that RAM until some later run swept it. Ours
             # to delete while we hold the run dir (a relaunch resumes from the commits).
             remove_run_copy(self.run_path)
+            remove_new_semaphores(shm_before)  # a straggler's own stay mapped: the watchdog's
             shutil.rmtree(stops, ignore_errors=True)
             watchdog.finish()
             lock.release()
@@ -248,7 +258,8 @@ class LocalRun:
         """A new watchdog for a dead one (someone killed it; the run must stay covered)."""
         code = old.dead()
         old.close()
-        new = Watchdog(f"{_MARKER}={self.marker}", self.grace, keep_fds=(lock.held(),))
+        new = Watchdog(f"{_MARKER}={self.marker}", self.grace, keep_fds=(lock.held(),),
+                       sweep=self.sweep)
         how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
         self.log(f"[launch-local] the watchdog (pid {old.proc.pid}) died ({how}); started a "
                  f"new one (pid {new.proc.pid})")
