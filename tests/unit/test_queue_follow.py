@@ -97,8 +97,9 @@ class Jobs:
 class Follower:
     """The pod side: no pods; a step and the trainer's start lines as the script says."""
 
-    def __init__(self, clock: Clock, steps=lambda t: 0, starts=lambda t: (0, "")) -> None:
-        self.clock, self._steps, self._starts = clock, steps, starts
+    def __init__(self, clock: Clock, steps=lambda t: 0, starts=lambda t: (0, ""),
+                 stops=lambda t: None) -> None:
+        self.clock, self._steps, self._starts, self._stops = clock, steps, starts, stops
         self.pods: dict = {}
         self.set_asides = 0
         self.progress = self
@@ -112,6 +113,10 @@ class Follower:
 
     def last_start(self) -> tuple[int, str]:
         return self._starts(self.clock.now)
+
+    @property
+    def stopped_at(self) -> int | None:
+        return self._stops(self.clock.now)
 
     def missing(self) -> list[str]:
         return []
@@ -135,7 +140,8 @@ def clock(monkeypatch) -> Clock:
 def _follow(clock, jobs, reads, follower, deadline_s=None):
     lines: list[str] = []
     watch = QueueWatch(reads, jobs.where, 1000.0, lines.append, step=lambda: follower.step,
-                       on_preempted=follower.set_aside, started=follower.last_start)
+                       on_preempted=follower.set_aside, started=follower.last_start,
+                       stopped=lambda: follower.stopped_at)
     opts = FollowOptions(deadline_s=deadline_s, poll_s=0.0, progress_s=1e9)
     follow = k8s_follow.Follow(jobs, jobs.get(), opts, lines.append, follower, watch)
     with StopSignals(False) as signals:
@@ -209,3 +215,21 @@ def test_a_workload_reads_as_kueue_writes_it() -> None:
     assert reading.waiting == "couldn't assign flavors"
     assert reading.evicted == "Preempted: by x" and reading.evicted_at > 0
     assert read_workload(None) == Reading()
+
+
+def test_a_preempted_job_is_said_to_have_stopped_where_its_trainer_stopped(clock) -> None:
+    """Issue 38 item 8: "preempted at step 50, resumed from step 58": 50 was the last logged
+    step when the eviction was seen; the pods then trained to 58, saved it and said so."""
+    admitted = Reading(exists=True, admitted=True, cluster_queue="cq", admitted_at=1010.0)
+    evicted = Reading(exists=True, evicted="Preempted: to accommodate a workload",
+                      evicted_at=1045.0, admitted_at=1010.0)
+    again = Reading(exists=True, admitted=True, cluster_queue="cq", admitted_at=1075.0)
+    reads = Reads(clock, [(0, admitted), (1050, evicted), (1080, again)])
+    jobs = Jobs(clock, suspended=lambda t: 1050 <= t < 1080, done=lambda t: t >= 1120)
+    follower = Follower(clock, steps=lambda t: 50 if t >= 1030 else 0,
+                        starts=lambda t: (2, "58") if t >= 1100 else (1, "None"),
+                        stops=lambda t: 58 if t >= 1055 else None)
+    result, lines = _follow(clock, jobs, reads, follower)
+    assert "re-admitted by ClusterQueue cq after 30 s queued (preempted at step 58)" in lines
+    assert "preempted at step 58, resumed from step 58 after 30 s queued" in lines
+    assert result.extra["queue"]["preemptions"][0]["step"] == 58

@@ -158,7 +158,8 @@ class JobRun:
             return None
         return QueueWatch(queue, jobs.where, jobs.created_at(found), self.say,
                           step=lambda: follower.progress.step, on_preempted=follower.set_aside,
-                          started=follower.progress.last_start)
+                          started=follower.progress.last_start,
+                          stopped=lambda: follower.progress.stopped_at)
 
     def _account(self, result: LaunchResult, jobs: FollowedJob, follower: PodLogFollower,
                  attached: bool) -> None:

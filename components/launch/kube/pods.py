@@ -29,6 +29,8 @@ class Progress:
     STEP = re.compile(r"\bstep (\d+)/(\d+)\b")
     #: The trainer's line as an incarnation starts (``resumed_from=None`` on a fresh run).
     START = re.compile(r"\bstart: world_size=\d+ incarnation=\S+ resumed_from=(\w+)")
+    #: The trainer's line when its node is stopped (a preemption): the step it stopped at.
+    STOPPING = re.compile(r"\[trainer\] stopping at step (\d+)")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -37,6 +39,8 @@ class Progress:
         #: Start lines seen, and the step the last one resumed from ('None': from scratch).
         self.starts = 0
         self.resumed_from = ""
+        #: The step the trainer last said it stopped at (None: no stop said yet).
+        self.stopped_at: int | None = None
 
     def feed(self, line: str) -> bool:
         """Parse one line; return True when the step changed."""
@@ -46,6 +50,8 @@ class Progress:
                 self.step, self.total = int(m[1]), int(m[2])
             elif m := self.START.search(line):
                 self.starts, self.resumed_from = self.starts + 1, m[1]
+            elif m := self.STOPPING.search(line):
+                self.stopped_at = int(m[1])
             return self.step != before
 
     def last_start(self) -> tuple[int, str]:

@@ -58,6 +58,8 @@ class QueueWatch:
         on_preempted: Called when the job is evicted after it ran (the pods go).
         started: (start lines the trainer printed, the step the last resumed from): a
             re-admitted job is said to resume once a new one shows.
+        stopped: The step the trainer last said it stopped at (None: none said): where a
+            preempted job stopped, which its last logged step (``step``) is not.
     """
 
     reads: KueueReads
@@ -67,6 +69,7 @@ class QueueWatch:
     step: Callable[[], int] = lambda: 0
     on_preempted: Callable[[], None] = lambda: None
     started: Callable[[], tuple[int, str]] = lambda: (0, "")
+    stopped: Callable[[], int | None] = lambda: None
     periods: list[Period] = field(default_factory=list)
     preemptions: list[dict[str, Any]] = field(default_factory=list)
     holding: bool = False
@@ -74,6 +77,7 @@ class QueueWatch:
     _said: bool = False
     _since: float = 0.0
     _resuming: int | None = None  # start lines seen at the re-admission, until one more shows
+    _stops_seen: int | None = None  # the trainer's last stop line when the preemption was seen
 
     def queued_s(self, now: float | None = None) -> float:
         """Seconds the job has waited for quota so far, all waits together."""
@@ -100,6 +104,7 @@ class QueueWatch:
             return
         reading = self.reads.workload(uid) or Reading()
         step = self.step()
+        self._stops_seen = self.stopped()
         start = reading.evicted_at if reading.evicted_at and reading.evicted_at <= now else now
         self.periods.append(Period(start, after="preemption", reason=reading.evicted))
         self.preemptions.append({"at": start, "step": step, "reason": reading.evicted})
@@ -142,7 +147,7 @@ class QueueWatch:
         where = f"ClusterQueue {self.reads.cluster_queue}" if self.reads.cluster_queue else "Kueue"
         waited = f"after {period.seconds(now):.0f} s queued"
         if again:
-            at = self.preemptions[-1]["step"] if self.preemptions else 0
+            at = self._stopped_at()
             self.say(f"re-admitted by {where} {waited} (preempted at step {at})")
             self._resuming = self.started()[0]
         else:
@@ -157,8 +162,23 @@ class QueueWatch:
             self._resuming = None
             last = self.preemptions[-1]
             last["resumed_from"] = resumed_from
-            self.say(f"preempted at step {last['step']}, resumed from step {resumed_from} "
+            self.say(f"preempted at step {self._stopped_at()}, resumed from step {resumed_from} "
                      f"after {self.periods[-1].seconds(time.time()):.0f} s queued")
+
+    def _stopped_at(self) -> int:
+        """Where the last preemption stopped the job: the trainer's stop line since, if any.
+
+        The eviction is seen when the pods are told to stop, before they have trained and saved
+        their last step: the last logged step is behind it ("preempted at step 50, resumed from
+        step 58"); the step is updated in the preemption's record too.
+        """
+        if not self.preemptions:
+            return 0
+        last = self.preemptions[-1]
+        now = self.stopped()
+        if now is not None and now != self._stops_seen:
+            last["step"] = now
+        return int(last["step"])
 
     def summary(self, now: float | None = None) -> dict[str, Any]:
         """What ``result.extra["queue"]`` holds: the queue, every wait, every preemption."""
