@@ -32,7 +32,7 @@ MAPS_LIMIT = 8 << 20
 
 def semaphores(root: Path = SHM_ROOT) -> set[str]:
     """Names of this user's ``multiprocessing`` semaphores in ``root`` (regular files only)."""
-    out = set()
+    out: set[str] = set()
     try:
         names = os.listdir(root)
     except OSError:
