@@ -173,7 +173,9 @@ def _our_tools_read_the_run_dir(run_dir: Path, kube) -> None:
     assert goodput["restarts"] == {"in-job": 1, "pod": 1}, goodput
     assert 0 < goodput["goodput"] < 1 and goodput["recovery_s"], goodput
     model = kube.root / f"export-{run_dir.name}"
-    out = _cli("export", "--run-dir", str(run_dir), "--out", str(model))
+    # The run's data.path is the pod's /fsx view; this machine reads the same claim directly.
+    out = _cli("export", "--run-dir", str(run_dir), "--out", str(model),
+               "--data", str(_claim(kube) / DATA))
     assert out.returncode == 0, out.stderr
     assert (model / "model.safetensors").is_file()
 

@@ -19,8 +19,11 @@ from kfp_nvrx.components.launch.jobspec.resolve import resolve
 from kfp_nvrx.components.launch.jobspec.spec import JobSpec
 from kfp_nvrx.components.launch.pytorchjob.render import render
 
-OTHER = Claim(holder="k8s:default/other-job", what="job default/other-job",
-              pod="other-job-worker-0")
+
+def _other() -> Claim:
+    """Another job's claim, renewed now (a module-level one goes stale before its test runs)."""
+    return Claim(holder="k8s:default/other-job", what="job default/other-job",
+                 pod="other-job-worker-0")
 
 
 def _resumed(tmp_path: Path) -> tuple[JobSpec, Path]:
@@ -48,13 +51,13 @@ def test_a_run_dir_another_live_job_writes_is_refused_before_anything_is_created
         double: K8sDouble, tmp_path: Path) -> None:
     spec, run_dir = _resumed(tmp_path)
     _other_job(double, "Running")
-    _write(run_dir, OTHER)
+    _write(run_dir, _other())
     with pytest.raises(UserError) as err:
         launch_on(double, spec, log=lambda _l: None)
     assert err.value.field == "run_dir"
     assert "in use by job default/other-job (pod other-job-worker-0" in err.value.message
     assert double.calls("POST") == []
-    assert read_claim(run_dir).holder == OTHER.holder  # untouched
+    assert read_claim(run_dir).holder == _other().holder  # untouched
 
 
 @pytest.mark.parametrize("other", ["gone", "Succeeded", "Failed"])
@@ -63,7 +66,7 @@ def test_a_fresh_claim_of_a_job_that_is_gone_or_ended_is_taken_at_once(
     spec, run_dir = _resumed(tmp_path)
     if other != "gone":
         _other_job(double, other)
-    _write(run_dir, OTHER)
+    _write(run_dir, _other())
     lines: list[str] = []
     name = resolve(spec).name
     with playing(double, spec, _succeed):

@@ -9,7 +9,9 @@ written into a library message reaches a KFP user who has no such flag.
 The check reads the source (every raise site, not only those a test happens to reach): the
 string parts of each ``UserError(...)`` call, the local or module-level string a name in it was
 assigned, and every literal passed as the ``field``/``flag`` argument of a library function
-that raises with it. ``components/cli/`` is the CLI's own surface and may name its flags.
+that raises with it. ``components/cli/`` is the CLI's own surface and may name its flags; so may a
+module that parses its own command line (``core/runtime_entry.py`` reads the ``TrainerArgs`` a
+TrainJob passes), for the flags its own ``add_argument`` calls declare.
 """
 
 from __future__ import annotations
@@ -37,18 +39,25 @@ KNOWN = {
 }
 
 
+def _declared(tree: ast.AST) -> set[str]:
+    """The flags the ``add_argument`` calls in ``tree`` declare."""
+    flags = set()
+    for call in ast.walk(tree):
+        if isinstance(call, ast.Call) and _callee(call) == "add_argument":
+            flags |= {a.value for a in call.args if isinstance(a, ast.Constant)
+                      and isinstance(a.value, str) and a.value.startswith("--")}
+    return flags
+
+
 def _our_flags() -> set[str]:
     """Every flag of our command lines (``kfp-nvrx``, the trainer, ``python -m ...images``).
 
     Read from their ``add_argument`` calls; ft_launcher's own flags (``--local-addr``) may be
     named, they are not ours to word.
     """
-    flags = set()
+    flags: set[str] = set()
     for path in (ROOT / "components").rglob("*.py"):
-        for call in ast.walk(ast.parse(path.read_text())):
-            if isinstance(call, ast.Call) and _callee(call) == "add_argument":
-                flags |= {a.value for a in call.args if isinstance(a, ast.Constant)
-                          and isinstance(a.value, str) and a.value.startswith("--")}
+        flags |= _declared(ast.parse(path.read_text()))
     return flags
 
 
@@ -114,6 +123,8 @@ def _offenders(root: Path = ROOT, files: list[Path] = LIBRARY,
     found = set()
     for path, tree in trees.items():
         module_names = _assigned(tree)
+        # A module's own parser is its user's surface: its errors may name what it declares.
+        named = ours - _declared(tree)
         scopes = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
         for scope in [tree, *scopes]:
             names = {**module_names, **_assigned(scope)} if scope is not tree else module_names
@@ -121,7 +132,7 @@ def _offenders(root: Path = ROOT, files: list[Path] = LIBRARY,
                 if _callee(call) not in positions:
                     continue
                 for text in _texts_of_call(call, positions[_callee(call)], names):
-                    for flag in set(FLAG.findall(text)) & ours:
+                    for flag in set(FLAG.findall(text)) & named:
                         name = scope.name if scope is not tree else "<module>"
                         found.add((str(path.relative_to(root)), name, flag))
     # A call inside a function is also seen from the module scope: keep the innermost.
@@ -152,6 +163,16 @@ def test_the_scan_sees_each_kind_of_raise_site(tmp_path: Path) -> None:
     found = _offenders(tmp_path, [planted], ours={"--force", "--out", "--registry"})
     assert sorted((name, flag) for _, name, flag in found) == [
         ("a", "--force"), ("b", "--out"), ("c", "--registry"), ("d", "--out")]
+
+
+def test_a_module_may_name_only_the_flags_its_own_parser_declares(tmp_path: Path) -> None:
+    planted = tmp_path / "components" / "entry.py"
+    planted.parent.mkdir()
+    planted.write_text(
+        "def parser(p):\n    p.add_argument('--config')\n\n"
+        "def a():\n    raise UserError('args', 'take --config or --force')\n")
+    found = _offenders(tmp_path, [planted], ours={"--config", "--force"})
+    assert sorted((name, flag) for _, name, flag in found) == [("a", "--force")]
 
 
 @pytest.mark.parametrize(("surface", "field", "message"), [
