@@ -23,9 +23,11 @@ ft_launcher's exit code says (docs/eks.md, "Why the failure policies are set thi
   :data:`BUDGET_SPENT` and stops its agent (whose own exit then reads like a broken agent), when
   the in-job restarts of all nodes together exceed ``resilience.max_restarts``.
 
-The two kinds of 1 are told apart by ft_launcher's own last log line (the same words from NVRx
-0.4.1 to 0.7 and later: its ``main``), read from the copy of its output. Any other exit code,
-and a 1 without either line (ft_launcher died before its own verdict), pass through unchanged.
+The codes and the lines that tell them apart are :mod:`.exits` (which the trainer, the rounds and
+the launchers read too). The two kinds of 1 are told apart by ft_launcher's own last log line
+(the same words from NVRx 0.4.1 to 0.7 and later: its ``main``), read from the copy of its
+output. Any other exit code, and a 1 without either line (ft_launcher died before its own
+verdict), pass through unchanged.
 
 In a container it is PID 1: it forwards SIGTERM, SIGINT and SIGHUP to the child (ft_launcher
 stops its workers within ``--term-timeout``) and reaps the orphans re-parented to it.
@@ -44,6 +46,7 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
+from kfp_nvrx.components.core.exits import PEER_LOST, TERMINATED, verdict
 from kfp_nvrx.components.core.pod_child import BARRIER_ENV, SUCCEEDED_LINE, Child, exit_barrier_s
 from kfp_nvrx.components.core.run_claim import RUN_DIR_ENV, Claim, PodClaim, in_use
 from kfp_nvrx.components.core.stop_request import (
@@ -54,21 +57,6 @@ from kfp_nvrx.components.core.stop_request import (
     withdraw_stop,
 )
 
-#: The exit code of a container stopped on request (128 + SIGTERM).
-TERMINATED = 128 + signal.SIGTERM
-#: ft_launcher lost a peer pod or its rendezvous host (another pod's infrastructure failure).
-#: >= 128 (restarted by both job APIs) and above 128 + SIGRTMAX (64): no signal reads as it.
-PEER_LOST = 200
-#: ft_launcher's last line when it gave up (its ``main`` catching ``ChildFailedError``).
-GAVE_UP_LINE = "Some rank(s) exited with non-zero exit code"
-#: ft_launcher's last line when its agent raised (store or rendezvous lost, closed, timed out).
-BROKE_LINE = "Agent run ended with exception"
-#: How a worker's own verdict that the job must end (not restart) begins; it then stops its
-#: agent, whose exit reads as a give-up, never as a lost peer.
-GAVE_UP = "[trainer] gave up:"
-#: What rank 0 prints when the job's in-job restarts exceed ``resilience.max_restarts`` (all
-#: nodes together, :mod:`.rounds`).
-BUDGET_SPENT = f"{GAVE_UP} the job's in-job restarts are used up"
 #: Environment override of :func:`peer_lost_wait_s` (seconds; the PyTorchJob sets 0).
 PEER_WAIT_ENV = "KFP_NVRX_PEER_LOST_WAIT_S"
 #: After its grace period a stopped peer is SIGKILLed; its status then takes a moment to reach
@@ -96,35 +84,6 @@ def quiet_warnings(env: dict[str, str] | os._Environ) -> str:
     """
     have = [w for w in env.get("PYTHONWARNINGS", "").split(",") if w]
     return ",".join([*have, *(w for w in QUIET_WARNINGS if w not in have)])
-#: What a training container's exit code says (the failure-policy table in docs/eks.md).
-MEANINGS = {
-    1: "ft_launcher gave up: in-job restarts used up (resilience.max_restarts) or no start",
-    2: "bad command line or config",
-    93: "ft_launcher saw no training progress",
-    137: "killed (SIGKILL: OOM kill, lost node)",
-    TERMINATED: "stopped (SIGTERM: deleted, drained or recreated)",
-    PEER_LOST: "lost a peer pod or the rendezvous host (another pod's failure)",
-}
-
-
-def exit_meaning(code: int | None) -> str:
-    """One phrase for a training container's exit code ('' when it has none)."""
-    return MEANINGS.get(code, "") if code is not None else ""
-
-
-def verdict(code: int, output: str) -> int:
-    """The container's exit code for a child that exited with ``code`` after writing ``output``.
-
-    Only ft_launcher's 1 is re-read: :data:`PEER_LOST` when its verdict line (its ``main`` writes
-    one, once) says its agent broke (a store or rendezvous error), 1 when it says it gave up or
-    there is none, or when a worker stopped it with its own verdict (:data:`GAVE_UP`: the job's
-    restart budget is spent, the loss diverged).
-    """
-    if code != 1 or GAVE_UP_LINE in output or GAVE_UP in output:
-        return code
-    return PEER_LOST if BROKE_LINE in output else 1
-
-
 def peer_lost_wait_s(argv: list[str], env: dict[str, str] | os._Environ) -> float:
     """How long a pod whose ft_launcher lost a peer waits to be stopped before it says so.
 

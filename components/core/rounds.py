@@ -28,7 +28,7 @@ from kfp_nvrx.components.core.events import IN_JOB, POD, Event, Join, Start
 
 # The line rank 0 prints when the budget is spent: the pod entrypoint and the local launcher read
 # it as a give-up (a final verdict, never an infrastructure failure to restart from).
-from kfp_nvrx.components.core.pod_entry import BUDGET_SPENT
+from kfp_nvrx.components.core.exits import BUDGET_SPENT
 
 __all__ = ["BUDGET_SPENT", "Budget", "Round", "agent_identity", "budget", "current_budget",
            "join_event", "might_spend", "rounds", "start_layers"]

@@ -35,7 +35,7 @@ from cluster.test_train_e2e import (
     _kill_group,
     _running,
 )
-from kfp_nvrx.components.core.pod_entry import BUDGET_SPENT
+from kfp_nvrx.components.core.exits import BUDGET_SPENT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

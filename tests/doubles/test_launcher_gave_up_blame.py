@@ -13,7 +13,7 @@ import time
 from support.k8s_double import K8sDouble
 from support.k8s_launch import SPEC, launch_on, playing
 
-from kfp_nvrx.components.core.pod_entry import BUDGET_SPENT
+from kfp_nvrx.components.core.exits import BUDGET_SPENT
 from kfp_nvrx.components.launch.jobspec.spec import JobSpec
 
 VERDICT = (f"{BUDGET_SPENT} (2 in-job restarts > resilience.max_restarts=1); gave up: set "

@@ -50,7 +50,7 @@ def test_a_left_behind_grandchild_does_not_hold_it() -> None:
 
 
 def test_exit_codes_have_one_phrase_for_the_launcher() -> None:
-    from kfp_nvrx.components.core.pod_entry import exit_meaning
+    from kfp_nvrx.components.core.exits import exit_meaning
 
     assert "gave up" in exit_meaning(1) and "no training progress" in exit_meaning(93)
     assert "SIGKILL" in exit_meaning(137) and "SIGTERM" in exit_meaning(143)
@@ -83,7 +83,7 @@ def test_gave_up_passes_through_at_once_and_output_is_copied() -> None:
 
 def test_a_lost_peer_is_not_a_verdict() -> None:
     """ft_launcher's agent broke (store/rendezvous lost): 200, counted as infrastructure."""
-    from kfp_nvrx.components.core.pod_entry import PEER_LOST
+    from kfp_nvrx.components.core.exits import PEER_LOST
 
     p = _entry(BROKE, "0")
     out, err = p.communicate(timeout=60)
@@ -110,15 +110,10 @@ def test_a_1_without_a_verdict_line_stays_1() -> None:
 
 
 def test_peer_lost_wait_follows_the_pods_grace_period() -> None:
+    from kfp_nvrx.components.core.exits import verdict
     from kfp_nvrx.components.core.launch_command import POD_STOP_MARGIN_S
-    from kfp_nvrx.components.core.pod_entry import (
-        PEER_REPORT_S,
-        peer_lost_wait_s,
-        verdict,
-    )
-    from kfp_nvrx.components.core.pod_entry import (
-        POD_STOP_MARGIN_S as MARGIN,
-    )
+    from kfp_nvrx.components.core.pod_entry import PEER_REPORT_S, peer_lost_wait_s
+    from kfp_nvrx.components.core.pod_entry import POD_STOP_MARGIN_S as MARGIN
 
     assert MARGIN == POD_STOP_MARGIN_S  # the same margin pod_grace_period_s adds
     argv = ["ft_launcher", "--term-timeout=20", "-m", "trainer", "--term-timeout=999"]
@@ -222,7 +217,8 @@ def test_the_job_apis_read_its_codes_as_the_table_says() -> None:
     from support.golden_specs import golden_specs
     from support.rendering import render_pytorchjob, render_trainjob
 
-    from kfp_nvrx.components.core.pod_entry import PEER_LOST, PEER_WAIT_ENV, TERMINATED
+    from kfp_nvrx.components.core.exits import PEER_LOST, TERMINATED
+    from kfp_nvrx.components.core.pod_entry import PEER_WAIT_ENV
     from kfp_nvrx.components.launch.trainjob.runtime import GAVE_UP_EXIT_CODES, build_runtime
 
     rules = build_runtime()["spec"]["template"]["spec"]["replicatedJobs"][0]["template"][

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from kfp_nvrx.components.core.events import Join, parse_events
+from kfp_nvrx.components.core.exits import BROKE_LINE, BUDGET_SPENT, verdict
 from kfp_nvrx.components.core.goodput import summarize_events
-from kfp_nvrx.components.core.pod_entry import BROKE_LINE, BUDGET_SPENT, verdict
 from kfp_nvrx.components.core.rounds import budget, current_budget, might_spend, rounds
 
 A, B, C, D, E = "boot/11/1", "boot/12/1", "boot/13/2", "boot/14/3", "boot/15/4"  # agents

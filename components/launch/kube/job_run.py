@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from kubernetes import client as k8s
 
-from kfp_nvrx.components.core.pod_entry import GAVE_UP, exit_meaning
+from kfp_nvrx.components.core.exits import GAVE_UP, exit_meaning
 from kfp_nvrx.components.launch.jobspec import naming
 from kfp_nvrx.components.launch.kube.calls import ClusterError
 from kfp_nvrx.components.launch.kube.follow import Follow

@@ -16,7 +16,7 @@ from typing import Any
 
 from kubernetes import client as k8s
 
-from kfp_nvrx.components.core.pod_entry import GAVE_UP
+from kfp_nvrx.components.core.exits import GAVE_UP
 
 
 class Progress:

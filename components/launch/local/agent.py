@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kfp_nvrx.components.core.ckpt_store import open_store
-from kfp_nvrx.components.core.pod_entry import GAVE_UP
+from kfp_nvrx.components.core.exits import GAVE_UP
 from kfp_nvrx.components.launch.local.agent_log import AgentLog, DiskFullNotice
 from kfp_nvrx.components.launch.local.lifetime import die_with_parent
 

@@ -42,7 +42,7 @@ IMAGE_PULL_POLICY = "IfNotPresent"
 #: Whole-JobSet recreations after infrastructure failures (each resumes from the last checkpoint).
 MAX_RESTARTS = 2
 #: ft_launcher's own exit codes (gave up 1, no progress 93, bad config); >= 128 is a signal, a
-#: stop (143) or a lost peer (200, ``pod_entry.PEER_LOST``).
+#: stop (143) or a lost peer (200, ``exits.PEER_LOST``).
 GAVE_UP_EXIT_CODES = list(range(1, 128))
 #: Kubeflow profile namespaces inject Istio sidecars; they break c10d/NCCL bootstrap traffic.
 POD_ANNOTATIONS = {"sidecar.istio.io/inject": "false"}

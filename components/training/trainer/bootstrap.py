@@ -242,7 +242,7 @@ def join_round(cfg: Config, run_dir: Path) -> None:
 def give_up(line: str, stop_timeout: float) -> None:
     """Ends the job, not just this incarnation: says ``line`` and stops this node's agent.
 
-    ``line`` starts with :data:`~kfp_nvrx.components.core.pod_entry.GAVE_UP`, which the pod
+    ``line`` starts with :data:`~kfp_nvrx.components.core.exits.GAVE_UP`, which the pod
     entrypoint and the local launcher read as a final verdict (exit 1, never restarted). Without
     an elastic agent above this worker (no ``TORCHELASTIC_RUN_ID``) it only exits 1.
     """

@@ -11,8 +11,8 @@ import torch
 
 from kfp_nvrx.components.core import events as ev
 from kfp_nvrx.components.core.events import EventLog
+from kfp_nvrx.components.core.exits import GAVE_UP
 from kfp_nvrx.components.core.faults import When
-from kfp_nvrx.components.core.pod_entry import GAVE_UP
 from kfp_nvrx.components.training.checkpoint import Checkpointer
 from kfp_nvrx.components.training.ranks import max_over_ranks
 from kfp_nvrx.components.training.trainer.bootstrap import give_up
