@@ -19,11 +19,12 @@ from kfp_nvrx.components.launch.jobspec.resolve import resolve
 from kfp_nvrx.components.launch.jobspec.spec import JobSpec
 from kfp_nvrx.components.launch.pytorchjob.render import render
 
+OTHER = "k8s:default/other-job"
+
 
 def _other() -> Claim:
     """Another job's claim, renewed now (a module-level one goes stale before its test runs)."""
-    return Claim(holder="k8s:default/other-job", what="job default/other-job",
-                 pod="other-job-worker-0")
+    return Claim(holder=OTHER, what="job default/other-job", pod="other-job-worker-0")
 
 
 def _resumed(tmp_path: Path) -> tuple[JobSpec, Path]:
@@ -57,7 +58,7 @@ def test_a_run_dir_another_live_job_writes_is_refused_before_anything_is_created
     assert err.value.field == "run_dir"
     assert "in use by job default/other-job (pod other-job-worker-0" in err.value.message
     assert double.calls("POST") == []
-    assert read_claim(run_dir).holder == _other().holder  # untouched
+    assert read_claim(run_dir).holder == OTHER  # untouched
 
 
 @pytest.mark.parametrize("other", ["gone", "Succeeded", "Failed"])
