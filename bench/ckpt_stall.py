@@ -175,7 +175,7 @@ def shipped_async(cfg, loop: Loop, root: Path, device, mode: str,
     got = _Samples()
     cfg.checkpoint.keep = 1
     cfg.checkpoint.staging = mode
-    ckpt = Checkpointer(root, cfg.checkpoint, device, reports=Reports(got.on_commit, log))
+    ckpt = Checkpointer(root, cfg.checkpoint, device, reports=Reports(got.on_commit, log=log))
     t0 = time.perf_counter()
     ckpt.warm_up()
     warm_up_s = time.perf_counter() - t0

@@ -108,7 +108,18 @@ class CheckpointConfig(Section):
     """DCP checkpoints in the run's store (volume: ``<run_dir>/checkpoints/step_XXXXXXXX``)."""
 
     section: ClassVar[str] = "checkpoint"
-    interval: int = non_negative(10)  # steps between saves; 0 disables periodic saves
+    # Two tiers, two paces. A snapshot (the host-memory recovery tier: pinned banks under
+    # /dev/shm) every `interval` steps, or every `interval_s` seconds when that is > 0; it never
+    # waits for the store. The durable write to the store takes the newest snapshot not yet
+    # written, at most every `persist_interval_s` seconds and in flight at most `persist_duty` of
+    # the time (1: whenever the writer is free); a snapshot taken while a write is in flight
+    # supersedes the one waiting, never queues.
+    interval: int = non_negative(10)  # steps between snapshots; 0 disables periodic saves
+    interval_s: float = non_negative(0.0)
+    persist_interval_s: float = non_negative(0.0)
+    # A write in flight costs the steps beside it a little (the writer reads the banks and
+    # competes for memory bandwidth and cores): writes back to back would cost every step that.
+    persist_duty: float = setting(0.25, gt=0, le=1)
     keep: int = positive(3)
     async_save: bool = True
     finalize_timeout: float = positive(300.0)  # seconds a save may take before the run fails

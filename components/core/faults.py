@@ -158,6 +158,21 @@ def _stall(fault: Fault) -> None:
     time.sleep(fault.param("seconds"))
 
 
+# Seconds the next durable checkpoint write is slowed by (a slow-write fault fired in this
+# process; the checkpointer takes it with take_write_delay). Module state on purpose: the fault's
+# action runs in the trainer, the delay in the writer process the checkpointer feeds.
+_write_delays: list[float] = []
+
+
+def _slow_write(fault: Fault) -> None:
+    _write_delays.append(float(fault.param("seconds")))
+
+
+def take_write_delay() -> float:
+    """Seconds the next durable write must be slowed by (0: none); each delay is taken once."""
+    return _write_delays.pop(0) if _write_delays else 0.0
+
+
 # The kinds. Adding one: a FaultKind here with its action above; everything else reads it.
 FAULT_KINDS.register(FaultKind(
     "kill", verb="killed", when=When.STEP, does="SIGKILL", failure=True, action=_kill))
@@ -170,6 +185,12 @@ FAULT_KINDS.register(FaultKind(
 FAULT_KINDS.register(FaultKind(
     "kill-in-ckpt", verb="killed while checkpointing", when=When.CHECKPOINT,
     does="SIGKILL while an async checkpoint is being written", failure=True, action=_kill))
+# A slow store: the next durable write (started at or after this step) takes this much longer in
+# the writer process. Snapshots go on meanwhile; no step may wait for it.
+FAULT_KINDS.register(FaultKind(
+    "slow-write", verb="slowed its next checkpoint write", when=When.STEP,
+    does="the next durable write takes longer (a slow store)", failure=False, action=_slow_write,
+    params=(Param("seconds", 10.0, "how much longer the write takes"),)))
 # A slow read from shared storage: the run must not be killed for it once timeouts are learned.
 FAULT_KINDS.register(FaultKind(
     "stall", verb="stalled", when=When.STEP, does="a healthy step that takes longer",

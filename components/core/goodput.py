@@ -14,7 +14,8 @@ Definitions:
   rendezvous rounds each node's ``join`` records (:mod:`.rounds`: a new agent on any node is a
   pod restart, which rank 0's own ``restart`` event cannot see), counting rounds whose workers
   failed before training too; runs written before joins existed count their ``restart`` events;
-- checkpoint stall = sum of the blocking seconds of every save;
+- checkpoint stall = the seconds every snapshot held training (each wait it caused included) plus
+  the blocking seconds of every durable write started between snapshots;
 - what happened = one sentence per restart: the fault (or failure), where training resumed, how
   long recovery took and how many steps were redone (:func:`narrate`).
 """
@@ -35,6 +36,7 @@ from kfp_nvrx.components.core.events import (
     Fault,
     Join,
     Restart,
+    Snapshot,
     Start,
     Step,
     read_events,
@@ -60,6 +62,10 @@ class GoodputReport:
     recovery_max_s: float = 0.0
     checkpoint_stall_s: float = 0.0
     checkpoints: int = 0
+    snapshots: int = 0
+    snapshots_skipped: int = 0
+    snapshot_stall_s: float = 0.0
+    snapshot_stall_max_s: float = 0.0
     final_loss: float | None = None
     faults: int = 0
     what_happened: list[str] = field(default_factory=list)
@@ -75,6 +81,21 @@ class GoodputReport:
     def restarts_of(self, layer: str) -> int:
         """Restarts of one of :data:`~.events.RESTART_LAYERS` (0 when there was none)."""
         return self.restarts.get(layer, 0)
+
+
+def _count_saves(rep: GoodputReport, events: Sequence[Event]) -> None:
+    """The snapshots, durable writes and every second they held training."""
+    for event in events:
+        if isinstance(event, Checkpoint):
+            rep.checkpoints += 1
+            rep.checkpoint_stall_s += float(event.blocking_s)
+        elif isinstance(event, Snapshot):
+            stall = float(event.stall_s)
+            rep.snapshots += 0 if event.skipped else 1
+            rep.snapshots_skipped += 1 if event.skipped else 0
+            rep.snapshot_stall_s += stall
+            rep.snapshot_stall_max_s = max(rep.snapshot_stall_max_s, stall)
+            rep.checkpoint_stall_s += stall
 
 
 def restarts_in_words(total: int, by_layer: Mapping[str, int]) -> str:
@@ -155,12 +176,8 @@ def summarize_events(events: list[Event],
     if final is not None:
         rep.steps_final, rep.final_loss = final.step, final.loss
     rep.restarts = restart_counts(events, sess)
-    for event in events:
-        if isinstance(event, Checkpoint):
-            rep.checkpoints += 1
-            rep.checkpoint_stall_s += float(event.blocking_s)
-        elif isinstance(event, Fault):
-            rep.faults += 1
+    _count_saves(rep, events)
+    rep.faults = sum(1 for e in events if isinstance(e, Fault))
     rep.recovery_s = [round(end - origin - _held(origin, end, queued), 3)
                       for origin, end in recovery_windows(events, sess)]
     if rep.recovery_s:

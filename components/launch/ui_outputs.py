@@ -52,7 +52,9 @@ _HEAD_METRICS = (("goodput", float), ("wall_s", float), ("productive_s", float),
                  ("lost_work_s", float), ("steps_final", int), ("steps_run", int),
                  ("steps_redone", int))
 _TAIL_METRICS = (("recovery_mean_s", float), ("recovery_max_s", float), ("queued_s", float),
-                 ("checkpoint_stall_s", float), ("checkpoints", int), ("faults", int))
+                 ("checkpoint_stall_s", float), ("checkpoints", int), ("snapshots", int),
+                 ("snapshots_skipped", int), ("snapshot_stall_s", float),
+                 ("snapshot_stall_max_s", float), ("faults", int))
 
 
 def metrics_from_summary(summary: dict[str, Any]) -> dict[str, float]:
@@ -114,7 +116,9 @@ def _headline(summary: dict[str, Any]) -> list[tuple[str, str]]:
         ("Recovery", f"mean {float(summary.get('recovery_mean_s', 0)):.2f} s, "
                      f"max {float(summary.get('recovery_max_s', 0)):.2f} s"),
         ("Checkpoint stall", f"{float(summary.get('checkpoint_stall_s', 0)):.3f} s "
-                             f"({summary.get('checkpoints', 0)} saves)"),
+                             f"({summary.get('snapshots', 0)} snapshots, worst "
+                             f"{float(summary.get('snapshot_stall_max_s', 0)):.3f} s; "
+                             f"{summary.get('checkpoints', 0)} written)"),
         ("Final loss", "n/a" if loss is None else f"{float(loss):.4f}"),
         *(("What happened", line) for line in summary.get("what_happened") or []),
     ]

@@ -72,11 +72,13 @@ def _saved_run(run_dir, saves=2, cut_last=False):
         ckpt.save(current["train"]["step"], current)
         if cut_last and i == saves - 1:
             ckpt.staging.sealer.wait()
-            ckpt.abort()  # the worker dies while the write is in flight
+            assert ckpt.writes.start(force=True)  # its durable write starts ...
+            ckpt.abort()  # ... and the worker dies while the write is in flight
         else:
             ckpt.finalize(blocking=True)
     ckpt.staging.sealer.wait()
-    ckpt.close()  # the writer stops; the banks stay (a dead worker's files)
+    if not cut_last:
+        ckpt.close()  # the writer stops; the banks stay (a dead worker's files)
     return cfg, saves, ckpt, want
 
 
@@ -124,7 +126,7 @@ def test_restarted_worker_loads_the_newest_sealed_bank_and_skips_the_files(run_d
     # The adopted bank is kept while the next save goes to the other bank.
     again.save(newest + 1, target)
     again.finalize(blocking=True)
-    assert sorted(b.step for b in again.staging.banks) == [newest, newest + 1]
+    assert sorted(b.step for b in again.staging.banks if b.step is not None) == [newest, newest + 1]
     again.close()
     again.discard_host_copy()
     assert not list(home.path.glob("rank0.*"))

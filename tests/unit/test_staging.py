@@ -139,7 +139,7 @@ def test_reused_buffer_second_save_and_in_memory_restore(tmp_path, pg, monkeypat
     ckpt2.abort()
     assert not (step_dir(ckpt2.root, 4) / "COMMITTED").exists()
     ckpt3 = Checkpointer(tmp_path, cfg.checkpoint, torch.device("cpu"), Kept(staging))
-    assert ckpt3.select() == 3 and ckpt3.memory_steps() == [4, 3]
+    assert ckpt3.select() == 3 and ckpt3.memory_steps() == [4, 3, 2]  # three banks
     assert ckpt3.metadata_keys(4) >= set(want4)  # from the snapshot: step 4 has no .metadata
     notes, checked = [], []
     ckpt3.log = notes.append
@@ -150,19 +150,19 @@ def test_reused_buffer_second_save_and_in_memory_restore(tmp_path, pg, monkeypat
     for key, value in _tensors(target4).items():
         assert torch.equal(value, want4[key]), key
 
-    # A fault while staging tears only the bank being staged: the other still holds committed
-    # step 3, which the restart restores from memory (equal to the files).
+    # A fault while staging tears only the bank being staged (the oldest, step 2): the others
+    # still hold steps 4 and 3, and the restart restores the newest, 4, from memory.
     _fail_staging_after(monkeypatch, 3)
     with pytest.raises(RuntimeError, match="fault while staging"):
         ckpt3.save(5, _state(model2, opt2, sched2, train2))
     ckpt3.abort()
     monkeypatch.undo()
     ckpt4 = Checkpointer(tmp_path, cfg.checkpoint, torch.device("cpu"), Kept(staging))
-    assert ckpt4.memory_steps() == [3]
-    resumed, target3 = ckpt4.resume(lambda: _state(model2, opt2, sched2, train2))
-    assert resumed == 3 and ckpt4.restored_from_memory
-    for key, value in _tensors(disk).items():
-        assert torch.equal(_tensors(target3)[key], value), key
+    assert ckpt4.memory_steps() == [4, 3]
+    resumed, target4 = ckpt4.resume(lambda: _state(model2, opt2, sched2, train2))
+    assert resumed == 4 and ckpt4.restored_from_memory
+    for key, value in _tensors(target4).items():
+        assert torch.equal(value, want4[key]), key
     ckpt4.close()
 
 

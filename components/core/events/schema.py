@@ -127,6 +127,20 @@ class Checkpoint(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class Snapshot(Event):
+    """A host snapshot of ``step``: ``stall_s`` held training, every wait it caused included.
+
+    ``skipped`` says why no snapshot was taken (empty when one was); its ``stall_s`` is what the
+    attempt cost. The durable write behind it ends in a :class:`Checkpoint`.
+    """
+
+    TYPE: ClassVar[str] = "snapshot"
+    step: int = _f(COUNT)
+    stall_s: float = _f(NUMBER, 0.0)
+    skipped: str = _f(TEXT, "")
+
+
+@dataclass(frozen=True, kw_only=True)
 class Fault(Event):
     """An injected fault of ``kind`` fired at ``step`` on ``rank`` (-1 or None: no one rank)."""
 
@@ -214,5 +228,5 @@ class Other(Event):
 
 
 #: Every event class by its ``type``.
-TYPES: dict[str, type[Event]] = {c.TYPE: c for c in (Start, Step, Checkpoint, Fault, Restart,
-                                                     Join, End)}
+TYPES: dict[str, type[Event]] = {c.TYPE: c for c in (Start, Step, Checkpoint, Snapshot, Fault,
+                                                     Restart, Join, End)}

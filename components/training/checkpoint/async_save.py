@@ -23,6 +23,7 @@ import torch
 
 # The volume store's CRC32 sidecar: NVRx's async writer writes files, checksummed where written.
 from kfp_nvrx.components.core.volume_store import write_checksums
+from kfp_nvrx.components.training.checkpoint.bank import _Bank
 from kfp_nvrx.components.training.checkpoint.staged_write import (
     staged_writer,
     write_staged,
@@ -53,29 +54,26 @@ class AsyncSaver:
         self.rank = rank
         self.write_threads = write_threads
         self.start_timeout = start_timeout
-        self.pending: Any = None  # staged writer whose request waits for the D2H copies
         # (staging key, central plan, metadata, dist wrapper) of the last staged save. Per
         # incarnation: the dist wrapper belongs to this process group.
         self._plan_cache: tuple | None = None
 
-    def staged(self, path: str, state: dict[str, Any], flat: dict[str, Any],
-               staging: HostStaging, step: int, submit: bool) -> Gather:
-        """Plans the save, starts the copies into ``staging``; returns the finalise step.
+    def staged(self, path: str, state: dict[str, Any], staging: HostStaging, bank: _Bank,
+               delay_s: float = 0.0) -> Gather:
+        """Plans the write of the complete snapshot in ``bank``, hands it to the writer.
 
-        With ``submit`` the copies are waited for and the request handed to the writer now;
-        otherwise :meth:`submit` does that once the copies are complete.
+        ``state`` is a state dict of the snapshot's layout (the live one: the plan and the
+        metadata come from it); the bytes come from the bank, whose copies must be complete.
+        ``delay_s`` slows the write (the ``slow-write`` fault). Returns the finalise step.
         """
-        # FT: NVRx async DCP planning and writer, fed from our pinned staging buffer.
+        # FT: NVRx async DCP planning and writer, fed from our pinned staging bank.
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
         from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import (
             save_state_dict_async_plan,
         )
         from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-        # The writer process must be up before the copies are handed to it. Waiting here keeps that
-        # (seconds, on the first save only) inside the checkpoint section: waited for in the next
-        # step's submit, it would inflate the learned step timeout.
-        self.writer.wait_started(self.start_timeout)
-        writer = staged_writer(path, staging, self.write_threads)
+        writer = staged_writer(path, staging, bank, self.write_threads, delay_s)
         cache = self._plan_cache
         if cache is not None and all_ranks(cache[0] == staging.layout_key, self.device):
             # Same layout as the last save (same keys, shapes, shards): its plan and metadata hold;
@@ -92,22 +90,10 @@ class AsyncSaver:
         else:
             plan = save_state_dict_async_plan(state, writer)
             self._plan_cache = (staging.layout_key, writer.central_plan, plan[1], plan[2])
-        # D2H starts now, after planning: planning's collectives sync on small device-to-host
-        # copies, which would queue behind the staging copies on the copy engine.
-        staging.stage(flat, step)
-        self.pending = writer
-        if submit:
-            self.submit(staging)
-        return lambda: self._gather(*plan)
-
-    def submit(self, staging: HostStaging) -> None:
-        """Hands the pending staged save to the writer (which maps the bank's file by path)."""
-        from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
-
-        writer, self.pending = self.pending, None
-        staging.synchronize()  # the writer reads the buffer: the copies must be complete
+        # The writer process maps the bank's file by path and writes from it.
         self.writer.schedule(AsyncRequest(
             write_staged, (self.rank, writer.request(), writer.results_queue), []))
+        return lambda: self._gather(*plan)
 
     def nvrx_staged(self, path: str, state: dict[str, Any]) -> Gather:
         """Starts a save staged by NVRx; returns the finalise step."""
@@ -154,10 +140,17 @@ class AsyncSaver:
         """
         from torch.distributed.checkpoint.utils import _get_failure_dict
 
-        all_results = dist_wrapper.gather_object(writer.retrieve_write_results())
-        failures = {}
+        try:
+            mine = writer.retrieve_write_results()
+        except (OSError, EOFError, RuntimeError) as err:
+            # The results queue's manager process died (a stop's SIGTERM reaches the whole
+            # process group): told to every rank below, never raised before the collective.
+            mine = f"the write results were lost ({type(err).__name__}: {err})"
+        all_results = dist_wrapper.gather_object(mine)
+        failures: dict[int, Any] = {}
         if dist_wrapper.is_coordinator:
-            failures = _get_failure_dict(all_results)
+            failures = {i: r for i, r in enumerate(all_results) if isinstance(r, str)}
+            failures = failures or _get_failure_dict(all_results)
         if not all_ranks(not failures, self.device):  # only the coordinator can see failures
             raise CheckpointError(f"checkpoint write failed: {failures or 'on another rank'}")
         if not dist_wrapper.is_coordinator:

@@ -145,6 +145,8 @@ class _Bank:
         self.step: int | None = None  # step of the complete snapshot it holds
         self.objects: dict[str, Any] = {}  # non-tensor leaves of that snapshot
         self.pinned: list[int] = []  # base addresses of its cudaHostRegister pieces
+        # Mapped and, on CUDA, pinned whole: a snapshot may copy into it (set by its allocator).
+        self.ready = False
         self.crc32: list[list[int]] | None = None  # [offset, length, crc] once sealed
         self.token = 0  # bumped whenever it is staged or sealed (a stale seal does not publish)
         self._mm: mmap.mmap | None = None
@@ -212,6 +214,7 @@ class _Bank:
                 cudart.cudaHostUnregister(ptr)
             self.pinned = []
         self.buffer, self.step, self.objects, self.crc32 = None, None, {}, None
+        self.ready = False
         self.token += 1
         if self._mm is not None:
             try:

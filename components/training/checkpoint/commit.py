@@ -20,7 +20,7 @@ import torch
 from kfp_nvrx.components.core.ckpt_store import CheckpointStore
 from kfp_nvrx.components.training.checkpoint.async_save import Gather
 from kfp_nvrx.components.training.checkpoint.writer import CheckpointError
-from kfp_nvrx.components.training.ranks import all_ranks, min_over_ranks
+from kfp_nvrx.components.training.ranks import min_over_ranks
 
 RUNNING, DONE, FAILED = 0, 1, -1
 
@@ -82,13 +82,14 @@ class InFlight:
     loop_s: float = 0.0  # seconds the commit held the loop
 
 
-def advance(inf: InFlight, poll_local: Callable[[float], bool], files: Callable[[], int] | None,
+def advance(inf: InFlight, poll_local: Callable[[float], int], files: Callable[[], int] | None,
             device: torch.device, blocking: bool, timeout: float) -> bool:
     """Moves ``inf``'s commit on; True once it is committed on every rank (collective).
 
     Args:
         inf: The save in flight.
-        poll_local: Whether this rank's write is done, waiting at most the given seconds.
+        poll_local: 1 when this rank's write is done (waiting at most the given seconds), 0
+            while it runs, -1 when its writer died.
         files: Rank 0's marker/progress/pruning step (None on other ranks), run after the
             coordinator's ``.metadata`` write on the commit thread.
         device: The training device (the flags are reduced there).
@@ -105,26 +106,40 @@ def advance(inf: InFlight, poll_local: Callable[[float], bool], files: Callable[
             raise CheckpointError(f"checkpoint step {inf.step} not written within "
                                   f"checkpoint.finalize_timeout={timeout:g}s")
 
-    while inf.commit is None:
-        if all_ranks(poll_local(0.05 if blocking else 0.0), device):
-            t0 = time.perf_counter()
-            finish = [f for f in (fn() for fn in inf.finalize_fns) if f is not None]
-            inf.commit = CommitJob([*finish, files] if files is not None else finish)
-            inf.loop_s += time.perf_counter() - t0
-            break
+    while not _all_written(inf, poll_local, files, device, blocking):
         if not blocking:
             return False
         check_deadline()
+    job = inf.commit
+    assert job is not None  # _all_written started it
     while True:
         t0 = time.perf_counter()
-        state = min_over_ranks(inf.commit.state(), device)
+        state = min_over_ranks(job.state(), device)
         inf.loop_s += time.perf_counter() - t0
         if state == DONE:
             return True
         if state == FAILED:
             raise CheckpointError(f"checkpoint step {inf.step} commit failed: "
-                                  f"{inf.commit.error or 'on rank 0'}")
+                                  f"{job.error or 'on rank 0'}")
         if not blocking:
             return False
-        inf.commit.join(0.01)
+        job.join(0.01)
         check_deadline()
+
+
+def _all_written(inf: InFlight, poll_local: Callable[[float], int],
+                 files: Callable[[], int] | None, device: torch.device, blocking: bool) -> bool:
+    """Whether every rank's write is done; the first time, starts the commit's file work."""
+    if inf.commit is not None:
+        return True
+    code = min_over_ranks(poll_local(0.05 if blocking else 0.0), device)
+    if code < 0:  # told to every rank in the same collective: none is left waiting in one
+        raise CheckpointError(f"checkpoint step {inf.step}: a rank's NVRx writer process "
+                              "died before its write was complete")
+    if not code:
+        return False
+    t0 = time.perf_counter()
+    finish = [f for f in (fn() for fn in inf.finalize_fns) if f is not None]
+    inf.commit = CommitJob([*finish, files] if files is not None else finish)
+    inf.loop_s += time.perf_counter() - t0
+    return True

@@ -52,6 +52,7 @@ class Recovery:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.restored_from_memory = False
+        self.durable: list[int] = []  # the store's commits the last resume saw, newest first
         self._loaded: dict[str, Any] | None = None
 
     def resume(self, state_fn: Callable[[], dict[str, Any]],
@@ -66,8 +67,9 @@ class Recovery:
         fault. The ranks agree on the step first, and each checks its bank's CRC32s as it loads;
         a mismatch on any rank sends every rank on, never to a mixed state. Otherwise the newest
         intact committed checkpoint on disk (CRC-checked, falling back to older ones).
-        ``checkpoint.load_step`` pins the ``first_start`` of a launch only (and withdraws the
-        steps after it, :meth:`_timeline`); restarts take the newest.
+        ``checkpoint.load_step`` pins the ``first_start`` of a launch only to that durable step,
+        read from the store (and withdraws the steps after it, :meth:`_timeline`); restarts take
+        the newest.
         ``state_fn`` builds the state to load into; only the keys the checkpoint holds are
         loaded (e.g. not another world size's per-rank RNG). ``check(keys, step)`` may reject
         the checkpoint before anything is loaded.
@@ -81,8 +83,10 @@ class Recovery:
             The step resumed from and the state dict loaded in place.
         """
         steps, pinned = self._timeline(first_start)
+        self.durable = steps  # the store's commits this start sees, newest first
         newest = steps[0] if steps else None
-        memory = [m for m in self.memory_steps(pinned) if newest is None or m >= newest]
+        # checkpoint.load_step names a durable step: it is read from the store, never memory.
+        memory = [] if pinned else [m for m in self.memory_steps() if newest is None or m >= newest]
         if not memory:
             self._forget_memory()
         if not memory and newest is None:

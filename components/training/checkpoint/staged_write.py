@@ -21,6 +21,7 @@ from kfp_nvrx.components.core.volume_store import write_checksums
 from kfp_nvrx.components.training.checkpoint.staging import Slot
 
 if TYPE_CHECKING:
+    from kfp_nvrx.components.training.checkpoint.bank import _Bank
     from kfp_nvrx.components.training.checkpoint.staging import HostStaging
 
 
@@ -35,13 +36,16 @@ def _split(items: list[tuple[Any, Slot]], n: int) -> list[list[tuple[Any, Slot]]
     return [b for b in buckets if b] or [[]]
 
 
-def staged_writer(path: str, staging: HostStaging, threads: int = 1) -> Any:
-    """An NVRx ``FileSystemWriterAsync`` whose data comes from ``staging``'s buffer.
+def staged_writer(path: str, staging: HostStaging, bank: _Bank, threads: int = 1,
+                  delay_s: float = 0.0) -> Any:
+    """An NVRx ``FileSystemWriterAsync`` whose data comes from ``bank`` of ``staging``.
 
     DCP plans with the live state (so the metadata, e.g. DTensor shards, is the real one); instead
     of resolving (and, NVRx >= 0.6, cloning) tensors, ``prepare_write_data`` records which buffer
-    slot each write item reads, split into ``threads`` files written in parallel. ``request`` then
-    describes the write for :func:`write_staged`.
+    slot each write item reads, split into ``threads`` files written in parallel; the non-tensor
+    leaves are the ones the bank captured with its snapshot (the live state may be steps newer).
+    ``request`` then describes the write for :func:`write_staged`; ``delay_s`` slows it (the
+    ``slow-write`` fault).
     """
     # FT: NVRx's async DCP writer (planning, results queue, finish/metadata) with our staging.
     from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async as fsa
@@ -53,7 +57,10 @@ def staged_writer(path: str, staging: HostStaging, threads: int = 1) -> Any:
             items, byte_data = [], []
             for item in plan.items:
                 if item.type == WriteItemType.BYTE_IO:
-                    byte_data.append((item, planner.resolve_data(item)))
+                    fqn = item.index.fqn
+                    data = (planner.transform_object(item, bank.objects[fqn])
+                            if fqn in bank.objects else planner.resolve_data(item))
+                    byte_data.append((item, data))
                     continue
                 slot = staging.slots.get(item.index.fqn)
                 chunk = tuple(item.tensor_data.chunk.sizes) if item.tensor_data else None
@@ -73,11 +80,8 @@ def staged_writer(path: str, staging: HostStaging, threads: int = 1) -> Any:
             self.results_queue = queue_fn() if plan.items else None
 
         def request(self) -> dict[str, Any]:
-            bank = staging.target
-            if bank is None:
-                raise RuntimeError("a staged save without a staged bank")
             req = {"key": bank.key, "path": str(bank.path), "nbytes": staging.nbytes,
-                   "buckets": self.staged}
+                   "buckets": self.staged, "delay_s": delay_s}
             # torch >= 2.6 passes its stream transforms to _write_item (as NVRx itself does)
             req["transforms"] = [self.transforms] if hasattr(self, "transforms") else []
             return req
@@ -121,8 +125,10 @@ def write_staged(rank: int, request: dict[str, Any], results_queue: Any) -> None
     The writing itself is NVRx's (``FileSystemWriterAsync`` bucket writer, which puts the
     DCP write results on ``results_queue``).
     """
+    import time
     import warnings
 
+    time.sleep(request.get("delay_s", 0.0))  # the slow-write fault: a slow store, on purpose
     base = _mapped(request["key"], request["path"], request["nbytes"])
     with warnings.catch_warnings():  # frombuffer on a ctypes array: "not writable" is fine here
         warnings.simplefilter("ignore", UserWarning)

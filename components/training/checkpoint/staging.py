@@ -47,6 +47,7 @@ from kfp_nvrx.components.training.checkpoint.bank import (
 )
 from kfp_nvrx.components.training.checkpoint.hostcopy import HostCopyDir, HostCopyUnavailable
 from kfp_nvrx.components.training.checkpoint.integrity import Sealer, SnapshotDamaged
+from kfp_nvrx.components.training.checkpoint.snapshots import BUSY, PINNING
 
 __all__ = ["HostStaging", "Slot", "SnapshotDamaged", "StagingUnavailable", "flat_state",
            "layout_of", "shm_free_bytes"]
@@ -58,11 +59,11 @@ class HostStaging:
     Args:
         device: The training device (CUDA: pinned banks, copies on a side stream).
         home: This rank's host copy directory (None: a private one, never reused).
-        banks: Banks at most (2: the committed state stays in memory while a save is written).
+        banks: Banks at most (3: one being written, the newest snapshot, the next snapshot).
     """
 
     def __init__(self, device: torch.device, home: HostCopyDir | None = None,
-                 banks: int = 2) -> None:
+                 banks: int = 3) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
         self.home = home if home is not None else HostCopyDir(None, 0, 1)
@@ -74,6 +75,7 @@ class HostStaging:
         self.generation = 0
         self.target: _Bank | None = None  # bank being staged, or staged last
         self.committed: _Bank | None = None  # bank holding the newest committed step
+        self.writing: _Bank | None = None  # bank the writer process reads: never staged into
         self.staged_step: int | None = None
         self.adopted_step: int | None = None  # step adopted from an earlier worker's bank
         self._event: Any = None
@@ -108,12 +110,14 @@ class HostStaging:
     def prepare(self, state: dict[str, Any]) -> None:
         """Allocates (and pins) the banks for ``state``'s layout in a background thread.
 
-        Pinning 10+ GB takes seconds; done here, the first save does not pay for it.
+        Pinning 10+ GB takes seconds; done here, no snapshot pays for it. Each bank is usable
+        as soon as it is pinned (:meth:`free_bank`), so the first snapshot waits for one bank's
+        pinning, not for all of them.
         """
-        slots = layout_of(flat_state(state))
-        complete = (slots == self.slots and len(self.banks) == self._bank_count(slots, first=False)
-                    and all(b.pinned for b in self.banks if self.cuda))
-        if complete or (self._prep is not None and self._prep.is_alive()):
+        self._prepare(layout_of(flat_state(state)))
+
+    def _prepare(self, slots: dict[str, Slot]) -> None:
+        if self._complete(slots) or self.preparing():
             return
         self._prep_error = None
         self._prep = threading.Thread(target=self._allocate_quietly, args=(slots,), daemon=True,
@@ -130,22 +134,49 @@ class HostStaging:
         except BaseException as err:  # noqa: BLE001 - reported by the next ensure()
             self._prep_error = err
 
-    def ensure(self, flat: dict[str, Any]) -> None:
-        """Banks that fit ``flat``'s layout (waits for :meth:`prepare`, else allocates)."""
+    def _join_prep(self) -> None:
+        """Waits for the background allocation; raises what made the banks unavailable."""
         if self._prep is not None:
             self._prep.join()
             self._prep = None
-            if self._prep_error is not None:
-                err, self._prep_error = self._prep_error, None
-                if isinstance(err, StagingUnavailable):
-                    raise err
+        if self._prep_error is not None:
+            err, self._prep_error = self._prep_error, None
+            if isinstance(err, StagingUnavailable):
+                raise err
+
+    def ensure(self, flat: dict[str, Any]) -> None:
+        """Every bank that fits ``flat``'s layout, allocated and pinned now (waits for :meth:`prepare`)."""
+        self._join_prep()
         slots = layout_of(flat)
-        unpinned = self.cuda and any(not b.pinned for b in self.banks)
-        if slots != self.slots or not self.banks or unpinned or self._missing(slots):
+        if not self._complete(slots):
             self._allocate(slots)
 
+    def why_not_now(self, flat: dict[str, Any]) -> str | None:
+        """None when a snapshot of ``flat`` can be taken now without waiting; else why not.
+
+        Never blocks: banks that are missing for this layout are allocated in the background
+        (:meth:`prepare`) meanwhile, and a snapshot asked for before one is ready is skipped.
+
+        Raises:
+            StagingUnavailable: The background allocation found no room (use NVRx's staging).
+        """
+        if self._prep_error is not None and not self.preparing():
+            self._join_prep()
+        slots = layout_of(flat)
+        complete = self._complete(slots)
+        if not complete:
+            self._prepare(slots)  # more banks to come (an adopted one alone, a new layout)
+        if slots == self.slots and self.free_bank() is not None:
+            return None
+        return BUSY if complete else PINNING
+
+    def _complete(self, slots: dict[str, Slot]) -> bool:
+        """Whether as many banks as fit for ``slots`` are allocated and ready."""
+        return (slots == self.slots and bool(self.banks) and all(b.ready for b in self.banks)
+                and not self._missing(slots))
+
     def _missing(self, slots: dict[str, Slot]) -> bool:
-        """Fewer banks than fit (an adopted bank alone, before its second one is allocated)."""
+        """Fewer banks than fit (an adopted bank alone, before the others are allocated)."""
         return len(self.banks) < self.max_banks and self._bank_count(slots, False) > len(self.banks)
 
     def _bank_count(self, slots: dict[str, Slot], first: bool) -> int:
@@ -162,12 +193,18 @@ class HostStaging:
         return 0
 
     def _allocate(self, slots: dict[str, Slot]) -> None:
+        """Lays the banks out for ``slots`` and brings as many as fit to ready, one at a time.
+
+        The lock is held only while the bank list and the layout change: a bank is mapped and
+        pinned before it joins :attr:`banks` (or, adopted, before it is marked ready), so the
+        loop thread snapshots into a ready bank meanwhile without waiting for the others.
+        """
+        last = max(slots.values(), key=lambda s: s.offset, default=None)
+        nbytes = max(_ALIGN, last.offset + last.nbytes if last else 0)
+        if slots != self.slots:
+            self.release()
         with self._lock:
-            last = max(slots.values(), key=lambda s: s.offset, default=None)
-            nbytes = max(_ALIGN, last.offset + last.nbytes if last else 0)
             first = self.generation == 0
-            if slots != self.slots:
-                self.release()
             count = self._bank_count(slots, first)
             if count == 0:
                 ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) if first else 1
@@ -184,19 +221,22 @@ class HostStaging:
                 digest = hashlib.sha1(repr(_slot_rows(slots)).encode()).hexdigest()
                 self.layout_key = f"{os.getpid()}-{self.generation}-{digest[:16]}"
             self.slots, self.nbytes = slots, nbytes
-            if self.cuda:
-                torch.cuda.set_device(self.device)  # prepare() runs this in its own thread
             if self.committed is None:  # nothing adopted: an earlier worker's files are stale
                 self.home.withdraw()
                 self.home.drop_banks(keep={b.index for b in self.banks})
-            self._add_banks(slots, nbytes, count)
+            adopted = [b for b in self.banks if not b.ready]
+        if self.cuda:
+            torch.cuda.set_device(self.device)  # prepare() runs this in its own thread
+        self._add_banks(slots, nbytes, count, adopted)
 
-    def _add_banks(self, slots: dict[str, Slot], nbytes: int, count: int) -> None:
-        """Pins the adopted banks and maps (and pins) new ones up to ``count`` (under the lock)."""
+    def _add_banks(self, slots: dict[str, Slot], nbytes: int, count: int,
+                   adopted: list[_Bank]) -> None:
+        """Readies the adopted banks, then maps (and pins) new ones up to ``count``."""
         ranges = _pin_ranges(slots, nbytes)
-        for bank in self.banks:
-            if self.cuda and not bank.pinned:  # adopted: pinned before a save copies in
+        for bank in adopted:  # adopted from an earlier worker: pinned before a save copies in
+            if self.cuda:
                 bank.pin(ranges)
+            bank.ready = True
         have = {b.index for b in self.banks}
         for index in range(self.max_banks):
             if len(have) >= count:
@@ -208,17 +248,23 @@ class HostStaging:
             if self.cuda:
                 bank.pin(ranges)
             bank.key = f"{self.layout_key}-{index}"
-            self.banks.append(bank)
+            bank.ready = True
+            with self._lock:
+                self.banks.append(bank)
             have.add(index)
 
     def release(self) -> None:
         """Unpins and unmaps the banks and deletes their files (the layout changed, or the end)."""
+        if self._prep is not None and self._prep is not threading.current_thread():
+            self._prep.join()  # it maps and pins banks: none may join the list after this
+            self._prep = None
         self.synchronize()
         self.sealer.wait()  # it reads the banks
         self.sealer.sealed_step = None
         for bank in self.banks:
             bank.unmap()
         self.banks, self.slots, self.target, self.committed = [], {}, None, None
+        self.writing = None
         self.home.remove_rank_files()
 
     def view(self, key: str, bank: _Bank | None = None) -> torch.Tensor:
@@ -230,24 +276,26 @@ class HostStaging:
         return owner.buffer[s.offset:s.offset + s.nbytes].view(s.dtype).view(s.shape)
 
     # ------------------------------------------------------------------ copies
-    def stage(self, flat: dict[str, Any], step: int) -> None:
-        """Starts copying ``flat`` into a bank (CUDA tensors on a side stream).
+    def free_bank(self) -> _Bank | None:
+        """The bank the next snapshot goes into; None when no ready bank is free.
 
-        The bank is the one not holding the newest committed step (with one bank, its manifest is
-        withdrawn first). Call :meth:`ensure` for ``flat`` first (the save path does, once per
-        save). CPU tensors and non-tensor leaves are captured before this returns; CUDA tensors
-        are complete once :meth:`ready` (or after :meth:`synchronize`).
+        Never the bank the writer reads (:attr:`writing`); where another bank is free, not the
+        one holding the newest complete snapshot either, so a recovery point stays in memory
+        while the next snapshot is copied. Else the oldest.
         """
-        if not self.banks:
-            raise RuntimeError("HostStaging.stage() before ensure()")
-        free = [b for b in self.banks if b is not self.committed]
-        if not free:  # one bank: the committed state is given up for this save
-            self.home.withdraw()
-            self.committed, free = None, self.banks
-        bank = min(free, key=lambda b: -1 if b.step is None else b.step)
-        self.target, self.staged_step = bank, step
-        self.sealer.unseal(bank, self.banks)  # its manifest goes before its bytes change
-        bank.step = None
+        free = [b for b in self.banks if b.ready and b is not self.writing]
+        spare = [b for b in free if b.step is None or b.step != self.valid_step]
+        pool = spare or free
+        return min(pool, key=lambda b: -1 if b.step is None else b.step) if pool else None
+
+    def stage(self, flat: dict[str, Any], step: int) -> None:
+        """Starts copying ``flat`` into :meth:`free_bank` (CUDA tensors on a side stream).
+
+        Call :meth:`ensure` for ``flat`` first and check that a bank is free. CPU tensors and
+        non-tensor leaves are captured before this returns; CUDA tensors are complete once
+        :meth:`ready` (then :meth:`settle` seals the bank) or after :meth:`synchronize`.
+        """
+        bank = self._take_bank(step)
         bank.objects = {k: copy.deepcopy(v) for k, v in flat.items()
                         if not isinstance(v, torch.Tensor)}
         if self.cuda:
@@ -268,9 +316,33 @@ class HostStaging:
             bank.step = step  # CPU copies are complete on return
             self.sealer.seal(bank, self.slots, self.nbytes)
 
+    def _take_bank(self, step: int) -> _Bank:
+        """The bank :meth:`stage` copies ``step`` into, its manifest withdrawn first."""
+        if not self.banks:
+            raise RuntimeError("HostStaging.stage() before ensure()")
+        self.synchronize()  # the previous snapshot's copies: sealed before another starts
+        bank = self.free_bank()
+        if bank is None:
+            raise RuntimeError("HostStaging.stage(): every bank is being written")
+        if bank is self.committed:  # its state is given up for this snapshot
+            self.committed = None
+        self.target, self.staged_step = bank, step
+        self.sealer.unseal(bank, self.banks)  # its manifest goes before its bytes change
+        bank.step = None
+        return bank
+
     def ready(self) -> bool:
         """Whether the last stage()'s copies are complete (never blocks)."""
         return self._event is None or self._event.query()
+
+    def copying(self) -> bool:
+        """Whether the last stage()'s copies may still run (the optimizer must wait for them)."""
+        return self._event is not None
+
+    def settle(self) -> None:
+        """Seals the last stage()'s bank once its copies are complete (never blocks)."""
+        if self._event is not None and self._event.query():
+            self.synchronize()
 
     def wait_before_update(self) -> None:
         """Makes the current CUDA stream wait for the copies (GPU-side; the CPU does not block)."""

@@ -128,6 +128,17 @@ class NvrxWriter:
             time.sleep(0.01)
         self._warming = False
 
+    def up(self) -> bool:
+        """Whether the writer process is up and idle (never blocks); starts it if none runs."""
+        if self._caller is None:
+            self.warm_up()
+            return False
+        if self._warming:
+            if not self._caller.is_current_async_call_done(blocking=False, no_dist=True):
+                return False
+            self._warming = False
+        return True
+
     def schedule(self, request: Any) -> None:
         """Hands ``request`` (an NVRx ``AsyncRequest``) to the writer process, starting it if needed.
 

@@ -109,50 +109,57 @@ class Trainer:
             # the start-up, not of the step rhythm the timeouts are learned from.
             timed = (monitor.phase("setup", bound=cfg.resilience.setup_timeout) if steps_here == 0
                      else monitor.section("step"))
-            commits, pinning = ckpt.commits, ckpt.preparing()
+            writes, pinning = ckpt.write_events, ckpt.preparing()
             t_sec = time.perf_counter()
             with timed:
                 self._fault(step, When.STEP)
                 loss_value = self._step(step, tokens_per_step)
                 if not math.isfinite(loss_value):
                     self._diverged(step, loss_value)
-                ckpt.finalize(blocking=False)
+                ckpt.tick()  # the durable write behind the snapshots: moved on, never waited for
             step_s = time.perf_counter() - t_sec
             monitor.heartbeat()
             now = time.perf_counter()
             # Steady: what a healthy run repeats (see Monitor.observe).
-            steady = (steps_here >= STEADY_AFTER and not after_save and ckpt.commits == commits
-                      and not pinning and not ckpt.preparing())
+            steady = (steps_here >= STEADY_AFTER and not after_save
+                      and ckpt.write_events == writes and not pinning and not ckpt.preparing())
             monitor.observe(step_s, None if last_beat is None else now - last_beat, steady)
             last_beat = now
             if self.place.call_wrapper is not None:
                 self.place.call_wrapper.ping()  # FT: in-process progress watchdog
+            # Every collective of the step comes before the snapshot: once its device-to-host
+            # copies are queued, a collective's small copy of its result waits behind them.
+            if self.job.stop.enabled:
+                asked, left = self.job.stop.agree(self._reduce_max)
+                if asked:
+                    self._emit_step(step, t0, loss_value, tokens_per_step)
+                    self._stop(step, left)
+            steps_here += 1
+            if steps_here >= STEADY_AFTER + cfg.resilience.learn_after \
+                    and monitor.maybe_learn(self._reduce_max) and self.place.rank == 0:
+                log0(f"learned NVRx timeouts: {monitor.timeouts()}")
             after_save = ckpt.should_save(step)
             if after_save:
                 with monitor.phase("checkpoint", bound=cfg.resilience.checkpoint_timeout):
                     ckpt.save(step, self.state())
                     self._fault(step, When.CHECKPOINT)
                 last_beat = time.perf_counter()  # the phase ends with a heartbeat
-            self.events.emit(ev.Step(step=step, start=t0, end=time.time(),
-                                     incarnation=self.job.restart_count,
-                                     iteration=self.place.iteration,
-                                     loss=round(loss_value, 6), tokens=tokens_per_step))
-            if self.job.stop.enabled:
-                asked, left = self.job.stop.agree(self._reduce_max)
-                if asked:
-                    self._stop(step, left)
-            steps_here += 1
+            self._emit_step(step, t0, loss_value, tokens_per_step)
             if steps_here == 1 and ckpt.periodic:  # the state's final layout exists (optimizer)
                 ckpt.prepare(self.state)
-            if steps_here >= STEADY_AFTER + cfg.resilience.learn_after \
-                    and monitor.maybe_learn(self._reduce_max) and self.place.rank == 0:
-                log0(f"learned NVRx timeouts: {monitor.timeouts()}")
             if step % t.log_every == 0 or step == t.steps:
                 elapsed = time.perf_counter() - t_first
                 tps = steps_here * tokens_per_step / max(elapsed, 1e-9)
                 eta = (t.steps - step) * elapsed / steps_here
                 log0(f"step {step}/{t.steps} loss {loss_value:.4f} tok/s {tps:,.0f} "
                      f"eta {eta:.0f}s")
+
+    def _emit_step(self, step: int, t0: float, loss_value: float, tokens: int) -> None:
+        """The step's event: from its start to now (its snapshot, if any, included)."""
+        self.events.emit(ev.Step(step=step, start=t0, end=time.time(),
+                                 incarnation=self.job.restart_count,
+                                 iteration=self.place.iteration,
+                                 loss=round(loss_value, 6), tokens=tokens))
 
     def _stop(self, step: int, seconds: float) -> None:
         """A node is being stopped: every rank saves ``step`` if it fits, then leaves the loop."""

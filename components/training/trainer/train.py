@@ -236,9 +236,13 @@ class Incarnation:
                 events.emit(ev.Checkpoint(step=step, blocking_s=round(blocking, 6),
                                           total_s=round(total, 6), bytes=nbytes))
 
+            def on_snapshot(step: int, stall: float, skipped: str) -> None:
+                events.emit(ev.Snapshot(step=step, stall_s=round(stall, 6), skipped=skipped))
+
             self.ckpt = ckpt = Checkpointer(
                 job.run_dir, cfg.checkpoint, job.device, Kept(job.staging, job.writer),
-                Reports(on_commit, log0), final_step=cfg.train.steps)
+                Reports(on_commit, on_snapshot, log0, lambda: job.stop.deadline is not None),
+                final_step=cfg.train.steps)
             job.staging, job.writer = ckpt.staging, ckpt.writer
             trainer = Trainer(job, Place(self.rank, self.world, self.iteration, self.call_wrapper),
                               Replica(model, opt, sched, TrainState()), ckpt, events,
