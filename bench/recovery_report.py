@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from bench.projection import best_interval, fsx_gb_per_s, job_mtbf_s, recovery_paths
+from bench.projection import GPUS_PER_P5, fsx_gb_per_s, job_mtbf_s, recovery_paths
 
 NODE_MTBF_DAYS = 30.0
 PROJECTION_NODES = (16, 128)
@@ -56,24 +57,69 @@ def recovery_lines(by_preset: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
+#: The durable write's share of the time (``checkpoint.persist_duty``'s default).
+PERSIST_DUTY = 0.25
+
+
+def cost_at(costs: dict[float, float], tau: float) -> float:
+    """The measured cost per snapshot at the measured interval nearest ``tau`` (log distance)."""
+    near = min(costs, key=lambda measured: abs(math.log(max(measured, 1e-3) / max(tau, 1e-3))))
+    return costs[near]
+
+
+def best_two_tier(costs: dict[float, float], recovery: float, redone_fixed: float | None,
+                  mtbf: float) -> tuple[float, float, float]:
+    """(interval, goodput, cost per snapshot) at the best snapshot interval.
+
+    ``redone_fixed``: seconds of work redone per failure when the state comes from the durable
+    tier (its lag does not shrink with the snapshot interval); None: from the snapshots (half an
+    interval on average).
+    """
+    best = (0.0, 0.0, 0.0)
+    for i in range(400):  # a log grid from 1 s to the MTBF: the measured costs are steps
+        tau = math.exp(math.log(mtbf) * i / 399)
+        delta = cost_at(costs, tau)
+        redone = tau / 2 if redone_fixed is None else redone_fixed
+        g = max(0.0, tau / (tau + delta) * (1 - (recovery + redone) / mtbf))
+        if g > best[1]:
+            best = (tau, g, delta)
+    return best
+
+
 def projection(kill: dict[str, Any] | None, state_gb_per_gpu: float | None,
-               save_cost_s: float | None) -> dict[str, Any]:
-    """Goodput at 16 and 128 p5 nodes by recovery path (FSx SCRATCH_2 for the file path)."""
+               save_cost_s: float | dict[float, float] | None,
+               duty: float = PERSIST_DUTY) -> dict[str, Any]:
+    """Goodput at 16 and 128 p5 nodes by recovery path (FSx SCRATCH_2 for the durable tier).
+
+    ``save_cost_s``: seconds one snapshot costs the run, every wait it causes included, by the
+    snapshot interval it was measured at (``bench.snapshots``); a number: the same at every
+    interval. The interval recommended is the best one for those measured costs. A path that
+    recovers from host memory redoes half a snapshot interval; one that reads the durable tier
+    redoes its lag: half its period (the write time over ``duty``) plus a write, whose time is
+    the state of every node over FSx's aggregate throughput.
+    """
     if not kill or "total_s" not in kill or not state_gb_per_gpu or not save_cost_s:
         return {}
-    out: dict[str, Any] = {"node_mtbf_days": NODE_MTBF_DAYS, "save_cost_s": save_cost_s,
-                           "state_gb_per_gpu": state_gb_per_gpu,
+    costs = save_cost_s if isinstance(save_cost_s, dict) else {1.0: float(save_cost_s)}
+    out: dict[str, Any] = {"node_mtbf_days": NODE_MTBF_DAYS, "save_cost_s": costs,
+                           "state_gb_per_gpu": state_gb_per_gpu, "persist_duty": duty,
                            "fsx_gb_per_s": {"burst": fsx_gb_per_s(True),
                                             "baseline": fsx_gb_per_s(False)},
                            "nodes": {}}
     for nodes in PROJECTION_NODES:
         mtbf = job_mtbf_s(nodes, NODE_MTBF_DAYS)
+        write_s = nodes * GPUS_PER_P5 * state_gb_per_gpu / fsx_gb_per_s(True)
+        lag_s = write_s / duty / 2 + write_s
         rows = {}
         for path, rec in recovery_paths(nodes, kill["total_s"], kill["load_s"],
                                         state_gb_per_gpu).items():
-            tau, g = best_interval(save_cost_s, rec, mtbf)
-            rows[path] = {"recovery_s": rec, "best_interval_s": tau, "best_goodput": g}
-        out["nodes"][str(nodes)] = {"job_mtbf_s": mtbf, "paths": rows}
+            from_memory = path == "host copy, node kept"
+            tau, g, delta = best_two_tier(costs, rec, None if from_memory else lag_s, mtbf)
+            rows[path] = {"recovery_s": rec, "best_interval_s": tau, "best_goodput": g,
+                          "cost_per_snapshot_s": delta,
+                          "redone_s": tau / 2 if from_memory else lag_s}
+        out["nodes"][str(nodes)] = {"job_mtbf_s": mtbf, "durable_write_s": write_s,
+                                    "durable_lag_s": lag_s, "paths": rows}
     return out
 
 
@@ -82,18 +128,24 @@ def projection_lines(p: dict[str, Any]) -> list[str]:
     if not p:
         return []
     fsx = p["fsx_gb_per_s"]
+    costs = ", ".join(f"{float(k):g} s: {v:.3f} s" for k, v in sorted(
+        p["save_cost_s"].items(), key=lambda kv: float(kv[0])))
     lines = ["", f"## Goodput projection on p5 nodes (one failure per node per "
              f"{p['node_mtbf_days']:.0f} days; 8 GPUs x {p['state_gb_per_gpu']:.2f} GB of state "
-             f"per node; cost per save {p['save_cost_s']:.3f} s, the visible overlapped save; FSx "
-             f"for Lustre SCRATCH_2 1.2 TiB: {fsx['burst']:.2f} GB/s burst, {fsx['baseline']:.2f} "
-             "GB/s baseline for all nodes together)", "",
+             f"per node; FSx for Lustre SCRATCH_2 1.2 TiB: {fsx['burst']:.2f} GB/s burst, "
+             f"{fsx['baseline']:.2f} GB/s baseline for all nodes together)", "",
              "Recovery = the measured 1b in-job restart (kill), its load replaced where the state "
-             "comes from FSx.", "",
-             "| nodes | job MTBF h | recovery path | recovery s | Young/Daly interval s | "
-             "best goodput |", "|---|---|---|---|---|---|"]
+             "comes from FSx. Cost per snapshot = what one snapshot cost the measured run, every "
+             f"wait included, at the measured interval nearest the one recommended ({costs}). "
+             "Work redone = half a snapshot interval from host memory; from FSx, the durable "
+             f"tier's lag: half its period (a write in flight {p.get('persist_duty', 1):.0%} of "
+             "the time) plus one write of every node's state.", "",
+             "| nodes | job MTBF h | recovery path | recovery s | best snapshot interval s | "
+             "cost per snapshot s | redone s | best goodput |", "|---|---|---|---|---|---|---|---|"]
     for nodes, n in p["nodes"].items():
         for path, row in n["paths"].items():
             lines.append(f"| {nodes} | {n['job_mtbf_s'] / 3600:.1f} | {path} | "
                          f"{row['recovery_s']:.1f} | {row['best_interval_s']:.0f} | "
-                         f"{row['best_goodput']:.4%} |")
+                         f"{row.get('cost_per_snapshot_s', 0):.3f} | {row.get('redone_s', 0):.0f} "
+                         f"| {row['best_goodput']:.4%} |")
     return lines

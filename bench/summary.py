@@ -122,9 +122,10 @@ def build_report(out: Path) -> dict[str, Any]:
     for preset in ("1b", "125m"):
         summary.update(sweep_keys(preset, _load(out, f"recovery_sweep_{preset}")))
     state_gb = ck.get("state_gb") if c.get("config") == "1b" else None
+    costs = snapshot_costs(_load(out, "snapshots_1b"))
     summary["goodput_projection_p5"] = projection(
         r1b.get("scenarios", {}).get("kill"), state_gb,
-        ck.get("ours_overlap_visible_s") or ck.get("ours_visible_s"))
+        costs or ck.get("ours_overlap_visible_s") or ck.get("ours_visible_s"))
     write_json(out / "summary.json", summary)
     text = markdown(summary, ck, t, overheads, {"1b": r1b, "125m": r}, proj)
     (out / "README.md").write_text(text)
@@ -132,6 +133,16 @@ def build_report(out: Path) -> dict[str, Any]:
                      **{f"{k} (1b)": v for k, v in r1b.get("scenarios", {}).items()}},
            proj, mtbf, summary.get("goodput_projection", {}).get("recovery_s"))
     return summary
+
+
+def snapshot_costs(snaps: dict[str, Any]) -> dict[float, float]:
+    """Seconds one snapshot cost its run, by interval (``bench.snapshots``): the run's whole
+    stall over its snapshots, so the durable writes and every wait they caused count too."""
+    costs = {}
+    for row in snaps.get("runs", {}).values():
+        if row.get("interval_s") and row.get("snapshots") and not row.get("faults"):
+            costs[float(row["interval_s"])] = max(1e-3, row["total_stall_s"] / row["snapshots"])
+    return costs
 
 
 def _best_mfu(t: dict[str, Any], preset: str) -> float | None:

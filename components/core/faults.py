@@ -34,7 +34,7 @@ class When(Enum):
 
     #: At the start of the step's timed section, before forward/backward.
     STEP = "step"
-    #: Right after a checkpoint save of the step started, while its write is in flight.
+    #: Right after the step's snapshot was taken (its copies queued; CUDA: may still run).
     CHECKPOINT = "checkpoint"
 
 
@@ -184,7 +184,7 @@ FAULT_KINDS.register(FaultKind(
     action=_hang))
 FAULT_KINDS.register(FaultKind(
     "kill-in-ckpt", verb="killed while checkpointing", when=When.CHECKPOINT,
-    does="SIGKILL while an async checkpoint is being written", failure=True, action=_kill))
+    does="SIGKILL right after a snapshot's copies were queued", failure=True, action=_kill))
 # A slow store: the next durable write (started at or after this step) takes this much longer in
 # the writer process. Snapshots go on meanwhile; no step may wait for it.
 FAULT_KINDS.register(FaultKind(

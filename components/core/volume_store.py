@@ -111,6 +111,8 @@ class VolumeStore:
     def record_progress(self, step: int) -> None:
         """The progress file ft_launcher reads (NVRx >= 0.7), replaced atomically."""
         # FT: ft_launcher's progress tracking reads the newest committed step from here.
+        # A restore from host memory may come before the first durable write made the folder.
+        self.root.mkdir(parents=True, exist_ok=True)
         write_atomic(self.progress_file, f"{step}\n".encode())
 
     # ------------------------------------------------------------------ withdrawing

@@ -91,7 +91,10 @@ def test_a_rank_killed_after_a_load_step_resume_pruned_the_step_restarts(tmp_pat
                                                                           dataset) -> None:
     """The reported run: 2 local nodes, ``keep=2``, ``load_step=12``, a rank killed at 22."""
     run = tmp_path / "run"
-    base = ["checkpoint.interval=3", "checkpoint.keep=2"]
+    # Every snapshot written while the run goes on (a write whenever the writer is free, 0.3 s
+    # steps), so that the pinned step is pruned before the fault, as in the reported run.
+    base = ["checkpoint.interval=3", "checkpoint.keep=2", "checkpoint.persist_duty=1",
+            "train.step_sleep=0.3"]
     train(run, dataset, ["train.steps=12", *base], deadline_s=400)
     res = train(run, dataset, ["train.steps=24", "checkpoint.load_step=12", *base],
                 faults=["kill@22/1"], deadline_s=400)

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The round-5 GPU runs on one H200 in one batch: install offline (bench/gpu_setup.sh), the GPU
+# tests, the snapshot benchmark at 1b (bench.snapshots) and the start-up hang runs. Each part
+# writes its own files under OUT, so a batch cut short keeps what it finished.
+#
+#   OUT=DIR [BUDGET=seconds] bash bench/round5_gpu.sh PART...
+#   PART: setup tests snapshots hangs
+# A lease's commands last 10 minutes at most: start it detached and collect OUT from later calls
+#   setsid nohup env OUT=/tmp/r5 bash bench/round5_gpu.sh setup tests snapshots >/tmp/r5.log 2>&1 &
+set -uo pipefail
+OUT=${OUT:?set OUT}
+BUDGET=${BUDGET:-1200}
+mkdir -p "$OUT"
+source bench/gpu_setup.sh
+left() { echo $((BUDGET - SECONDS)); }
+for part in "$@"; do
+  t0=$SECONDS
+  case $part in
+  setup) gpu_setup ;;
+  tests) python3 -m pytest -q -ra -p no:cacheprovider tests/gpu 2>&1 | tail -15 ;;
+  snapshots) python3 -m bench.snapshots --preset 1b --out "$OUT/snapshots_1b.json" \
+      --only "${SNAP_RUNS:-off,defaults,2,5,30,kills}" --budget "$(left)" 2>&1 |
+      grep -v "Warning\|import pynvml" ;;
+  hangs) python3 -m bench.recovery_sweep --preset 1b --out "$OUT/hangs_1b.json" --only hang \
+      --per-kind "${HANGS:-4}" --budget "$(left)" 2>&1 | grep -v "Warning\|import pynvml" ;;
+  *) echo "unknown part $part" ;;
+  esac
+  echo "== $part: rc=$? $((SECONDS - t0))s"
+  gpu_clean
+done
+echo "== done"
