@@ -363,3 +363,40 @@ def test_a_preempted_job_saves_on_sigterm_and_resumes_there_bitwise(queue, launc
     assert committed_steps(run / "checkpoints")[0] == steps and got.keys() == want.keys()
     for key, value in want.items():
         assert torch.equal(got[key], value), f"{key} differs from the run never preempted"
+
+
+def test_a_preemption_inside_a_durable_write_still_saves_its_step_bitwise(queue, launch,
+                                                                           never_preempted) -> None:
+    """Issue 35 item 4 on the real control plane: the preemption's SIGTERM lands while a durable
+    write is in flight (slowed 120 s on purpose: the stop cannot miss it), which reaches NVRx's
+    writer process and its results queue too. Every rank drops that write together, the stop
+    still saves its step, and the re-admitted job resumes there with the weights of a run that
+    was never preempted."""
+    from kfp_nvrx.components.core import events as ev
+    from kfp_nvrx.components.core.events import read_events
+    from kfp_nvrx.components.core.rundir import committed_steps, step_dir
+    from kfp_nvrx.components.core.volume_store import VolumeStore
+    from kfp_nvrx.components.training.export.consolidate import load_model_state
+
+    steps, name = SAVE_STEPS, "kq-save-in-write"
+    extra = ("--set", "checkpoint.interval=4", "--set", "train.step_sleep=0.5",
+             "--fault", "slow-write@1:seconds=120")
+    low = launch(name, "trainjob", steps=steps, queue=LQ, priority=LOW, extra=extra)
+    run = _run_dir(queue, name)
+    deadline = time.monotonic() + 120
+    while not any(s not in VolumeStore(run).committed_steps() for s in VolumeStore(run).entries()):
+        assert time.monotonic() < deadline, "no durable write began"
+        time.sleep(0.2)
+    high = launch(f"{name}-high", "trainjob", steps=10, queue=LQ, priority=HIGH)
+    low.wait_line("preempted at step ")
+    assert high.wait() == 0, high.text()[-3000:]
+    assert low.wait() == 0, low.text()[-3000:]
+    events = read_events(run)
+    [stop] = [e for e in events if isinstance(e, ev.End) and e.status == ev.STOPPED]
+    starts = [e for e in events if isinstance(e, ev.Start)]
+    assert 0 < stop.step < steps and starts[-1].resumed_from == stop.step
+    assert any(isinstance(e, ev.Checkpoint) and e.step == stop.step for e in events)
+    got = load_model_state(step_dir(run / "checkpoints", steps))
+    assert committed_steps(run / "checkpoints")[0] == steps and got.keys() == never_preempted.keys()
+    for key, value in never_preempted.items():
+        assert torch.equal(got[key], value), f"{key} differs from the run never preempted"
