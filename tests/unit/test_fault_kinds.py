@@ -98,8 +98,9 @@ def test_every_builtin_kind_has_its_point_and_nature() -> None:
     kinds = {k.name: (k.when, k.failure) for k in FAULT_KINDS}
     assert kinds == {"kill": (When.STEP, True), "raise": (When.STEP, True),
                      "hang": (When.STEP, True), "kill-in-ckpt": (When.CHECKPOINT, True),
-                     "stall": (When.STEP, False)}
+                     "stall": (When.STEP, False), "slow-write": (When.STEP, False)}
     assert parse_fault("stall@3").param("seconds") == 3.0
+    assert parse_fault("slow-write@3:seconds=60").param("seconds") == 60.0
     assert str(parse_fault(" hang@3 ")) == "hang@3/0"
     with pytest.raises(UserError, match="takes NAME=VALUE"):
         parse_fault("kill@3:seconds=1")
