@@ -292,8 +292,10 @@ class Monitor:
         seconds = max(step_s, gap_s or 0.0)
         if self._index >= 0:  # under step_section's bounds
             self.measured.add(self._kind, seconds)
+            # The second step's gap also holds the one-time start of the staging banks' set-up
+            # (the trainer builds the state dict for it after the first step): its step counts.
             if self._index >= 1:
-                self._early = max(self._early, seconds)
+                self._early = max(self._early, step_s if self._index == 1 else seconds)
         if steady and not self.learned:
             self._steady_steps.append(step_s)
             if gap_s is not None:

@@ -116,7 +116,9 @@ class Limits:
         Args:
             kind: The step's kind.
             measured: What the run measured so far (persisted and this incarnation's).
-            early: The longest step (or gap) this incarnation ran after its first.
+            early: The longest step (or gap) this incarnation ran after its first (of its
+                second step the step alone: its gap holds the one-time start of the staging
+                banks' set-up).
             steady: The learned (step, heartbeat) timeouts in force: this incarnation's or
                 restored ones; None while the run has none.
         """
