@@ -165,6 +165,13 @@ class ResilienceConfig(Section):
     # takes max(this, learned) + the rank monitor's check interval: 4 s + 0.25 s keeps it within
     # 5 s of the last heartbeat, and a 3 s stall of a sub-second step stays under it.
     min_learned_timeout: float = positive(4.0)
+    # Seconds an incarnation's first two steps (allocations, autotuning, a compile, the first
+    # step after a restore) may take at least, and all a fresh run's first step may take (nothing
+    # is measured yet): their bound is max(this, safety_factor x the longest such step the run
+    # measured, persisted in checkpoints). Later steps are bounded by the run's rhythm: learned,
+    # restored, or safety_factor x this incarnation's steps after its first (see
+    # trainer/rhythm.py). Raise it when a first step compiles for longer (train.compile).
+    first_steps_timeout: float = positive(120.0)
     workload_check_interval: float = positive(0.25)
     max_restarts: int = non_negative(3)
     # auto (= any-failed) | any-failed | min-healthy (NVRx <= 0.5)

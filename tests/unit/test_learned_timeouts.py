@@ -1,4 +1,5 @@
-"""Learned NVRx timeouts come from steady steps only, with the floor, sent through the state API."""
+"""Learned NVRx timeouts come from steady steps only, with the floor, sent through the state API;
+every step runs under the bound of its kind (issue 37: start-up, pinning, steady)."""
 
 from __future__ import annotations
 
@@ -19,10 +20,26 @@ class _Client:
             section={"setup": 600.0, "step": 300.0, "checkpoint": 600.0}, out_of_section=300.0,
             calculated_sections=set(), is_out_of_section_calculated=False)
         self.loaded: list[dict] = []
+        self.opened: list[str] = []
         self.is_initialized = True
 
     def load_state_dict(self, state: dict) -> None:
         self.loaded.append(state)
+
+    def start_section(self, name: str) -> None:
+        self.opened.append(name)
+
+    def end_section(self, name: str) -> None:
+        pass
+
+    def send_heartbeat(self) -> None:
+        pass
+
+    @property
+    def bounds(self) -> list[tuple[float, float]]:
+        """The (step section, heartbeat) bounds sent so far, in order."""
+        return [(state["current_timeouts"]["section"]["section"]["step"],
+                 state["current_timeouts"]["heartbeat"]["subsequent"]) for state in self.loaded]
 
 
 def _monitor(*sets: str) -> tuple[Monitor, _Client]:
@@ -111,22 +128,78 @@ def _learned_4s() -> dict:
                     "is_out_of_section_calculated": False}}}
 
 
-def test_a_restarted_incarnation_starts_under_the_configured_timeouts() -> None:
+def _step(m: Monitor, index: int, seconds: float, gap: float | None = None, *,
+          pinning: bool = False, steady: bool = False) -> None:
+    """Step ``index`` of the incarnation, as the trainer's loop runs it."""
+    with m.step_section(index, pinning):
+        pass
+    m.observe(seconds, gap, steady)
+
+
+def test_a_restarted_incarnation_connects_under_the_configured_timeouts() -> None:
     """Issue 29: the 4 s learned step timeout came back at once and killed the start-up."""
     m, client = _restarted()
     m.connect()
     startup = client.loaded[-1]["current_timeouts"]
     assert startup["heartbeat"] == {"initial": 120.0, "subsequent": 60.0, "were_calculated": False}
     assert startup["section"]["section"] == {"setup": 120.0, "step": 60.0, "checkpoint": 120.0}
-    m.load_state_dict(_learned_4s())  # the resumed checkpoint's: kept, not sent
+    m.load_state_dict(_learned_4s())  # the resumed checkpoint's: kept, not sent (set-up follows)
     assert len(client.loaded) == 1 and not m.learned and m.restored == (4.0, 4.0)
-    # Its start-up: a 9 s step while the banks pin is no reason to kill it (not steady).
-    m.observe(9.0, 9.0, steady=False)
-    for _ in range(3):
-        m.observe(0.2, 0.21, steady=True)
-    assert m.maybe_learn(lambda v: v)
-    got = client.loaded[-1]["current_timeouts"]
-    assert got["section"]["section"]["step"] == 4.0 and got["heartbeat"]["subsequent"] == 4.0
+
+
+def test_a_restarted_incarnation_is_judged_by_the_restored_rhythm_from_its_third_step() -> None:
+    """Issue 37: restored, not relearned; its start-up and pinning steps have bounds of their own."""
+    m, client = _restarted("resilience.first_steps_timeout=30")
+    m.connect()
+    m.load_state_dict({**_learned_4s(), "measured_steps": {"startup": 2.0, "pinning": 1.5}})
+    _step(m, 0, 9.0)  # the first step after the restore: 30 s, the configured least
+    _step(m, 1, 0.3, 0.4, pinning=True)  # 9 s measured now: 5 x 9 s
+    _step(m, 2, 2.0, 2.1, pinning=True)  # the run's pinning steps: 5 x 1.5 s (the floor: 4 s)
+    _step(m, 3, 0.2, 0.21, pinning=True)  # its own, slower pinning step: 5 x 2.1 s
+    for index in (4, 5, 6):
+        _step(m, index, 0.2, 0.21, steady=True)  # the restored rhythm, at once
+    assert client.bounds[1:] == [(30.0, 30.0), (45.0, 45.0), (7.5, 7.5), (10.5, 10.5), (4.0, 4.0)]
+    assert client.opened == ["step"] * 7  # every step in the step section, the first too
+    assert m.maybe_learn(lambda v: v) and len(client.loaded) == 6  # relearned: the same 4 s
+    assert m.measured.startup == 9.0 and m.measured.pinning == 2.1
+
+
+def test_a_fresh_runs_first_steps_are_bounded_by_its_own_start_up() -> None:
+    """Before anything is learned, safety_factor x its steps after the first, never 60 s."""
+    m, client = _restarted("resilience.first_steps_timeout=30")
+    m.connect()
+    _step(m, 0, 0.5)
+    _step(m, 1, 0.3, 1.5, pinning=True)  # its gap holds the staging banks' set-up: not counted
+    _step(m, 2, 0.3, 0.35, pinning=True)  # the floor: 5 x 0.35 s is less
+    _step(m, 3, 1.0, 1.2)  # a slower one raises the bound of the next: 5 x 1.2 s
+    _step(m, 4, 0.3, 0.3)
+    assert client.bounds[1:] == [(30.0, 30.0), (4.0, 4.0), (6.0, 6.0)]
+    assert m.bounds().startswith("hang bounds: step 6.0 s, heartbeat gap 6.0 s (from this")
+
+
+def test_measured_steps_persist_and_only_grow() -> None:
+    m, _ = _restarted()
+    m.connect()
+    _step(m, 0, 3.0)
+    _step(m, 1, 0.5, 0.6)
+    _step(m, 2, 1.0, 1.1, pinning=True)
+    saved = m.state_dict()
+    assert saved["measured_steps"] == {"startup": 3.0, "pinning": 1.1}
+    m2, _ = _restarted()
+    m2.connect()
+    m2.load_state_dict(saved)
+    m2.load_state_dict({"measured_steps": {"startup": 1.0, "pinning": float("nan")}})
+    m2.load_state_dict({"measured_steps": {"startup": "x"}})
+    assert (m2.measured.startup, m2.measured.pinning) == (3.0, 1.1)
+    assert set(m2.state_dict()) == set(saved)  # the same keys at every save
+
+
+def test_without_learned_timeouts_the_configured_ones_judge_every_step() -> None:
+    m, client = _restarted("resilience.learn_timeouts=false")
+    m.connect()
+    for index in range(4):
+        _step(m, index, 0.1, 0.1, steady=index >= 2)
+    assert len(client.loaded) == 1 and client.opened == ["setup", "step", "step", "step"]
 
 
 def test_restored_timeouts_are_a_floor_and_persist_until_relearned() -> None:
@@ -165,6 +238,8 @@ def test_an_in_process_restart_relearns_with_the_last_learning_as_floor() -> Non
     assert m.maybe_learn(lambda v: v)  # 5.0 s
     m.connect()  # in-process re-entry
     assert not m.learned and m.restored == (5.0, 5.0)
+    m.load_state_dict(_learned_4s())  # its snapshot was saved before the 5 s were learned
+    assert m.restored == (5.0, 5.0)
     assert client.loaded[-1]["current_timeouts"]["section"]["section"]["step"] == 60.0
     for _ in range(3):
         m.observe(0.1, 0.1, steady=True)

@@ -25,6 +25,7 @@ from kfp_nvrx.components.training.trainer.build import (
     warm_start,
 )
 from kfp_nvrx.components.training.trainer.fault_injector import FaultInjector
+from kfp_nvrx.components.training.trainer.rhythm import STARTUP_STEPS
 from kfp_nvrx.components.training.trainer.stopping import StopRequested
 
 if TYPE_CHECKING:
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 
 #: Steps of an incarnation before its steps count as steady for the learned timeouts: the first
 #: is the start-up (allocations, autotuning, compilation), the second may still compile.
-STEADY_AFTER = 2
+STEADY_AFTER = STARTUP_STEPS
 
 
 def log0(msg: str) -> None:
@@ -105,13 +106,11 @@ class Trainer:
 
         for step in range(first, t.steps + 1):
             t0 = time.time()
-            # The first step of an incarnation (allocations, autotuning, compilation) is part of
-            # the start-up, not of the step rhythm the timeouts are learned from.
-            timed = (monitor.phase("setup", bound=cfg.resilience.setup_timeout) if steps_here == 0
-                     else monitor.section("step"))
             writes, pinning = ckpt.write_events, ckpt.preparing()
             t_sec = time.perf_counter()
-            with timed:
+            # FT: the step's bound is its kind's (the first steps of an incarnation, steps while
+            # the staging banks pin, steady steps): resilience.Monitor.step_section.
+            with monitor.step_section(steps_here, pinning):
                 self._fault(step, When.STEP)
                 loss_value = self._step(step, tokens_per_step)
                 if not math.isfinite(loss_value):

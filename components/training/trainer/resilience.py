@@ -3,12 +3,20 @@
 The client opens sections and sends heartbeats, learns timeouts from observed times and persists
 them in checkpoints.
 
-Every incarnation (a new worker process after an in-job restart, a re-entry after an in-process
-one) starts under the *configured* timeouts and is held to learned ones only once it is itself
-past its start-up: the rank monitor server keeps the last timeouts it was sent across worker
-restarts and NVRx's client re-sends loaded ones at every ``init_workload_monitoring``, so without
-the reset a restarted worker's start-up (allocating and pinning its staging banks, its first save,
-a recompile) was judged by the previous incarnation's 4 s rhythm and killed, again and again.
+Every step runs in the ``step`` section under the bound of its kind (:mod:`.rhythm`): an
+incarnation's first steps under a start-up bound of their own, steps while the staging banks pin
+under a pinning bound, every other step under the run's learned rhythm from an incarnation's
+third step on (a restarted incarnation, a new worker process or an in-process re-entry, takes
+the rhythm restored from its checkpoint or kept in the process). The bounds are sent to the rank
+monitor when the kind of step changes.
+
+Why the start-up pieces are kept out of the learned rhythm: the rank monitor server keeps the
+last timeouts it was sent across worker restarts and NVRx's client re-sends loaded ones at every
+``init_workload_monitoring``. A restarted worker that got the learned 4 s rhythm back at once had
+its start-up (allocating and pinning its staging banks, its first save, a recompile) judged by
+it and was killed, again and again (issue 29). So every incarnation still connects under the
+*configured* timeouts, its set-up and saves are phases that heartbeat on their own, its first
+steps are start-up steps, and its pinning steps are bounded by the pinning steps the run measured.
 """
 
 from __future__ import annotations
@@ -23,11 +31,28 @@ from typing import Any
 
 from kfp_nvrx.components.core.config import ResilienceConfig
 from kfp_nvrx.components.training.trainer.inprocess_restart import in_process_wrapper
+from kfp_nvrx.components.training.trainer.rhythm import (
+    STARTUP_STEPS,
+    Kind,
+    Limits,
+    Measured,
+    bounds_line,
+    kind_of,
+)
 from kfp_nvrx.components.training.trainer.timeouts_text import describe_timeouts
 
 __all__ = ["Monitor", "in_process_wrapper", "under_ft_launcher"]
 
 log = logging.getLogger(__name__)
+
+#: Where :meth:`Monitor.state_dict` keeps the measured start-up and pinning steps, beside NVRx's
+#: own ``current_timeouts``.
+MEASURED_KEY = "measured_steps"
+
+
+def env_rank() -> int:
+    """This worker's global rank (0 outside a launcher)."""
+    return int(os.environ.get("RANK", "0") or 0)
 
 
 def under_ft_launcher() -> bool:
@@ -70,6 +95,11 @@ class Monitor:
         self.floor = cfg.min_learned_timeout
         if backend == "gloo" and cfg.in_process:
             self.floor = max(self.floor, cfg.pg_timeout + 2.0)
+        self.limits = Limits(cfg.safety_factor, self.floor, cfg.first_steps_timeout)
+        self.measured = Measured()  # the run's start-up and pinning steps (persisted)
+        self._index, self._kind = -1, Kind.STARTUP  # the step running now in this incarnation
+        self._early = 0.0  # the longest step of this incarnation after its first
+        self._sent: tuple[float, float] | None = None  # the step bound the monitor holds
         # The client's socket carries one message at a time: keepalive heartbeats come from a
         # second thread while the main thread is inside a long phase.
         self._lock = threading.Lock()
@@ -82,9 +112,9 @@ class Monitor:
     def connect(self) -> None:
         """(Re)connects to the rank monitor; called at every (in-process) restart.
 
-        The incarnation starts under the configured timeouts (see the module docstring); what it
-        learns, or restores from a checkpoint, takes effect once it is past its start-up
-        (:meth:`maybe_learn`).
+        The incarnation connects under the configured timeouts (see the module docstring); its
+        steps then run under the bounds of their kinds (:meth:`step_section`), from the rhythm
+        this process learned before an in-process restart or restores from a checkpoint.
         """
         if not self.enabled:
             return
@@ -95,6 +125,7 @@ class Monitor:
         self.learned, self._current = False, None
         self._steady_steps.clear()
         self._steady_gaps.clear()
+        self._index, self._early, self._sent = -1, 0.0, None
         with self._lock:
             # FT: init_workload_monitoring; NVRx re-sends timeouts loaded earlier and the server
             # kept the last ones it got: both are replaced by the start-up ones right away.
@@ -152,6 +183,49 @@ class Monitor:
                     self.client.end_section(name)
             self._open.discard(name)
 
+    @property
+    def adaptive(self) -> bool:
+        """Whether steps run under bounds measured from the run (``resilience.learn_timeouts``)."""
+        return self.enabled and self.cfg.learn_timeouts
+
+    @contextlib.contextmanager
+    def step_section(self, index: int, pinning: bool) -> Iterator[None]:
+        """Step ``index`` (0-based) of this incarnation, begun while the staging banks ``pinning``.
+
+        Runs in the ``step`` section under the bound of its kind (:mod:`.rhythm`), sent to the
+        rank monitor first when it differs from the bound the monitor holds. Without learned
+        timeouts the configured ones judge every step, the first in a ``setup`` phase.
+        """
+        if not self.adaptive:
+            first = index == 0
+            with self.phase("setup", bound=self.cfg.setup_timeout) if first else self.section("step"):
+                yield
+            return
+        self._index, self._kind = index, kind_of(index, pinning)
+        self._send(self.limits.bound(self._kind, self.measured, self._early, self._steady()))
+        if index == STARTUP_STEPS and env_rank() == 0:
+            print(f"[trainer] {self.bounds()}", flush=True)
+        with self.section("step"):
+            yield
+
+    def _steady(self) -> tuple[float, float] | None:
+        """The learned (step, heartbeat) timeouts in force: this incarnation's or restored ones."""
+        return self._current or self.restored
+
+    def bounds(self) -> str:
+        """The bounds of every kind of step in words (logged at an incarnation's third step)."""
+        return bounds_line(self.limits, self.measured, self._early, self._steady(),
+                           restored=self._current is None)
+
+    def _send(self, bound: tuple[float, float]) -> None:
+        """Hands the rank monitor a (step section, heartbeat gap) bound unless it holds it."""
+        if bound == self._sent or self.quiet or not self.client.is_initialized:
+            return
+        # FT: load_state_dict sends the timeouts to the rank monitor right away.
+        with self._lock:
+            self.client.load_state_dict(self._learned_state(*bound))
+        self._sent = bound
+
     @contextlib.contextmanager
     def phase(self, name: str | None, bound: float) -> Iterator[None]:
         """A phase outside the step rhythm: setup, a save, the final wait for the writer.
@@ -207,11 +281,21 @@ class Monitor:
     def observe(self, step_s: float, gap_s: float | None, steady: bool) -> None:
         """Records one step: its ``step`` section's seconds and the gap since the last step's beat.
 
-        Only ``steady`` steps count (the trainer leaves out an incarnation's first steps, steps
-        next to a save or a commit and steps while the staging buffers are being pinned): those
-        are what a healthy run repeats, so a timeout learned from them is tight, and the rare
-        long ones it must still survive are covered by the safety factor and the floor.
+        Only ``steady`` steps are learned from (the trainer leaves out an incarnation's first
+        steps, steps next to a save or a commit and steps while the staging buffers are being
+        pinned): those are what a healthy run repeats, so a timeout learned from them is tight,
+        and the rare long ones it must still survive are covered by the safety factor and the
+        floor. Every step also counts towards the measure of its kind (:mod:`.rhythm`).
         """
+        # The kinds' measures: a gap holds its step, and the first step of an incarnation has
+        # none (the set-up phase ended with a heartbeat just before it).
+        seconds = max(step_s, gap_s or 0.0)
+        if self._index >= 0:  # under step_section's bounds
+            self.measured.add(self._kind, seconds)
+            # The second step's gap also holds the one-time start of the staging banks' set-up
+            # (the trainer builds the state dict for it after the first step): its step counts.
+            if self._index >= 1:
+                self._early = max(self._early, step_s if self._index == 1 else seconds)
         if steady and not self.learned:
             self._steady_steps.append(step_s)
             if gap_s is not None:
@@ -222,9 +306,8 @@ class Monitor:
 
         Each is ``safety_factor`` x the longest steady step (or gap between step heartbeats) on
         any rank, at least ``self.floor`` and at least what an earlier incarnation learned
-        (:attr:`restored`): every incarnation learns from its own steady steps, so a restarted
-        one is judged by a learned rhythm only once it is past its own start-up, and never by a
-        tighter one than a run before it survived. NVRx's own calculation takes the
+        (:attr:`restored`, which judges this incarnation's steady steps until then): never a
+        tighter rhythm than a run before it survived. NVRx's own calculation takes the
         longest gap it ever saw (the first steps, a compile, the pinning of the staging buffers:
         a 21 s step timeout for 0.3 s steps); ours come from steady steps only and are handed to
         the monitor through the client's state API. The ``setup`` and ``checkpoint`` sections and
@@ -246,7 +329,10 @@ class Monitor:
         before_step, before_beat = self.restored or (0.0, 0.0)
         step_to = max(self.floor, factor * longest[1], before_step)
         beat_to = max(self.floor, factor * max(longest[2], longest[1]), before_beat)
-        self._set(step_to, beat_to)
+        # FT: sent to the rank monitor at once; checkpoints persist them (state_dict) for the
+        # next incarnations.
+        self._current = (step_to, beat_to)
+        self._send(self._current)
         self.learned = True
         return True
 
@@ -260,14 +346,6 @@ class Monitor:
             current["section"]["calculated_sections"] = ["step"]
         return state
 
-    def _set(self, step_to: float, beat_to: float) -> None:
-        """Sends learned ``step`` section and subsequent-heartbeat timeouts to the rank monitor."""
-        # FT: load_state_dict sends the timeouts to the rank monitor right away; checkpoints
-        # persist them (state_dict) for the next incarnations.
-        with self._lock:
-            self.client.load_state_dict(self._learned_state(step_to, beat_to))
-        self._current = (step_to, beat_to)
-
     def timeouts(self) -> str:
         """Current timeouts in words, for the log ("hang detection after 4.0 s without a step")."""
         if not self.enabled:
@@ -275,21 +353,26 @@ class Monitor:
         return describe_timeouts(self.client.hb_timeouts, getattr(self.client, "section_timeouts", None))
 
     def state_dict(self) -> dict[str, Any]:
-        """Learned timeouts to persist in checkpoints (the restored ones while not yet re-learned)."""
+        """What checkpoints persist: the learned (or restored) timeouts and the measured steps."""
         if not self.enabled:
             return {}
         # The same keys at every save (a save plan is reused while the layout holds).
-        learned = self._current or self.restored
-        return self._learned_state(*learned) if learned else self._startup_state()
+        learned = self._steady()
+        state = self._learned_state(*learned) if learned else self._startup_state()
+        state[MEASURED_KEY] = self.measured.state()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Keeps learned timeouts from a checkpoint for when this incarnation is past its start-up.
+        """Keeps a checkpoint's learned timeouts and measured steps for this incarnation's steps.
 
-        They are not sent now: the restarted worker's own start-up has not been timed yet.
+        Nothing is sent now: the set-up that follows is a phase of its own, and each step sends
+        the bound of its kind (:meth:`step_section`); measured steps only ever grow.
         """
         if not self.enabled or not state:
             return
-        # FT: persisted learned timeouts survive restarts (as a floor for the next learning).
+        self.measured.merge(Measured.from_state(state.get(MEASURED_KEY)))
+        # FT: persisted learned timeouts survive restarts: they judge this incarnation's steady
+        # steps from its third step and are the floor of its own learning.
         current = state.get(self.client.CURRENT_TIMEOUTS_STATE_KEY) or {}
         hb, sec = current.get("heartbeat") or {}, current.get("section") or {}
         beat = hb.get("subsequent") if hb.get("were_calculated") else None
@@ -298,8 +381,12 @@ class Monitor:
         if beat is None and step is None:  # saved before anything was learned
             return
         either = float(beat if beat is not None else step)  # type: ignore[arg-type]
-        self.restored = (float(step) if step is not None else either,
-                         float(beat) if beat is not None else either)
+        loaded = (float(step) if step is not None else either,
+                  float(beat) if beat is not None else either)
+        # After an in-process restart this process may have learned a longer rhythm than the
+        # snapshot it reloads holds: the longer one judges (never tighter than one survived).
+        before = self.restored or loaded
+        self.restored = (max(before[0], loaded[0]), max(before[1], loaded[1]))
 
     def close(self) -> None:
         """Closes every section and shuts the client down."""
