@@ -21,8 +21,8 @@ for part in "$@"; do
   snapshots) python3 -m bench.snapshots --preset 1b --out "$OUT/snapshots_1b.json" \
       --only "${SNAP_RUNS:-off,defaults,2,5,30,kills}" --budget "$(left)" 2>&1 |
       grep -v "Warning\|import pynvml" ;;
-  hangs) python3 -m bench.recovery_sweep --preset 1b --out "$OUT/hangs_1b.json" --only hang \
-      --per-kind "${HANGS:-4}" --budget "$(left)" 2>&1 | grep -v "Warning\|import pynvml" ;;
+  hangs) python3 -m bench.startup_hangs --preset 1b --out "$OUT/startup_hangs_1b.json" \
+      --budget "$(left)" 2>&1 | grep -v "Warning\|import pynvml" ;;
   *) echo "unknown part $part" ;;
   esac
   echo "== $part: rc=$? $((SECONDS - t0))s"
