@@ -57,23 +57,27 @@ def fsx_gb_per_s(burst: bool) -> float:
     return per_tib * FSX_TIB / 1000
 
 
+#: The one path that recovers from host memory (every other reads the durable tier).
+MEMORY_PATH = "node kept: host memory"
+
+
 def recovery_paths(nodes: int, measured_s: float, measured_load_s: float,
                    state_gb_per_gpu: float) -> dict[str, float]:
-    """Recovery seconds of one failure on ``nodes`` p5 nodes, by where the state is loaded from.
+    """Recovery seconds of one failure on ``nodes`` p5 nodes, by the path the code takes.
 
     ``measured_s``/``measured_load_s``: an in-job restart measured on one GPU holding
     ``state_gb_per_gpu`` (its load from node-local memory). A p5 node holds 8 such shares.
 
-    * ``host copy, node kept``: the measured restart (every node loads from its own memory);
-    * ``host copy, node replaced``: the replaced node reads its 8 shares from FSx alone;
-    * ``file path, every node``: every node reads its shares from FSx at once (no host copy), at
-      the burst and at the baseline throughput.
+    * ``node kept: host memory``: the measured restart (every node loads from its own memory);
+    * ``node replaced: every node reads FSx``: the ranks agree on one step every rank holds, and
+      a replaced node holds none in memory, so every node reads the newest commit from FSx at
+      once, at the burst and at the baseline throughput.
     """
     node_gb = GPUS_PER_P5 * state_gb_per_gpu
     rest = measured_s - measured_load_s
     return {
-        "host copy, node kept": measured_s,
-        "host copy, node replaced (burst)": rest + node_gb / fsx_gb_per_s(True),
-        "file path, every node (burst)": rest + nodes * node_gb / fsx_gb_per_s(True),
-        "file path, every node (baseline)": rest + nodes * node_gb / fsx_gb_per_s(False),
+        MEMORY_PATH: measured_s,
+        "node replaced: every node reads FSx (burst)": rest + nodes * node_gb / fsx_gb_per_s(True),
+        "node replaced: every node reads FSx (baseline)":
+            rest + nodes * node_gb / fsx_gb_per_s(False),
     }

@@ -5,7 +5,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from bench.projection import GPUS_PER_P5, fsx_gb_per_s, job_mtbf_s, recovery_paths
+from bench.projection import (
+    GPUS_PER_P5,
+    MEMORY_PATH,
+    fsx_gb_per_s,
+    job_mtbf_s,
+    recovery_paths,
+)
 
 NODE_MTBF_DAYS = 30.0
 PROJECTION_NODES = (16, 128)
@@ -113,7 +119,7 @@ def projection(kill: dict[str, Any] | None, state_gb_per_gpu: float | None,
         rows = {}
         for path, rec in recovery_paths(nodes, kill["total_s"], kill["load_s"],
                                         state_gb_per_gpu).items():
-            from_memory = path == "host copy, node kept"
+            from_memory = path == MEMORY_PATH
             tau, g, delta = best_two_tier(costs, rec, None if from_memory else lag_s, mtbf)
             rows[path] = {"recovery_s": rec, "best_interval_s": tau, "best_goodput": g,
                           "cost_per_snapshot_s": delta,
@@ -135,8 +141,9 @@ def projection_lines(p: dict[str, Any]) -> list[str]:
              f"per node; FSx for Lustre SCRATCH_2 1.2 TiB: {fsx['burst']:.2f} GB/s burst, "
              f"{fsx['baseline']:.2f} GB/s baseline for all nodes together)", "",
              "Recovery = the measured 1b in-job restart (kill), its load replaced where the state "
-             "comes from FSx. Cost per snapshot = what one snapshot cost the measured run, every "
-             f"wait included, at the measured interval nearest the one recommended ({costs}). "
+             "comes from FSx. Cost per snapshot = the measured median excess of a snapshot's step "
+             "and the next one (which runs beside its copies), at the measured interval nearest "
+             f"the one recommended ({costs}). "
              "Work redone = half a snapshot interval from host memory; from FSx, the durable "
              f"tier's lag: half its period (a write in flight {p.get('persist_duty', 1):.0%} of "
              "the time) plus one write of every node's state.", "",
@@ -144,8 +151,11 @@ def projection_lines(p: dict[str, Any]) -> list[str]:
              "cost per snapshot s | redone s | best goodput |", "|---|---|---|---|---|---|---|---|"]
     for nodes, n in p["nodes"].items():
         for path, row in n["paths"].items():
+            # From the volume, the snapshots' interval changes nothing but their cost.
+            memory = path == MEMORY_PATH
+            tau = f"{row['best_interval_s']:.0f}" if memory else "—"
+            cost = f"{row.get('cost_per_snapshot_s', 0):.3f}" if memory else "—"
             lines.append(f"| {nodes} | {n['job_mtbf_s'] / 3600:.1f} | {path} | "
-                         f"{row['recovery_s']:.1f} | {row['best_interval_s']:.0f} | "
-                         f"{row.get('cost_per_snapshot_s', 0):.3f} | {row.get('redone_s', 0):.0f} "
+                         f"{row['recovery_s']:.1f} | {tau} | {cost} | {row.get('redone_s', 0):.0f} "
                          f"| {row['best_goodput']:.4%} |")
     return lines

@@ -65,7 +65,39 @@ def _stats(xs: list[float]) -> dict[str, float | None]:
             "median": round(statistics.median(xs), 4) if xs else None, "n": len(xs)}
 
 
-def measure(events: list[dict[str, Any]], quiet_s: float | None = None) -> dict[str, Any]:
+def attribute(steps: list[dict[str, Any]], quiet: float, events: list[dict[str, Any]],
+              ready_at: list[float]) -> tuple[dict[str, float], list[list[Any]]]:
+    """The run's excess over quiet steps by what ran beside each step, and a per-step trace.
+
+    Each timed step goes to the first that applies: ``snapshot`` (the saving step or the next,
+    which runs beside its copies), ``writing`` (a durable write in flight), ``pinning`` (banks of
+    its incarnation still being pinned: a "bank ready" line came after it), ``other``.
+    """
+    snap = {e["step"] for e in events if e["type"] == "snapshot" and not e.get("skipped")}
+    writes = [(c["time"] - c["total_s"], c["time"]) for c in events if c["type"] == "checkpoint"]
+    starts = sorted(e["time"] for e in events if e["type"] == "start") + [float("inf")]
+    parts = dict.fromkeys(("snapshot", "writing", "pinning", "other"), 0.0)
+    trace = []
+    for s in steps:
+        if s["start_up"]:
+            trace.append([s["step"], round(s["d"], 4), "u"])
+            continue
+        until = next(t for t in starts if t > s["end"])
+        if s["step"] in snap or s["step"] - 1 in snap:
+            part = "snapshot"
+        elif any(a < s["end"] and s["start"] < b for a, b in writes):
+            part = "writing"
+        elif any(s["end"] < t < until for t in ready_at):
+            part = "pinning"
+        else:
+            part = "other"
+        parts[part] += s["d"] - quiet
+        trace.append([s["step"], round(s["d"], 4), part[0]])
+    return {k: round(v, 3) for k, v in parts.items()}, trace
+
+
+def measure(events: list[dict[str, Any]], quiet_s: float | None = None,
+            lines: list[tuple[float, str]] = ()) -> dict[str, Any]:
     """The stall, lag and recovery figures of one run's events (see the module docstring)."""
     steps = steps_of(events)
     timed = [s for s in steps if not s["start_up"]]
@@ -100,6 +132,9 @@ def measure(events: list[dict[str, Any]], quiet_s: float | None = None) -> dict[
         "write_s": _stats([c["total_s"] for c in commits]), "commit_lag_s": _stats(lags),
         "superseded": sorted(set(snap_time) - {c["step"] for c in commits}),
         "recovery": _recovery(events),
+        **dict(zip(("stall_by_what_ran_beside_s", "trace"), attribute(
+            steps, quiet, events, [t for t, ln in lines if "staging bank" in ln and " ready:" in ln]),
+            strict=True)),
     }
 
 
@@ -117,6 +152,34 @@ def _recovery(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "steps_redone": f["step"] - (resumed or 0), "from_memory": nxt.get("from_memory"),
                     "load_s": nxt.get("load_s")})
     return out
+
+
+def snapshot_lines(snaps: dict[str, Any]) -> list[str]:
+    """Markdown: one row per run of :func:`main`'s JSON (``snapshots_1b.json``)."""
+    runs = snaps.get("runs", {})
+    if not runs:
+        return []
+    m = snaps.get("machine", {})
+    lines = ["", f"## Snapshots at {snaps.get('preset')}: two tiers, two paces ({m.get('gpu', '?')}, "
+             f"{m.get('date', '')})", "",
+             "From each run's `events.jsonl`: quiet step = the run's median step; stall per "
+             "snapshot = the saving step's and the next step's excess over it; total = every "
+             "timed step's excess (an incarnation's first two steps left out), as a share of as "
+             "many quiet steps; commit lag = snapshot -> its durable commit.", "",
+             "| run | interval s | steps | quiet step s | snapshots (skipped) | stall per snapshot "
+             "s (median / worst) | total stall | commits | commit lag s (median) | after kills "
+             "(resumed from, steps redone, from) |", "|---" * 10 + "|"]
+    for name, r in runs.items():
+        per = r["stall_per_snapshot_s"]
+        rec = "; ".join(f"{x['fault']}: {x['resumed_from']}, {x['steps_redone']}, "
+                        f"{'memory' if x['from_memory'] else 'volume/none'}" for x in r["recovery"])
+        share = r.get("total_stall_share")
+        lines.append(
+            f"| {name} | {r.get('interval_s', '—')} | {r['steps']} | {r['quiet_step_s']} | "
+            f"{r['snapshots']} ({len(r['skipped'])}) | {per['median']} / {per['worst']} | "
+            f"{'—' if share is None else f'{share:.1%}'} | {r['commits']} | "
+            f"{r['commit_lag_s']['median']} | {rec or '—'} |")
+    return lines
 
 
 def _training(preset: str, name: str, data: str, scale: float = 1.0) -> Training:
@@ -159,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         row = {"overrides": training.overrides[1:], "faults": training.faults,
                "interval_s": interval,
                "state": result["state"], "wall_s": round(result["wall_s"], 1),
-               **measure(result["events"], None)}
+               **measure(result["events"], None, result["lines"])}
         if name == "off":
             quiet = row["quiet_step_s"]
         elif quiet:  # the same figures against the quiet step of the run without snapshots
@@ -169,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         res["runs"][name] = row
         log(f"snapshots {name}: {row['state']} quiet={row['quiet_step_s']} "
             f"stall/snapshot={row['stall_per_snapshot_s']} share={row['total_stall_share']} "
-            f"lag={row['commit_lag_s']} recovery={row['recovery']}")
+            f"lag={row['commit_lag_s']} by={row['stall_by_what_ran_beside_s']} "
+            f"recovery={row['recovery']}")
         write_json(args.out, res)
     shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -289,8 +289,10 @@ def _reference(ctx_out: Path, data: str,
     if not res.succeeded:
         raise DrillError(f"the fault-free reference run {res.state}: {res.reason} (see "
                          f"{ctx_out / 'logs' / 'reference.log'})")
-    record = VolumeStore(run_dir).record(INTERVAL) or {}
-    return measure.final_weights(run_dir, STEPS), int(record["bytes"]), time.time() - t0
+    # The size of one checkpoint: the final step's (always written; which periodic snapshots
+    # were written depends on the writer's pace).
+    record = VolumeStore(run_dir).record(STEPS) or {}
+    return measure.final_weights(run_dir, STEPS), int(record.get("bytes", 0)), time.time() - t0
 
 
 def _gpu_line(place: Placement) -> str:

@@ -99,6 +99,25 @@ class Launch:
         root = self.run_dir / "checkpoints"
         return committed_steps(root) if root.is_dir() else []
 
+    def wait_snapshot(self, step: int) -> int:
+        """Wait until a snapshot at or past ``step`` was taken; return the newest commit then.
+
+        -1 when none is committed yet: the durable writes run at their own pace behind the
+        snapshots, so a commit of every snapshot step is not to be waited for.
+        """
+        from kfp_nvrx.components.core import events as ev
+        from kfp_nvrx.components.core.events import read_events
+
+        deadline = time.monotonic() + RUN_S
+        while time.monotonic() < deadline:
+            if (self.run_dir / "events.jsonl").is_file() and any(
+                    isinstance(e, ev.Snapshot) and not e.skipped and e.step >= step
+                    for e in read_events(self.run_dir)):
+                return max(self.committed(), default=-1)
+            assert self.proc.poll() is None, f"launch ended early:\n{self.text()[-3000:]}"
+            time.sleep(0.5)
+        raise AssertionError(f"no snapshot at step {step}:\n{self.text()[-3000:]}")
+
     def wait_committed(self, step: int) -> int:
         """Wait until a checkpoint at or past ``step`` is committed; return the newest."""
         deadline = time.monotonic() + RUN_S
@@ -227,7 +246,7 @@ def test_trainjob_pod_failure_recreates_the_jobset(kube, dataset, reference, how
     run = Launch(kube, name, "trainjob", dataset)
     pods = _running(kube, f"{JOBSET_LABEL}={name}")
     victim = next(p for p in pods if p.metadata.labels.get(INDEX_LABEL) == str(node))
-    newest = run.wait_committed(12)
+    newest = run.wait_snapshot(12)
     if how == "sigkill":
         _kill_group(kube, victim)
     else:
@@ -279,7 +298,7 @@ def test_pytorchjob_trains_and_survives_a_killed_worker(kube, dataset, reference
     name = "e2e-pj"
     run = Launch(kube, name, "pytorchjob", dataset, faults=["kill@8/1"])
     pods = _running(kube, f"{PYTORCHJOB_LABEL}={name}")
-    newest = run.wait_committed(12)
+    newest = run.wait_snapshot(12)
     assert len(run.starts()) == 2  # the in-job restart; the pods are the first ones (below)
     _kill_group(kube, pods[1])
     rc, out = run.wait()

@@ -106,7 +106,7 @@ def test_pytorchjob_rendezvous_host_evicted_recovers_like_a_trainjob(kube, datas
     run = Launch(kube, name, "pytorchjob", dataset)
     codes = ExitCodes(kube, f"{PYTORCHJOB_LABEL}={name}")
     pods = _running(kube, f"{PYTORCHJOB_LABEL}={name}")
-    run.wait_committed(12)
+    run.wait_snapshot(12)
     _core(kube).create_namespaced_pod_eviction(pods[0].metadata.name, kube.namespace,
                                                client.V1Eviction(metadata=client.V1ObjectMeta(
                                                    name=pods[0].metadata.name,
@@ -129,7 +129,7 @@ def test_pytorchjob_recreated_worker_counts_as_a_pod_restart(kube, dataset):
     name = "told-pj-layers"
     run = Launch(kube, name, "pytorchjob", dataset, faults=["kill@8/1"])
     pods = _running(kube, f"{PYTORCHJOB_LABEL}={name}")
-    run.wait_committed(12)
+    run.wait_snapshot(12)
     _kill_group(kube, pods[1])
     rc, out = run.wait()
     assert rc == 0, out[-4000:]

@@ -89,17 +89,19 @@ def test_a_new_launch_is_still_held_to_its_pin(tmp_path, dataset, one_rank_env,
 @pytest.mark.timeout(600)
 def test_a_rank_killed_after_a_load_step_resume_pruned_the_step_restarts(tmp_path,
                                                                           dataset) -> None:
-    """The reported run: 2 local nodes, ``keep=2``, ``load_step=12``, a rank killed at 22."""
+    """The reported run: 2 local nodes, ``keep=2``, ``load_step=12``, a rank killed later."""
     run = tmp_path / "run"
-    # Every snapshot written while the run goes on (a write whenever the writer is free, 0.3 s
-    # steps), so that the pinned step is pruned before the fault, as in the reported run.
+    # Every snapshot written while the run goes on (a write whenever the writer is free, slow
+    # steps: ~10 s between the resume and the fault, for the writer process to start on a busy
+    # machine and commit twice), so that the pinned step is pruned before the fault, as in the
+    # reported run.
     base = ["checkpoint.interval=3", "checkpoint.keep=2", "checkpoint.persist_duty=1",
-            "train.step_sleep=0.3"]
+            "train.step_sleep=0.4"]
     train(run, dataset, ["train.steps=12", *base], deadline_s=400)
-    res = train(run, dataset, ["train.steps=24", "checkpoint.load_step=12", *base],
-                faults=["kill@22/1"], deadline_s=400)
+    res = train(run, dataset, ["train.steps=36", "checkpoint.load_step=12", *base],
+                faults=["kill@34/1"], deadline_s=400)
     steps = committed_steps(checkpoints_dir(run))
-    assert steps[0] == 24 and 12 not in steps, steps  # pruned before the fault
+    assert steps[0] == 36 and 12 not in steps, steps  # pruned before the fault
     starts = [e for e in read_events(run) if isinstance(e, Start)]
     resumed = [s.resumed_from for s in starts]
     assert resumed[:2] == [None, 12] and len(resumed) == 3 and resumed[2] > 12, (resumed,

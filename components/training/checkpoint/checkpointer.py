@@ -304,6 +304,8 @@ class Checkpointer:
         """
         if self.staging is not None:
             self.staging.settle()
+            for note in self.staging.take_notes():
+                self.log(note)
         self.writes.tick()
 
     def finalize(self, blocking: bool, timeout: float | None = None) -> bool:

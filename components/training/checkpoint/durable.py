@@ -114,7 +114,10 @@ class DurableWrites:
         else:
             staging.settle()  # the snapshot's copies: complete once the optimizer step waited
         bank = staging._holding(pace.newest)
-        mine = bank is not None and (force or (pace.write_due() and self.writer.up()))
+        # Not the only ready bank (the first seconds, while the others pin): a write holds it
+        # for tens of seconds, and snapshots would be skipped all that time.
+        mine = bank is not None and (force or (pace.write_due() and staging.can_lend(bank)
+                                               and self.writer.up()))
         if not all_ranks(mine, self.device):
             return False
         assert bank is not None and pace.plan_state is not None

@@ -95,7 +95,13 @@ class Pace:
         self.write_took = max(0.0, self.write_ended - self.write_started)
 
     def skip(self, reason: str, log: Callable[[str], None], step: int) -> None:
-        """Counts a snapshot not taken; the first of each reason is logged (one line)."""
+        """Counts a snapshot not taken; the first of each reason is logged (one line).
+
+        By time, the next try comes a second later (or an interval, when shorter), not at every
+        step: each try is a collective and an event.
+        """
+        if self.interval_s > 0:
+            self.last_snapshot = time.monotonic() - max(0.0, self.interval_s - 1.0)
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
         if self.skipped[reason] == 1:
             log(f"snapshot of step {step} skipped: {reason}; training goes on (the next "

@@ -28,6 +28,7 @@ import copy
 import hashlib
 import os
 import threading
+import time
 from typing import Any
 
 import torch
@@ -82,6 +83,7 @@ class HostStaging:
         self._stream: Any = None
         self._prep: threading.Thread | None = None
         self._prep_error: BaseException | None = None
+        self._notes: list[str] = []  # bank-ready lines for the loop thread to log
         self._lock = threading.Lock()
         self.sealer = Sealer(self.home, self._lock)
 
@@ -234,15 +236,18 @@ class HostStaging:
         """Readies the adopted banks, then maps (and pins) new ones up to ``count``."""
         ranges = _pin_ranges(slots, nbytes)
         for bank in adopted:  # adopted from an earlier worker: pinned before a save copies in
+            t0 = time.perf_counter()
             if self.cuda:
                 bank.pin(ranges)
             bank.ready = True
+            self._said_ready(bank, nbytes, time.perf_counter() - t0)
         have = {b.index for b in self.banks}
         for index in range(self.max_banks):
             if len(have) >= count:
                 break
             if index in have:
                 continue  # adopted from an earlier worker, or allocated before
+            t0 = time.perf_counter()
             bank = _Bank(index, self.home.bank_path(index))
             bank.map(nbytes, create=True)
             if self.cuda:
@@ -252,6 +257,18 @@ class HostStaging:
             with self._lock:
                 self.banks.append(bank)
             have.add(index)
+            self._said_ready(bank, nbytes, time.perf_counter() - t0)
+
+    def _said_ready(self, bank: _Bank, nbytes: int, seconds: float) -> None:
+        """Notes a bank ready (the loop thread logs the notes: :meth:`take_notes`)."""
+        how = "mapped and pinned" if self.cuda else "mapped"
+        self._notes.append(f"staging bank {bank.index} ready: {nbytes / 1e9:.2f} GB {how} in "
+                           f"{seconds:.1f} s ({len(self.banks)} ready)")
+
+    def take_notes(self) -> list[str]:
+        """What the background allocation has to say since the last call (bank ready lines)."""
+        notes, self._notes = self._notes, []
+        return notes
 
     def release(self) -> None:
         """Unpins and unmaps the banks and deletes their files (the layout changed, or the end)."""
@@ -287,6 +304,15 @@ class HostStaging:
         spare = [b for b in free if b.step is None or b.step != self.valid_step]
         pool = spare or free
         return min(pool, key=lambda b: -1 if b.step is None else b.step) if pool else None
+
+    def can_lend(self, bank: _Bank) -> bool:
+        """Whether ``bank`` may go to the writer now.
+
+        Yes when another ready bank takes the snapshots meanwhile, or when no second bank fits
+        (then snapshots are skipped while it is written).
+        """
+        others = any(b.ready and b is not bank for b in self.banks)
+        return others or (not self.preparing() and self._complete(self.slots))
 
     def stage(self, flat: dict[str, Any], step: int) -> None:
         """Starts copying ``flat`` into :meth:`free_bank` (CUDA tensors on a side stream).
