@@ -211,3 +211,42 @@ def test_only_the_volume_store_knows_its_layout() -> None:
             if known:
                 offenders.append(f"{path.relative_to(ROOT)} takes {sorted(known)} from rundir")
     assert offenders == []
+
+
+def test_a_torn_leftover_is_set_aside_at_once_and_deleted_off_the_loop(tmp_path,
+                                                                      monkeypatch) -> None:
+    """Issue 35: rewriting a step whose write a fault cut deleted the leftover on the loop."""
+    import shutil
+    import threading
+
+    from kfp_nvrx.components.core.volume_layout import TRASH_PREFIX
+    from kfp_nvrx.components.core.volume_store import VolumeStore
+
+    store = VolumeStore(tmp_path)
+    torn = Path(store.begin(5))
+    (torn / "__0_0.distcp").write_bytes(b"x" * 1024)  # the cut write's file, no commit marker
+    gate = threading.Event()
+    real_rmtree = shutil.rmtree
+    removing = []
+
+    def slow_rmtree(path, *args, **kwargs):  # a multi-GB leftover: deleting takes a while
+        removing.append(Path(path).name)
+        gate.wait(10)
+        real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", slow_rmtree)
+    try:
+        again = Path(store.begin(5))  # returns while the old files are still being deleted
+        assert again == torn and not list(again.iterdir())
+        assert removing and removing[0].startswith(TRASH_PREFIX)
+    finally:
+        gate.set()
+    for t in threading.enumerate():
+        if t.name.startswith("ckpt-prune:"):
+            t.join(10)
+    assert sorted(p.name for p in store.root.iterdir()) == ["step_00000005"]
+    link = store.root / "step_00000006"
+    link.symlink_to(tmp_path, target_is_directory=True)
+    with pytest.raises(Exception, match="link"):
+        store.begin(6)  # never through a link
+    assert tmp_path.is_dir()
