@@ -90,6 +90,7 @@ class DamageNewest(Action):
         super().__init__(run_dir)
         self.mode = mode  # "flip" or "truncate"
         self.damaged: int | None = None
+        self.older: int | None = None  # the newest commit before it: where the restart must go
         self.fallback_logged = False
 
     def poll(self, events: list[Event]) -> bool:  # noqa: D102
@@ -100,7 +101,7 @@ class DamageNewest(Action):
         if not steps:
             self.notes.append("no committed checkpoint to damage")
             return True
-        self.damaged = steps[0]
+        self.damaged, self.older = steps[0], steps[1] if len(steps) > 1 else None
         self.commits_seen.append((time.time(), steps[0]))
         target = max((f for f in store.files(steps[0]) if f.suffix == ".distcp"),
                      key=lambda p: p.stat().st_size)

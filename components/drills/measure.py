@@ -41,13 +41,18 @@ def completed(events: list[Event]) -> bool:
     return any(isinstance(e, End) and e.completed for e in events)
 
 
-def run_dir_problems(run_dir: Path) -> list[str]:
-    """What is inconsistent: committed checkpoints that fail verification, leftover temp files."""
+def run_dir_problems(run_dir: Path, skip: int | None = None) -> list[str]:
+    """What is inconsistent: committed checkpoints that fail verification, leftover temp files.
+
+    ``skip``: a committed step the drill damaged itself (its check is the scenario's own).
+    """
     problems = []
     # The drills run on the local backend: the run's store is the volume one, whose files they
     # inspect (and damage) themselves.
     store = VolumeStore(run_dir)
     for step in store.committed_steps():
+        if step == skip:
+            continue
         problem = store.problem(step)
         if problem:
             problems.append(f"committed step {step}: {problem}")

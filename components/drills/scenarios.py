@@ -4,7 +4,10 @@ Every final weight can so be compared bitwise with one fault-free reference run.
 
 The job: ``tiny`` preset, 2 local nodes x 1 process, :data:`STEPS` steps, a snapshot every
 :data:`INTERVAL` steps and its durable write whenever the writer is free (all kept: the drills
-exercise the durable tier at every snapshot). Faults are placed relative to those commits. On the CPU
+exercise the durable tier at every snapshot). Healthy 0.4 s steps: the writer process is up
+and writing within the first snapshots even on a busy machine (a write never waits for it: on a
+job of a few fast steps nothing would be committed before the faults). Faults are placed
+relative to those commits. On the CPU
 the ranks talk over gloo; on CUDA (:class:`Placement`) each local node gets its own GPU, the
 ranks talk over NCCL and the steps are deterministic, so the bitwise column holds there too.
 """
@@ -20,7 +23,7 @@ STEPS = 16
 INTERVAL = 4
 #: Overrides every drill run shares (the reference too): same steps, schedule and data.
 BASE_OVERRIDES = (f"train.steps={STEPS}", f"checkpoint.interval={INTERVAL}", "checkpoint.keep=4",
-                  "checkpoint.persist_duty=1")
+                  "checkpoint.persist_duty=1", "train.step_sleep=0.4")
 #: In-process restart on gloo (see ``trainer.bootstrap.check_in_process_timeouts``).
 IN_PROCESS = ("resilience.in_process=true", "resilience.monitor=off",
               "resilience.learn_timeouts=false", "resilience.soft_timeout=6",

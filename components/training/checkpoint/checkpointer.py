@@ -226,7 +226,8 @@ class Checkpointer:
         later :meth:`tick`, never here, so no collective follows the queued copies (its small
         device-to-host copy would wait behind them on the copy engine). A snapshot that finds
         no bank ready is skipped with one line. The final step waits for what it needs (its
-        banks, the write in flight), as the run ends after it. ``sync`` (or
+        banks; the write in flight only when it holds the one free bank), as the run ends after
+        it. ``sync`` (or
         ``checkpoint.async_save=false``), or no banks: a durable write here, after the one in
         flight (``sync``: ``dcp.save``, committed before it returns).
         """
@@ -236,10 +237,13 @@ class Checkpointer:
             self.writes.unstaged(step, state, sync)
             return self._snapshot_done(step, t0, "")
         final = self.cfg.save_final and step == self.final_step
-        if final:  # its bank may be the one being written: that write ends first
-            self.writes.advance(blocking=True)
         flat = flat_state(state)
         why = self._why_not_snapshot(flat, wait=final or self.device.type != "cuda")
+        if why is not None and final and self.staging is not None:
+            # The final step is always snapshotted: every bank busy, the write in flight ends
+            # first (every rank has a reason here, so every rank takes part).
+            self.writes.advance(blocking=True)
+            why = self._why_not_snapshot(flat, wait=True)
         staging = self.staging
         if why is None and staging is not None:
             staging.stage(flat, step)

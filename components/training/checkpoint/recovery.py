@@ -89,17 +89,20 @@ class Recovery:
         memory = [] if pinned else [m for m in self.memory_steps() if newest is None or m >= newest]
         if not memory:
             self._forget_memory()
-        if not memory and newest is None:
-            return None, None  # (state_fn would initialise the optimizer state: a fresh start)
-        state = state_fn()
-        for held in memory:
-            if self._load_memory(held, state, check, newest):
-                return held, self._loaded
-        self._forget_memory()
-        step = self.select(steps, log=self.log)
+        state = None
+        if memory:
+            state = state_fn()
+            for held in memory:
+                if self._load_memory(held, state, check, newest):
+                    return held, self._loaded
+            self._forget_memory()
+        step = self.select(steps, log=self.log) if steps else None
         if step is None:
+            # A fresh start. state_fn is called only once a step is known to load: building the
+            # state initialises the optimizer's (DCP steps it once), which a fresh start must
+            # not inherit (its weights would differ from a run that never failed).
             return None, None
-        state = self._only_stored(state, step, check)
+        state = self._only_stored(state if state is not None else state_fn(), step, check)
         dcp_io.load(self.store, step, state)
         return step, state
 
