@@ -299,3 +299,21 @@ def test_the_pinning_call_is_the_runtime_library_this_process_loaded():
             "7f20-7f30 r-xp 0 08:01 2 /venv/nvidia/cu13/lib/libcudart.so.13\n")
     assert cudart_path(maps) == "/venv/nvidia/cu13/lib/libcudart.so.13"
     assert cudart_path("7f00-7f10 r-xp 0 08:01 1 /usr/lib/libc.so.6\n") is None
+
+
+def test_a_start_whose_only_commit_is_damaged_starts_fresh_without_building_the_state(run_dir, pg):
+    """Building the state initialises the optimizer's (DCP steps it once): a fresh start that
+    built it first ended with other weights than a run that never failed."""
+    cfg, newest, first, _ = _saved_run(run_dir, saves=1)
+    first.discard_host_copy()  # a replaced node: the files only
+    files = sorted((step_dir(run_dir / "checkpoints", newest)).glob("*.distcp"))
+    data = bytearray(files[0].read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    files[0].write_bytes(bytes(data))
+    again = Checkpointer(run_dir, cfg.checkpoint, torch.device("cpu"))
+    notes, built = [], []
+    again.log = notes.append
+    resumed, state = again.resume(lambda: built.append(1) or {}, first_start=False)
+    assert (resumed, state, built) == (None, None, [])
+    assert any(f"checkpoint step {newest} is damaged" in n for n in notes), notes
+    again.close()
