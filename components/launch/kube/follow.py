@@ -21,6 +21,7 @@ from kfp_nvrx.components.launch.kube.http import StopSignals
 from kfp_nvrx.components.launch.kube.logs import PodLogFollower
 from kfp_nvrx.components.launch.kube.missing import MissingWatch
 from kfp_nvrx.components.launch.kube.queue_follow import QueueWatch
+from kfp_nvrx.components.launch.kube.queue_record import QueueRecord
 from kfp_nvrx.components.launch.options import FollowOptions
 from kfp_nvrx.components.launch.result import LaunchResult, RestartsSoFar
 
@@ -60,6 +61,7 @@ class Follow:
         self.result = LaunchResult(name=jobs.name, backend="kubernetes", state="Running",
                                    run_dir=run_dir, started_at=self.created)
         self.restarts = RestartsSoFar(run_dir)
+        self.record = QueueRecord(run_dir, say)  # the waits, where `kfp-nvrx goodput` reads
         self.missing = MissingWatch(jobs.namespace, opts.missing_s, say)
         self.last_state, self.last_summary, self.last_progress = "", "", 0.0
         self.errors, self.failing_since, self.last_error = 0, 0.0, ""
@@ -84,6 +86,7 @@ class Follow:
             self.job = current
             if self.watch is not None:
                 self.watch.observe(self.jobs.suspended(current), self.jobs.uid(current))
+                self.record.write((p.start, p.end, p.after, p.reason) for p in self.watch.periods)
             self._report_state()
             if self._ended(deadline_s):
                 break
@@ -93,7 +96,11 @@ class Follow:
         if self.watch is not None:
             result.queued_s = round(self.watch.queued_s(result.finished_at), 1)
             result.preemptions = len(self.watch.preemptions)
-            result.extra["queue"] = self.watch.summary(result.finished_at)
+            queue = result.extra["queue"] = self.watch.summary(result.finished_at)
+            # FT: a wait still going on at the end is written as ending now (a relaunch of the
+            # run counts it as far as this launcher saw it)
+            queue["recorded"] = self.record.write(
+                (w["start"], w["end"], w["after"], w["reason"]) for w in queue["waits"])
         return result
 
     def _stopped(self, signals: StopSignals) -> bool:
