@@ -219,7 +219,8 @@ def test_a_workload_reads_as_kueue_writes_it() -> None:
 
 def test_a_preempted_job_is_said_to_have_stopped_where_its_trainer_stopped(clock) -> None:
     """Issue 38 item 8: "preempted at step 50, resumed from step 58": 50 was the last logged
-    step when the eviction was seen; the pods then trained to 58, saved it and said so."""
+    step when the eviction was seen; the pods then trained to 58, saved it and said so. Every
+    line says 58, the first too (it waits for the trainer's stop line)."""
     admitted = Reading(exists=True, admitted=True, cluster_queue="cq", admitted_at=1010.0)
     evicted = Reading(exists=True, evicted="Preempted: to accommodate a workload",
                       evicted_at=1045.0, admitted_at=1010.0)
@@ -230,6 +231,9 @@ def test_a_preempted_job_is_said_to_have_stopped_where_its_trainer_stopped(clock
                         starts=lambda t: (2, "58") if t >= 1100 else (1, "None"),
                         stops=lambda t: 58 if t >= 1055 else None)
     result, lines = _follow(clock, jobs, reads, follower)
+    said = [line for line in lines if line.startswith("preempted at step ")]
+    assert said[0] == ("preempted at step 58 (Preempted: to accommodate a workload): queued "
+                       "again in LocalQueue q (ClusterQueue cq)"), lines
     assert "re-admitted by ClusterQueue cq after 30 s queued (preempted at step 58)" in lines
     assert "preempted at step 58, resumed from step 58 after 30 s queued" in lines
     assert result.extra["queue"]["preemptions"][0]["step"] == 58

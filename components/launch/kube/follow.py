@@ -94,6 +94,7 @@ class Follow:
             signals.event.wait(self.opts.poll_s)
         result.finished_at = result.finished_at or time.time()
         if self.watch is not None:
+            self.watch.say_preempted(now=True)  # the end came before the trainer's stop line
             result.queued_s = round(self.watch.queued_s(result.finished_at), 1)
             result.preemptions = len(self.watch.preemptions)
             queue = result.extra["queue"] = self.watch.summary(result.finished_at)
