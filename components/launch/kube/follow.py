@@ -174,10 +174,21 @@ class Follow:
                     self.warned.add(line)
                     self.say(line)
         if now - self.last_progress >= opts.progress_s:
-            summary = self.follower.progress.summary(so_far := self.restarts.count())
+            summary = self.follower.progress.summary(so_far := self._restarts_so_far())
             if (self.follower.progress.step or so_far) and summary != self.last_summary:
                 self.say(f"progress: {summary}, pod restarts {self.follower.pod_restarts()}")
                 self.last_summary, self.last_progress = summary, now
+
+    def _restarts_so_far(self) -> int | None:
+        """The events' restarts so far, less each re-admission's, as goodput counts them.
+
+        A preemption is no restart, but the re-admitted pods' trainer writes a ``restart``.
+        """
+        so_far = self.restarts.count()
+        if so_far is None or self.watch is None:
+            return so_far
+        resumed = sum(1 for p in self.watch.preemptions if "resumed_from" in p)
+        return max(0, so_far - resumed)
 
     def _why_no_pods(self) -> list[str]:
         """Why the job has no pod: a controller's refused pods (quota, admission), or no status.
