@@ -32,8 +32,19 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def _stop_folders() -> set[Path]:
-    return set(Path(tempfile.gettempdir()).glob("kfp-nvrx-stop-*"))
+def _stop_folder(agents: list[int]) -> Path:
+    """The launcher's stop folder, as its agents were told (each node's stop request file)."""
+    from kfp_nvrx.components.core.stop_request import STOP_FILE_ENV
+
+    key = f"{STOP_FILE_ENV}=".encode()
+    found = set()
+    for pid in agents:
+        for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+            if item.startswith(key):
+                found.add(Path(item[len(key):].decode()).parent)
+    (folder,) = found
+    assert folder.parent == Path(tempfile.gettempdir()), folder
+    return folder
 
 
 def _leaked(names: set[str]) -> set[str]:
@@ -49,30 +60,38 @@ def _leaked(names: set[str]) -> set[str]:
     return out
 
 
-def test_the_next_launch_removes_what_a_run_killed_whole_left(data: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("agents_too", [False, True], ids=["launcher-watchdog", "with-agents"])
+def test_the_next_launch_removes_what_a_run_killed_whole_left(agents_too: bool, data: Path,
+                                                               tmp_path: Path) -> None:
+    """SIGKILL the launcher and its watchdog (the agents get the kernel's SIGTERM and stop their
+    workers), or the agents too (their workers, in sessions of their own, run on until the next
+    launch stops them: SIGKILLed with their resource trackers, they leak their semaphores)."""
     from unit.test_launch_local_lifetime import _children, _launch_logged, _training, _watchdogs
 
     first, run_dir = uuid.uuid4().hex, tmp_path / "run"
-    sems_before, folders_before = semaphores(), _stop_folders()
+    sems_before = semaphores()
     launcher = _launch_logged(run_dir, data, first, tmp_path / "first.log")
     second = None
     try:
         wait_until(lambda: _training(run_dir) and host_copy_dir(run_dir).is_dir(), 240,
                    "the first training step and the host copy")
         (watchdog,) = _watchdogs(first)
-        folders = _stop_folders() - folders_before
-        assert len(folders) == 1, folders
-        assert len([p for p in _children(launcher.pid) if p != watchdog]) == 2  # the agents
-        for pid in (launcher.pid, watchdog):
+        agents = [p for p in _children(launcher.pid) if p != watchdog]
+        assert len(agents) == 2
+        folders = [_stop_folder(agents)]
+        victims = [launcher.pid, watchdog, *(agents if agents_too else [])]
+        for pid in victims:
             os.kill(pid, signal.SIGKILL)
         launcher.wait()
-        wait_until(lambda: dead(watchdog), 30, "the watchdog's SIGKILL")
-        gone(first, 180)  # the agents stop their workers (the kernel's SIGTERM), then exit
-        # What the run killed whole left: nobody removes it.
-        leaked = _leaked(semaphores() - sems_before)
+        wait_until(lambda: all(dead(p) for p in victims), 30, "the SIGKILLs")
+        if not agents_too:
+            gone(first, 180)  # the agents stop their workers (the kernel's SIGTERM), then exit
+        # What the run killed whole left (and its orphans, still running, hold): nobody removes
+        # it; the relaunch stops the orphans first.
+        leaked = semaphores() - sems_before if agents_too else _leaked(semaphores() - sems_before)
         assert host_copy_dir(run_dir).is_dir() and all(f.is_dir() for f in folders)
-        print(f"left by the run killed whole: its host copy, {len(leaked)} semaphore(s), "
-              f"{len(folders)} stop folder(s)")
+        print(f"left by the run killed whole: its host copy, {len(leaked)} semaphore(s) (of "
+              f"orphans: {agents_too}), {len(folders)} stop folder(s)")
 
         token = uuid.uuid4().hex
         out = tmp_path / "second.log"
@@ -82,8 +101,8 @@ def test_the_next_launch_removes_what_a_run_killed_whole_left(data: Path, tmp_pa
         assert second.poll() is None, out.read_text()[-3000:]
         # At the relaunch's start, before its own run made anything of the kind.
         assert not any(f.exists() for f in folders), folders
-        assert not leaked & semaphores(), sorted(leaked & semaphores())
-        said = [line for line in out.read_text().splitlines() if "the run before left" in line]
+        assert not _leaked(leaked), sorted(_leaked(leaked))
+        said = [line for line in out.read_text().splitlines() if "left in /dev/shm" in line]
         assert said and "its host copy" in said[0], said
         second.send_signal(signal.SIGTERM)
         second.wait(timeout=180)
