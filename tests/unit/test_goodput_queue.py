@@ -165,3 +165,15 @@ def _goodput(run_dir: Path, *extra: str) -> dict:
     proc = _cli(run_dir, *extra)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
+
+
+def test_the_launchers_line_in_the_middle_of_a_step_is_no_disorder(tmp_path: Path) -> None:
+    """The launcher appends a wait when it learns of it; a step under way then (logged at its end,
+    timed from its start) follows it in the file: neither is out of order."""
+    steps = _steps(1, 3, T0)
+    lines = [steps[0], {"type": "queued", "time": T0 + 3.5, "start": T0 - 30, "end": T0 - 3},
+             steps[1], steps[2]]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
+    warnings: list[str] = []
+    events = read_events(tmp_path, warnings.append)
+    assert warnings == [] and len(events) == 4

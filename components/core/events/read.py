@@ -100,6 +100,10 @@ def in_time_order(events: Iterable[Event],
     """
     out, latest, disordered = list(events), -math.inf, False
     for i, event in enumerate(out):
+        if isinstance(event, Queued):
+            # The launcher's line, written when it learns of a wait, while a rank's step (logged
+            # at its end, timed from its start) may be under way: no order to keep with those.
+            continue
         if not isinstance(event, Start) and event.when < latest - _ORDER_SLACK_S:
             disordered = True
             if disorder is not None:
