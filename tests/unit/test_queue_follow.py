@@ -6,6 +6,7 @@ The same on the real controllers: tests/cluster/test_kueue.py.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -101,6 +102,7 @@ class Follower:
                  stops=lambda t: None) -> None:
         self.clock, self._steps, self._starts, self._stops = clock, steps, starts, stops
         self.pods: dict = {}
+        self.exited = threading.Event()  # no pod here ever exits
         self.set_asides = 0
         self.progress = self
 

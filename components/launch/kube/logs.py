@@ -85,6 +85,9 @@ class PodLogFollower:
         self._admission_of: dict[str, int] = {}
         #: The job-wide restart that made each pod instance (JobPods.restart_of).
         self._restart_of: dict[str, int | None] = {}
+        #: Set when a pod instance's exit is first seen (:class:`.follow.Follow` reads the job
+        #: sooner then); cleared by its reader.
+        self.exited = threading.Event()
         #: API requests of the pod watch and what they met (list, watch, bookmark, gone).
         self.requests: collections.Counter[str] = collections.Counter()
 
@@ -302,6 +305,8 @@ class PodLogFollower:
             return
         done = term.finished_at
         ended = state.instance(uid)
+        if ended.exit_code is None:
+            self.exited.set()  # the job's end may follow in a moment: its follow reads it soon
         ended.exit_code = state.exit_code = term.exit_code
         ended.exit_reason = state.exit_reason = term.reason or ""
         ended.finished_at = state.finished_at = done.timestamp() if done else time.time()
