@@ -9,7 +9,11 @@ Definitions:
 - wall time = the sum over sessions of first event to last event;
 - goodput = time inside kept steps / wall time;
 - lost work = time inside redone steps;
-- recovery = fault (or the last step before a restart) -> first step of the next incarnation;
+- recovery = fault (or the last step before a restart) -> first step of the next incarnation,
+  the time a queue held the job not counted;
+- queued = the waits in a queue (Kueue) inside the run, from the launcher (:mod:`.queue_waits`):
+  not wall time; a re-admission after a preemption is no restart and its window no recovery
+  (``preemptions``; ``resume_s``: from the stop to the first step after it, queue not counted);
 - restarts by layer: in-process from the trainer's ``restart`` events; in-job and pod from the
   rendezvous rounds each node's ``join`` records (:mod:`.rounds`: a new agent on any node is a
   pod restart, which rank 0's own ``restart`` event cannot see), counting rounds whose workers
@@ -35,14 +39,22 @@ from kfp_nvrx.components.core.events import (
     Event,
     Fault,
     Join,
-    Restart,
+    Queued,
     Snapshot,
     Start,
     Step,
     read_events,
 )
 from kfp_nvrx.components.core.faults import fault_verb
-from kfp_nvrx.components.core.rounds import rounds, start_layers
+from kfp_nvrx.components.core.queue_waits import (
+    Wait,
+    held,
+    readmissions,
+    readmitted_between,
+    waits_of,
+)
+from kfp_nvrx.components.core.restart_counts import restart_counts
+from kfp_nvrx.components.core.rounds import start_layers
 
 
 @dataclass
@@ -73,6 +85,10 @@ class GoodputReport:
     #: ``wall_s``, lost work or recovery; and those waits as [start, end] (the timeline).
     queued_s: float = 0.0
     queued: list[list[float]] = field(default_factory=list)
+    #: Times the job was admitted again after a preemption (each a resume, not a restart), and
+    #: the seconds from each stop to the first step after it, its time queued not counted.
+    preemptions: int = 0
+    resume_s: list[float] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form."""
@@ -140,28 +156,34 @@ def kept_steps(events: list[Event]) -> list[tuple[Step, bool]]:
     return [(e, last[e.step] == i) for i, e in enumerate(steps)]
 
 
-def _held(lo: float, hi: float, queued: Sequence[tuple[float, float]]) -> float:
-    """Seconds of ``[lo, hi]`` that a queue held the job."""
-    return sum(max(0.0, min(hi, b) - max(lo, a)) for a, b in queued)
+def training(events: Sequence[Event]) -> list[Event]:
+    """The events the pods wrote: the launcher's :class:`~.events.Queued` lines are its own.
+
+    A wait's line is written when the launcher learns of it, maybe after the run ended: it
+    must neither stretch a session's wall time nor begin a session of its own.
+    """
+    return [e for e in events if not isinstance(e, Queued)]
 
 
-def summarize_events(events: list[Event],
-                     queued: Sequence[tuple[float, float]] = ()) -> GoodputReport:
+def summarize_events(events: list[Event], queued: Sequence[Wait] = ()) -> GoodputReport:
     """Computes the report from typed events in time order (:func:`.events.read_events`).
 
     Args:
-        events: The run's events.
-        queued: ``(start, end)`` of every wait in a queue (Kueue holding the job, before its
-            first admission and after each preemption), as the launcher saw them: kept apart
-            from the wall time the goodput is taken over, from lost work and from recovery.
+        events: The run's events (its :class:`~.events.Queued` lines included).
+        queued: ``(start, end)`` of waits in a queue (Kueue holding the job, before its first
+            admission and after each preemption) as a launcher saw them, besides the run's
+            own record of them (:mod:`.queue_waits`): kept apart from the wall time the
+            goodput is taken over, from lost work and from recovery.
     """
     rep = GoodputReport()
+    waits, events = waits_of(events, queued), training(events)
     if not events:
         return rep
     sess = sessions(events)
+    admitted = readmissions(events, waits)
     lo, hi = min(e.when for e in events), max(e.time for e in events)
-    rep.queued = [[a, b] for a, b in queued if b > a]
-    rep.queued_s = round(_held(lo, hi, queued), 3)
+    rep.queued = [[a, b] for a, b in waits]
+    rep.queued_s = round(held(lo, hi, waits), 3)
     rep.wall_s = max(0.0, _wall(events, sess) - rep.queued_s)
     final: Step | None = None
     for e, kept in kept_steps(events):
@@ -175,102 +197,68 @@ def summarize_events(events: list[Event],
     rep.goodput = rep.productive_s / rep.wall_s if rep.wall_s > 0 else 0.0
     if final is not None:
         rep.steps_final, rep.final_loss = final.step, final.loss
-    rep.restarts = restart_counts(events, sess)
+    rep.restarts = restart_counts(events, sess, admitted)
+    rep.preemptions = len(admitted)
     _count_saves(rep, events)
     rep.faults = sum(1 for e in events if isinstance(e, Fault))
-    rep.recovery_s = [round(end - origin - _held(origin, end, queued), 3)
-                      for origin, end in recovery_windows(events, sess)]
+    windows = _windows(events, sess)
+    rep.recovery_s, rep.resume_s = (
+        [round(end - origin - held(origin, end, waits), 3) for origin, end in windows
+         if readmitted_between(origin, end, admitted) == resumed] for resumed in (False, True))
     if rep.recovery_s:
         rep.recovery_mean_s = sum(rep.recovery_s) / len(rep.recovery_s)
         rep.recovery_max_s = max(rep.recovery_s)
-    rep.what_happened = narrate(events, sess)
+    rep.what_happened = narrate(events, sess, waits)
     if rep.queued_s:
         rep.what_happened.append(f"held {rep.queued_s:.0f} s in the queue ({len(rep.queued)} "
                                  "wait(s)), kept out of the wall time and the recovery")
     return rep
 
 
-def restart_kinds(events: list[Event], sess: list[int]) -> dict[int, str]:
-    """The layer of each ``restart`` event (by ``id``): rank 0's word, unless the rounds know.
-
-    Rank 0 names the layer from its own agent only; the rounds (every node's agent) correct an
-    in-job restart that was a recreated pod of another node.
-    """
-    layers = start_layers(events)
-    starts = {(k, e.incarnation, e.iteration): layers[id(e)] for e, k in zip(events, sess,
-              strict=True) if isinstance(e, Start) and layers.get(id(e))}
-    return {id(e): starts.get((k, e.incarnation, e.iteration)) or e.kind
-            for e, k in zip(events, sess, strict=True) if isinstance(e, Restart)}
-
-
-def unstarted_restarts(events: list[Event], sess: list[int]) -> list[tuple[float, str]]:
-    """(time, layer) of each restart whose round never logged a start.
-
-    Its workers failed before training (in their set-up), or rank 0 refused the restart (the
-    job's budget was spent): ft_launcher restarted them all the same. A round with a start has
-    its ``restart`` event, counted there.
-    """
-    session_of = {id(e): k for e, k in zip(events, sess, strict=True)}
-    started = {(e.agent, e.pid) for e in events if isinstance(e, Start) and not e.iteration}
-    out: list[tuple[float, str]] = []
-    seen: set[int] = set()
-    for r in rounds(events):
-        k = session_of[id(next(iter(r.joins.values())))]
-        first = k not in seen  # a session's first round is its launch, no restart
-        seen.add(k)
-        if not first and r.layer is not None and r.rank0() not in started:
-            out.append((r.time, r.layer))
-    return out
-
-
-def restart_counts(events: list[Event], sess: list[int]) -> dict[str, int]:
-    """Restarts by layer (see the module docstring), only the layers that restarted."""
-    out: dict[str, int] = {}
-    kinds = [*restart_kinds(events, sess).values(),
-             *(layer for _, layer in unstarted_restarts(events, sess))]
-    for kind in kinds:
-        out[kind] = out.get(kind, 0) + 1
-    return out
-
-
-def narrate(events: list[Event], sess: list[int] | None = None) -> list[str]:
-    """Return one sentence per restart (and per relaunch of a resumed run).
+def narrate(events: list[Event], sess: list[int] | None = None,
+            waits: Sequence[Wait] = ()) -> list[str]:
+    """Return one sentence per restart (and per relaunch or re-admission of the run).
 
     E.g. "rank 1 killed at step 20, resumed from step 10 in 4.1 s, 9 steps redone": redone counts
     the stopped incarnation's executions past the resumed step (as ``steps_redone`` does),
     recovery runs from the fault (or the last step) to the next incarnation's first step. A new
     session reads "relaunched, resumed from step 10, 2 steps redone": the time between two
-    launcher invocations is no recovery.
+    launcher invocations is no recovery. A re-admission after a preemption (``waits``, see
+    :mod:`.queue_waits`) reads "preempted at step 58, resumed from step 58 in 9.6 s after 53 s
+    queued, 0 steps redone": the time queued is not in the seconds.
     """
     sess = sessions(events) if sess is None else sess
-    layers = start_layers(events)
+    layers, admitted = start_layers(events), readmissions(events, waits)
     out: list[str] = []
     fault: Fault | None = None
     current: tuple[int, int, int] | None = None
     done: list[int] = []  # steps the current incarnation executed
     last_end: float | None = None
+    stopped: int | None = None  # the step its node's stop ended the current incarnation at
     pending: dict[str, Any] | None = None  # a restart waiting for its first step (recovery)
     for e, k in zip(events, sess, strict=True):
         if isinstance(e, Fault) and fault is None:
             fault = e
+        elif isinstance(e, End) and not e.closes_session:
+            stopped = e.step
         elif isinstance(e, Start):
             inc = (k, *_incarnation(e))
             relaunch = current is not None and k != current[0]
             if current is not None and inc != current:
                 # the restart's layer as the rounds tell it, else as rank 0 logged it
-                what = _cause(relaunch, fault, layers.get(id(e), e.layer), done)
+                what = _cause(relaunch, fault, layers.get(id(e), e.layer), done,
+                              _preempted_at(last_end, e.time, admitted, stopped, done))
                 where, redone = _resumed(e, done)
                 origin = None if relaunch else fault.time if fault is not None else last_end
                 pending = {"text": f"{what}, {where}", "origin": origin, "redone": redone}
-                fault, done = None, []
+                fault, done, stopped = None, [], None
             current = inc
         elif isinstance(e, Step):
             if current is None or (k, *_incarnation(e)) != current:  # a log without starts
                 current, done = (k, *_incarnation(e)), []
             if pending is not None:
-                took = ("" if pending["origin"] is None
-                        else f" in {e.end - pending['origin']:.1f} s")
-                out.append(f"{pending['text']}{took}, {pending['redone']}")
+                out.append(f"{pending['text']}{_took(pending['origin'], e.end, waits)}, "
+                           f"{pending['redone']}")
                 pending = None
             done.append(int(e.step))
             last_end = e.end
@@ -279,8 +267,30 @@ def narrate(events: list[Event], sess: list[int] | None = None) -> list[str]:
     return out
 
 
-def _cause(relaunch: bool, fault: Fault | None, layer: str | None, done: list[int]) -> str:
+def _took(origin: float | None, end: float, waits: Sequence[Wait]) -> str:
+    """" in 4.1 s" from ``origin`` to ``end``, " ... after 53 s queued" when a queue held it."""
+    if origin is None:
+        return ""
+    queued = held(origin, end, waits)
+    return f" in {end - origin - queued:.1f} s" + (f" after {queued:.0f} s queued" if queued else "")
+
+
+def _preempted_at(last_end: float | None, start: float, admitted: Sequence[float],
+                  stopped: int | None, done: list[int]) -> int | None:
+    """Where a preemption stopped the incarnation before ``start`` (None: not preempted).
+
+    It was when the job was admitted again after its last step; the step its stop said, if any.
+    """
+    if last_end is None or not readmitted_between(last_end, start, admitted):
+        return None
+    return max(done, default=0) if stopped is None else stopped
+
+
+def _cause(relaunch: bool, fault: Fault | None, layer: str | None, done: list[int],
+           preempted: int | None = None) -> str:
     """What ended the incarnation that a restart follows (the start of its sentence)."""
+    if preempted is not None:
+        return f"preempted at step {preempted}"
     if relaunch:
         return "relaunched"
     if fault is not None:
@@ -301,15 +311,26 @@ def _resumed(e: Start, done: list[int]) -> tuple[str, str]:
     return where, f"{redone} step{'s' if redone != 1 else ''} redone"
 
 
-def recovery_windows(events: list[Event],
-                     sess: list[int] | None = None) -> list[tuple[float, float]]:
+def recovery_windows(events: list[Event], sess: list[int] | None = None,
+                     waits: Sequence[Wait] = ()) -> list[tuple[float, float]]:
     """(origin, end of the next incarnation's first step), one window per restart.
 
     The origin is the first fault since the last window, else the end of the last step before
     the restart. A relaunch (a new session) opens no window: the idle time between two launcher
-    invocations is no recovery.
+    invocations is no recovery; nor does a re-admission after a preemption (``waits``): the job
+    resumed, no failure was recovered from.
     """
+    waits, events = waits_of(events, waits), training(events)
     sess = sessions(events) if sess is None else sess
+    admitted = readmissions(events, waits)
+    return [(a, b) for a, b in _windows(events, sess) if not readmitted_between(a, b, admitted)]
+
+
+def _windows(events: list[Event], sess: list[int]) -> list[tuple[float, float]]:
+    """(origin, end of the first step) of every incarnation that followed another in a session.
+
+    Restarts and re-admissions alike: :func:`recovery_windows` tells them apart.
+    """
     out: list[tuple[float, float]] = []
     last_fault: float | None = None
     last_step_end: float | None = None

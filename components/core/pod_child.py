@@ -8,6 +8,11 @@ ft_launcher can outlive its use by minutes, and the job waits for it:
   rendezvous host recovered in 48 s against a TrainJob's 10-13 s. Once its workers are gone
   (:data:`STOP_SETTLE_S`), or ``--term-timeout`` + :data:`STOP_MARGIN_S` at the latest, it and its
   helpers are killed: the store closes and the peers learn at once.
+* **a worker said the job's verdict** (``[trainer] gave up:``: the job's restart budget is spent,
+  a diverged loss) and SIGTERMed it: it stops its workers and then lingers in its own shutdown
+  (rank monitors, rendezvous, the store) before it exits 1, some 15 s on NVRx 0.4.1, and the job
+  ends only with that exit (issue 38 item 7: 18-20 s from the verdict to Failed). Once its workers
+  are gone (:data:`STOP_SETTLE_S`) it is killed, as after a stop, and the pod exits 1 at once.
 * **its workers succeeded**: it waits at torch's exit barrier for every other agent, 300 s when
   one of them is gone (a pod lost right after training ended). This node's work is done: after
   :func:`exit_barrier_s` (healthy peers arrive within a second or two) it is stopped and the
@@ -94,13 +99,16 @@ class Child:
         term_timeout_s: Its ``--term-timeout``.
         barrier_s: Seconds at the exit barrier (:func:`exit_barrier_s`).
         succeeded: Whether its output said its workers succeeded (read by the output copies).
+        gave_up: Whether its output holds a worker's verdict on the job (``[trainer] gave up:``).
     """
 
     def __init__(self, pid: int, argv: list[str], term_timeout_s: float, barrier_s: float,
-                 succeeded: Callable[[], bool]) -> None:
+                 succeeded: Callable[[], bool],
+                 gave_up: Callable[[], bool] = lambda: False) -> None:
         self.pid, self.term_timeout_s, self.barrier_s = pid, term_timeout_s, barrier_s
         self.module = worker_module(argv).encode()
-        self.succeeded = succeeded
+        self.succeeded, self.gave_up = succeeded, gave_up
+        self.verdict_at: float | None = None  # when a worker's verdict was seen
         self.stop_asked: float | None = None  # when SIGTERM was forwarded
         self.workers_gone: float | None = None  # when, after it, no worker was left
         self.done_at: float | None = None  # when the workers were seen to have succeeded
@@ -129,12 +137,15 @@ class Child:
         """One look: cut a stop or an exit barrier that has lasted long enough."""
         if self.cut:
             return
-        if self.stop_asked is not None:
+        if self.stop_asked is None and self.verdict_at is None and self.gave_up():
+            self.verdict_at = now  # its worker stopped it: the same end as a stop, exit 1
+        since = self.stop_asked if self.stop_asked is not None else self.verdict_at
+        if since is not None:
             if self.workers_gone is None and not self.workers_left():
                 self.workers_gone = now
             if (self.workers_gone is not None and now - self.workers_gone >= STOP_SETTLE_S) \
-                    or now - self.stop_asked >= self.term_timeout_s + STOP_MARGIN_S:
-                self.kill("stopped")
+                    or now - since >= self.term_timeout_s + STOP_MARGIN_S:
+                self.kill("stopped" if self.stop_asked is not None else "gave up")
             return
         if self.done_at is None and self.succeeded():
             self.done_at = now

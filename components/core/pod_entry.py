@@ -21,7 +21,8 @@ ft_launcher's exit code says (docs/eks.md, "Why the failure policies are set thi
   with its in-job restarts used up, or NVRx 0.7 saw no progress): its 1 passes through at once,
   the failure policies' "final verdict". So does the job's restart budget: rank 0 prints
   :data:`BUDGET_SPENT` and stops its agent (whose own exit then reads like a broken agent), when
-  the in-job restarts of all nodes together exceed ``resilience.max_restarts``.
+  the in-job restarts of all nodes together exceed ``resilience.max_restarts``; once its workers
+  are gone the agent's lingering shutdown is cut and the pod exits 1 (:mod:`.pod_child`).
 
 The codes and the lines that tell them apart are :mod:`.exits` (which the trainer, the rounds and
 the launchers read too). The two kinds of 1 are told apart by ft_launcher's own last log line
@@ -46,7 +47,7 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
-from kfp_nvrx.components.core.exits import PEER_LOST, TERMINATED, verdict
+from kfp_nvrx.components.core.exits import GAVE_UP, PEER_LOST, TERMINATED, verdict
 from kfp_nvrx.components.core.pod_child import BARRIER_ENV, SUCCEEDED_LINE, Child, exit_barrier_s
 from kfp_nvrx.components.core.run_claim import RUN_DIR_ENV, Claim, PodClaim, in_use
 from kfp_nvrx.components.core.stop_request import (
@@ -265,7 +266,8 @@ class _Entry:
             copies.append(_Copy(r, fd))
             copies[-1].start()
         self.watch = watch = Child(self.pid, argv, term_timeout_s(argv), self.barrier_s,
-                                   lambda: any(SUCCEEDED_LINE in c.text() for c in copies))
+                                   lambda: any(SUCCEEDED_LINE in c.text() for c in copies),
+                                   lambda: any(GAVE_UP in c.text() for c in copies))
         if self.stopped and signal.SIGTERM in self.stopped:  # asked to stop before the watch
             watch.stop_asked = time.monotonic()
         code = watch.wait(lambda: _reaped(self.pid))
@@ -285,6 +287,8 @@ class _Entry:
             # Asked to stop: report the stop, never ft_launcher's "gave up" 1 (nor a 0 from
             # workers that exited cleanly on the signal: this pod did not finish the job).
             return TERMINATED
+        if self.watch is not None and self.watch.cut == "gave up":
+            return 1  # FT: a worker's verdict on the job, cut short (pod_child): final
         if self.watch is not None and self.watch.cut == "exit barrier":
             # FT: this node's workers succeeded; a peer that never reaches the barrier (its pod
             # lost after training ended) must not hold the job for ft_launcher's 300 s.

@@ -123,7 +123,22 @@ class LaunchResult:
         if mount is None:
             return ""
         return (f"restart counts: mount PVC {self.extra.get('pvc', '')!r} here at {mount}, or "
-                f"run `kfp-nvrx goodput --run-dir {self.run_dir}` where it is mounted")
+                f"run `kfp-nvrx goodput --run-dir {self.run_dir}{self._queued_flag()}` where "
+                "it is mounted")
+
+    def _queued_flag(self) -> str:
+        """`` --queued START-END,...``: the waits after a preemption that the run dir lacks.
+
+        Only this launcher saw them: without them goodput would count the re-admission as a pod
+        restart and the time queued as its recovery. A wait before the first admission ends
+        before the run's first event (goodput keeps it out either way): not repeated here.
+        """
+        queue = self.extra.get("queue") or {}
+        if queue.get("recorded"):
+            return ""
+        waits = [f"{float(w['start']):.1f}-{float(w['end']):.1f}"
+                 for w in queue.get("waits") or [] if w.get("after") == "preemption"]
+        return f" --queued {','.join(waits)}" if waits else ""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form."""

@@ -25,13 +25,8 @@ from kfp_nvrx.components.core.events import (
     Start,
     Step,
 )
-from kfp_nvrx.components.core.goodput import (
-    kept_steps,
-    recovery_windows,
-    restart_kinds,
-    sessions,
-    unstarted_restarts,
-)
+from kfp_nvrx.components.core.goodput import kept_steps, recovery_windows, sessions, training
+from kfp_nvrx.components.core.restart_counts import restart_kinds, unstarted_restarts
 
 #: Colours of the timeline (also used by the legend).
 COLORS = {
@@ -240,8 +235,11 @@ def _axis_shapes(ax: _Axis, axis_y: int) -> list[str]:
 def render_svg(events: list[Event], queued: Sequence[Sequence[float]] = ()) -> str:
     """Draw the timeline lanes of one run as an inline ``<svg>`` element.
 
-    ``queued``: the waits in a queue (``[start, end]``), drawn as their own bands.
+    ``queued``: the waits in a queue (``[start, end]``), drawn as their own bands (a
+    re-admission after a preemption draws no recovery window).
     """
+    waits = [(float(a), float(b)) for a, b in queued]
+    events = training(events)  # the launcher's record of the waits: ``queued`` draws them
     ax = _Axis(events)
     body_h = _TOP + len(_LANES) * _LANE_H
     svg: list[str] = []
@@ -251,10 +249,10 @@ def render_svg(events: list[Event], queued: Sequence[Sequence[float]] = ()) -> s
                          "#f6f6f6" if i % 2 else "#fbfbfb"))
         svg.append(f'<text x="{_LEFT - 8}" y="{y + _LANE_H / 2 + 2}" font-size="12" '
                    f'text-anchor="end">{name}</text>')
-    for a, b in recovery_windows(events):
+    for a, b in recovery_windows(events, waits=waits):
         svg.append(_rect((ax.x(a), _TOP, ax.w(b - a), len(_LANES) * _LANE_H - 4),
                          COLORS["recovery"], f"recovery {b - a:.2f} s", ' opacity="0.6"'))
-    for a, b in queued:  # drawn over the recovery it interrupts: that time is the queue's
+    for a, b in waits:  # drawn over the recovery it interrupts: that time is the queue's
         a, b = max(a, ax.t0), min(b, ax.t0 + ax.span)
         if b > a:
             svg.append(_rect((ax.x(a), _TOP, ax.w(b - a), len(_LANES) * _LANE_H - 4),

@@ -10,6 +10,7 @@ is held queued for at least :data:`HOLD_S` by keeping the job ahead of it alive.
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 
@@ -358,11 +359,39 @@ def test_a_preempted_job_saves_on_sigterm_and_resumes_there_bitwise(queue, launc
     assert any(isinstance(e, ev.Checkpoint) and e.step == stop.step for e in events)
     resumed = next(line for line in low.lines() if ", resumed from step " in line)
     assert f"resumed from step {stop.step} " in resumed, resumed
+    first = next(line for line in low.lines() if line.startswith("preempted at step "))
+    assert first.startswith(f"preempted at step {stop.step} ("), first  # issue 38 item 8
+    _goodput_agrees_with_the_launcher(low, run)
     got = load_model_state(step_dir(run / "checkpoints", steps))
     want = never_preempted
     assert committed_steps(run / "checkpoints")[0] == steps and got.keys() == want.keys()
     for key, value in want.items():
         assert torch.equal(got[key], value), f"{key} differs from the run never preempted"
+
+
+def _goodput_agrees_with_the_launcher(low: Launch, run) -> None:
+    """Issue 38 item 6: the launcher (it does not mount the volume here) sends the user to
+    ``kfp-nvrx goodput`` for the restart counts; run as it says, goodput agrees with it: a
+    preemption, no pod restart, the preemption's wait queued, no recovery."""
+    import shlex
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    result = low.result()
+    hint = next(line for line in low.lines() if line.startswith("restart counts: "))
+    argv = shlex.split(hint.split("`")[1])
+    assert argv[:4] == ["kfp-nvrx", "goodput", "--run-dir", result["run_dir"]], hint
+    assert argv[4] == "--queued", hint  # the waits only this launcher saw
+    argv[0], argv[3] = str(Path(sys.executable).parent / "kfp-nvrx"), str(run)  # this machine's
+    out = subprocess.run([*argv, "--json"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert result["preemptions"] == report["preemptions"] == 1, report
+    assert result["pod_restarts"] == report["restarts"].get("pod", 0) == 0, report
+    assert report["restarts"] == {} and report["recovery_s"] == [], report
+    wait = result["extra"]["queue"]["waits"][1]
+    assert abs(report["queued_s"] - wait["seconds"]) < 1.0, (report["queued_s"], wait)
 
 
 def test_a_preemption_inside_a_durable_write_still_saves_its_step_bitwise(queue, launch,

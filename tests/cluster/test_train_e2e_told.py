@@ -38,6 +38,8 @@ from cluster.test_train_e2e import (
 from kfp_nvrx.components.core.exits import BUDGET_SPENT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+#: Seconds from rank 0's verdict (the budget spent) to the launcher's exit with the job Failed.
+VERDICT_TO_END_S = 14.0
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +88,16 @@ def test_max_restarts_is_the_jobs_budget_on_a_trainjob(kube, dataset):
     name = "told-budget"
     run = Launch(kube, name, "trainjob", dataset, faults=["kill@4/1", "kill@8/0", "kill@12/1"],
                  extra=["resilience.max_restarts=2", "checkpoint.interval=2"])
+    while BUDGET_SPENT not in run.text() and run.proc.poll() is None:
+        time.sleep(0.2)
+    said = time.monotonic()
     rc, out = run.wait()
+    took = time.monotonic() - said
     assert rc == 1, out[-4000:]
+    # Issue 38 item 7: 18-20 s from the verdict to Failed while node-0's ft_launcher lingered in
+    # its shutdown; the pod now ends once its workers are gone (the launcher polls every 5 s).
+    print(f"from the verdict to the launcher's exit: {took:.1f} s")
+    assert took < VERDICT_TO_END_S, took
     why = [line for line in out.splitlines() if line.startswith("kfp-nvrx launch: Failed:")]
     assert len(why) == 1 and "FailJobSet" in why[0] and "exited with code 1" in why[0], why
     assert BUDGET_SPENT in out and "restart 3 of the job" in out

@@ -55,3 +55,29 @@ def test_a_verdict_whose_pod_has_not_exited_yet_is_named_with_its_words(
         result = launch_on(double, spec, log=lambda _l: None)
     assert result.extra["failed_replica"] == "worker-0", result.reason
     assert "(worker-0: the job's in-job restarts are used up" in result.reason, result.reason
+
+
+def test_a_pods_exit_has_the_job_read_soon_not_at_the_next_poll(double: K8sDouble) -> None:
+    """Issue 38 item 7: after the verdict's pod exits the job fails within seconds; the launcher
+    read it only at its next poll (5 s by default, 30 s here): it reads every second for a while
+    after a pod's exit."""
+    spec = JobSpec(**SPEC)
+    failed_at: list[float] = []
+
+    def script(d: K8sDouble, name: str) -> None:
+        w0, w1 = d.add_pod(name, 0), d.add_pod(name, 1)
+        d.start(w0)
+        d.start(w1)
+        d.set_condition(name, "Running")
+        time.sleep(2.0)  # the launcher's first reads are done: it waits out its 30 s poll
+        d.log(w0, VERDICT)
+        d.terminate(w0, 1, "Error")
+        time.sleep(1.5)  # the controllers' reactions
+        d.set_condition(name, "Failed", "BackoffLimitExceeded", "worker-0 failed")
+        failed_at.append(time.monotonic())
+
+    with playing(double, spec, script):
+        result = launch_on(double, spec, log=lambda _l: None, poll_s=30.0, progress_s=1e9)
+    took = time.monotonic() - failed_at[0]
+    assert result.state == "Failed" and result.extra["failed_replica"] == "worker-0"
+    assert took < 5.0, took

@@ -132,7 +132,8 @@ def test_a_stopped_node_that_saved_does_not_end_the_session(tmp_path: Path) -> N
 def test_time_a_queue_held_the_job_is_kept_apart_in_goodput_metrics_and_timeline(
         tmp_path: Path) -> None:
     """Issue 31 item 4: a preemption's wait for quota is no wall time, no recovery, no lost work;
-    it is its own figure in the summary, the KFP Metrics and the timeline."""
+    it is its own figure in the summary, the KFP Metrics and the timeline. Issue 38 item 6: the
+    re-admission is a resume, not a failure's recovery (its seconds, queue apart: resume_s)."""
     from kfp_nvrx.components.core.events import parse_events
     from kfp_nvrx.components.core.goodput import summarize_events
     from kfp_nvrx.components.launch.ui_outputs import metrics_from_summary, render_timeline
@@ -147,7 +148,8 @@ def test_time_a_queue_held_the_job_is_kept_apart_in_goodput_metrics_and_timeline
     assert held.queued_s == 95.0 and plain.queued_s == 0.0
     assert held.wall_s == round(plain.wall_s - 95.0, 6)
     assert held.goodput > 0.5 > plain.goodput  # the wait no longer reads as lost time
-    assert held.recovery_s == [round(plain.recovery_s[0] - 95.0, 3)]
+    assert held.recovery_s == [] and held.preemptions == 1
+    assert held.resume_s == [round(plain.recovery_s[0] - 95.0, 3)]
     assert held.lost_work_s == plain.lost_work_s == 0
     assert any("held 95 s in the queue" in line for line in held.what_happened)
     summary = held.to_dict()

@@ -5,6 +5,9 @@
   along (PyTorchJob recovery 48 s against a TrainJob's 10-13 s). Its workers gone, it is killed.
 * item 5: its workers succeeded, ft_launcher waited 300 s at the exit barrier for a peer whose
   pod was lost right after training ended. After the barrier's bound the pod exits 0.
+* issue 38 item 7: a worker said the job's verdict (the restart budget spent) and SIGTERMed its
+  ft_launcher, which lingered in its shutdown before it exited 1: 18-20 s from the verdict to the
+  job's Failed. Its workers gone, it is killed and the pod exits 1 (the verdict) at once.
 
 The stand-in for ft_launcher starts a worker (``-m kfp_nvrx_stand_in_worker`` on its command
 line, as ft_launcher's workers carry the trainer module) and hangs where the real one does, for
@@ -33,6 +36,20 @@ STORE_HOST = WORKER.format(w=600) + (
     "    sys.exit(1)\n"
     "signal.signal(signal.SIGTERM, term)\n"
     "import os\n"
+    "print('ready', os.getpid(), worker.pid, flush=True)\n"
+    "while True:\n"
+    "    time.sleep(1)\n")
+#: Its worker says the job's verdict and SIGTERMs it (as the trainer's give_up does); it stops
+#: the worker and lingers in its shutdown.
+GIVES_UP = (
+    "import os, signal, subprocess, sys, time\n"
+    "def term(*_):\n"
+    "    worker.terminate(); worker.wait()\n"
+    "    time.sleep(300)\n"
+    "    sys.exit(1)\n"
+    "signal.signal(signal.SIGTERM, term)\n"
+    "code = {code!r}\n"
+    "worker = subprocess.Popen([sys.executable, '-c', code, '-m', 'kfp_nvrx_stand_in_worker'])\n"
     "print('ready', os.getpid(), worker.pid, flush=True)\n"
     "while True:\n"
     "    time.sleep(1)\n")
@@ -75,6 +92,28 @@ def test_a_node_whose_workers_succeeded_does_not_wait_300_s_at_the_exit_barrier(
     assert out.returncode == 0, out.stderr
     assert time.monotonic() - t0 < 120
     assert "exit barrier" in out.stderr and out.stderr.count("pod_entry:") == 1
+
+
+def test_a_verdict_ends_the_pod_once_its_workers_are_gone_not_when_ft_launcher_exits() -> None:
+    from kfp_nvrx.components.core.rounds import Budget
+
+    line = Budget(used=2, most=1).line()
+    code = (f"import os, signal, sys, time; time.sleep(1); print({line!r}, file=sys.stderr, "
+            "flush=True); os.kill(os.getppid(), signal.SIGTERM); time.sleep(600)")
+    p = subprocess.Popen([*ENTRY, sys.executable, "-c", GIVES_UP.format(code=code),
+                          "--term-timeout=60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    try:
+        word, *pids = p.stdout.readline().split()
+        assert word == "ready"
+        t0 = time.monotonic()
+        assert p.wait(timeout=120) == 1  # the verdict: final, never a restart's 137 or 143
+        took = time.monotonic() - t0
+    finally:
+        p.kill()
+    assert took < 60, took  # not the stand-in's 300 s shutdown, nor --term-timeout=60
+    assert all(_gone(int(pid)) for pid in pids)
+    assert line in p.stderr.read()
 
 
 def test_the_barrier_default_and_a_bad_override() -> None:

@@ -6,6 +6,7 @@ The same on the real controllers: tests/cluster/test_kueue.py.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -101,6 +102,7 @@ class Follower:
                  stops=lambda t: None) -> None:
         self.clock, self._steps, self._starts, self._stops = clock, steps, starts, stops
         self.pods: dict = {}
+        self.exited = threading.Event()  # no pod here ever exits
         self.set_asides = 0
         self.progress = self
 
@@ -109,7 +111,7 @@ class Follower:
         return self._steps(self.clock.now)
 
     def summary(self, restarts=None) -> str:
-        return f"step {self.step}"
+        return f"step {self.step}" + ("" if restarts is None else f", restarts {restarts}")
 
     def last_start(self) -> tuple[int, str]:
         return self._starts(self.clock.now)
@@ -219,7 +221,8 @@ def test_a_workload_reads_as_kueue_writes_it() -> None:
 
 def test_a_preempted_job_is_said_to_have_stopped_where_its_trainer_stopped(clock) -> None:
     """Issue 38 item 8: "preempted at step 50, resumed from step 58": 50 was the last logged
-    step when the eviction was seen; the pods then trained to 58, saved it and said so."""
+    step when the eviction was seen; the pods then trained to 58, saved it and said so. Every
+    line says 58, the first too (it waits for the trainer's stop line)."""
     admitted = Reading(exists=True, admitted=True, cluster_queue="cq", admitted_at=1010.0)
     evicted = Reading(exists=True, evicted="Preempted: to accommodate a workload",
                       evicted_at=1045.0, admitted_at=1010.0)
@@ -230,6 +233,64 @@ def test_a_preempted_job_is_said_to_have_stopped_where_its_trainer_stopped(clock
                         starts=lambda t: (2, "58") if t >= 1100 else (1, "None"),
                         stops=lambda t: 58 if t >= 1055 else None)
     result, lines = _follow(clock, jobs, reads, follower)
+    said = [line for line in lines if line.startswith("preempted at step ")]
+    assert said[0] == ("preempted at step 58 (Preempted: to accommodate a workload): queued "
+                       "again in LocalQueue q (ClusterQueue cq)"), lines
     assert "re-admitted by ClusterQueue cq after 30 s queued (preempted at step 58)" in lines
     assert "preempted at step 58, resumed from step 58 after 30 s queued" in lines
     assert result.extra["queue"]["preemptions"][0]["step"] == 58
+
+
+def test_the_launcher_records_the_waits_where_goodput_reads_and_counts_no_restart(
+        clock, tmp_path) -> None:
+    """Issue 38 item 6: a launcher that sees the run dir writes each wait into its events once
+    the trainer began them; goodput of that run dir then counts the re-admission as a
+    preemption, not a pod restart, and neither does the launcher's progress line."""
+    from types import SimpleNamespace
+
+    from kfp_nvrx.components.core.events import EventLog, Queued, parse_events, read_events
+    from kfp_nvrx.components.core.goodput import summarize
+
+    admitted = Reading(exists=True, admitted=True, cluster_queue="cq", admitted_at=1010.0)
+    evicted = Reading(exists=True, evicted="Preempted: to accommodate a workload",
+                      evicted_at=1045.0, admitted_at=1010.0)
+    again = Reading(exists=True, admitted=True, cluster_queue="cq", admitted_at=1075.0)
+    reads = Reads(clock, [(0, admitted), (1050, evicted), (1080, again)])
+    jobs = Jobs(clock, suspended=lambda t: 1050 <= t < 1080, done=lambda t: t >= 1120)
+    jobs.job = SimpleNamespace(run_dir=str(tmp_path),
+                               worker=lambda: SimpleNamespace(active_deadline_s=None))
+    log = EventLog(tmp_path)
+    ran = [{"type": "join", "time": 1011.0, "agent": "b/1/13/1", "node": 0, "nodes": 1,
+            "rank": 0, "pid": 20, "run_id": "tj"},
+           {"type": "start", "time": 1011.5, "pid": 20, "run_id": "tj", "agent": "b/1/13/1",
+            "resumed_from": None},
+           *({"type": "step", "time": 1013.0 + s, "step": s, "start": 1012.0 + s,
+              "end": 1013.0 + s} for s in range(1, 30)),
+           {"type": "end", "time": 1043.0, "step": 29, "status": "stopped"},
+           {"type": "join", "time": 1081.0, "agent": "b/2/13/1", "node": 0, "nodes": 1,
+            "rank": 0, "pid": 20, "run_id": "tj"},
+           {"type": "start", "time": 1081.5, "incarnation": 1, "pid": 20, "run_id": "tj",
+            "agent": "b/2/13/1", "resumed_from": 29, "layer": "pod"},
+           {"type": "restart", "time": 1082.0, "kind": "pod", "incarnation": 1},
+           *({"type": "step", "time": 1054.0 + s, "step": s, "start": 1053.0 + s,
+              "end": 1054.0 + s, "incarnation": 1} for s in range(30, 40))]
+    for event in parse_events(ran):
+        log.emit(event)
+    follower = Follower(clock, steps=lambda t: 29 if t >= 1030 else 0,
+                        starts=lambda t: (2, "29") if t >= 1100 else (1, "None"),
+                        stops=lambda t: 29 if t >= 1055 else None)
+    lines: list[str] = []
+    watch = QueueWatch(reads, jobs.where, 1000.0, lines.append, step=lambda: follower.step,
+                       on_preempted=follower.set_aside, started=follower.last_start,
+                       stopped=lambda: follower.stopped_at)
+    opts = FollowOptions(poll_s=0.0, progress_s=0.0)
+    with StopSignals(False) as signals:
+        result = k8s_follow.Follow(jobs, jobs.get(), opts, lines.append, follower, watch).run(
+            signals)
+    assert result.extra["queue"]["recorded"] is True
+    queued = [(e.start, e.end, e.after) for e in read_events(tmp_path) if isinstance(e, Queued)]
+    assert queued == [(1000.0, 1010.0, "creation"), (1045.0, 1075.0, "preemption")]
+    rep = summarize(tmp_path)
+    assert rep.restarts == {} and rep.preemptions == 1 and rep.recovery_s == []
+    progress = [line for line in lines if line.startswith("progress: ")]
+    assert progress and progress[-1].startswith("progress: step 29, restarts 0"), progress

@@ -69,9 +69,12 @@ def _pod(name: str, uid: str, index: str, attempt: str = "0"):
                      status=k8s.V1PodStatus(phase="Running"))
 
 
-def test_a_jobset_restart_counts_as_pod_restarts_although_the_names_are_new() -> None:
+def test_a_jobset_restart_is_one_pod_restart_although_the_names_are_new() -> None:
     """Issue 30 item 3: the launcher's "pod restarts" counted pods by name, so a JobSet restart
-    (every pod recreated under a new name) read 0."""
+    (every pod recreated under a new name) read 0. Issue 38 item 8: then it read 2 (one per
+    replica) where goodput's rounds say one pod restart, and a launcher re-attached after it
+    read 0: one pod delete, three numbers. The JobSet's own count (its pods' restart-attempt
+    label) is the one number, for a launcher that saw the restart or came after it."""
     from kfp_nvrx.components.launch.kube.logs import PodLogFollower
     from kfp_nvrx.components.launch.trainjob.follow import job_pods
 
@@ -81,7 +84,36 @@ def test_a_jobset_restart_counts_as_pod_restarts_although_the_names_are_new() ->
     assert follower.pod_restarts() == 0
     for i in (0, 1):  # the JobSet restart: new Jobs, new pod names, restart-attempt 1
         follower._on_pod(_pod(f"tj-node-{i}-0-bbbb", f"uid-{i}-a1", str(i), attempt="1"))
-    assert follower.pod_restarts() == 2
+    assert follower.pod_restarts() == 1 and follower.pod_restarts_whole()
+    reattached = PodLogFollower(None, "ns", job_pods("tj"), emit=lambda _line: None)
+    for i in (0, 1):  # a launcher re-attached after the restart sees only the new pods
+        reattached._on_pod(_pod(f"tj-node-{i}-0-bbbb", f"uid-{i}-a1", str(i), attempt="1"))
+    assert reattached.pod_restarts() == 1
+    follower.set_aside()  # Kueue preempted the job: its re-admission's pods are no restart
+    for i in (0, 1):
+        follower._on_pod(_pod(f"tj-node-{i}-0-cccc", f"uid-{i}-q1", str(i), attempt="1"))
+    assert follower.pod_restarts() == 1
+
+
+def test_a_recreated_pytorchjob_pod_is_one_pod_restart() -> None:
+    """A PyTorchJob keeps no count of its own: each pod the operator recreated under its name
+    is one restart (goodput's round with one new agent), known while the launcher follows."""
+    from kubernetes import client as k8s
+
+    from kfp_nvrx.components.launch.kube.logs import PodLogFollower
+    from kfp_nvrx.components.launch.pytorchjob.follow import job_pods
+
+    def pod(name: str, uid: str) -> k8s.V1Pod:
+        labels = {"training.kubeflow.org/replica-type": "worker",
+                  "training.kubeflow.org/replica-index": name[-1]}
+        return k8s.V1Pod(metadata=k8s.V1ObjectMeta(name=name, uid=uid, labels=labels),
+                         status=k8s.V1PodStatus(phase="Running"))
+
+    follower = PodLogFollower(None, "ns", job_pods("pj"), emit=lambda _line: None)
+    for uid in ("a", "b"):
+        follower._on_pod(pod("pj-worker-0", f"w0-{uid}"))
+    follower._on_pod(pod("pj-worker-1", "w1-a"))
+    assert follower.pod_restarts() == 1 and not follower.pod_restarts_whole()
 
 
 def test_restarts_unknown_says_how_to_know_them() -> None:

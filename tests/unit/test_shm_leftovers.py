@@ -114,3 +114,45 @@ time.sleep(600)
     assert semaphores() - before == set(), sorted(semaphores() - before)
     assert json.loads(shot.read_text()) == sorted(before)
     assert SHM_ROOT.is_dir()
+
+
+def test_a_lock_record_names_a_stop_folder_only_of_ours(tmp_path: Path) -> None:
+    """The next launch removes the folder a dead run's lock record names (issue 38 item 4); the
+    record is in the run dir, which others may write: a folder elsewhere, a link, another host's
+    or another name is no stop folder, and nothing in it is touched."""
+    import socket
+    import tempfile
+
+    from kfp_nvrx.components.launch.local.shm_sweep import (
+        SNAPSHOT_FILE,
+        STOPS_PREFIX,
+        stops_folder,
+        sweep_previous,
+    )
+
+    host = socket.gethostname()
+    real = Path(tempfile.mkdtemp(prefix=STOPS_PREFIX))
+    link = Path(tempfile.gettempdir()) / f"{STOPS_PREFIX}link-{uuid.uuid4().hex}"
+    elsewhere = tmp_path / f"{STOPS_PREFIX}x"
+    other_name = Path(tempfile.mkdtemp(prefix="kfp-nvrx-other-"))
+    for d in (elsewhere, other_name):
+        d.mkdir(exist_ok=True)
+        (d / "keep").write_text("x")
+    link.symlink_to(elsewhere)
+    try:
+        for path in (elsewhere, link, other_name):
+            assert stops_folder({"stops": str(path), "host": host}) is None
+            assert sweep_previous({"stops": str(path), "host": host}, tmp_path / "run") == ""
+        assert stops_folder({"stops": str(real), "host": "another-host"}) is None
+        assert (elsewhere / "keep").exists() and (other_name / "keep").exists()
+        snapshot(real / SNAPSHOT_FILE)
+        assert stops_folder({"stops": str(real), "host": host}) == real
+        sweep_previous({"stops": str(real), "host": host}, tmp_path / "run")
+        assert not real.exists()
+    finally:
+        link.unlink()
+        for d in (real, other_name):
+            if d.exists():
+                import shutil
+
+                shutil.rmtree(d)

@@ -18,7 +18,33 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--run-dir", required=True, type=argtypes.path,
                    help="run directory holding events.jsonl")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--queued", default="", metavar="START-END[,START-END...]",
+                   help="waits in a queue (Unix seconds) that `kfp-nvrx launch` printed for a "
+                   "run dir it could not write: kept out of the wall time, and a re-admission "
+                   "after a preemption counted as none of the restarts")
     p.set_defaults(handler=_run)
+
+
+def parse_waits(text: str) -> list[tuple[float, float]]:
+    """``--queued``: ``START-END`` pairs of Unix seconds, comma-separated ('' is none).
+
+    Raises:
+        UserError: A pair that is not two times of a run, or ends before it starts.
+    """
+    from kfp_nvrx.components.core.events.schema import LATEST
+
+    out = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        a, sep, b = item.partition("-")
+        try:
+            start, end = float(a), float(b)
+        except ValueError:
+            start = end = -1.0
+        if not sep or not 0 <= start <= end <= LATEST:
+            raise UserError("--queued", f"{item[:60]!r} is not START-END, two Unix times "
+                            "(seconds) with START <= END, e.g. 1790000000.5-1790000053.2")
+        out.append((start, end))
+    return out
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -26,6 +52,7 @@ def _run(args: argparse.Namespace) -> int:
     from kfp_nvrx.components.core.goodput import summarize_events
     from kfp_nvrx.components.core.rundir import EVENTS_FILE
 
+    waits = parse_waits(args.queued)  # bad input is said before the run dir is read
     events_file = Path(args.run_dir) / EVENTS_FILE
     if not os.path.lexists(events_file):
         raise UserError("--run-dir", f"{args.run_dir} has no {EVENTS_FILE} (not a training run)")
@@ -39,7 +66,7 @@ def _run(args: argparse.Namespace) -> int:
                         "summarise")
     for msg in skipped:
         sys.stderr.write(f"kfp-nvrx goodput: warning: {msg}\n")
-    rep = summarize_events(events).to_dict()
+    rep = summarize_events(events, waits).to_dict()
     if args.json:
         print(json.dumps(rep, indent=2, allow_nan=False))  # strict JSON: the events hold no NaN
         return 0

@@ -159,9 +159,13 @@ def _report(result: LaunchResult) -> int:
     """Prints the launch's summary line (and why it failed); returns the exit code."""
     queued = (f" ({result.queued_s:.0f}s of it queued by Kueue, preempted "
               f"{result.preemptions}x)" if "queue" in result.extra else "")
+    # A re-attached launcher knows a PyTorchJob's pod recreations only from then on (a
+    # TrainJob's JobSet keeps its own count, on its pods).
+    since = (" since re-attaching" if result.extra.get("attached")
+             and not result.extra.get("pod_restarts_whole") else "")
     print(f"{result.state}: {result.name} ({result.backend}) in {result.duration_s:.0f}s"
-          f"{queued}, restarts {result.restarts_text()}, pod restarts {result.pod_restarts}, "
-          f"run dir {result.run_dir}", flush=True)
+          f"{queued}, restarts {result.restarts_text()}, pod restarts {result.pod_restarts}"
+          f"{since}, run dir {result.run_dir}", flush=True)
     if hint := result.restarts_hint():
         print(hint, flush=True)
     if result.succeeded:

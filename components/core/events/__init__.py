@@ -11,9 +11,11 @@ the drills read them (:func:`read_events`). Every line has ``type`` and ``time``
 - :class:`Fault`: an injected fault fired (written by the faulting rank, or by a drill);
 - :class:`Restart`: a restart of one of :data:`RESTART_LAYERS`;
 - :class:`Join`: a node's agent started the workers of a rendezvous round (:mod:`.rounds`);
-- :class:`End`: the run completed.
+- :class:`End`: the run completed (or its node was asked to stop: ``stopped``);
+- :class:`Queued`: a wait in a queue (Kueue held the job), written by the launcher.
 
-Rank 0 writes everything except :class:`Fault` and :class:`Join` (each node's first worker).
+Rank 0 writes everything except :class:`Fault`, :class:`Join` (each node's first worker) and
+:class:`Queued` (the launcher, where the run dir is on its machine).
 The on-disk form is unchanged from the dicts the trainer used to write: a field that is None is
 left out unless it has always been written as ``null`` (``resumed_from``, ``loss``, ``rank``),
 so files of older runs read, and older readers read ours. A line of a type this version does
@@ -43,6 +45,7 @@ from kfp_nvrx.components.core.events.schema import (
     Fault,
     Join,
     Other,
+    Queued,
     Restart,
     Snapshot,
     Start,
@@ -51,7 +54,7 @@ from kfp_nvrx.components.core.events.schema import (
 
 __all__ = [
     "IN_JOB", "IN_PROCESS", "POD", "RESTART_LAYERS", "STOPPED", "TYPES",
-    "Checkpoint", "End", "Event", "EventLog", "Fault", "Join", "Other", "Restart", "Snapshot",
+    "Checkpoint", "End", "Event", "EventLog", "Fault", "Join", "Other", "Queued", "Restart", "Snapshot",
     "Start", "Step",
     "in_time_order", "parse_event", "parse_events", "read_events",
 ]

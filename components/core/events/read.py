@@ -21,6 +21,7 @@ from kfp_nvrx.components.core.events.schema import (
     TYPES,
     Event,
     Other,
+    Queued,
     Start,
     Step,
 )
@@ -84,8 +85,8 @@ def parse_event(obj: Any) -> Event:
         values[f.name] = value
     event = cls(**values, unnamed={k: v for k, v in obj.items() if k not in values
                                    and k not in ("type", "time") and not hasattr(cls, k)})
-    if isinstance(event, Step) and event.end < event.start:
-        raise ValueError("step ends before it starts")
+    if isinstance(event, (Step, Queued)) and event.end < event.start:
+        raise ValueError(f"{obj['type']} ends before it starts")
     return event
 
 
@@ -99,6 +100,10 @@ def in_time_order(events: Iterable[Event],
     """
     out, latest, disordered = list(events), -math.inf, False
     for i, event in enumerate(out):
+        if isinstance(event, Queued):
+            # The launcher's line, written when it learns of a wait, while a rank's step (logged
+            # at its end, timed from its start) may be under way: no order to keep with those.
+            continue
         if not isinstance(event, Start) and event.when < latest - _ORDER_SLACK_S:
             disordered = True
             if disorder is not None:

@@ -189,6 +189,23 @@ class Join(Event):
     endpoint: str | None = _f(ANY, None)
 
 
+@dataclass(frozen=True, kw_only=True)
+class Queued(Event):
+    """A wait in a queue (Kueue held the job), ``start`` to ``end``, as its launcher saw it.
+
+    The pods cannot see the queue: the launcher writes one line per wait once the wait has
+    ended, where the run dir is on its machine (``time``: when it wrote it). ``after`` says what
+    began it: ``creation`` (before the first admission) or ``preemption`` (the job had run).
+    Goodput keeps the wait out of the wall time and a re-admission out of the restarts.
+    """
+
+    TYPE: ClassVar[str] = "queued"
+    start: float = _f(TIME)
+    end: float = _f(TIME)
+    after: str = _f(TEXT, "creation")
+    reason: str = _f(TEXT, "")
+
+
 #: The status of an ``end`` written when a node was asked to stop (preemption, drain, delete).
 STOPPED = "stopped"
 
@@ -229,4 +246,4 @@ class Other(Event):
 
 #: Every event class by its ``type``.
 TYPES: dict[str, type[Event]] = {c.TYPE: c for c in (Start, Step, Checkpoint, Snapshot, Fault,
-                                                     Restart, Join, End)}
+                                                     Restart, Join, End, Queued)}

@@ -21,6 +21,7 @@ from kfp_nvrx.components.launch.kube.http import StopSignals
 from kfp_nvrx.components.launch.kube.logs import PodLogFollower
 from kfp_nvrx.components.launch.kube.missing import MissingWatch
 from kfp_nvrx.components.launch.kube.queue_follow import QueueWatch
+from kfp_nvrx.components.launch.kube.queue_record import QueueRecord
 from kfp_nvrx.components.launch.options import FollowOptions
 from kfp_nvrx.components.launch.result import LaunchResult, RestartsSoFar
 
@@ -35,6 +36,10 @@ MIN_OUTAGE_S = 120.0
 EVENTS_EVERY_S = 10.0
 #: The state a job Kueue holds is reported in (its own lines say the rest).
 QUEUED = "Queued"
+#: After a pod's exit the job's controllers decide its end within seconds (a final exit fails
+#: the job, another restarts it): read every :data:`SOON_S` for :data:`SOON_FOR_S`, not every
+#: poll interval (issue 38 item 7: up to 5 s of a give-up's end were the launcher's poll).
+SOON_S, SOON_FOR_S = 1.0, 20.0
 
 
 class Follow:
@@ -60,10 +65,12 @@ class Follow:
         self.result = LaunchResult(name=jobs.name, backend="kubernetes", state="Running",
                                    run_dir=run_dir, started_at=self.created)
         self.restarts = RestartsSoFar(run_dir)
+        self.record = QueueRecord(run_dir, say)  # the waits, where `kfp-nvrx goodput` reads
         self.missing = MissingWatch(jobs.namespace, opts.missing_s, say)
         self.last_state, self.last_summary, self.last_progress = "", "", 0.0
         self.errors, self.failing_since, self.last_error = 0, 0.0, ""
         self.next_events, self.warned = time.monotonic() + 1.0, set[str]()
+        self.soon_until = 0.0  # reads come every SOON_S until then (a pod exited)
 
     def deadline_s(self, active_deadline_s: float | None) -> float | None:
         """The launcher's deadline: given, or the job's active deadline plus a margin."""
@@ -84,17 +91,38 @@ class Follow:
             self.job = current
             if self.watch is not None:
                 self.watch.observe(self.jobs.suspended(current), self.jobs.uid(current))
+                self.record.write((p.start, p.end, p.after, p.reason) for p in self.watch.periods)
             self._report_state()
             if self._ended(deadline_s):
                 break
             self._explain()
-            signals.event.wait(self.opts.poll_s)
+            self._pause(signals)
         result.finished_at = result.finished_at or time.time()
         if self.watch is not None:
+            self.watch.say_preempted(now=True)  # the end came before the trainer's stop line
             result.queued_s = round(self.watch.queued_s(result.finished_at), 1)
             result.preemptions = len(self.watch.preemptions)
-            result.extra["queue"] = self.watch.summary(result.finished_at)
+            queue = result.extra["queue"] = self.watch.summary(result.finished_at)
+            # FT: a wait still going on at the end is written as ending now (a relaunch of the
+            # run counts it as far as this launcher saw it)
+            queue["recorded"] = self.record.write(
+                (w["start"], w["end"], w["after"], w["reason"]) for w in queue["waits"])
         return result
+
+    def _pause(self, signals: StopSignals) -> None:
+        """Until the next read: the poll interval, less while a pod's exit is recent.
+
+        A stop signal ends it at once; so does a pod's exit seen meanwhile.
+        """
+        now = time.monotonic()
+        if self.follower.exited.is_set():
+            self.follower.exited.clear()
+            self.soon_until = now + SOON_FOR_S
+        wait = min(self.opts.poll_s, SOON_S) if now < self.soon_until else self.opts.poll_s
+        end = now + wait
+        while not signals.event.wait(max(0.0, min(SOON_S, end - time.monotonic()))):
+            if time.monotonic() >= end or self.follower.exited.is_set():
+                return
 
     def _stopped(self, signals: StopSignals) -> bool:
         if not signals.event.is_set():
@@ -166,10 +194,21 @@ class Follow:
                     self.warned.add(line)
                     self.say(line)
         if now - self.last_progress >= opts.progress_s:
-            summary = self.follower.progress.summary(so_far := self.restarts.count())
+            summary = self.follower.progress.summary(so_far := self._restarts_so_far())
             if (self.follower.progress.step or so_far) and summary != self.last_summary:
                 self.say(f"progress: {summary}, pod restarts {self.follower.pod_restarts()}")
                 self.last_summary, self.last_progress = summary, now
+
+    def _restarts_so_far(self) -> int | None:
+        """The events' restarts so far, less each re-admission's, as goodput counts them.
+
+        A preemption is no restart, but the re-admitted pods' trainer writes a ``restart``.
+        """
+        so_far = self.restarts.count()
+        if so_far is None or self.watch is None:
+            return so_far
+        resumed = sum(1 for p in self.watch.preemptions if "resumed_from" in p)
+        return max(0, so_far - resumed)
 
     def _why_no_pods(self) -> list[str]:
         """Why the job has no pod: a controller's refused pods (quota, admission), or no status.

@@ -68,6 +68,9 @@ class JobPods:
             ``elasticPolicy``: the operator marks it Succeeded, and ``cleanPodPolicy: Running``
             stops the pods still running). A pod that then ends non-zero is no failure, and is
             not said to be one. Not a TrainJob's: its JobSet succeeds when every pod has.
+        restart_of: The job-wide restart a pod was made by (a JobSet's restart attempt: each
+            recreates every pod of the job, one restart however many replicas; the count is
+            the job's own, on its pods); None where the job API keeps no such count.
     """
 
     job: str
@@ -75,6 +78,7 @@ class JobPods:
     container: str
     replica: Callable[[k8s.V1Pod], str]
     first_success_ends_job: bool
+    restart_of: Callable[[k8s.V1Pod], int | None] = lambda _pod: None
 
 
 def failure_reason(reason: str | None, message: str | None) -> str:

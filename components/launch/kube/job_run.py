@@ -167,6 +167,7 @@ class JobRun:
         job, pod = jobs.job, jobs.job.worker()
         fill_failure(result, follower, self.opts.tail_lines)
         result.pod_restarts = follower.pod_restarts()
+        result.extra["pod_restarts_whole"] = follower.pod_restarts_whole()
         # FT: restarts by layer, goodput, recovery: the trainer's events (when the volume is here)
         account_run_dir(result, job.run_dir, lambda msg: self.say(f"warning: {msg}"))
         result.extra.update(attached=attached, namespace=jobs.namespace, pvc=pod.pvc,

@@ -30,6 +30,7 @@ from kfp_nvrx.components.launch.kube.pods import (
     Progress,
     container_status,
     missing_objects,
+    pod_restarts,
     prefix,
 )
 
@@ -66,6 +67,7 @@ class PodLogFollower:
         self.watch_timeout_s = watch_timeout_s
         self.selector = pods.selector
         self.replica_name = pods.replica
+        self.restart_of = pods.restart_of
         self.first_success_ends_job = pods.first_success_ends_job
         #: A pod of this admission exited 0: training completed (see first_success_ends_job).
         self._completed = False
@@ -81,6 +83,11 @@ class PodLogFollower:
         #: re-admission makes new ones, which are no restarts (:meth:`set_aside`).
         self._admission = 0
         self._admission_of: dict[str, int] = {}
+        #: The job-wide restart that made each pod instance (JobPods.restart_of).
+        self._restart_of: dict[str, int | None] = {}
+        #: Set when a pod instance's exit is first seen (:class:`.follow.Follow` reads the job
+        #: sooner then); cleared by its reader.
+        self.exited = threading.Event()
         #: API requests of the pod watch and what they met (list, watch, bookmark, gone).
         self.requests: collections.Counter[str] = collections.Counter()
 
@@ -113,22 +120,18 @@ class PodLogFollower:
             return sorted({m for p in self.pods.values() for m in p.waiting_on})
 
     def pod_restarts(self) -> int:
-        """Container restarts plus pod recreations, over all worker replicas.
+        """Container restarts plus restarts of the job's pods (:func:`.pods.pod_restarts`)."""
+        with self._lock:
+            return pod_restarts(self.pods.values(), self._admission_of, self._restart_of)
 
-        A replica is counted by its place in the job (``worker-1``, ``node-0``), not by pod
-        name: the operator recreates a PyTorchJob pod under its name, but a JobSet restart
-        recreates every pod under new names (``node-0/a1``), which must count as well. A
-        replica's first pod of each Kueue admission is no recreation (:meth:`set_aside`).
+    def pod_restarts_whole(self) -> bool:
+        """Whether :meth:`pod_restarts` holds those before this launcher followed the job.
+
+        True where the job keeps its own count (a JobSet's restart attempt on its pods); a
+        PyTorchJob pod the operator recreated before a launcher re-attached is not known.
         """
         with self._lock:
-            uids: dict[str, set[str]] = {}
-            restarts = 0
-            for p in self.pods.values():
-                uids.setdefault(p.replica.split("/")[0], set()).update(p.uids)
-                restarts += p.restart_count
-            # Each admission's first pod of a replica is new, not recreated.
-            return restarts + sum(len(us) - len({self._admission_of.get(u, 0) for u in us})
-                                  for us in uids.values())
+            return any(a is not None for a in self._restart_of.values())
 
     def set_aside(self) -> None:
         """Kueue evicted the job: its pods go, and pods of the next admission are no restarts.
@@ -269,6 +272,7 @@ class PodLogFollower:
             if uid not in state.uids:
                 state.uids.append(uid)
                 self._admission_of[uid] = self._admission
+                self._restart_of[uid] = self.restart_of(pod)
                 if len(state.uids) > 1:
                     self._note(state, f"pod recreated by the operator (#{len(state.uids)})")
             phase = _phase(pod)
@@ -301,6 +305,8 @@ class PodLogFollower:
             return
         done = term.finished_at
         ended = state.instance(uid)
+        if ended.exit_code is None:
+            self.exited.set()  # the job's end may follow in a moment: its follow reads it soon
         ended.exit_code = state.exit_code = term.exit_code
         ended.exit_reason = state.exit_reason = term.reason or ""
         ended.finished_at = state.finished_at = done.timestamp() if done else time.time()

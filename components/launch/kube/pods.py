@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import re
 import threading
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,6 +129,28 @@ class PodState:
             nth = self.uids.index(uid) if uid in self.uids else 0
             self.instances[uid] = Ended(self.name, uid, self.replica + (f"/p{nth}" if nth else ""))
         return self.instances[uid]
+
+
+def pod_restarts(pods: Iterable[PodState], admission_of: Mapping[str, int],
+                 restart_of: Mapping[str, int | None]) -> int:
+    """Container restarts plus restarts of the job's pods: what goodput counts as ``pod``.
+
+    A JobSet restart recreates every pod under new names (``node-0/a1``): one restart, as its
+    rounds say in goodput, however many replicas (issue 38 item 8: two were counted), and its
+    count is the job's own (``restart_of``: the pods' restart-attempt label), so a re-attached
+    launcher knows the ones before it. Any other pod recreated in its replica's place (a
+    PyTorchJob pod the operator recreates under its name) is one restart each, counted while
+    followed. A replica's first pod of each Kueue admission (``admission_of``) is no recreation.
+    """
+    uids: dict[tuple[str, int | None], set[str]] = {}
+    restarts = 0
+    for p in pods:
+        for u in p.uids:
+            uids.setdefault((p.replica.split("/")[0], restart_of.get(u)), set()).add(u)
+        restarts += p.restart_count
+    jobwide = max((a for a in restart_of.values() if a is not None), default=0)
+    return restarts + jobwide + sum(len(us) - len({admission_of.get(u, 0) for u in us})
+                                    for us in uids.values())
 
 
 def prefix(state: PodState, restart: int) -> str:

@@ -29,6 +29,9 @@ from kfp_nvrx.components.launch.kube.kueue import KueueReads, Reading
 #: Seconds a queued job may have no Workload before the launcher says so (Kueue not running,
 #: a WorkloadPriorityClass the launcher could not check).
 NO_WORKLOAD_S = 60.0
+#: Seconds a preemption's line waits for the trainer's stop line (the step it saved: the stop
+#: save gets resilience.stop_save_timeout, 60 s by default); said with the last logged step then.
+STOP_LINE_WAIT_S = 90.0
 
 
 @dataclass
@@ -78,6 +81,7 @@ class QueueWatch:
     _since: float = 0.0
     _resuming: int | None = None  # start lines seen at the re-admission, until one more shows
     _stops_seen: int | None = None  # the trainer's last stop line when the preemption was seen
+    _unsaid: tuple[str, float] | None = None  # a preemption's (why, monotonic time) not yet said
 
     def queued_s(self, now: float | None = None) -> float:
         """Seconds the job has waited for quota so far, all waits together."""
@@ -88,6 +92,7 @@ class QueueWatch:
         """One status read of the job: ``suspended`` as its spec says now."""
         now = time.time()
         self._resumed()
+        self.say_preempted()
         if suspended and not self.holding:
             self._hold(uid, now)
         elif suspended and not self._said:
@@ -109,9 +114,28 @@ class QueueWatch:
         self.periods.append(Period(start, after="preemption", reason=reading.evicted))
         self.preemptions.append({"at": start, "step": step, "reason": reading.evicted})
         self.on_preempted()
-        why = f" ({reading.evicted})" if reading.evicted else ""
-        self.say(f"preempted at step {step}{why}: queued again in {self.reads.where}")
+        # Said once the trainer said where it stopped: the eviction is seen as the pods are told
+        # to stop, before they train and save their last step (issue 38 item 8).
+        self._unsaid = (f" ({reading.evicted})" if reading.evicted else "", time.monotonic())
         self._said = True
+
+    def say_preempted(self, now: bool = False) -> None:
+        """Says the last preemption once the trainer's stop line came (``now``: at once).
+
+        ``preempted at step 58 (Preempted: ...): queued again in LocalQueue q``: the step its
+        trainer stopped at, or the last logged one when no stop line came within
+        :data:`STOP_LINE_WAIT_S` (a stop that saves nothing says none).
+        """
+        if self._unsaid is None:
+            return
+        why, since = self._unsaid
+        stopped = self.stopped()
+        if not now and (stopped is None or stopped == self._stops_seen) \
+                and time.monotonic() - since < STOP_LINE_WAIT_S:
+            return
+        self._unsaid = None
+        self.say(f"preempted at step {self._stopped_at()}{why}: queued again in "
+                 f"{self.reads.where}")
 
     def _say_why(self, uid: str, now: float) -> None:
         """Say once why the job waits, as soon as its Workload says it."""
@@ -147,6 +171,7 @@ class QueueWatch:
         where = f"ClusterQueue {self.reads.cluster_queue}" if self.reads.cluster_queue else "Kueue"
         waited = f"after {period.seconds(now):.0f} s queued"
         if again:
+            self.say_preempted(now=True)
             at = self._stopped_at()
             self.say(f"re-admitted by {where} {waited} (preempted at step {at})")
             self._resuming = self.started()[0]

@@ -105,6 +105,17 @@ class RunDirLock:
                 f"but {held} still hold{'s' if len(holders) == 1 else ''} it while stopping; "
                 f"{fix}")
 
+    def note(self, **fields: Any) -> None:
+        """Adds ``fields`` to this launcher's record in the lock file (the next launch reads it).
+
+        Raises:
+            RuntimeError: The lock is not held.
+        """
+        fd = self.held()
+        record = json.dumps({**_read_record(fd), **fields}).encode()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, record, 0)
+
     def held(self) -> int:
         """The descriptor that holds the lock (a watchdog keeps it open until it is done).
 
@@ -266,6 +277,11 @@ for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
         pids = alive()
 if sweep:  # every process of the run is gone: its host copy and leaked semaphores go too
     sweep_run(sweep[0], before)
+    # and the launcher's stop folder (the snapshot's), when it is one: the next launch of the
+    # run dir need not sweep again
+    from pathlib import Path
+    from kfp_nvrx.components.launch.local.shm_sweep import remove_stops_folder
+    remove_stops_folder(Path(sweep[1]).parent)
 """
 
 

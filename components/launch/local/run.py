@@ -53,6 +53,7 @@ from kfp_nvrx.components.launch.local.lifetime import (
     stop_leftovers,
 )
 from kfp_nvrx.components.launch.local.preflight import ft_launcher, preflight
+from kfp_nvrx.components.launch.local.shm_sweep import SNAPSHOT_FILE, STOPS_PREFIX, sweep_previous
 from kfp_nvrx.components.launch.result import LaunchResult, account
 
 _MARKER = "KFP_NVRX_LOCAL_RUN"
@@ -137,11 +138,12 @@ class LocalRun:
         lock = self._take_run_dir()
         # FT: each node's stop request (core.stop_request): a cancelled run, or one past its
         # deadline, lets its workers save first; a failed one stops them at once.
-        stops = Path(tempfile.mkdtemp(prefix="kfp-nvrx-stop-"))
+        stops = Path(tempfile.mkdtemp(prefix=STOPS_PREFIX))
         # What /dev/shm held before the run: the semaphores its processes leak are the others.
         shm_before = semaphores()
-        snapshot(stops / "shm-before.json")
-        self.sweep = (str(self.run_path), str(stops / "shm-before.json"))
+        snapshot(stops / SNAPSHOT_FILE)
+        self.sweep = (str(self.run_path), str(stops / SNAPSHOT_FILE))
+        lock.note(stops=str(stops))  # FT: the next launch sweeps if this one dies whole
         # Stops everything of this run if the launcher itself dies (SIGKILL included), then
         # removes what the run left in /dev/shm; it holds the lock until then. If the watchdog
         # dies first, the loop starts a new one.
@@ -198,6 +200,12 @@ class LocalRun:
         if left:
             self.log(f"[launch-local] stopped {left} process(es) the run before left behind "
                      f"(launched by pid {lock.previous.get('pid')}, which is gone)")
+        # Every process of it is gone now: what it left in /dev/shm when its launcher and its
+        # watchdog were both killed (neither could sweep) goes too (issue 38 item 4).
+        swept = sweep_previous(lock.previous, self.run_path)
+        if swept:
+            self.log(f"[launch-local] removed {swept} that the run before left in /dev/shm "
+                     "(its launcher and watchdog were killed)")
         # Every agent's full output; the stream shows what matters.
         (self.run_path / LOGS_DIR).mkdir(exist_ok=True)
         return lock

@@ -52,10 +52,17 @@ def node_replica(pod: k8s.V1Pod) -> str:
     return f"{rt.REPLICATED_JOB}-{index}" + (f"/a{attempt}" if attempt not in ("", "0") else "")
 
 
+def restart_attempt(pod: k8s.V1Pod) -> int | None:
+    """The JobSet restart that made ``pod`` (its restart-attempt label; None without one)."""
+    value = (pod.metadata.labels or {}).get(RESTART_ATTEMPT_LABEL, "")
+    return int(value) if value.isdigit() else None
+
+
 def job_pods(name: str) -> JobPods:
     """The node pods of TrainJob ``name``, by its JobSet's label; it ends when every one has."""
     return JobPods(job=name, selector=f"{JOBSET_NAME_LABEL}={name}", container=rt.CONTAINER_NAME,
-                   replica=node_replica, first_success_ends_job=False)
+                   replica=node_replica, first_success_ends_job=False,
+                   restart_of=restart_attempt)
 
 
 class FollowedTrainJob(FollowedJob):
