@@ -105,6 +105,19 @@ def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def start_bench(name: str, preset: str) -> tuple[Path, str, dict[str, Any]]:
+    """A bench's working folder (a temp dir), its dataset for ``preset`` and its result record."""
+    import tempfile
+
+    from kfp_nvrx.components.core.config import load_config
+
+    work = Path(tempfile.mkdtemp(prefix="kfp-nvrx-bench-"))
+    data = make_dataset(work, load_config(preset).data.seq_len)
+    return work, data, {"bench": name, "preset": preset,
+                        "machine": {**machine_info(), "date": time.strftime("%Y-%m-%d")},
+                        "runs": {}}
+
+
 def make_dataset(root: str | os.PathLike, seq_len: int) -> str:
     """The bundled sample corpus, byte-tokenized, for trainer runs (no download)."""
     from kfp_nvrx.components.data.prepare import prepare_dataset

@@ -10,24 +10,13 @@ set -uo pipefail
 OUT=${OUT:?set OUT}
 LIMIT=${LIMIT:-585}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+source bench/gpu_setup.sh
 left() { echo $((LIMIT - SECONDS)); }
-clean() { rm -rf /dev/shm/kfp-nvrx-* /tmp/kfp-nvrx-bench-*; }
+clean() { gpu_clean; }
 for part in "$@"; do
   t0=$SECONDS
   case $part in
-  setup)
-    python3 -m pip install -q --no-index --no-deps .whl/nvidia_resiliency_ext-*.whl .whl/defusedxml-*.whl
-    python3 -m pip install -q --no-index --no-deps --no-build-isolation . >/dev/null
-    purelib=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-    [[ -f /tmp/.compiled ]] || { python3 -m compileall -q -j 16 "$purelib" >/dev/null 2>&1; touch /tmp/.compiled; }
-    {
-      nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-      python3 -c 'import torch, importlib.metadata as m; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", ".".join(map(str, torch.cuda.nccl.version())), "nvrx", m.version("nvidia-resiliency-ext"))'
-      python3 --version; nproc; free -g | head -2; df -h / /dev/shm | tail -2
-      python3 -c 'import sympy, os; print("bytecode cached:", os.path.exists(sympy.__cached__))'
-    } > "$OUT/versions.txt" 2>&1
-    cat "$OUT/versions.txt" ;;
+  setup) gpu_setup ;;
   sweep1b|sweep125m)
     preset=${part#sweep}
     export PATH=$(dirname "$(python3 -c 'import sys; print(sys.executable)')"):$PATH

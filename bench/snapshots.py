@@ -23,12 +23,10 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-from bench.common import log, machine_info, make_dataset, write_json
+from bench.common import log, start_bench, write_json
 from bench.runs import Training, run_trainer
 
 #: The runs: name -> (overrides, faults, steps per second of the preset's quiet step).
@@ -203,11 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     from kfp_nvrx.components.core.config import load_config
 
     t0 = time.time()
-    work = Path(tempfile.mkdtemp(prefix="kfp-nvrx-bench-"))
-    data = make_dataset(work, load_config(args.preset).data.seq_len)
-    res: dict[str, Any] = {"bench": "snapshots", "preset": args.preset,
-                           "machine": {**machine_info(), "date": time.strftime("%Y-%m-%d")},
-                           "runs": {}}
+    work, data, res = start_bench("snapshots", args.preset)
     quiet = None
     for name in args.only.split(","):
         training = _training(args.preset, name, data, args.scale)

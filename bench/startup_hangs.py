@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-from bench.common import log, machine_info, make_dataset, write_json
+from bench.common import log, start_bench, write_json
 from bench.recovery import split
 from bench.runs import Training, run_trainer
 
@@ -44,14 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="1b")
     p.add_argument("--budget", type=float, default=0, help="seconds; 0: no limit")
     args = p.parse_args(argv)
-    from kfp_nvrx.components.core.config import load_config
-
     t0 = time.time()
-    work = Path(tempfile.mkdtemp(prefix="kfp-nvrx-bench-"))
-    data = make_dataset(work, load_config(args.preset).data.seq_len)
-    res: dict[str, Any] = {"bench": "startup hangs", "preset": args.preset,
-                           "machine": {**machine_info(), "date": time.strftime("%Y-%m-%d")},
-                           "runs": {}}
+    work, data, res = start_bench("startup hangs", args.preset)
     for name, faults in RUNS.items():
         left = args.budget - (time.time() - t0)
         if args.budget and left < 120:
