@@ -15,8 +15,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kfp_nvrx.components.core.ckpt_store import DEFAULT_KIND, open_store
+from kfp_nvrx.components.core.ckpt_store import open_store
 from kfp_nvrx.components.core.config import ResilienceConfig
+from kfp_nvrx.components.core.store_kinds import DEFAULT_KIND
 from kfp_nvrx.components.errors import UserError
 
 #: The module ft_launcher runs in every worker process.

@@ -12,14 +12,14 @@ from kfp import dsl
 
 from kfp_nvrx.components.core.faults import with_fault_kinds
 from kfp_nvrx.components.images import components_image
-from kfp_nvrx.components.launch.job_apis import DEFAULT_JOB_API
+from kfp_nvrx.components.launch.options import DEFAULT_JOB_API
 
 #: The pipelines take their ``job_api`` default from here (they import no launcher module).
 __all__ = ["DEFAULT_JOB_API", "train_fsdp"]
 
 
 # KFP runs this function's source alone, so its defaults are literals; job_api's is
-# job_apis.DEFAULT_JOB_API (tests/unit/test_pipelines.py holds them equal). KFP takes the parameter
+# options.DEFAULT_JOB_API (tests/unit/test_pipelines.py holds them equal). KFP takes the parameter
 # descriptions from the docstring, where with_fault_kinds lists the registered fault kinds (the
 # source KFP runs keeps the placeholder).
 @dsl.component(base_image=components_image(), install_kfp_package=False)

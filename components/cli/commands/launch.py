@@ -19,6 +19,7 @@ from kfp_nvrx.components.core import argtypes
 from kfp_nvrx.components.core.atomic import check_output
 from kfp_nvrx.components.launch import job_apis
 from kfp_nvrx.components.launch.kube.missing import MISSING_S
+from kfp_nvrx.components.launch.options import DEFAULT_JOB_API
 
 if TYPE_CHECKING:
     from kfp_nvrx.components.launch.kube.cluster import Cluster
@@ -33,10 +34,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", choices=("local", "kubernetes"), default="local",
                    help="local (default: ft_launcher agents on this machine) or kubernetes")
     add_job_arguments(p)
-    p.add_argument("--job-api", choices=job_apis.choices(), default=job_apis.DEFAULT_JOB_API,
+    p.add_argument("--job-api", choices=job_apis.choices(), default=DEFAULT_JOB_API,
                    help="kubernetes: pytorchjob (Training Operator v1), trainjob (Kubeflow "
                    "Trainer v2) or auto (ask the cluster; TrainJob when it serves both); "
-                   f"default {job_apis.DEFAULT_JOB_API}")
+                   f"default {DEFAULT_JOB_API}")
     f = p.add_argument_group("follow")
     f.add_argument("--deadline", type=argtypes.seconds, default=None,
                    help="give up after SECONDS (kubernetes: from job creation, not counting "

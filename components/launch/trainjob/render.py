@@ -27,7 +27,7 @@ import yaml
 
 from kfp_nvrx.components.core.launch_command import pod_grace_period_s
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.launch.job_apis import Rendered
+from kfp_nvrx.components.launch.job_api import Rendered
 from kfp_nvrx.components.launch.jobspec import naming
 from kfp_nvrx.components.launch.jobspec.pod import (
     job_annotations,
