@@ -22,7 +22,6 @@ from kfp_nvrx.components.launch.kube.missing import MISSING_S
 from kfp_nvrx.components.launch.options import DEFAULT_JOB_API
 
 if TYPE_CHECKING:
-    from kfp_nvrx.components.launch.kube.cluster import Cluster
     from kfp_nvrx.components.launch.options import Options
     from kfp_nvrx.components.launch.result import LaunchResult
 
@@ -56,47 +55,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_run)
 
 
-def _cluster(args: argparse.Namespace) -> Cluster:
-    """The cluster of the in-cluster service account or of the kubeconfig (and its context).
-
-    Its namespace is the one of a job that names none.
-    """
-    import os
-
-    from kubernetes import client, config
-
-    from kfp_nvrx.components.launch.kube.calls import ClusterError
-    from kfp_nvrx.components.launch.kube.cluster import Cluster
-    from kfp_nvrx.components.launch.kube.kubeconfig import check_kubeconfig
-    from kfp_nvrx.components.redaction import register_kube_configuration, register_kubeconfig
-
-    cfg = client.Configuration()
-    # Whatever authenticates us is cut out of every line printed from here on (the CLI's
-    # redacting stdout/stderr), the file's values before the loader can quote them in an error.
-    register_kube_configuration(cfg)
-    in_cluster = "KUBERNETES_SERVICE_HOST" in os.environ and not (args.kubeconfig or args.context)
-    if not in_cluster:
-        # Before anything opens it: a FIFO hung the loader, a tokenFile of /dev/zero filled memory.
-        check_kubeconfig(args.kubeconfig or None, "--kubeconfig")
-        register_kubeconfig(args.kubeconfig or None)
-    try:
-        if in_cluster:
-            config.load_incluster_config(client_configuration=cfg)
-            sa_ns = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
-            with open(sa_ns) as fh:
-                return Cluster(cfg, fh.read(256).strip())
-        config.load_kube_config(config_file=args.kubeconfig or None,
-                                context=args.context or None, client_configuration=cfg)
-        _, active = config.list_kube_config_contexts(config_file=args.kubeconfig or None)
-        if args.context:
-            contexts, _ = config.list_kube_config_contexts(config_file=args.kubeconfig or None)
-            active = next(c for c in contexts if c["name"] == args.context)
-        return Cluster(cfg, (active.get("context") or {}).get("namespace", "default"))
-    except Exception as err:  # noqa: BLE001 - no/bad kubeconfig: one line
-        raise ClusterError(f"cannot load Kubernetes credentials: {' '.join(str(err).split())}") \
-            from None
-
-
 def _options(args: argparse.Namespace) -> Options:
     """The backend's typed launch options from the flags (credentials come later)."""
     from kfp_nvrx.components.launch.options import FollowOptions, KubernetesOptions, LocalOptions
@@ -127,11 +85,13 @@ def _run(args: argparse.Namespace) -> int:
 
     try:
         if isinstance(opts, KubernetesOptions):  # --backend kubernetes
+            from kfp_nvrx.components.launch.kube.cluster import load_cluster
             from kfp_nvrx.components.launch.kube.kubeconfig import exec_plugins_stopped
 
             # no kubeconfig exec plugin outlives the launcher, however it ends (a SIGTERM too)
             with exec_plugins_stopped():
-                result = launch(job, replace(opts, cluster=_cluster(args)), log=log)
+                cluster = load_cluster(args.kubeconfig, args.context, "--kubeconfig")
+                result = launch(job, replace(opts, cluster=cluster), log=log)
         else:
             result = launch(job, opts, log=log)
     except ClusterError as err:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from kfp_nvrx.components.core.ckpt_store import open_store
 from kfp_nvrx.components.core.config import Config, load_config
+from kfp_nvrx.components.core.elastic_env import env_int
 from kfp_nvrx.components.core.events import EventLog, Start, read_events
 from kfp_nvrx.components.core.faults import Fault, check_faults
 from kfp_nvrx.components.core.rounds import current_budget, join_event
@@ -213,7 +214,7 @@ def check_job(config: str, overrides: list[str], faults: list[str], run_dir: Pat
 
 def env_restart_count() -> int:
     """``TORCHELASTIC_RESTART_COUNT``: worker-group restarts so far (ft_launcher, torchrun)."""
-    return env_int("TORCHELASTIC_RESTART_COUNT")
+    return env_int("TORCHELASTIC_RESTART_COUNT", or_default=True)
 
 
 def join_round(cfg: Config, run_dir: Path) -> None:
@@ -226,24 +227,16 @@ def join_round(cfg: Config, run_dir: Path) -> None:
     and stops its agent, which stops this node's workers and gives up (the pod's exit 1 ends
     the job under both job APIs; ft_launcher's own count stays a backstop).
     """
-    if env_int("LOCAL_RANK") != 0:
+    if env_int("LOCAL_RANK", or_default=True) != 0:
         return
     mine = EventLog(run_dir).emit(join_event())
-    if env_int("RANK") != 0:
+    if env_int("RANK", or_default=True) != 0:
         return
     res = cfg.resilience
     used = current_budget(run_dir, mine, res.max_restarts, wait_s=res.barrier_timeout)
     if not used.spent:
         return
     give_up(used.line(), res.workers_stop_timeout)
-
-
-def env_int(name: str, default: int = 0) -> int:
-    """An integer from the launcher's environment (``default`` when unset or not a number)."""
-    try:
-        return int(os.environ.get(name, "") or default)
-    except ValueError:
-        return default
 
 
 def launch_started(run_dir: Path) -> bool:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kfp_nvrx.components.core import events as ev
+from kfp_nvrx.components.core.elastic_env import env_int
 from kfp_nvrx.components.core.events import EventLog
 from kfp_nvrx.components.core.exits import GAVE_UP
 from kfp_nvrx.components.core.faults import When
@@ -19,7 +20,6 @@ from kfp_nvrx.components.training.trainer.build import (
     TrainState,
     apply_state,
     check_compatible,
-    env_int,
     full_state,
     warm_start,
 )

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from kfp_nvrx.components.core import events as ev
 from kfp_nvrx.components.core.config import Config
+from kfp_nvrx.components.core.elastic_env import env_int
 from kfp_nvrx.components.core.events import EventLog, read_events
 from kfp_nvrx.components.core.rounds import agent_identity
 from kfp_nvrx.components.training.checkpoint import (
@@ -24,7 +25,7 @@ from kfp_nvrx.components.training.checkpoint import (
     Kept,
     Reports,
 )
-from kfp_nvrx.components.training.trainer.build import TrainState, build, env_int
+from kfp_nvrx.components.training.trainer.build import TrainState, build
 from kfp_nvrx.components.training.trainer.fault_injector import FaultInjector
 from kfp_nvrx.components.training.trainer.job import Job
 from kfp_nvrx.components.training.trainer.loop import Place, Replica, Trainer, log0
