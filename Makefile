@@ -9,7 +9,7 @@ DEMO_DIR ?= runs/demo
 .PHONY: demo test test-gpu lint typecheck bench compile clean wheelhouse install-offline \
         gpu-matrix cluster-bins cluster-up cluster-down
 
-$(VENV)/.installed-%: setup.cfg pyproject.toml
+$(VENV)/.installed-%: setup.cfg setup.py pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_PIN)"

@@ -7,15 +7,14 @@ decision and both eval losses are in the compare task's ``Metrics``. The promote
 ``versions/``). Schedule it with ``kfp-nvrx schedule`` and ``--max-concurrency 1``.
 """
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from kfp import dsl
 
-from kfp_nvrx.components import images
 from kfp_nvrx.components.evaluate_promote.component import compare_models, promote_model
 from kfp_nvrx.components.export_checkpoint.component import export_checkpoint
 from kfp_nvrx.components.prepare_dataset.component import prepare_dataset
-from kfp_nvrx.components.train_fsdp.component import DEFAULT_JOB_API, train_fsdp
+from kfp_nvrx.components.train_fsdp.component import train_fsdp
 from kfp_nvrx.pipelines.steps import (
     EXPORT_TIMEOUT_S,
     MOUNT_PATH,
@@ -26,6 +25,7 @@ from kfp_nvrx.pipelines.steps import (
     prepare_step,
     retried,
     sized_task,
+    train_parameters,
     train_step,
 )
 
@@ -42,6 +42,7 @@ class Outputs(NamedTuple):
 @dsl.pipeline(name="scheduled-retrain",
               description="Retrain on new data from the promoted model; promote the result only "
                           "if its eval loss is better.")
+@train_parameters(omit=("faults",))  # a retrain injects no faults
 def scheduled_retrain(
     source: str = MOUNT_PATH + "/kfp-nvrx/incoming",
     workspace: str = MOUNT_PATH + "/kfp-nvrx",
@@ -52,17 +53,7 @@ def scheduled_retrain(
     seq_len: int = 64,
     val_fraction: float = 0.05,
     text_field: str = "text",
-    config: str = "tiny",
-    overrides: list = [],  # noqa: B006 - KFP takes list defaults as literals
-    nodes: str = "2",
-    nproc_per_node: int = 0,
-    instance_type: str = "cpu",
-    trainer_image: str = images.trainer_image(),
-    backend: str = "kubernetes",
-    job_api: str = DEFAULT_JOB_API,
-    deadline_s: int = 0,
-    queue_name: str = "",
-    priority_class: str = "",
+    train_args: dict[str, Any] | None = None,  # the train step's (train_parameters)
     eval_batches: int = 8,
     min_improvement: float = 0.0,
     launcher_node_selector: dict = {"kubernetes.io/os": "linux"},  # noqa: B006
@@ -83,20 +74,8 @@ def scheduled_retrain(
         seq_len: Sequence length the dataset must support.
         val_fraction: Share of documents held out for validation.
         text_field: JSON field holding the text.
-        config: Trainer preset or YAML path.
-        overrides: Trainer overrides as a JSON list of 'section.key=value' strings, e.g.
-            ["train.steps=200"].
-        nodes: 'N' or 'MIN:MAX' nodes.
-        nproc_per_node: Processes per node; 0 = the instance profile's GPUs (1 on cpu).
-        instance_type: Worker instance profile.
-        trainer_image: Trainer image of the worker pods (default: this version's image).
-        backend: 'kubernetes' (a job of job_api) or 'local' (in the task's pod: needs an image
-            with torch and NVRx; 'kfp-nvrx run-local' uses it).
-        job_api: 'pytorchjob', 'trainjob' or 'auto' (the cluster's; TrainJob when both).
-        deadline_s: Training time limit in seconds (0 = none); time waiting in a Kueue queue
-            does not count.
-        queue_name: Kueue LocalQueue the training job waits in for quota ('' = none).
-        priority_class: Kueue WorkloadPriorityClass of the training job (needs queue_name).
+        train_args: The training step's parameters, as the train_fsdp component declares them
+            (but faults: a retrain injects none).
         eval_batches: Val batches per model in the export and the comparison.
         min_improvement: Eval-loss margin a candidate must win by to be promoted.
         launcher_node_selector: Node selector of the training (launcher) task's pod, a JSON
@@ -118,16 +97,13 @@ def scheduled_retrain(
                            text_field=text_field)
     prepare_step(prep, pvc_name)
 
+    train_args = train_args or {}  # given by train_parameters, one by one to KFP
     train = train_fsdp(dataset=prep.outputs["dataset"], workspace=workspace, pvc_name=pvc_name,
-                       mount_path=MOUNT_PATH, config=config, overrides=overrides, nodes=nodes,
-                       nproc_per_node=nproc_per_node, instance_type=instance_type,
-                       trainer_image=trainer_image, backend=backend, job_api=job_api,
-                       deadline_s=deadline_s, queue_name=queue_name,
-                       priority_class=priority_class,
-                       init_from=promoted, init_from_required=False)
+                       mount_path=MOUNT_PATH, init_from=promoted, init_from_required=False,
+                       **train_args)
     train_step(train, pvc_name, launcher_node_selector, launcher_tolerations)
 
-    size = export_size(config, overrides, export_memory, pvc_name)
+    size = export_size(train_args["config"], train_args["overrides"], export_memory, pvc_name)
     model_task = Placement(size.output, export_cpu, export_node_selector)
     export = export_checkpoint(run=train.outputs["run"], eval_batches=eval_batches)
     export_step(export, pvc_name, model_task)

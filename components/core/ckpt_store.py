@@ -11,28 +11,38 @@ the stores know their layout. Two tiers implement it:
 
 :func:`newest_intact` is the only function that picks "the newest intact committed step" (resume,
 export, the resume checks). Another durable store (e.g. S3) is one module implementing
-:class:`CheckpointStore` plus one line in :data:`_FACTORIES` (or a :func:`register_store` call);
-the trainer's DCP readers and writers come from the store's :meth:`CheckpointStore.location`
-(:mod:`kfp_nvrx.components.training.checkpoint.dcp_io`). Imports no torch.
+:class:`CheckpointStore` plus one line in :data:`.store_kinds._FACTORIES` (or a
+:func:`.store_kinds.register_store` call); the trainer's DCP readers and writers come from the
+store's :meth:`CheckpointStore.location` (:mod:`kfp_nvrx.components.training.checkpoint.dcp_io`).
+Imports no torch.
 
-A run picks its store with the config key ``checkpoint.store`` (:data:`STORE_KEY`, checked
-against :func:`store_kinds`); its first start records it in the run's ``config.yaml``, and
-:func:`open_store` without a kind opens the store that record names, so readers that have no
-config in hand (export, the local agent) open the run's own store.
+A run picks its store with the config key ``checkpoint.store`` (:data:`.store_kinds.STORE_KEY`,
+checked against :func:`.store_kinds.store_kinds`); its first start records it in the run's
+``config.yaml``, and :func:`open_store` without a kind opens the store that record names
+(:mod:`.recorded_config`), so readers that have no config in hand (export, the local agent) open
+the run's own store. Below the run record (:mod:`.run_record`), which checks a resume through it.
 """
 
 from __future__ import annotations
 
-import os
+import importlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from kfp_nvrx.components.core.volume_store import VolumeStore
-from kfp_nvrx.components.errors import UserError
-
-StrPath = str | os.PathLike[str]
+# The default store loads with the opener, not at a run's first open: a by-name import in the
+# middle of a check meets a half-made module when that check re-enters (tests/unit/test_ownership.py
+# runs a second rank's check inside every file-system call of the first).
+from kfp_nvrx.components.core import volume_store  # noqa: F401
+from kfp_nvrx.components.core.recorded_config import read_recorded_config
+from kfp_nvrx.components.core.store_kinds import (
+    DEFAULT_KIND,
+    STORE_KEY,
+    StrPath,
+    check_kind,
+    factory,
+)
 
 
 class StepStore(Protocol):
@@ -106,42 +116,6 @@ class CheckpointStore(StepStore, Protocol):
         ...
 
 
-#: Durable stores by kind; a run dir's store is made by ``factory(run_dir)``.
-_FACTORIES: dict[str, Callable[[StrPath], CheckpointStore]] = {
-    "volume": VolumeStore,
-}
-#: The store every run uses unless told otherwise (also a run whose record predates the key).
-DEFAULT_KIND = "volume"
-#: The config key that picks a run's store (``CheckpointConfig.store``), as records name it.
-STORE_KEY = "checkpoint.store"
-
-
-def register_store(kind: str, factory: Callable[[StrPath], CheckpointStore]) -> None:
-    """Makes ``open_store(run_dir, kind)`` build the store with ``factory(run_dir)``."""
-    _FACTORIES[kind] = factory
-
-
-def store_kinds() -> list[str]:
-    """The registered kinds, sorted."""
-    return sorted(_FACTORIES)
-
-
-def check_kind(kind: str, source: str = "") -> str:
-    """``kind`` when a store of that kind is registered.
-
-    Args:
-        kind: A ``checkpoint.store`` value.
-        source: Where the value came from, for the message (e.g. the run's record).
-
-    Raises:
-        UserError: Naming ``checkpoint.store`` and the registered kinds.
-    """
-    if kind not in _FACTORIES:
-        raise UserError(STORE_KEY, f"must be one of {', '.join(store_kinds())}, got {kind!r}"
-                        f"{source}")
-    return kind
-
-
 def recorded_kind(run_dir: StrPath) -> str:
     """The store kind the run in ``run_dir`` records (``checkpoint.store`` in its config.yaml).
 
@@ -151,9 +125,6 @@ def recorded_kind(run_dir: StrPath) -> str:
     Raises:
         UserError: Naming ``run_dir`` when the record exists but cannot be read.
     """
-    # run_record imports this module (its checks go through a store), so it is imported here.
-    from kfp_nvrx.components.core.run_record import read_recorded_config
-
     recorded = read_recorded_config(Path(run_dir)) or {}
     return str(recorded.get(STORE_KEY, DEFAULT_KIND))
 
@@ -172,7 +143,12 @@ def open_store(run_dir: StrPath, kind: str | None = None) -> CheckpointStore:
     source = ""
     if kind is None:
         kind, source = recorded_kind(run_dir), f" (recorded in {run_dir}'s config.yaml)"
-    return _FACTORIES[check_kind(kind, source)](run_dir)
+    made = factory(check_kind(kind, source))
+    if isinstance(made, str):  # "module:attribute" (the volume store's module is loaded above)
+        module, _, attribute = made.partition(":")
+        made = getattr(importlib.import_module(module), attribute)
+    store: CheckpointStore = made(run_dir)
+    return store
 
 
 @dataclass

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from kfp_nvrx.components.core.ckpt_store import DEFAULT_KIND, store_kinds
 from kfp_nvrx.components.core.config_text import parse_set_value, read_config_file
 from kfp_nvrx.components.core.settings import (
     check_setting,
@@ -26,6 +25,7 @@ from kfp_nvrx.components.core.settings import (
     registered,
     setting,
 )
+from kfp_nvrx.components.core.store_kinds import DEFAULT_KIND, store_kinds
 from kfp_nvrx.components.errors import UserError
 
 PRESETS_DIR = Path(__file__).parent / "configs"
@@ -132,7 +132,7 @@ class CheckpointConfig(Section):
     # blocking on CPU.
     staging: str = one_of("auto", "overlap", "blocking", "nvrx")
     write_threads: int = positive(4)  # files per rank written in parallel by the NVRx writer
-    # Where the checkpoints live: a kind of the checkpoint-store registry (.ckpt_store; volume =
+    # Where the checkpoints live: a kind of the checkpoint-store registry (.store_kinds; volume =
     # <run_dir>/checkpoints on the run dir's volume). Recorded in config.yaml by the first start;
     # a resume must keep it (its checkpoints are in that store), and readers open the recorded one.
     store: str = registered(DEFAULT_KIND, store_kinds)

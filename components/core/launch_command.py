@@ -15,8 +15,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kfp_nvrx.components.core.ckpt_store import DEFAULT_KIND, open_store
+from kfp_nvrx.components.core.ckpt_store import open_store
 from kfp_nvrx.components.core.config import ResilienceConfig
+from kfp_nvrx.components.core.store_kinds import DEFAULT_KIND
+from kfp_nvrx.components.core.trainer_flags import CONFIG_FLAG, FAULT_FLAG, RUN_DIR_FLAG, SET_FLAG
 from kfp_nvrx.components.errors import UserError
 
 #: The module ft_launcher runs in every worker process.
@@ -28,17 +30,6 @@ GPU_MEMORY_POLL_SINCE = (0, 7)
 #: First NVRx release known to read ``--ft-checkpoint-iteration-file`` (its progress tracker;
 #: 0.4.1 has neither and rejects the flag).
 ITERATION_FILE_SINCE = (0, 7)
-
-
-def iteration_file(run_dir: str | Path, store: str = DEFAULT_KIND) -> Path:
-    """Where the trainer writes the newest committed step and ft_launcher reads it (the store's).
-
-    Args:
-        run_dir: The run directory.
-        store: The run's resolved ``checkpoint.store`` (a rendered job's run dir is a path in
-            the pod, not here: nothing is read from it).
-    """
-    return open_store(run_dir, store).progress_file
 
 
 @dataclass
@@ -55,11 +46,11 @@ class TrainerArgs:
 
     def argv(self) -> list[str]:
         """The trainer's own flags."""
-        out = ["--config", self.config, "--run-dir", self.run_dir]
+        out = [CONFIG_FLAG, self.config, RUN_DIR_FLAG, self.run_dir]
         for item in self.overrides:
-            out += ["--set", item]
+            out += [SET_FLAG, item]
         for item in self.faults:
-            out += ["--fault", item]
+            out += [FAULT_FLAG, item]
         return out
 
 
@@ -241,7 +232,9 @@ def ft_launcher_argv(
     if _version_tuple(nvrx_version) >= ITERATION_FILE_SINCE:
         # FT: ft_launcher's progress tracking reads the newest committed step the trainer writes
         # (without it NVRx 0.7 warns that no iterations are reported and tracks nothing).
-        progress = [f"--ft-checkpoint-iteration-file={iteration_file(trainer.run_dir, trainer.store)}"]
+        # The file is the store's (a rendered job's run dir is a path in the pod: nothing is read).
+        progress_file = open_store(trainer.run_dir, trainer.store).progress_file
+        progress = [f"--ft-checkpoint-iteration-file={progress_file}"]
     rdzv_flags = [f"--rdzv-endpoint={rdzv.endpoint}"] if rdzv.endpoint else []
     rdzv_flags += [f"--rdzv-id={rdzv.id}"] if rdzv.id else []
     return [

@@ -20,7 +20,8 @@ from collections.abc import Collection, Iterable
 from pathlib import Path
 
 from kfp_nvrx.components.core.atomic import fsync_dir
-from kfp_nvrx.components.core.ckpt_store import DEFAULT_KIND, open_store
+from kfp_nvrx.components.core.ckpt_store import open_store
+from kfp_nvrx.components.core.store_kinds import DEFAULT_KIND
 from kfp_nvrx.components.errors import UserError
 
 #: Written into every run dir we create; proves the folder is a kfp-nvrx run dir.

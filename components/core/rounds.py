@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kfp_nvrx.components.core.elastic_env import env_int
 from kfp_nvrx.components.core.events import IN_JOB, POD, Event, Join, Start
 
 # The line rank 0 prints when the budget is spent: the pod entrypoint and the local launcher read
@@ -64,20 +65,14 @@ def _pid_namespace() -> str:
         return ""
 
 
-def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
-    try:
-        return int(env.get(name, "") or default)
-    except ValueError:
-        return default
-
-
 def join_event(env: Mapping[str, str] | None = None, agent: str | None = None) -> Join:
     """This worker's :class:`Join`, from the environment its agent gave it."""
     env = os.environ if env is None else env
     addr, port = env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", "")
     return Join(agent=agent_identity() if agent is None else agent,
-                node=_env_int(env, "GROUP_RANK", 0), nodes=_env_int(env, "GROUP_WORLD_SIZE", 1),
-                rank=_env_int(env, "RANK", 0), pid=os.getpid(),
+                node=env_int("GROUP_RANK", 0, env, or_default=True),
+                nodes=env_int("GROUP_WORLD_SIZE", 1, env, or_default=True),
+                rank=env_int("RANK", 0, env, or_default=True), pid=os.getpid(),
                 run_id=env.get("TORCHELASTIC_RUN_ID") or None,
                 endpoint=f"{addr}:{port}" if addr or port else None)
 

@@ -23,19 +23,14 @@ from typing import Any
 import yaml
 
 from kfp_nvrx.components.core.atomic import write_atomic
-from kfp_nvrx.components.core.ckpt_store import (
-    DEFAULT_KIND,
-    STORE_KEY,
-    CheckpointStore,
-    open_store,
-)
+from kfp_nvrx.components.core.ckpt_store import CheckpointStore, open_store
 from kfp_nvrx.components.core.config import GUARDED_KEYS, Config, check_allow_changes
 from kfp_nvrx.components.core.dataset_record import (
     check_dataset,
     record_dataset,
-    unreadable_record,
 )
 from kfp_nvrx.components.core.ownership import check_run_dir_owned, claim_run_dir
+from kfp_nvrx.components.core.recorded_config import flat_keys, read_recorded_config
 from kfp_nvrx.components.core.rundir import (
     CONFIG_FILE,
     RESUMED_CONFIG_FILE,
@@ -43,41 +38,8 @@ from kfp_nvrx.components.core.rundir import (
     link_in,
     refuse_link,
 )
+from kfp_nvrx.components.core.store_kinds import DEFAULT_KIND, STORE_KEY
 from kfp_nvrx.components.errors import UserError
-
-
-def _flat(raw: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(raw, dict):
-        return {}
-    out: dict[str, Any] = {}
-    for key, value in raw.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
-def read_recorded_config(run_dir: Path) -> dict[str, Any] | None:
-    """The run's config.yaml record as ``{dotted key: value}``; None when there is none.
-
-    Raises:
-        UserError: Naming ``--run-dir`` when the record exists but is no config mapping.
-    """
-    from kfp_nvrx.components.core.bounded import CONFIG_LIMIT, read_text
-    from kfp_nvrx.components.core.config_text import load_yaml
-
-    path = run_dir / CONFIG_FILE
-    if not os.path.lexists(path):
-        return None
-    try:
-        raw = load_yaml(read_text(path, "run_dir", CONFIG_LIMIT, "run config"), "run_dir", path)
-    except UserError as err:
-        raise unreadable_record(err) from None
-    if not isinstance(raw, dict):
-        raise UserError("run_dir", f"{path} is not a config record (not a mapping); restore "
-                        "it or use a fresh `run_dir`")
-    return _flat(raw)
 
 
 def _same(key: str, recorded: Any, wanted: Any) -> bool:
@@ -138,7 +100,7 @@ def _check_record(cfg: Config, run_dir: Path, steps: list[int], allowed: list[st
     refused: without it nothing says what the checkpoints were trained with, and the start would
     write the new values as the record. Unless every guarded key is allowed to change.
     """
-    wanted = _flat(cfg.to_dict())
+    wanted = flat_keys(cfg.to_dict())
     guarded = [k for k in sorted(wanted) if k.startswith(GUARDED_KEYS) and not _allowed(k, allowed)]
     recorded = read_recorded_config(run_dir)
     if not guarded:
@@ -208,7 +170,7 @@ def record_config(cfg: Config, run_dir: Path) -> None:
     if os.path.lexists(target):
         recorded = read_recorded_config(run_dir)
         # A record from before checkpoint.store is the same config when the store is the volume.
-        if recorded is not None and _with_store(recorded) == _flat(cfg.to_dict()):
+        if recorded is not None and _with_store(recorded) == flat_keys(cfg.to_dict()):
             resumed = run_dir / RESUMED_CONFIG_FILE  # ours; it would describe an older start
             if os.path.lexists(resumed) and link_in(resumed, run_dir) is None:
                 resumed.unlink(missing_ok=True)

@@ -24,13 +24,11 @@ check again where they act. This module imports no torch.
 from __future__ import annotations
 
 import stat
-from collections.abc import Callable
 from pathlib import Path
 
 # link_in, refuse_link and write_atomic live in .atomic; imported from here too (one run-dir API).
 from kfp_nvrx.components.core.atomic import link_in, refuse_link, write_atomic  # noqa: F401
 from kfp_nvrx.components.core.bounded import kind_of
-from kfp_nvrx.components.core.ckpt_store import newest_intact
 from kfp_nvrx.components.core.timeline import committed_steps  # noqa: F401
 
 # The checkpoints' layout is the volume store's (.volume_layout); product code reaches it through
@@ -50,7 +48,6 @@ from kfp_nvrx.components.core.volume_layout import (  # noqa: F401
     verify,
     write_commit_marker,
 )
-from kfp_nvrx.components.core.volume_store import VolumeStore
 from kfp_nvrx.components.errors import UserError
 
 CONFIG_FILE = "config.yaml"
@@ -102,14 +99,3 @@ def check_run_dir_links(run_dir: Path) -> None:
                 refuse_link(child, run_dir)
                 if entry.name == LOGS_DIR:  # the launcher appends to them
                     _refuse_special(child, folder=False)
-
-
-def select_checkpoint(root: Path, wanted: int = -1, log: Callable[[str], None] = print) -> int | None:
-    """The newest committed step (or ``wanted``) of the checkpoints dir ``root`` that is intact.
-
-    Logs one line per damaged step skipped; the pick is :func:`.ckpt_store.newest_intact`'s.
-    """
-    pick = newest_intact(VolumeStore(root.parent), wanted=wanted)
-    for step, problem in pick.damaged:
-        log(f"checkpoint step {step} is damaged: {problem}; trying the next older one")
-    return pick.step

@@ -47,6 +47,7 @@ from kfp_nvrx.components.core.faults import check_faults
 from kfp_nvrx.components.core.launch_command import Rendezvous, TrainerArgs, ft_launcher_argv
 from kfp_nvrx.components.core.pod_env import default_env
 from kfp_nvrx.components.core.run_claim import HOLDER_ENV, RUN_DIR_ENV, kube_holder
+from kfp_nvrx.components.core.trainer_flags import add_trainer_flags
 from kfp_nvrx.components.errors import UserError
 
 CONFIG_ENV = "KFP_NVRX_CONFIG"
@@ -72,10 +73,7 @@ class _Args(argparse.ArgumentParser):
 
 def _parser() -> _Args:
     p = _Args(prog="runtime_entry", add_help=False, allow_abbrev=False)
-    p.add_argument("--config")
-    p.add_argument("--run-dir")
-    p.add_argument("--set", nargs="+", action="extend", default=[], dest="overrides")
-    p.add_argument("--fault", nargs="+", action="extend", default=[], dest="faults")
+    add_trainer_flags(p)
     return p
 
 

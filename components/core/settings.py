@@ -52,8 +52,8 @@ def one_of(default: str, *choices: str) -> Any:
 def registered(default: str, kinds: Callable[[], Iterable[str]]) -> Any:
     """A field whose value is one of a registry's keys, ``kinds()``, read when it is checked.
 
-    A registry (e.g. the checkpoint stores of :mod:`.ckpt_store`) may gain a key after this
-    module is imported (:func:`~.ckpt_store.register_store`), so the choices are not frozen here.
+    A registry (e.g. the checkpoint stores of :mod:`.store_kinds`) may gain a key after this
+    module is imported (:func:`~.store_kinds.register_store`), so the choices are not frozen here.
     """
     return field(default=default, metadata={"kinds": kinds})
 

@@ -5,7 +5,7 @@
   ft_launcher command line a pod gets (image, PVC and resources are not used): :mod:`.local`.
 * ``kubernetes`` (:class:`.options.KubernetesOptions`): a job of the job API ``job_api`` names
   (:mod:`.job_apis`); ``auto`` asks the cluster first and renders once for the API it serves:
-  :mod:`.kube.launch`.
+  :mod:`.cluster_launch`.
 
 A surface (CLI, KFP component) resolves its ``JobSpec`` once with :func:`check`, before
 credentials are looked at, so bad input is one line naming its field even where no cluster
@@ -19,7 +19,13 @@ from collections.abc import Callable
 from kfp_nvrx.components.launch import job_apis
 from kfp_nvrx.components.launch.jobspec.resolve import ResolvedJob, resolve
 from kfp_nvrx.components.launch.jobspec.spec import JobSpec
-from kfp_nvrx.components.launch.options import KubernetesOptions, LocalOptions, Options, backend_of
+from kfp_nvrx.components.launch.options import (
+    AUTO,
+    KubernetesOptions,
+    LocalOptions,
+    Options,
+    backend_of,
+)
 from kfp_nvrx.components.launch.result import LaunchResult
 
 
@@ -32,7 +38,7 @@ def check(spec: JobSpec, opts: Options) -> ResolvedJob:
         UserError: Bad input, naming its field; nothing was sent anywhere.
     """
     job = resolve(spec, backend_of(opts))
-    if isinstance(opts, KubernetesOptions) and opts.job_api != job_apis.AUTO:
+    if isinstance(opts, KubernetesOptions) and opts.job_api != AUTO:
         job_apis.get(opts.job_api).refuse(job, opts)
     return job
 
@@ -57,6 +63,6 @@ def launch(job: ResolvedJob, opts: Options, *,
         from kfp_nvrx.components.launch.local.run import LocalRun
 
         return LocalRun(job, log=log, deadline_s=opts.deadline_s).run()
-    from kfp_nvrx.components.launch.kube.launch import launch_on_cluster
+    from kfp_nvrx.components.launch.cluster_launch import launch_on_cluster
 
     return launch_on_cluster(job, opts, log)

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.launch.job_apis import DEFAULT_JOB_API
 from kfp_nvrx.components.launch.jobspec.resolve import BACKENDS, KUBERNETES, LOCAL
 from kfp_nvrx.components.launch.kube.missing import MISSING_S
 
@@ -22,6 +21,10 @@ if TYPE_CHECKING:
     from kfp_nvrx.components.launch.kube.cluster import Cluster
 
 DELETE_AFTER = ("always", "on_success", "never")
+#: ``job_api``: ask the cluster which registered job API it serves (:mod:`.cluster_launch`).
+AUTO = "auto"
+#: The job API of every surface (CLI, KFP component, pipelines) unless told otherwise.
+DEFAULT_JOB_API = AUTO
 
 
 @dataclass(frozen=True)

@@ -12,16 +12,14 @@ from kfp import dsl
 
 from kfp_nvrx.components.core.faults import with_fault_kinds
 from kfp_nvrx.components.images import components_image
-from kfp_nvrx.components.launch.job_apis import DEFAULT_JOB_API
-
-#: The pipelines take their ``job_api`` default from here (they import no launcher module).
-__all__ = ["DEFAULT_JOB_API", "train_fsdp"]
 
 
 # KFP runs this function's source alone, so its defaults are literals; job_api's is
-# job_apis.DEFAULT_JOB_API (tests/unit/test_pipelines.py holds them equal). KFP takes the parameter
+# options.DEFAULT_JOB_API (tests/unit/test_pipelines.py holds them equal). KFP takes the parameter
 # descriptions from the docstring, where with_fault_kinds lists the registered fault kinds (the
-# source KFP runs keeps the placeholder).
+# source KFP runs keeps the placeholder). The pipelines take the training parameters they offer,
+# with these types, defaults and descriptions, from here (pipelines/steps.py: train_parameters),
+# so those descriptions are plain text, as a pipeline's parameters read in the Kubeflow UI.
 @dsl.component(base_image=components_image(), install_kfp_package=False)
 @with_fault_kinds
 def train_fsdp(
@@ -60,22 +58,24 @@ def train_fsdp(
         pvc_name: PVC of the shared volume (kubernetes backend: mounted in every worker pod).
         mount_path: Where that PVC is mounted (the same path in this task and in the workers).
         config: Trainer preset (tiny, 125m, 1b, 8b) or a YAML path on the shared volume.
-        overrides: Trainer ``section.key=value`` overrides.
-        faults: Fault drills ``KIND@STEP[/RANK]`` ({fault_kinds}).
-        nodes: ``N`` or ``MIN:MAX`` nodes (pods, or local ft_launcher agents).
+        overrides: Trainer overrides as a JSON list of 'section.key=value' strings, e.g.
+            ["train.steps=200"].
+        faults: Fault drills as a JSON list of 'KIND@STEP[/RANK]' strings, e.g. ["kill@20/1"]
+            (KIND: {fault_kinds}).
+        nodes: 'N' or 'MIN:MAX' nodes (pods, or local ft_launcher agents).
         nproc_per_node: Processes per node; 0 = the instance profile's (its GPUs; 1 locally).
         instance_type: Instance profile of the worker pods (p5.48xlarge, p4d.24xlarge, cpu).
         trainer_image: Trainer image of the worker pods ('' = the image of this package version).
-        backend: ``kubernetes`` (a job of ``job_api``) or ``local`` (in this task's container, which
-            then needs torch and NVRx: ``kfp-nvrx run-local``, or a custom image).
-        job_api: ``kubernetes``: ``pytorchjob`` (Training Operator v1), ``trainjob`` (Kubeflow
-            Trainer v2) or ``auto`` (ask the cluster; TrainJob when it serves both).
+        backend: 'kubernetes' (a job of job_api) or 'local' (in the training task's container,
+            which then needs torch and NVRx: 'kfp-nvrx run-local', or a custom image).
+        job_api: For 'kubernetes': 'pytorchjob' (Training Operator v1), 'trainjob' (Kubeflow
+            Trainer v2) or 'auto' (ask the cluster; TrainJob when it serves both).
         init_from: Warm start from this export directory or model.safetensors.
         init_from_required: Fail when ``init_from`` is missing (False: train from scratch).
         deadline_s: Limit of the job's time in seconds (0 = none); time it waits in a Kueue
             queue for quota does not count.
-        queue_name: ``kubernetes``: the Kueue LocalQueue the job waits in for quota ('' = none).
-        priority_class: ``kubernetes``: its Kueue WorkloadPriorityClass (needs ``queue_name``).
+        queue_name: For 'kubernetes': the Kueue LocalQueue the job waits in for quota ('' = none).
+        priority_class: For 'kubernetes': its Kueue WorkloadPriorityClass (needs queue_name).
         kfp_run_id: KFP run id (job name, labels, re-attach).
         kfp_task: KFP task name (job name).
 

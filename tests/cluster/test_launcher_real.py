@@ -29,7 +29,7 @@ from cluster.launch_real import (
     sa_kubeconfig,
     wait_for,
 )
-from kfp_nvrx.components.launch import job_apis
+from kfp_nvrx.components.launch import cluster_launch
 from kfp_nvrx.components.launch.trainjob import runtime as rt
 
 #: No node carries this label: the scheduler never binds our pods, so no node agent runs them and
@@ -70,14 +70,14 @@ def _set_served(api: client.ApiClient, crd: str, served: bool) -> None:
 def test_auto_reads_the_real_servers_api_groups(kube) -> None:
     """Both APIs served: TrainJob. The TrainJob CRD unserved (one-API cluster): PyTorchJob."""
     api = kube.client()
-    assert job_apis.served(api) == ["trainjob", "pytorchjob"]
-    assert job_apis.pick("auto", api) == "trainjob"
+    assert cluster_launch.served(api) == ["trainjob", "pytorchjob"]
+    assert cluster_launch.pick("auto", api) == "trainjob"
     crd = "trainjobs.trainer.kubeflow.org"
     try:
         _set_served(api, crd, False)
-        wait_for("discovery without trainjobs", lambda: job_apis.served(api)
+        wait_for("discovery without trainjobs", lambda: cluster_launch.served(api)
                  == ["pytorchjob"])
-        assert job_apis.pick("auto", api) == "pytorchjob"
+        assert cluster_launch.pick("auto", api) == "pytorchjob"
         # And the launcher, asked for auto, creates a PyTorchJob there.
         name = "real-auto-v1"
         run = Background(_spec(name), admin_configuration(kube), kube.namespace,
@@ -87,7 +87,7 @@ def test_auto_reads_the_real_servers_api_groups(kube) -> None:
         assert run.saw(f"created PyTorchJob {kube.namespace}/{name}")
     finally:
         _set_served(api, crd, True)
-        wait_for("trainjobs served again", lambda: "trainjob" in job_apis.served(api))
+        wait_for("trainjobs served again", lambda: "trainjob" in cluster_launch.served(api))
 
 
 def test_pytorchjob_failure_names_operator_reason_and_replica(kube) -> None:

@@ -25,8 +25,8 @@ from support.k8s_double import K8sDouble
 
 from kfp_nvrx.components.cli import main as cli
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.launch import job_apis
-from kfp_nvrx.components.launch.job_apis import Rendered
+from kfp_nvrx.components.launch import cluster_launch, job_apis
+from kfp_nvrx.components.launch.job_api import Rendered
 from kfp_nvrx.components.launch.jobspec import naming
 from kfp_nvrx.components.launch.jobspec.pod import (
     job_annotations,
@@ -174,7 +174,7 @@ def test_a_registered_job_api_is_offered_rendered_and_refused(registered, capsys
 
 def test_auto_chooses_it_when_the_cluster_serves_only_it(registered, double: K8sDouble) -> None:
     double.served = {RESOURCE.plural}
-    assert job_apis.pick("auto", api_client(double.configuration())) == "fakejob"
+    assert cluster_launch.pick("auto", api_client(double.configuration())) == "fakejob"
 
 
 def _play(double: K8sDouble, name: str) -> None:

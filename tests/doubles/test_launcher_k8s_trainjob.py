@@ -21,7 +21,7 @@ from support.k8s_launch import SPEC, Script, launch_on, on_double, playing, trai
 
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.launch import backends
-from kfp_nvrx.components.launch.job_apis import pick
+from kfp_nvrx.components.launch.cluster_launch import pick
 from kfp_nvrx.components.launch.jobspec.resolve import resolve
 from kfp_nvrx.components.launch.jobspec.spec import JobSpec
 from kfp_nvrx.components.launch.kube.calls import ClusterError

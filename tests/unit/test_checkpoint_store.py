@@ -14,9 +14,10 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from kfp_nvrx.components.core import ckpt_store
-from kfp_nvrx.components.core.ckpt_store import newest_intact, open_store, register_store
+from kfp_nvrx.components.core import store_kinds
+from kfp_nvrx.components.core.ckpt_store import newest_intact, open_store
 from kfp_nvrx.components.core.config import CheckpointConfig, Config, load_config
+from kfp_nvrx.components.core.store_kinds import register_store
 from kfp_nvrx.components.core.volume_store import VolumeStore
 from kfp_nvrx.components.errors import UserError
 
@@ -97,7 +98,7 @@ def _record(run_dir: Path, store: str | None) -> None:
 @pytest.fixture()
 def registered(monkeypatch) -> None:
     """The fake registered with its one line (the registry restored after the test)."""
-    monkeypatch.setattr(ckpt_store, "_FACTORIES", dict(ckpt_store._FACTORIES))
+    monkeypatch.setattr(store_kinds, "_FACTORIES", dict(store_kinds._FACTORIES))
     monkeypatch.setattr(MemoryStore, "steps", {})
     register_store("memory", MemoryStore)
 
@@ -107,7 +108,7 @@ def memory(registered, tmp_path) -> MemoryStore:
     """A run whose config chose the fake: ``open_store(run_dir)`` opens it from the record."""
     _record(tmp_path, "memory")
     store = open_store(tmp_path)
-    assert isinstance(store, MemoryStore) and "memory" in ckpt_store.store_kinds()
+    assert isinstance(store, MemoryStore) and "memory" in store_kinds.store_kinds()
     return store
 
 

@@ -22,13 +22,13 @@ from kfp_nvrx.components.core.rundir import (
     COMMIT_MARKER,
     DCP_METADATA,
     checkpoints_dir,
-    select_checkpoint,
     step_dir,
     verify,
 )
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.launch.local.run import free_port
 from kfp_nvrx.components.training.checkpoint.recovery import Recovery
+from kfp_nvrx.components.training.export.checkpoint_read import select_checkpoint
 
 DATA = "__0_0.distcp"
 
@@ -125,9 +125,8 @@ def test_verify_and_the_disk_only_selection_say_it_the_same_way(tmp_path):
     assert verify(data.parent) == (f"{data} fails its CRC32 check, so its bytes changed after "
                                    "the commit")
     lines: list[str] = []
-    assert select_checkpoint(checkpoints_dir(run), log=lines.append) == 4
-    assert lines == [f"checkpoint step 8 is damaged: {verify(data.parent)}; trying the next "
-                     "older one"]
+    assert select_checkpoint(run, log=lines.append).step == 4
+    assert lines == [f"skipping damaged checkpoint step_00000008: {verify(data.parent)}"]
 
 
 @pytest.mark.parametrize("kind", ["fifo", "dir"])
@@ -141,4 +140,4 @@ def test_a_fifo_or_folder_in_place_of_a_checkpoint_file_is_said_as_what_it_is(tm
     os.mkfifo(data) if kind == "fifo" else data.mkdir()
     what = "a FIFO (named pipe)" if kind == "fifo" else "a directory"
     assert verify(data.parent) == f"{data} is {what}, not the file its commit recorded"
-    assert select_checkpoint(checkpoints_dir(run), log=lambda _l: None) == 4
+    assert select_checkpoint(run, log=lambda _l: None).step == 4

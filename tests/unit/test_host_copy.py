@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from kfp_nvrx.components.core.launch_command import iteration_file
 from kfp_nvrx.components.core.rundir import COMMIT_MARKER, committed_steps, step_dir
+from kfp_nvrx.components.core.volume_layout import iteration_file
 from kfp_nvrx.components.training.checkpoint import Checkpointer
 from kfp_nvrx.components.training.checkpoint.hostcopy import (
     HostCopyDir,

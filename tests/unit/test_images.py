@@ -193,13 +193,13 @@ def test_copy_sources_exist_and_reach_the_build(name: str) -> None:
         for src in sources:
             assert (ROOT / src).exists(), f"COPY {src}: not in the repository"
             assert not excluded(src, patterns), f"COPY {src}: excluded by .dockerignore"
-    # What the build needs: setup.cfg's package_dir folders and every `file:` it reads.
+    # What the build needs: setup.cfg's package_dir folders, every `file:` it reads, setup.py.
     cfg = configparser.ConfigParser(interpolation=None)
     cfg.read(ROOT / "setup.cfg")
     needed = {line.split("=")[1].strip() for line in
               cfg["options"]["package_dir"].strip().splitlines()}
     needed |= {v.split("file:")[1].strip() for v in cfg["metadata"].values() if "file:" in v}
-    needed.add("pyproject.toml")
+    needed |= {"pyproject.toml", "setup.py"}  # setup.py finds the packages
     sent = {Path(s).as_posix().strip("/") for sources, _ in copies for s in sources}
     assert needed <= sent, f"not copied: {needed - sent}"
 

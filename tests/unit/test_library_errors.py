@@ -11,7 +11,8 @@ string parts of each ``UserError(...)`` call, the local or module-level string a
 assigned, and every literal passed as the ``field``/``flag`` argument of a library function
 that raises with it. ``components/cli/`` is the CLI's own surface and may name its flags; so may a
 module that parses its own command line (``core/runtime_entry.py`` reads the ``TrainerArgs`` a
-TrainJob passes), for the flags its own ``add_argument`` calls declare.
+TrainJob passes), for the flags its own ``add_argument`` (or ``add_trainer_flags``) calls
+declare.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from kfp_nvrx.components.core import trainer_flags
 from kfp_nvrx.components.core.fields import CLI, COMPONENT, PIPELINE
 from kfp_nvrx.components.errors import Surface, UserError
 
@@ -39,13 +41,20 @@ KNOWN = {
 }
 
 
+#: The trainer's flags, declared once (``core/trainer_flags.py``) for every parser that calls
+#: ``add_trainer_flags``.
+TRAINER_FLAGS = {v for k, v in vars(trainer_flags).items() if k.endswith("_FLAG")}
+
+
 def _declared(tree: ast.AST) -> set[str]:
-    """The flags the ``add_argument`` calls in ``tree`` declare."""
+    """The flags the ``add_argument`` (and ``add_trainer_flags``) calls in ``tree`` declare."""
     flags = set()
     for call in ast.walk(tree):
         if isinstance(call, ast.Call) and _callee(call) == "add_argument":
             flags |= {a.value for a in call.args if isinstance(a, ast.Constant)
                       and isinstance(a.value, str) and a.value.startswith("--")}
+        elif isinstance(call, ast.Call) and _callee(call) == "add_trainer_flags":
+            flags |= TRAINER_FLAGS
     return flags
 
 

@@ -119,9 +119,9 @@ def test_fsdp_train_parameters():
 
 @pytest.mark.parametrize("name", sorted(PIPELINES))
 def test_every_surface_defaults_to_the_one_job_api(name):
-    """CLI ``launch``, the train component and the pipelines share job_apis.DEFAULT_JOB_API."""
-    from kfp_nvrx.components.launch.job_apis import DEFAULT_JOB_API, choices
-    from kfp_nvrx.components.launch.options import KubernetesOptions
+    """CLI ``launch``, the train component and the pipelines share options.DEFAULT_JOB_API."""
+    from kfp_nvrx.components.launch.job_apis import choices
+    from kfp_nvrx.components.launch.options import DEFAULT_JOB_API, KubernetesOptions
     from kfp_nvrx.components.train_fsdp.component import train_fsdp
 
     spec, _ = _docs(COMPILED_DIR / f"{name}.yaml")

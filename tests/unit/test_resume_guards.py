@@ -154,11 +154,11 @@ def test_config_yaml_is_the_record_and_is_never_replaced(tmp_path) -> None:
 
 
 def test_a_resume_in_another_checkpoint_store_is_refused(tmp_path, monkeypatch) -> None:
-    from kfp_nvrx.components.core import ckpt_store
+    from kfp_nvrx.components.core import store_kinds
     from kfp_nvrx.components.core.volume_store import VolumeStore
 
-    monkeypatch.setattr(ckpt_store, "_FACTORIES", dict(ckpt_store._FACTORIES))
-    ckpt_store.register_store("other", VolumeStore)  # a second kind, as an S3 store would be
+    monkeypatch.setattr(store_kinds, "_FACTORIES", dict(store_kinds._FACTORIES))
+    store_kinds.register_store("other", VolumeStore)  # a second kind, as an S3 store would be
     run, cfg = _run(tmp_path)
     before = (run / CONFIG_FILE).read_bytes()
     with pytest.raises(UserError) as err:

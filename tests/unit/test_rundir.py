@@ -13,11 +13,11 @@ from kfp_nvrx.components.core.rundir import (
     COMMIT_MARKER,
     checkpoints_dir,
     committed_steps,
-    select_checkpoint,
     step_dir,
     verify,
     write_commit_marker,
 )
+from kfp_nvrx.components.training.export.checkpoint_read import select_checkpoint
 
 
 def _checkpoint(run: Path, step: int) -> Path:
@@ -52,8 +52,8 @@ def test_forged_or_incomplete_marker_is_not_committed(tmp_path: Path, marker) ->
     assert committed_steps(checkpoints_dir(run)) == [8, 4]  # has a marker ...
     assert verify(forged) is not None  # ... but is not committed
     logged: list[str] = []
-    assert select_checkpoint(checkpoints_dir(run), log=logged.append) == 4
-    assert len(logged) == 1 and "step 8" in logged[0]
+    assert select_checkpoint(run, log=logged.append).step == 4
+    assert len(logged) == 1 and "step_00000008" in logged[0]
 
 
 def test_forged_marker_is_skipped_by_export_and_reported_by_drills(tmp_path: Path) -> None:

@@ -19,9 +19,9 @@ from kfp_nvrx.components.core import argtypes
 from kfp_nvrx.components.core.atomic import check_output
 from kfp_nvrx.components.launch import job_apis
 from kfp_nvrx.components.launch.kube.missing import MISSING_S
+from kfp_nvrx.components.launch.options import DEFAULT_JOB_API
 
 if TYPE_CHECKING:
-    from kfp_nvrx.components.launch.kube.cluster import Cluster
     from kfp_nvrx.components.launch.options import Options
     from kfp_nvrx.components.launch.result import LaunchResult
 
@@ -33,10 +33,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", choices=("local", "kubernetes"), default="local",
                    help="local (default: ft_launcher agents on this machine) or kubernetes")
     add_job_arguments(p)
-    p.add_argument("--job-api", choices=job_apis.choices(), default=job_apis.DEFAULT_JOB_API,
+    p.add_argument("--job-api", choices=job_apis.choices(), default=DEFAULT_JOB_API,
                    help="kubernetes: pytorchjob (Training Operator v1), trainjob (Kubeflow "
                    "Trainer v2) or auto (ask the cluster; TrainJob when it serves both); "
-                   f"default {job_apis.DEFAULT_JOB_API}")
+                   f"default {DEFAULT_JOB_API}")
     f = p.add_argument_group("follow")
     f.add_argument("--deadline", type=argtypes.seconds, default=None,
                    help="give up after SECONDS (kubernetes: from job creation, not counting "
@@ -53,47 +53,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     f.add_argument("--context", default="", help="kubeconfig context")
     f.add_argument("--result", default="", metavar="FILE", help="write the result as JSON")
     p.set_defaults(handler=_run)
-
-
-def _cluster(args: argparse.Namespace) -> Cluster:
-    """The cluster of the in-cluster service account or of the kubeconfig (and its context).
-
-    Its namespace is the one of a job that names none.
-    """
-    import os
-
-    from kubernetes import client, config
-
-    from kfp_nvrx.components.launch.kube.calls import ClusterError
-    from kfp_nvrx.components.launch.kube.cluster import Cluster
-    from kfp_nvrx.components.launch.kube.kubeconfig import check_kubeconfig
-    from kfp_nvrx.components.redaction import register_kube_configuration, register_kubeconfig
-
-    cfg = client.Configuration()
-    # Whatever authenticates us is cut out of every line printed from here on (the CLI's
-    # redacting stdout/stderr), the file's values before the loader can quote them in an error.
-    register_kube_configuration(cfg)
-    in_cluster = "KUBERNETES_SERVICE_HOST" in os.environ and not (args.kubeconfig or args.context)
-    if not in_cluster:
-        # Before anything opens it: a FIFO hung the loader, a tokenFile of /dev/zero filled memory.
-        check_kubeconfig(args.kubeconfig or None, "--kubeconfig")
-        register_kubeconfig(args.kubeconfig or None)
-    try:
-        if in_cluster:
-            config.load_incluster_config(client_configuration=cfg)
-            sa_ns = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
-            with open(sa_ns) as fh:
-                return Cluster(cfg, fh.read(256).strip())
-        config.load_kube_config(config_file=args.kubeconfig or None,
-                                context=args.context or None, client_configuration=cfg)
-        _, active = config.list_kube_config_contexts(config_file=args.kubeconfig or None)
-        if args.context:
-            contexts, _ = config.list_kube_config_contexts(config_file=args.kubeconfig or None)
-            active = next(c for c in contexts if c["name"] == args.context)
-        return Cluster(cfg, (active.get("context") or {}).get("namespace", "default"))
-    except Exception as err:  # noqa: BLE001 - no/bad kubeconfig: one line
-        raise ClusterError(f"cannot load Kubernetes credentials: {' '.join(str(err).split())}") \
-            from None
 
 
 def _options(args: argparse.Namespace) -> Options:
@@ -126,11 +85,13 @@ def _run(args: argparse.Namespace) -> int:
 
     try:
         if isinstance(opts, KubernetesOptions):  # --backend kubernetes
+            from kfp_nvrx.components.launch.kube.cluster import load_cluster
             from kfp_nvrx.components.launch.kube.kubeconfig import exec_plugins_stopped
 
             # no kubeconfig exec plugin outlives the launcher, however it ends (a SIGTERM too)
             with exec_plugins_stopped():
-                result = launch(job, replace(opts, cluster=_cluster(args)), log=log)
+                cluster = load_cluster(args.kubeconfig, args.context, "--kubeconfig")
+                result = launch(job, replace(opts, cluster=cluster), log=log)
         else:
             result = launch(job, opts, log=log)
     except ClusterError as err:

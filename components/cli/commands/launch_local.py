@@ -8,7 +8,7 @@ import signal
 import sys
 
 from kfp_nvrx.components.core import argtypes
-from kfp_nvrx.components.core.faults import FAULT_KINDS
+from kfp_nvrx.components.core.trainer_flags import RUN_DIR_FLAG, add_trainer_flags
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -18,11 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "environment a PyTorchJob or TrainJob pod gets, streams their output and waits.")
     p.add_argument("--nodes", default="1", help="N or MIN:MAX local nodes (default 1)")
     p.add_argument("--nproc-per-node", type=int, default=1, help="workers per node (default 1)")
-    p.add_argument("--run-dir", required=True, type=argtypes.path, help="run directory")
-    p.add_argument("--config", default="tiny", help="preset or YAML (default tiny)")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    p.add_argument("--fault", action="append", default=[], metavar="KIND@STEP[/RANK]",
-                   help=f"inject a fault once per run (repeatable): {FAULT_KINDS.listing()}")
+    add_trainer_flags(p, config="tiny", required=(RUN_DIR_FLAG,), run_dir_type=argtypes.path)
     p.add_argument("--deadline", type=argtypes.seconds, default=None,
                    help="wall-clock limit in seconds")
     p.add_argument("--verbose", action="store_true", help="stream every launcher log line")
@@ -36,7 +32,7 @@ def _run(args: argparse.Namespace) -> int:
     from kfp_nvrx.components.launch.local.run import LocalRun
 
     spec = JobSpec(nodes=args.nodes, nproc_per_node=args.nproc_per_node, run_dir=args.run_dir,
-                   config=args.config, overrides=args.set, faults=args.fault)
+                   config=args.config, overrides=args.overrides, faults=args.faults)
     res = LocalRun(resolve(spec, LOCAL), deadline_s=args.deadline, verbose=args.verbose).run()
     g = res.summary
     assert g is not None  # a local run's events are always here

@@ -15,7 +15,7 @@ from typing import Any
 from kfp_nvrx.components.core import argtypes
 from kfp_nvrx.components.core.atomic import check_output
 from kfp_nvrx.components.core.atomic import write_atomic as core_write_atomic
-from kfp_nvrx.components.core.faults import FAULT_KINDS
+from kfp_nvrx.components.core.trainer_flags import add_trainer_flags
 from kfp_nvrx.components.launch import job_apis
 
 
@@ -40,15 +40,8 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pvc", default="", help="shared volume claim, e.g. FSx for Lustre (required)")
     g.add_argument("--mount", default="/fsx", help="mount path of --pvc (default /fsx)")
     t = p.add_argument_group("trainer (passed through)")
-    t.add_argument("--run-dir", default=None, type=argtypes.path,
-                   help="run directory (default <mount>/runs/<name>)")
-    t.add_argument("--config", default="tiny", help="trainer preset or YAML (default tiny)")
-    t.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[],
-                   metavar="SECTION.KEY=VALUE", help="trainer override (repeatable)")
-    t.add_argument("--fault", dest="faults", action="extend", nargs="+", default=[],
-                   metavar="KIND@STEP[/RANK]",
-                   help=f"inject a fault once per run (drills; repeatable): "
-                   f"{FAULT_KINDS.listing()}")
+    add_trainer_flags(t, config="tiny", run_dir_type=argtypes.path,
+                      run_dir_help="run directory (default <mount>/runs/<name>)")
     q = p.add_argument_group("queue (Kueue)")
     q.add_argument("--queue-name", default="",
                    help="Kueue LocalQueue the job waits in for quota (its namespace's)")

@@ -21,7 +21,6 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _QUANTITY = re.compile(r"^([0-9]+(\.[0-9]+)?|\.[0-9]+)(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
 #: Kubernetes resource names (PVCs, Secrets, PriorityClasses): DNS-1123 subdomain.
 _DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-#: Env the operator or the pod spec owns; a user value would break rendezvous or the launcher.
 #: Variables the pod spec, ft_launcher or the Training Operator set, and why a user value would
 #: break the job. Everything else (EFA/libfabric ``FI_*``, ``NCCL_*``, ``RDMAV_*``, ...) a user may
 #: set; a user value replaces our default of the same name.

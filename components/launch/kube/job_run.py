@@ -21,7 +21,7 @@ from kfp_nvrx.components.core.exits import GAVE_UP, exit_meaning
 from kfp_nvrx.components.launch.jobspec import naming
 from kfp_nvrx.components.launch.kube.calls import ClusterError
 from kfp_nvrx.components.launch.kube.follow import Follow
-from kfp_nvrx.components.launch.kube.followed import FollowedJob
+from kfp_nvrx.components.launch.kube.followed import FollowedJob, Resource
 from kfp_nvrx.components.launch.kube.http import STOP_BUDGET_S, StopSignals, stop_left
 from kfp_nvrx.components.launch.kube.kueue import KueueReads
 from kfp_nvrx.components.launch.kube.logs import PodLogFollower
@@ -33,7 +33,7 @@ from kfp_nvrx.components.launch.options import FollowOptions
 from kfp_nvrx.components.launch.result import LaunchResult, account_run_dir
 
 if TYPE_CHECKING:
-    from kfp_nvrx.components.launch.job_apis import Rendered
+    from kfp_nvrx.components.launch.job_api import Rendered
 
 #: Seconds the launcher waits for a deleted job and its pods to be gone (after a stop signal,
 #: at most what is left of :data:`.http.STOP_BUDGET_S`, below KFP's 30 s termination grace).
@@ -79,14 +79,18 @@ class JobRun:
     Args:
         opts: How to follow the job (None: defaults).
         log: Sink for log lines and progress; :attr:`say` calls it one line at a time.
+        job_kinds: The custom resources of every job API (:func:`.job_apis.resources`), where
+            the job holding a claim on the run dir is looked for (:mod:`.run_dir_claim`).
 
     Raises:
         UserError: ``delete_after`` is not one of :data:`.options.DELETE_AFTER`.
 
     """
 
-    def __init__(self, opts: FollowOptions | None, log: Callable[[str], None]) -> None:
+    def __init__(self, opts: FollowOptions | None, log: Callable[[str], None],
+                 job_kinds: Callable[[], list[Resource]]) -> None:
         self.opts = (opts or FollowOptions()).checked()
+        self.job_kinds = job_kinds
         self._log = log
         self._lock = threading.Lock()
         self.claim: LauncherClaim | None = None  # this launcher's claim on the run dir
@@ -238,7 +242,7 @@ class JobRun:
                 queue.check()
             if self.claim is None:
                 self.claim = claim_run_dir(rendered.run_dir, jobs.namespace, jobs.name, client,
-                                           self.say)
+                                           self.say, self.job_kinds)
             if jobs.create(rendered.to_dict()):
                 self.say(f"created {jobs.where}: {rendered.describe()}")
                 created = self._read_created(jobs)

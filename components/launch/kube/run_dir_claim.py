@@ -34,8 +34,8 @@ from kfp_nvrx.components.core.run_claim import (
     renew,
     take,
 )
-from kfp_nvrx.components.launch import job_apis
 from kfp_nvrx.components.launch.kube import calls
+from kfp_nvrx.components.launch.kube.followed import Resource
 
 #: Conditions of a job that ended (TrainJob: Complete/Failed; PyTorchJob: Succeeded/Failed).
 _ENDED = ("Complete", "Succeeded", "Failed")
@@ -47,8 +47,11 @@ def _ended(job: dict[str, Any]) -> bool:
                for c in conditions)
 
 
-def holder_gone(client: Any, holder: Claim) -> bool:
+def holder_gone(client: Any, holder: Claim, job_kinds: Callable[[], list[Resource]]) -> bool:
     """Whether the job ``holder`` names is gone: no job of that name in any job API, or ended.
+
+    ``job_kinds`` gives the custom resource of every job API (the registry's, read from above:
+    :func:`.job_apis.resources`).
 
     A holder this cluster cannot name (another cluster's, a local run's) or a read that fails is
     not known to be gone: its lease decides.
@@ -57,8 +60,7 @@ def holder_gone(client: Any, holder: Claim) -> bool:
     if not holder.holder.startswith("k8s:") or not ns or not name:
         return False
     custom, host = k8s.CustomObjectsApi(client), calls.host_of(client)
-    for api in job_apis.names():
-        res = job_apis.get(api).resource
+    for res in job_kinds():
         try:
             job = calls.call(f"reading {res.kind} {ns}/{name}", host,
                              custom.get_namespaced_custom_object, res.group, res.version, ns,
@@ -107,8 +109,8 @@ class LauncherClaim:
             release(self.run_dir, self.me)
 
 
-def claim(run_dir: str, namespace: str, name: str, client: Any,
-          say: Callable[[str], None]) -> LauncherClaim | None:
+def claim(run_dir: str, namespace: str, name: str, client: Any, say: Callable[[str], None],
+          job_kinds: Callable[[], list[Resource]]) -> LauncherClaim | None:
     """Claims ``run_dir`` for job ``namespace/name`` before it is created; None: not here.
 
     Only a run dir of ours this launcher sees (a resume): a new run dir is claimed by the pods,
@@ -121,7 +123,7 @@ def claim(run_dir: str, namespace: str, name: str, client: Any,
         return None
     me = Claim(holder=kube_holder(namespace, name), what=f"job {namespace}/{name}",
                pod="", lease_s=lease_s())
-    holder = take(run_dir, me, gone=lambda c: holder_gone(client, c))
+    holder = take(run_dir, me, gone=lambda c: holder_gone(client, c, job_kinds))
     if holder is not None:
         raise in_use(run_dir, holder, "run_dir")
     say(f"claimed {run_dir} for {namespace}/{name} (one job writes a run dir at a time)")

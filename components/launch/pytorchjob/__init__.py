@@ -16,7 +16,7 @@ from kfp_nvrx.components.launch.pytorchjob.follow import RESOURCE, FollowedPyTor
 
 
 class PyTorchJobApi:
-    """The PyTorchJob as a :class:`..job_apis.JobApi` (it takes no options of its own)."""
+    """The PyTorchJob as a :class:`..job_api.JobApi` (it takes no options of its own)."""
 
     name = "pytorchjob"
     resource = RESOURCE

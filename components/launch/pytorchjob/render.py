@@ -29,7 +29,7 @@ from kubeflow.training.constants import constants
 from kubernetes import client as k8s
 
 from kfp_nvrx.components.core.pod_entry import PEER_WAIT_ENV
-from kfp_nvrx.components.launch.job_apis import Rendered
+from kfp_nvrx.components.launch.job_api import Rendered
 from kfp_nvrx.components.launch.jobspec import naming
 from kfp_nvrx.components.launch.jobspec.pod import (
     job_annotations,

@@ -23,7 +23,7 @@ def _runtime(opts: KubernetesOptions) -> tuple[str, str]:
 
 
 class TrainJobApi:
-    """The TrainJob as a :class:`..job_apis.JobApi`; its options are the runtime it refers to."""
+    """The TrainJob as a :class:`..job_api.JobApi`; its options are the runtime it refers to."""
 
     name = "trainjob"
     resource = RESOURCE

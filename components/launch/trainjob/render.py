@@ -27,7 +27,7 @@ import yaml
 
 from kfp_nvrx.components.core.launch_command import pod_grace_period_s
 from kfp_nvrx.components.errors import UserError
-from kfp_nvrx.components.launch.job_apis import Rendered
+from kfp_nvrx.components.launch.job_api import Rendered
 from kfp_nvrx.components.launch.jobspec import naming
 from kfp_nvrx.components.launch.jobspec.pod import (
     job_annotations,
@@ -39,14 +39,10 @@ from kfp_nvrx.components.launch.jobspec.pod import (
 from kfp_nvrx.components.launch.jobspec.resolve import ResolvedJob
 from kfp_nvrx.components.launch.jobspec.spec import JobSpec, check_resource_name
 from kfp_nvrx.components.launch.trainjob import runtime as rt
-from kfp_nvrx.components.launch.trainjob.validate import validate_trainjob
+from kfp_nvrx.components.launch.trainjob.validate import PLUGIN_ENV, validate_trainjob
 from kfp_nvrx.components.launch.trainjob.validate_jobset import POD_SUFFIX
 
 KIND = "TrainJob"
-#: The torch plugin injects these into the trainer container; the webhook rejects a TrainJob
-#: whose ``trainer.env`` sets any of them.
-RESERVED_ENV = ("PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR",
-                "PET_MASTER_PORT")
 #: Owner of our runtime patch (``runtimePatches`` is a map keyed by manager).
 PATCH_MANAGER = "kfp-nvrx.io/jobspec"
 #: Pod fields a runtime patch may set (the v2.3.0 CRD's patch schema), in the rendered order.
@@ -97,7 +93,7 @@ def refuse(job: ResolvedJob, runtime_name: str = rt.RUNTIME_NAME,
                         f"runtime's failurePolicy.maxRestarts ({rt.MAX_RESTARTS}); edit the "
                         "runtime instead")
     for name, _ in job.user_env:
-        if name in RESERVED_ENV:
+        if name in PLUGIN_ENV:
             raise UserError("env", f"{name} is injected by Trainer v2's torch plugin; the "
                             "TrainJob webhook rejects it")
     check_resource_name("runtime", runtime_name)

@@ -45,8 +45,10 @@ RUNTIME_CRD = SCHEMAS / "trainer.kubeflow.org_trainingruntimes.yaml"
 CLUSTER_RUNTIME_CRD = SCHEMAS / "trainer.kubeflow.org_clustertrainingruntimes.yaml"
 #: The CRD each runtime kind is validated against.
 RUNTIME_CRDS = {rt.RUNTIME_KIND: RUNTIME_CRD, rt.CLUSTER_RUNTIME_KIND: CLUSTER_RUNTIME_CRD}
-RESERVED_ENV = ("PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR",
-                "PET_MASTER_PORT")
+#: The torch plugin injects these into the trainer container; the webhook rejects a TrainJob
+#: whose ``trainer.env`` sets any of them (the pod's own reserved names: .jobspec.spec.RESERVED_ENV).
+PLUGIN_ENV = ("PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR",
+              "PET_MASTER_PORT")
 RUNTIME_KINDS = rt.RUNTIME_KINDS
 MANAGED_BY = ("trainer.kubeflow.org/trainjob-controller", "kueue.x-k8s.io/multikueue")
 MASTER_PORT = 29500
@@ -127,7 +129,7 @@ def _check_reference(spec: dict[str, Any], runtime: dict[str, Any]) -> None:
 def _check_trainer(trainer: dict[str, Any]) -> None:
     """``spec.trainer``: no env the torch plugin injects, at least one node and process."""
     for i, env in enumerate(trainer.get("env") or []):
-        if env.get("name") in RESERVED_ENV:
+        if env.get("name") in PLUGIN_ENV:
             raise UserError(f"spec.trainer.env[{i}].name", f"{env['name']} is reserved: the "
                             "torch plugin injects it")
     for key in ("numNodes", "numProcPerNode"):

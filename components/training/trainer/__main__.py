@@ -19,8 +19,12 @@ from pathlib import Path  # noqa: E402
 
 from kfp_nvrx.components.core.ckpt_store import open_store  # noqa: E402
 from kfp_nvrx.components.core.disk import disk_full, disk_full_line  # noqa: E402
-from kfp_nvrx.components.core.faults import FAULT_KINDS  # noqa: E402
 from kfp_nvrx.components.core.fields import CLI  # noqa: E402
+from kfp_nvrx.components.core.trainer_flags import (  # noqa: E402
+    CONFIG_FLAG,
+    RUN_DIR_FLAG,
+    add_trainer_flags,
+)
 from kfp_nvrx.components.errors import UserError  # noqa: E402
 
 
@@ -28,12 +32,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The trainer's flags (the same ones ``launch-local`` and the worker pods pass)."""
     p = argparse.ArgumentParser(prog="python -m kfp_nvrx.components.training.trainer",
                                 description="FSDP2 trainer with NVRx fault tolerance.")
-    p.add_argument("--config", required=True, help="preset (tiny, 125m, 1b, 8b) or YAML path")
-    p.add_argument("--run-dir", required=True, help="run directory (checkpoints, events)")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override a config value (repeatable)")
-    p.add_argument("--fault", action="append", default=[], metavar="KIND@STEP[/RANK]",
-                   help=f"inject a fault once per run: {FAULT_KINDS.listing()}")
+    add_trainer_flags(p, required=(CONFIG_FLAG, RUN_DIR_FLAG))
     # The launcher's preflight: every check a worker makes before training, without a launcher
     # environment and without writing the run dir; a UserError comes back as one JSON line.
     p.add_argument("--check", action="store_true", help=argparse.SUPPRESS)
@@ -87,14 +86,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         from kfp_nvrx.components.training.trainer.bootstrap import check_job
 
-        return check_job(args.config, args.set, args.fault, Path(args.run_dir))
+        return check_job(args.config, args.overrides, args.faults, Path(args.run_dir))
     # The heavy imports first and on their own, so the start-up shows what they cost.
     import kfp_nvrx.components.training.trainer.train  # noqa: F401
     from kfp_nvrx.components.training.trainer.bootstrap import prepare_job
 
     t_imported = time.time()
     try:
-        job = prepare_job(args.config, args.set, args.fault, Path(args.run_dir))
+        job = prepare_job(args.config, args.overrides, args.faults, Path(args.run_dir))
         make_nccl_trace_dir()
         t_exec = process_start_time()
         job.boot = boot_parts(t_exec, _T_MAIN, t_imported, job.boot)

@@ -5,24 +5,24 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import signal
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kfp_nvrx.components.core.ckpt_store import open_store
 from kfp_nvrx.components.core.config import Config, load_config
+from kfp_nvrx.components.core.elastic_env import env_int
 from kfp_nvrx.components.core.events import EventLog, Start, read_events
 from kfp_nvrx.components.core.faults import Fault, check_faults
 from kfp_nvrx.components.core.rounds import current_budget, join_event
 from kfp_nvrx.components.core.run_record import check_run_dir, record_config
 from kfp_nvrx.components.core.safetensors_header import FLOAT_DTYPES, read_entries
 from kfp_nvrx.components.errors import UserError
+from kfp_nvrx.components.training.trainer.job import give_up
 
 if TYPE_CHECKING:  # data.py imports torch and numpy: imported where a dataset is opened
     from kfp_nvrx.components.training.trainer.data import TokenDataset
-    from kfp_nvrx.components.training.trainer.train import Job
+    from kfp_nvrx.components.training.trainer.job import Job
 
 
 def validate_inputs(config: str, overrides: list[str], faults: list[str], *,
@@ -214,7 +214,7 @@ def check_job(config: str, overrides: list[str], faults: list[str], run_dir: Pat
 
 def env_restart_count() -> int:
     """``TORCHELASTIC_RESTART_COUNT``: worker-group restarts so far (ft_launcher, torchrun)."""
-    return env_int("TORCHELASTIC_RESTART_COUNT")
+    return env_int("TORCHELASTIC_RESTART_COUNT", or_default=True)
 
 
 def join_round(cfg: Config, run_dir: Path) -> None:
@@ -227,38 +227,16 @@ def join_round(cfg: Config, run_dir: Path) -> None:
     and stops its agent, which stops this node's workers and gives up (the pod's exit 1 ends
     the job under both job APIs; ft_launcher's own count stays a backstop).
     """
-    if env_int("LOCAL_RANK") != 0:
+    if env_int("LOCAL_RANK", or_default=True) != 0:
         return
     mine = EventLog(run_dir).emit(join_event())
-    if env_int("RANK") != 0:
+    if env_int("RANK", or_default=True) != 0:
         return
     res = cfg.resilience
     used = current_budget(run_dir, mine, res.max_restarts, wait_s=res.barrier_timeout)
     if not used.spent:
         return
     give_up(used.line(), res.workers_stop_timeout)
-
-
-def give_up(line: str, stop_timeout: float) -> None:
-    """Ends the job, not just this incarnation: says ``line`` and stops this node's agent.
-
-    ``line`` starts with :data:`~kfp_nvrx.components.core.exits.GAVE_UP`, which the pod
-    entrypoint and the local launcher read as a final verdict (exit 1, never restarted). Without
-    an elastic agent above this worker (no ``TORCHELASTIC_RUN_ID``) it only exits 1.
-    """
-    print(line, file=sys.stderr, flush=True)
-    if os.environ.get("TORCHELASTIC_RUN_ID"):
-        os.kill(os.getppid(), signal.SIGTERM)  # FT: the agent stops its workers (this one too)
-        time.sleep(stop_timeout + 30)  # stopped by the agent meanwhile
-    raise SystemExit(1)
-
-
-def env_int(name: str, default: int = 0) -> int:
-    """An integer from the launcher's environment (``default`` when unset or not a number)."""
-    try:
-        return int(os.environ.get(name, "") or default)
-    except ValueError:
-        return default
 
 
 def launch_started(run_dir: Path) -> bool:
@@ -300,8 +278,9 @@ def prepare_job(config: str, overrides: list[str], faults: list[str], run_dir: P
         # cost a second per restart.
         check_checkpoint_model(cfg, run_dir)
     check_launcher_env()
+    from kfp_nvrx.components.training.trainer.job import Job
     from kfp_nvrx.components.training.trainer.resilience import Monitor
-    from kfp_nvrx.components.training.trainer.train import Job, pg_backend, pick_device
+    from kfp_nvrx.components.training.trainer.train import pg_backend, pick_device
 
     record_config(cfg, run_dir)
     join_round(cfg, run_dir)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 from typing import Any
 
@@ -135,8 +134,3 @@ def warm_start(model: nn.Module, path: str) -> None:
     except (RuntimeError, KeyError, ValueError) as err:
         raise UserError("checkpoint.init_from", f"weights do not fit the model: "
                         f"{' '.join(str(err).split())[:200]}") from None
-
-
-def env_int(name: str, default: int) -> int:
-    """An integer from the torchrun/ft_launcher environment."""
-    return int(os.environ.get(name, default))

@@ -10,26 +10,26 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kfp_nvrx.components.core import events as ev
+from kfp_nvrx.components.core.elastic_env import env_int
 from kfp_nvrx.components.core.events import EventLog
 from kfp_nvrx.components.core.exits import GAVE_UP
 from kfp_nvrx.components.core.faults import When
 from kfp_nvrx.components.training.checkpoint import Checkpointer
 from kfp_nvrx.components.training.ranks import max_over_ranks
-from kfp_nvrx.components.training.trainer.bootstrap import give_up
 from kfp_nvrx.components.training.trainer.build import (
     TrainState,
     apply_state,
     check_compatible,
-    env_int,
     full_state,
     warm_start,
 )
 from kfp_nvrx.components.training.trainer.fault_injector import FaultInjector
+from kfp_nvrx.components.training.trainer.job import give_up
 from kfp_nvrx.components.training.trainer.rhythm import STARTUP_STEPS
 from kfp_nvrx.components.training.trainer.stopping import StopRequested
 
 if TYPE_CHECKING:
-    from kfp_nvrx.components.training.trainer.train import Job
+    from kfp_nvrx.components.training.trainer.job import Job
 
 #: Steps of an incarnation before its steps count as steady for the learned timeouts: the first
 #: is the start-up (allocations, autotuning, compilation), the second may still compile.

@@ -10,8 +10,6 @@ from __future__ import annotations
 import datetime
 import os
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,21 +17,19 @@ import torch.distributed as dist
 
 from kfp_nvrx.components.core import events as ev
 from kfp_nvrx.components.core.config import Config
+from kfp_nvrx.components.core.elastic_env import env_int
 from kfp_nvrx.components.core.events import EventLog, read_events
-from kfp_nvrx.components.core.faults import Fault
 from kfp_nvrx.components.core.rounds import agent_identity
 from kfp_nvrx.components.training.checkpoint import (
     Checkpointer,
-    HostStaging,
     Kept,
-    NvrxWriter,
     Reports,
 )
-from kfp_nvrx.components.training.trainer.build import TrainState, build, env_int
-from kfp_nvrx.components.training.trainer.data import TokenDataset
+from kfp_nvrx.components.training.trainer.build import TrainState, build
 from kfp_nvrx.components.training.trainer.fault_injector import FaultInjector
+from kfp_nvrx.components.training.trainer.job import Job
 from kfp_nvrx.components.training.trainer.loop import Place, Replica, Trainer, log0
-from kfp_nvrx.components.training.trainer.resilience import Monitor, in_process_wrapper
+from kfp_nvrx.components.training.trainer.resilience import in_process_wrapper
 from kfp_nvrx.components.training.trainer.stopping import StopWatch
 
 
@@ -52,31 +48,6 @@ def restart_kind(iteration: int, previous_agent: str | None, agent: str) -> str:
     if not previous_agent or not agent or previous_agent == agent:
         return ev.IN_JOB
     return ev.POD
-
-
-@dataclass
-class Job:
-    """What every incarnation of this worker shares."""
-
-    cfg: Config
-    run_dir: Path
-    faults: list[Fault]
-    data: TokenDataset
-    device: torch.device
-    monitor: Monitor
-    run_id: str = field(default_factory=lambda: os.environ.get("TORCHELASTIC_RUN_ID", ""))
-    restart_count: int = 0  # in-job incarnation of this job (rank 0 derives it from events)
-    # What checkpointing keeps across in-process restarts: the staging buffer (restore source)
-    # and NVRx's writer (its processes, killed on abort, are reaped by a later incarnation).
-    staging: HostStaging | None = None
-    writer: NvrxWriter | None = None
-    # The process's start-up before the first incarnation (seconds per part, in order), when it
-    # began (process creation) and when those parts ended: the first ``start`` event adds its own.
-    boot: dict[str, float] = field(default_factory=dict)
-    boot_origin: float | None = None
-    boot_mark: float | None = None
-    # Whether this node was asked to stop (SIGTERM with a stop request): save, then exit.
-    stop: StopWatch = field(default_factory=lambda: StopWatch(0.0))
 
 
 def make_deterministic() -> None:
