@@ -80,7 +80,9 @@ class QueueWatch:
     _said: bool = False
     _since: float = 0.0
     _resuming: int | None = None  # start lines seen at the re-admission, until one more shows
-    _stops_seen: int | None = None  # the trainer's last stop line when the preemption was seen
+    # The trainer's last stop line when the job was last admitted: a later one is this
+    # preemption's, even when it came before the eviction was seen (a quick stop save).
+    _stops_seen: int | None = None
     _unsaid: tuple[str, float] | None = None  # a preemption's (why, monotonic time) not yet said
 
     def queued_s(self, now: float | None = None) -> float:
@@ -109,7 +111,6 @@ class QueueWatch:
             return
         reading = self.reads.workload(uid) or Reading()
         step = self.step()
-        self._stops_seen = self.stopped()
         start = reading.evicted_at if reading.evicted_at and reading.evicted_at <= now else now
         self.periods.append(Period(start, after="preemption", reason=reading.evicted))
         self.preemptions.append({"at": start, "step": step, "reason": reading.evicted})
@@ -177,6 +178,7 @@ class QueueWatch:
             self._resuming = self.started()[0]
         else:
             self.say(f"admitted by {where} {waited}")
+        self._stops_seen = self.stopped()
 
     def _resumed(self) -> None:
         """After a re-admission: the trainer's first start line says where it resumed."""
