@@ -39,6 +39,7 @@ from kfp_nvrx.components.launch.jobspec.pod import (
 from kfp_nvrx.components.launch.jobspec.resolve import ResolvedJob
 from kfp_nvrx.components.launch.jobspec.spec import JobSpec, check_resource_name
 from kfp_nvrx.components.launch.trainjob import runtime as rt
+from kfp_nvrx.components.launch.trainjob.models import manifest, tm, typed
 from kfp_nvrx.components.launch.trainjob.validate import PLUGIN_ENV, validate_trainjob
 from kfp_nvrx.components.launch.trainjob.validate_jobset import POD_SUFFIX
 
@@ -189,6 +190,27 @@ def _split_pod(pod: dict[str, Any]) -> tuple[dict, dict]:
     return trainer, patch
 
 
+def _trainer(job: ResolvedJob, trainer: dict[str, Any]) -> tm.TrainerV1alpha1Trainer:
+    """``spec.trainer``: the container's image, command, env and resources, and the shape."""
+    return tm.TrainerV1alpha1Trainer(
+        image=trainer["image"], command=trainer["command"],
+        env=[typed(tm.IoK8sApiCoreV1EnvVar, e, "env") for e in trainer["env"]],
+        resources_per_node=typed(tm.IoK8sApiCoreV1ResourceRequirements,
+                                 trainer["resourcesPerNode"], "resources"),
+        num_nodes=job.max_nodes, num_proc_per_node=job.procs_per_node)
+
+
+def _runtime_patch(pod_template: dict[str, Any]) -> tm.TrainerV1alpha1RuntimePatch:
+    """Our one runtime patch: ``pod_template`` on the runtime's ``node`` replicated job."""
+    job_patch = tm.TrainerV1alpha1JobTemplatePatch(spec=tm.TrainerV1alpha1JobSpecPatch(
+        template=typed(tm.TrainerV1alpha1PodTemplatePatch, pod_template, "pod")))
+    jobset_patch = tm.TrainerV1alpha1JobSetSpecPatch(replicated_jobs=[
+        tm.TrainerV1alpha1ReplicatedJobPatch(name=rt.REPLICATED_JOB, template=job_patch)])
+    return tm.TrainerV1alpha1RuntimePatch(
+        manager=PATCH_MANAGER, training_runtime_spec=tm.TrainerV1alpha1TrainingRuntimeSpecPatch(
+            template=tm.TrainerV1alpha1JobSetTemplatePatch(spec=jobset_patch)))
+
+
 def check_runtime_kind(kind: str) -> str:
     """Return ``kind`` if a TrainJob can refer to it; else raise UserError naming the field."""
     if kind not in rt.RUNTIME_KINDS:
@@ -209,30 +231,25 @@ def build_trainjob(job: ResolvedJob, runtime_name: str = rt.RUNTIME_NAME,
     command = trainer_command(job, rdzv_endpoint=rdzv_endpoint(), rdzv_id=job.name)
     trainer, pod_patch = _split_pod(to_dict(pod_spec(job, container_name=rt.CONTAINER_NAME,
                                                      command=command)))
-    trainer.update(numNodes=job.max_nodes, numProcPerNode=job.procs_per_node)
     pod_labels = labels(job)
     if job.queue is not None:  # the runtime's value instead (_refuse_queued_grace)
         pod_patch.pop("terminationGracePeriodSeconds", None)
     template = {"metadata": {"labels": dict(pod_labels), "annotations": dict(rt.POD_ANNOTATIONS)},
                 "spec": pod_patch}
-    job_spec: dict[str, Any] = {
-        "runtimeRef": {"name": runtime_name, "kind": runtime_kind, "apiGroup": rt.GROUP},
-        "trainer": trainer,
-        "runtimePatches": [{"manager": PATCH_MANAGER, "trainingRuntimeSpec": {"template": {
-            "spec": {"replicatedJobs": [{"name": rt.REPLICATED_JOB, "template": {
-                "spec": {"template": template}}}]}}}}],
-    }
-    if job.worker().active_deadline_s is not None:
-        job_spec["activeDeadlineSeconds"] = job.worker().active_deadline_s
-    meta: dict[str, Any] = {"name": job.name}
-    if job.namespace:
-        meta["namespace"] = job.namespace
+    spec = tm.TrainerV1alpha1TrainJobSpec(
+        runtime_ref=tm.TrainerV1alpha1RuntimeRef(name=runtime_name, kind=runtime_kind,
+                                                 api_group=rt.GROUP),
+        trainer=_trainer(job, trainer), runtime_patches=[_runtime_patch(template)],
+        active_deadline_seconds=job.worker().active_deadline_s)
     # Kueue reads its labels on the TrainJob only (jobspec.queue), not on the pods.
-    meta.update(labels={**pod_labels, **(job.queue.labels() if job.queue else {})},
-                annotations=job_annotations(job))
-    manifest = {"apiVersion": rt.API_VERSION, "kind": KIND, "metadata": meta, "spec": job_spec}
+    meta = tm.IoK8sApimachineryPkgApisMetaV1ObjectMeta(
+        name=job.name, namespace=job.namespace or None,
+        labels={**pod_labels, **(job.queue.labels() if job.queue else {})},
+        annotations=job_annotations(job))
+    trainjob = manifest(tm.TrainerV1alpha1TrainJob(api_version=rt.API_VERSION, kind=KIND,
+                                                   metadata=meta, spec=spec))
     runtime = rt.build_runtime(runtime_name, namespace=job.namespace, kind=runtime_kind)
-    return RenderedTrainJob(job=manifest, runtime=runtime, resolved=job)
+    return RenderedTrainJob(job=trainjob, runtime=runtime, resolved=job)
 
 
 def render(job: ResolvedJob, runtime_name: str = rt.RUNTIME_NAME,

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kfp_nvrx.components.launch.trainjob.models import manifest, tm, typed
+
 GROUP = "trainer.kubeflow.org"
 API_VERSION = f"{GROUP}/v1alpha1"
 RUNTIME_KIND = "TrainingRuntime"
@@ -72,7 +74,7 @@ _ENV = [("POD_IP", "status.podIP"), ("POD_NAME", "metadata.name"),
 
 def build_runtime(name: str = RUNTIME_NAME, namespace: str = "",
                   kind: str = RUNTIME_KIND) -> dict[str, Any]:
-    """Return the runtime as a plain dict (API field names).
+    """Return the runtime as a plain dict (API field names), built from the typed models.
 
     Args:
         name: Its name.
@@ -80,39 +82,30 @@ def build_runtime(name: str = RUNTIME_NAME, namespace: str = "",
         kind: ``TrainingRuntime`` or the cluster-scoped ``ClusterTrainingRuntime`` (same spec).
 
     """
-    meta: dict[str, Any] = {"name": name}
-    if namespace and kind == RUNTIME_KIND:
-        meta["namespace"] = namespace
-    meta["labels"] = {"trainer.kubeflow.org/framework": "torch",
-                      "app.kubernetes.io/name": "kfp-nvrx"}
-    return {
-        "apiVersion": API_VERSION,
-        "kind": kind,
-        "metadata": meta,
-        "spec": {
-            "mlPolicy": {"numNodes": 1, "torch": {}},
-            "template": {"spec": {
-                "replicatedJobs": [_node_job()],
-                "failurePolicy": {
-                    "maxRestarts": MAX_RESTARTS,
-                    "restartStrategy": "Recreate",
-                    # Rule names: the JobSet webhook allows ^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$
-                    # only (no '-'); it checks them when the Trainer creates the JobSet, long
-                    # after the runtime and the TrainJob were accepted.
-                    "rules": [
-                        {"name": "ft_launcher_gave_up", "action": "FailJobSet",
-                         "onJobFailureReasons": ["PodFailurePolicy"]},
-                        {"name": "infrastructure", "action": "RestartJobSet",
-                         "onJobFailureReasons": ["BackoffLimitExceeded"]},
-                        {"name": "anything_else", "action": "FailJobSet"},
-                    ],
-                },
-            }},
-        },
-    }
+    meta = tm.IoK8sApimachineryPkgApisMetaV1ObjectMeta(
+        name=name, namespace=namespace if namespace and kind == RUNTIME_KIND else None,
+        labels={"trainer.kubeflow.org/framework": "torch", "app.kubernetes.io/name": "kfp-nvrx"})
+    failure_policy = tm.JobsetV1alpha2FailurePolicy(
+        max_restarts=MAX_RESTARTS, restart_strategy="Recreate",
+        # Rule names: the JobSet webhook allows ^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$ only
+        # (no '-'); it checks them when the Trainer creates the JobSet, long after the runtime
+        # and the TrainJob were accepted.
+        rules=[tm.JobsetV1alpha2FailurePolicyRule(name="ft_launcher_gave_up", action="FailJobSet",
+                                                  on_job_failure_reasons=["PodFailurePolicy"]),
+               tm.JobsetV1alpha2FailurePolicyRule(name="infrastructure", action="RestartJobSet",
+                                                  on_job_failure_reasons=["BackoffLimitExceeded"]),
+               tm.JobsetV1alpha2FailurePolicyRule(name="anything_else", action="FailJobSet")])
+    spec = tm.TrainerV1alpha1TrainingRuntimeSpec(
+        ml_policy=tm.TrainerV1alpha1MLPolicy(num_nodes=1,
+                                             torch=tm.TrainerV1alpha1TorchMLPolicySource()),
+        template=tm.TrainerV1alpha1JobSetTemplateSpec(spec=tm.JobsetV1alpha2JobSetSpec(
+            replicated_jobs=[_node_job()], failure_policy=failure_policy)))
+    model = (tm.TrainerV1alpha1TrainingRuntime if kind == RUNTIME_KIND
+             else tm.TrainerV1alpha1ClusterTrainingRuntime)
+    return manifest(model(api_version=API_VERSION, kind=kind, metadata=meta, spec=spec))
 
 
-def _node_job() -> dict[str, Any]:
+def _node_job() -> tm.JobsetV1alpha2ReplicatedJob:
     """The ``node`` replicated job: its pod, and which of its failures are final."""
     pod = {
         "metadata": {"annotations": dict(POD_ANNOTATIONS)},
@@ -129,27 +122,27 @@ def _node_job() -> dict[str, Any]:
             ],
         },
     }
-    return {
-        "name": REPLICATED_JOB,
-        "template": {
-            "metadata": {"labels": {"trainer.kubeflow.org/trainjob-ancestor-step": "trainer"}},
-            "spec": {
-                # Every counted failure ends the Job at once: the JobSet decides what follows.
-                "backoffLimit": 0,
-                "podFailurePolicy": {"rules": [
-                    # Evicted, drained, preempted, node gone: infrastructure, whatever the exit
-                    # code (ft_launcher exits 1 on the SIGTERM that precedes an eviction).
-                    {"action": "Count", "onPodConditions": [{"type": "DisruptionTarget"}]},
-                    # FT: ft_launcher gave up (in-job restarts used up) or saw no progress: final.
-                    {"action": "FailJob", "onExitCodes": {
-                        "containerName": CONTAINER_NAME, "operator": "In",
-                        "values": list(GAVE_UP_EXIT_CODES)}},
-                    # Killed by a signal (OOM, SIGKILL): no rule, counted -> BackoffLimitExceeded.
-                ]},
-                "template": pod,
-            },
+    template = {
+        "metadata": {"labels": {"trainer.kubeflow.org/trainjob-ancestor-step": "trainer"}},
+        "spec": {
+            # Every counted failure ends the Job at once: the JobSet decides what follows.
+            "backoffLimit": 0,
+            "podFailurePolicy": {"rules": [
+                # Evicted, drained, preempted, node gone: infrastructure, whatever the exit
+                # code (ft_launcher exits 1 on the SIGTERM that precedes an eviction).
+                {"action": "Count", "onPodConditions": [{"type": "DisruptionTarget",
+                                                     "status": "True"}]},
+                # FT: ft_launcher gave up (in-job restarts used up) or saw no progress: final.
+                {"action": "FailJob", "onExitCodes": {
+                    "containerName": CONTAINER_NAME, "operator": "In",
+                    "values": list(GAVE_UP_EXIT_CODES)}},
+                # Killed by a signal (OOM, SIGKILL): no rule, counted -> BackoffLimitExceeded.
+            ]},
+            "template": pod,
         },
     }
+    return tm.JobsetV1alpha2ReplicatedJob(
+        name=REPLICATED_JOB, template=typed(tm.IoK8sApiBatchV1JobTemplateSpec, template, "runtime"))
 
 
 def _node_container() -> dict[str, Any]:
