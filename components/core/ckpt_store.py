@@ -12,8 +12,12 @@ the stores know their layout. Two tiers implement it:
 :func:`newest_intact` is the only function that picks "the newest intact committed step" (resume,
 export, the resume checks). Another durable store (e.g. S3) is one module implementing
 :class:`CheckpointStore` plus one line in :data:`.store_kinds._FACTORIES` (or a
-:func:`.store_kinds.register_store` call); the trainer's DCP readers and writers come from the
-store's :meth:`CheckpointStore.location` (:mod:`kfp_nvrx.components.training.checkpoint.dcp_io`).
+:func:`.store_kinds.register_store` call); the trainer's DCP readers and synchronous writers come
+from the store's :meth:`CheckpointStore.location` (:mod:`kfp_nvrx.components.training.checkpoint.
+dcp_io`: a URL gets DCP's fsspec ones), and its asynchronous writes go to the store's
+:meth:`CheckpointStore.spool`, which the store seals (:meth:`CheckpointStore.seal_files`, in the
+writer process) and commits: saves stay asynchronous whatever the store
+(``tests/unit/test_store_async.py`` shows it with a fake object store).
 Imports no torch.
 
 A run picks its store with the config key ``checkpoint.store`` (:data:`.store_kinds.STORE_KEY`,
@@ -32,7 +36,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 # The default store loads with the opener, not at a run's first open: a by-name import in the
-# middle of a check meets a half-made module when that check re-enters (tests/unit/test_ownership.py
+# middle of a check meets a half-made module when that check re-enters (tests/integration/test_ownership.py
 # runs a second rank's check inside every file-system call of the first).
 from kfp_nvrx.components.core import volume_store  # noqa: F401
 from kfp_nvrx.components.core.recorded_config import read_recorded_config
@@ -103,8 +107,28 @@ class CheckpointStore(StepStore, Protocol):
         """Records the checksums of ``rank``'s files of ``step`` (a synchronous save)."""
         ...
 
+    def spool(self, step: int) -> str:
+        """The local folder an asynchronous save writes ``step``'s files into (every rank).
+
+        NVRx's writer writes to a file system; the store takes the files from here in
+        :meth:`seal_files` and :meth:`commit` (the volume: the step's own folder, nothing moves;
+        an object store: a node-local folder it uploads from).
+        """
+        ...
+
+    def seal_files(self, step: int, rank: int, files: list[str]) -> None:
+        """Takes ``rank``'s files of ``step`` from the spool once written (NVRx's writer process).
+
+        Runs in the writer process, beside training, so it may take its time (an upload); it
+        gets a pickled copy of the store. The volume records the files' checksums.
+        """
+        ...
+
     def commit(self, step: int, world_size: int) -> int:
-        """Commits ``step`` once every rank wrote it (rank 0); returns its size in bytes."""
+        """Commits ``step`` once every rank wrote it (rank 0); returns its size in bytes.
+
+        After an asynchronous save the coordinator's ``.metadata`` is in the :meth:`spool`.
+        """
         ...
 
     def record_progress(self, step: int) -> None:

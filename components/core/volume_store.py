@@ -34,7 +34,7 @@ from kfp_nvrx.components.core.volume_layout import (
     write_commit_marker,
 )
 
-__all__ = ["VolumeStore", "prune", "write_checksums"]
+__all__ = ["VolumeStore", "prune"]
 
 
 class VolumeStore:
@@ -107,6 +107,14 @@ class VolumeStore:
         """CRC32 sidecar of ``rank``'s DCP files (``__<rank>_*``) of a synchronous save."""
         path = step_dir(self.root, step)
         write_checksums(sorted(str(p) for p in path.glob(f"__{rank}_*")), rank)
+
+    def spool(self, step: int) -> str:
+        """The step's directory: an asynchronous save writes its files in place."""
+        return self.location(step)
+
+    def seal_files(self, step: int, rank: int, files: list[str]) -> None:
+        """CRC32 sidecar of ``rank``'s files just written (NVRx's writer process)."""
+        write_checksums(files, rank)
 
     def commit(self, step: int, world_size: int) -> int:
         """Writes the commit marker (rank 0, after ``.metadata``); returns the bytes."""

@@ -214,6 +214,15 @@ def test_only_the_volume_store_knows_its_layout() -> None:
     assert offenders == []
 
 
+def test_the_trainer_reaches_the_store_only_through_its_interface() -> None:
+    """Issue 39 item 2: no trainer module imports a store (the async writers took the volume
+    store's checksums through a re-export: a remote store would have got a volume sidecar)."""
+    offenders = [str(path.relative_to(ROOT))
+                 for path in sorted((ROOT / "components" / "training").rglob("*.py"))
+                 if re.search(r"core(\.| import )volume_store\b", path.read_text())]
+    assert offenders == []
+
+
 def test_a_torn_leftover_is_set_aside_at_once_and_deleted_off_the_loop(tmp_path,
                                                                       monkeypatch) -> None:
     """Issue 35: rewriting a step whose write a fault cut deleted the leftover on the loop."""

@@ -21,10 +21,9 @@ from typing import Any
 
 import torch
 
-# The volume store's CRC32 sidecar: NVRx's async writer writes files, checksummed where written.
-from kfp_nvrx.components.core.volume_store import write_checksums
 from kfp_nvrx.components.training.checkpoint.bank import _Bank
 from kfp_nvrx.components.training.checkpoint.staged_write import (
+    Seal,
     staged_writer,
     write_staged,
 )
@@ -59,12 +58,14 @@ class AsyncSaver:
         self._plan_cache: tuple | None = None
 
     def staged(self, path: str, state: dict[str, Any], staging: HostStaging, bank: _Bank,
-               delay_s: float = 0.0) -> Gather:
+               seal: Seal, delay_s: float = 0.0) -> Gather:
         """Plans the write of the complete snapshot in ``bank``, hands it to the writer.
 
         ``state`` is a state dict of the snapshot's layout (the live one: the plan and the
         metadata come from it); the bytes come from the bank, whose copies must be complete.
-        ``delay_s`` slows the write (the ``slow-write`` fault). Returns the finalise step.
+        ``path`` is the store's spool folder; the writer process hands the files it wrote there
+        to ``seal`` (the store's). ``delay_s`` slows the write (the ``slow-write`` fault).
+        Returns the finalise step.
         """
         # FT: NVRx async DCP planning and writer, fed from our pinned staging bank.
         from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
@@ -73,7 +74,7 @@ class AsyncSaver:
         )
         from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-        writer = staged_writer(path, staging, bank, self.write_threads, delay_s)
+        writer = staged_writer(path, staging, bank, seal, self.write_threads, delay_s)
         cache = self._plan_cache
         if cache is not None and all_ranks(cache[0] == staging.layout_key, self.device):
             # Same layout as the last save (same keys, shapes, shards): its plan and metadata hold;
@@ -95,8 +96,8 @@ class AsyncSaver:
             write_staged, (self.rank, writer.request(), writer.results_queue), []))
         return lambda: self._gather(*plan)
 
-    def nvrx_staged(self, path: str, state: dict[str, Any]) -> Gather:
-        """Starts a save staged by NVRx; returns the finalise step."""
+    def nvrx_staged(self, path: str, state: dict[str, Any], seal: Seal) -> Gather:
+        """Starts a save staged by NVRx into the spool ``path``; returns the finalise step."""
         # FT: NVRx async DCP writer: plan collectively, stage, write in a persistent worker.
         from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
         from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import (
@@ -126,7 +127,7 @@ class AsyncSaver:
         if save_fn is not None:
             # Blocks until the worker staged the tensors (GPU D2H) or queued the snapshot.
             # The worker puts preload_fn's staged buckets in place of args[1]: keep it there.
-            self.writer.schedule(AsyncRequest(functools.partial(_write_then_checksum, save_fn),
+            self.writer.schedule(AsyncRequest(functools.partial(_write_then_seal, save_fn, seal),
                                               tuple(args), [], preload_fn=preload_fn))
         return lambda: self._gather(*plan)
 
@@ -158,10 +159,11 @@ class AsyncSaver:
         return functools.partial(writer.finish, metadata, all_results)
 
 
-def _write_then_checksum(save_fn: Callable, rank: int, write_buckets: list, *rest: Any) -> None:
-    """The writer process's job: NVRx's write, then the checksums of the files it wrote."""
+def _write_then_seal(save_fn: Callable, seal: Seal, rank: int, write_buckets: list,
+                     *rest: Any) -> None:
+    """The writer process's job: NVRx's write, then the store takes the files it wrote."""
     save_fn(rank, write_buckets, *rest)
-    write_checksums([bucket[0] for bucket in write_buckets], rank)
+    seal([bucket[0] for bucket in write_buckets])
 
 
 def _snapshot(obj: Any) -> Any:

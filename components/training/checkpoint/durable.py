@@ -24,7 +24,7 @@ from kfp_nvrx.components.core.ckpt_store import CheckpointStore
 from kfp_nvrx.components.core.config import CheckpointConfig
 from kfp_nvrx.components.core.faults import take_write_delay
 from kfp_nvrx.components.training.checkpoint import dcp_io
-from kfp_nvrx.components.training.checkpoint.async_save import AsyncSaver
+from kfp_nvrx.components.training.checkpoint.async_save import AsyncSaver, Seal
 from kfp_nvrx.components.training.checkpoint.commit import InFlight, advance, write_commit
 from kfp_nvrx.components.training.checkpoint.snapshots import Pace
 from kfp_nvrx.components.training.checkpoint.staging import HostStaging
@@ -96,6 +96,10 @@ class DurableWrites:
         self.write_s: list[float] = []  # seconds from each write's start to its commit
         self.last_commit_step = -1
 
+    def without_banks(self) -> None:
+        """The banks are gone (unavailable on some rank): every write is NVRx-staged from now."""
+        self.staging = None
+
     # ---------------------------------------------------------------- starting a write
     def start(self, force: bool) -> bool:
         """Starts writing the newest snapshot when every rank agrees (collective).
@@ -124,20 +128,29 @@ class DurableWrites:
         t0 = time.perf_counter()
         step = pace.newest
         path = self.begin(step)
-        staging.writing = bank  # never staged into while the writer reads it
+        staging.lend(bank)  # never staged into while the writer reads it
         # take_write_delay: the seconds a slow-write fault slows this write by (0: none)
-        finish = self.saver.staged(path, pace.plan_state, staging, bank, take_write_delay())
+        finish = self.saver.staged(path, pace.plan_state, staging, bank, self._sealer(step),
+                                   take_write_delay())
         pace.started_write()
         self.started += 1
         self.inflight = InFlight(step, path, t0, time.perf_counter() - t0, [finish])
         return True
 
     def begin(self, step: int) -> str:
-        """The step's place in the store, emptied by rank 0 (collective)."""
+        """The step's place in the store, emptied by rank 0 (collective); its spool folder.
+
+        An asynchronous write puts its files in the spool (:meth:`.CheckpointStore.spool`); the
+        store takes them from there (:meth:`_sealer`, :meth:`.CheckpointStore.commit`).
+        """
         if self.rank == 0:
             self.store.begin(step)  # a torn leftover goes; never through a symlink
         dist.barrier()
-        return self.store.location(step)
+        return self.store.spool(step)
+
+    def _sealer(self, step: int) -> Seal:
+        """What the writer process calls with this rank's files of ``step`` once written."""
+        return functools.partial(self.store.seal_files, step, self.rank)
 
     def unstaged(self, step: int, state: dict[str, Any], sync: bool) -> None:
         """Writes ``state`` as ``step`` without the banks: ``dcp.save`` here, or NVRx staging.
@@ -153,7 +166,7 @@ class DurableWrites:
             self.store.seal_rank(step, self.rank)
             finalize_fns = []
         else:
-            finalize_fns = [self.saver.nvrx_staged(path, state)]
+            finalize_fns = [self.saver.nvrx_staged(path, state, self._sealer(step))]
         self.pace.started_write()
         self.started += 1
         self.inflight = InFlight(step, path, t0, time.perf_counter() - t0, finalize_fns,
@@ -212,7 +225,7 @@ class DurableWrites:
                            inf.commit.result if inf.commit is not None else 0)
         if self.staging is not None:  # the bank now holds committed state
             self.staging.commit(inf.step)
-            self.staging.writing = None
+            self.staging.lend(None)
         self.commits += 1
         self.commit_s.append(inf.blocking_s + inf.loop_s)
         self.write_s.append(time.perf_counter() - inf.started)
@@ -245,5 +258,5 @@ class DurableWrites:
         if inf is not None and inf.commit is not None:
             inf.commit.join(min(5.0, self.cfg.finalize_timeout))  # a hung FS must not stall it
         if self.staging is not None:
-            self.staging.writing = None
+            self.staging.lend(None)
         self.writer.abort()

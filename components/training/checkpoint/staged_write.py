@@ -13,12 +13,16 @@ import ctypes
 import inspect
 import mmap
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kfp_nvrx.components.core.volume_store import write_checksums
 from kfp_nvrx.components.training.checkpoint.staging import Slot
+
+#: The store's hand-over of one rank's written files (:meth:`.CheckpointStore.seal_files` with
+#: the step and rank bound): run in the writer process, so it is pickled with the request.
+Seal = Callable[[list[str]], None]
 
 if TYPE_CHECKING:
     from kfp_nvrx.components.training.checkpoint.bank import _Bank
@@ -36,7 +40,7 @@ def _split(items: list[tuple[Any, Slot]], n: int) -> list[list[tuple[Any, Slot]]
     return [b for b in buckets if b] or [[]]
 
 
-def staged_writer(path: str, staging: HostStaging, bank: _Bank, threads: int = 1,
+def staged_writer(path: str, staging: HostStaging, bank: _Bank, seal: Seal, threads: int = 1,
                   delay_s: float = 0.0) -> Any:
     """An NVRx ``FileSystemWriterAsync`` whose data comes from ``bank`` of ``staging``.
 
@@ -44,8 +48,8 @@ def staged_writer(path: str, staging: HostStaging, bank: _Bank, threads: int = 1
     of resolving (and, NVRx >= 0.6, cloning) tensors, ``prepare_write_data`` records which buffer
     slot each write item reads, split into ``threads`` files written in parallel; the non-tensor
     leaves are the ones the bank captured with its snapshot (the live state may be steps newer).
-    ``request`` then describes the write for :func:`write_staged`; ``delay_s`` slows it (the
-    ``slow-write`` fault).
+    ``request`` then describes the write for :func:`write_staged`, which hands the files to the
+    store's ``seal``; ``delay_s`` slows it (the ``slow-write`` fault).
     """
     # FT: NVRx's async DCP writer (planning, results queue, finish/metadata) with our staging.
     from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async as fsa
@@ -81,7 +85,7 @@ def staged_writer(path: str, staging: HostStaging, bank: _Bank, threads: int = 1
 
         def request(self) -> dict[str, Any]:
             req = {"key": bank.key, "path": str(bank.path), "nbytes": staging.nbytes,
-                   "buckets": self.staged, "delay_s": delay_s}
+                   "buckets": self.staged, "delay_s": delay_s, "seal": seal}
             # torch >= 2.6 passes its stream transforms to _write_item (as NVRx itself does)
             req["transforms"] = [self.transforms] if hasattr(self, "transforms") else []
             return req
@@ -120,7 +124,7 @@ def _region(base: torch.Tensor, slot: Slot) -> torch.Tensor:
 
 
 def write_staged(rank: int, request: dict[str, Any], results_queue: Any) -> None:
-    """Runs in NVRx's writer process: writes this rank's files from the bank, then CRCs.
+    """Runs in NVRx's writer process: writes this rank's files from the bank, then seals them.
 
     The writing itself is NVRx's (``FileSystemWriterAsync`` bucket writer, which puts the
     DCP write results on ``results_queue``).
@@ -135,7 +139,7 @@ def write_staged(rank: int, request: dict[str, Any], results_queue: Any) -> None
         buckets = [(path, name, (byte_data, [(item, _region(base, slot)) for item, slot in tensors]))
                    for path, name, byte_data, tensors in request["buckets"]]
     nvrx_write_buckets(rank, buckets, results_queue, request.get("transforms", []))
-    write_checksums([b[0] for b in buckets], rank)
+    request["seal"]([b[0] for b in buckets])  # the store's: checksums, or an upload
 
 
 def nvrx_write_buckets(rank: int, buckets: list, results_queue: Any, transforms: list) -> None:
