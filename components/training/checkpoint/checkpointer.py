@@ -177,7 +177,7 @@ class Checkpointer:
         """
         step, state = self.recovery.resume(state_fn, check, first_start)
         durable = self.recovery.durable  # listed once by the resume (no second store listing)
-        self.pace.persisted = durable[0] if durable else -1
+        self.pace.found(durable[0] if durable else -1)
         if step is not None and state is not None and self.restored_from_memory:
             self.pace.took(step, state)
         return step, state
@@ -287,8 +287,9 @@ class Checkpointer:
         self.log(f"checkpoint.staging={self.cfg.staging}: {problem or 'unavailable on another rank'}"
                  "; using NVRx's staging")
         staging.release()
-        self.writes.staging, self.mode = None, "nvrx"
-        self.recovery.memory = None
+        self.mode = "nvrx"
+        self.writes.without_banks()
+        self.recovery.without_banks()
         self.writer.use_cuda(True)  # NVRx's staging copies from the GPU in the writer
         return "no staging banks"
 

@@ -55,6 +55,10 @@ class Recovery:
         self.durable: list[int] = []  # the store's commits the last resume saw, newest first
         self._loaded: dict[str, Any] | None = None
 
+    def without_banks(self) -> None:
+        """The banks are gone (unavailable on some rank): nothing is restored from memory."""
+        self.memory = None
+
     def resume(self, state_fn: Callable[[], dict[str, Any]],
                check: Callable[[set[str], int], None] | None = None, first_start: bool = True,
                ) -> tuple[int | None, dict[str, Any] | None]:

@@ -88,6 +88,10 @@ class Pace:
         """A durable write started now."""
         self.write_started = time.monotonic()
 
+    def found(self, persisted: int) -> None:
+        """A resume listed the store: ``persisted`` is its newest commit (-1: none)."""
+        self.persisted = persisted
+
     def wrote(self, step: int) -> None:
         """The write of ``step`` is committed now."""
         self.persisted = max(self.persisted, step)

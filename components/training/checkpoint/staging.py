@@ -284,6 +284,10 @@ class HostStaging:
         self.writing = None
         self.home.remove_rank_files()
 
+    def lend(self, bank: _Bank | None) -> None:
+        """``bank`` is read by the writer process from now on (None: none is): never staged into."""
+        self.writing = bank
+
     def view(self, key: str, bank: _Bank | None = None) -> torch.Tensor:
         """The region of one tensor in a bank (the one being staged by default), typed and shaped."""
         s = self.slots[key]

@@ -96,9 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         job = prepare_job(args.config, args.overrides, args.faults, Path(args.run_dir))
         make_nccl_trace_dir()
         t_exec = process_start_time()
-        job.boot = boot_parts(t_exec, _T_MAIN, t_imported, job.boot)
-        job.boot_origin = min(t_exec or _T_MAIN, _T_MAIN)
-        job.boot_mark = time.time()
+        job.booted(boot_parts(t_exec, _T_MAIN, t_imported, job.boot), min(t_exec or _T_MAIN, _T_MAIN))
     except OSError as err:
         if disk_full(err):  # config.yaml or the run dir on a full disk: say so, let it restart
             sys.stderr.write(f"[trainer] error: {disk_full_line(args.run_dir)}\n")

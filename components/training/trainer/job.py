@@ -50,6 +50,24 @@ class Job:
     # Whether this node was asked to stop (SIGTERM with a stop request): save, then exit.
     stop: StopWatch = field(default_factory=lambda: StopWatch(0.0))
 
+    # The job's state changes only through these: its modules read it, none writes it.
+    def booted(self, parts: dict[str, float], origin: float) -> None:
+        """The process's start-up is over: ``parts`` (seconds each, in order) since ``origin``."""
+        self.boot, self.boot_origin, self.boot_mark = parts, origin, time.time()
+
+    def watch_stops(self, stop_save_timeout: float) -> None:
+        """A SIGTERM that asks this node to stop is a stop to save for, not a fault, from now."""
+        self.stop = StopWatch(stop_save_timeout, on_stop=self.monitor.go_quiet)
+        self.stop.install()
+
+    def keep(self, staging: HostStaging | None, writer: NvrxWriter | None) -> None:
+        """What the next incarnation's checkpointing starts from (in-process restarts)."""
+        self.staging, self.writer = staging, writer
+
+    def counted_restarts(self, count: int) -> None:
+        """Rank 0's job-wide count of in-job restarts so far (from the run's events)."""
+        self.restart_count = count
+
 
 def give_up(line: str, stop_timeout: float) -> None:
     """Ends the job, not just this incarnation: says ``line`` and stops this node's agent.

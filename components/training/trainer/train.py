@@ -30,7 +30,6 @@ from kfp_nvrx.components.training.trainer.fault_injector import FaultInjector
 from kfp_nvrx.components.training.trainer.job import Job
 from kfp_nvrx.components.training.trainer.loop import Place, Replica, Trainer, log0
 from kfp_nvrx.components.training.trainer.resilience import in_process_wrapper
-from kfp_nvrx.components.training.trainer.stopping import StopWatch
 
 
 def restart_kind(iteration: int, previous_agent: str | None, agent: str) -> str:
@@ -91,8 +90,7 @@ def run(job: Job) -> None:
     if not res.in_process:
         # FT: a stopped pod's workers save first (in-process restart would take the stop for a
         # fault and re-enter: there a stop ends the workers at once, as before).
-        job.stop = StopWatch(res.stop_save_timeout, on_stop=job.monitor.go_quiet)
-        job.stop.install()
+        job.watch_stops(res.stop_save_timeout)
         incarnation(job)
         return
     port = env_int("MASTER_PORT", 29500)
@@ -214,7 +212,7 @@ class Incarnation:
                 job.run_dir, cfg.checkpoint, job.device, Kept(job.staging, job.writer),
                 Reports(on_commit, on_snapshot, log0, lambda: job.stop.deadline is not None),
                 final_step=cfg.train.steps)
-            job.staging, job.writer = ckpt.staging, ckpt.writer
+            job.keep(ckpt.staging, ckpt.writer)
             trainer = Trainer(job, Place(self.rank, self.world, self.iteration, self.call_wrapper),
                               Replica(model, opt, sched, TrainState()), ckpt, events,
                               FaultInjector(job.faults, job.run_dir, self.rank))
@@ -239,7 +237,7 @@ class Incarnation:
         job = self.job
         starts = [e for e in read_events(job.run_dir) if isinstance(e, ev.Start)
                   and e.run_id == job.run_id and e.iteration == 0]
-        job.restart_count = len(starts)
+        job.counted_restarts(len(starts))
         return starts[-1].agent if starts else None
 
     def _record_start(self, ckpt: Checkpointer, resumed: int | None, load_s: float,
