@@ -39,17 +39,17 @@ test: $(VENV)/.installed-test
 # kube-scheduler, Kubeflow Trainer, JobSet, Training Operator), built once into
 # ~/.cache/kfp-nvrx/cluster-bins/<versions key>/ (KFP_NVRX_CLUSTER_CACHE to move it).
 cluster-bins:
-	bash tests/cluster/build.sh >/dev/null
+	bash tests/harness/build.sh >/dev/null
 
 # Start / stop a test cluster on 127.0.0.1 (CLUSTER_NODES test nodes, default 2) in
 # CLUSTER_DIR (default /tmp/kfp-nvrx-cluster-$UID); `up` prints the kubeconfig path.
 CLUSTER_NODES ?= 2
 CLUSTER_DIR ?= /tmp/kfp-nvrx-cluster-$(shell id -u)
 cluster-up: $(VENV)/.installed-test cluster-bins
-	cd tests && ../$(PY) -m cluster up --dir $(CLUSTER_DIR) --nodes $(CLUSTER_NODES)
+	cd tests && ../$(PY) -m harness up --dir $(CLUSTER_DIR) --nodes $(CLUSTER_NODES)
 
 cluster-down: $(VENV)/.installed-test
-	cd tests && ../$(PY) -m cluster down --dir $(CLUSTER_DIR)
+	cd tests && ../$(PY) -m harness down --dir $(CLUSTER_DIR)
 
 # On a CUDA machine: the GPU tests (pinned staging, overlapped D2H, in-memory restore).
 test-gpu: $(VENV)/.installed-test
@@ -88,8 +88,8 @@ typecheck: $(VENV)/.installed-test
 bench: $(VENV)/.installed-bench
 	$(PY) -m bench.run
 
-# The compiled pipelines committed in pipelines/compiled/ (tests/unit/test_pipelines.py fails when
-# they are stale). KFP_NVRX_REGISTRY names the component images' registry.
+# The compiled pipelines committed in pipelines/compiled/ (tests/integration/test_pipelines.py
+# fails when they are stale). KFP_NVRX_REGISTRY names the component images' registry.
 compile: $(VENV)/.installed-all
 	$(VENV)/bin/kfp-nvrx compile --out pipelines/compiled
 

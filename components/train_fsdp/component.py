@@ -15,9 +15,9 @@ from kfp_nvrx.components.images import components_image
 
 
 # KFP runs this function's source alone, so its defaults are literals; job_api's is
-# options.DEFAULT_JOB_API (tests/unit/test_pipelines.py holds them equal). KFP takes the parameter
-# descriptions from the docstring, where with_fault_kinds lists the registered fault kinds (the
-# source KFP runs keeps the placeholder). The pipelines take the training parameters they offer,
+# options.DEFAULT_JOB_API (tests/integration/test_pipelines.py holds them equal). KFP takes the
+# parameter descriptions from the docstring, where with_fault_kinds lists the registered fault
+# kinds (the source KFP runs keeps the placeholder). The pipelines take the training parameters they offer,
 # with these types, defaults and descriptions, from here (pipelines/steps.py: train_parameters),
 # so those descriptions are plain text, as a pipeline's parameters read in the Kubeflow UI.
 @dsl.component(base_image=components_image(), install_kfp_package=False)

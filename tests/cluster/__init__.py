@@ -1,1 +1,1 @@
-"""A real Kubernetes control plane (and node agent) for the tests; see README in this folder."""
+"""Tests against a real control plane and the Kubeflow controllers (the harness: ``tests/harness``)."""

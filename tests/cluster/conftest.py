@@ -17,10 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
-from cluster.controlplane import USER_NAMESPACE, bin_dir
-from cluster.procs import alive, tail
-from cluster.supervisor import read_state
+from harness.controlplane import USER_NAMESPACE, bin_dir
+from harness.procs import alive, tail
+from harness.supervisor import read_state
 
 TESTS = Path(__file__).resolve().parents[1]
 NO_BINS = "cluster tests need the control-plane binaries: run `make cluster-bins` (Go 1.26)"
@@ -73,7 +72,7 @@ def cluster(tmp_path_factory) -> Cluster:
         pytest.skip(NO_BINS)
     root = tmp_path_factory.mktemp("cluster")
     log = open(root / "supervisor.log", "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "cluster", "serve", "--dir", str(root),
+    proc = subprocess.Popen([sys.executable, "-m", "harness", "serve", "--dir", str(root),
                              "--nodes", str(_nodes())], cwd=TESTS, stdout=log,
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             start_new_session=True)

@@ -10,9 +10,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-
-from cluster.kutil import wait_for
-from cluster.procs import alive
+from harness.kutil import wait_for
+from harness.procs import alive
 
 pytestmark = pytest.mark.timeout(300)
 WAIT_S = 120.0

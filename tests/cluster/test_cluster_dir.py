@@ -15,22 +15,21 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from cluster.controlplane import bin_dir
+from harness.controlplane import bin_dir
 
 pytestmark = [pytest.mark.timeout(600)]
 TESTS = Path(__file__).resolve().parents[1]
 
 
 def _cli(cmd: str, root: Path, cwd: Path = TESTS) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cluster", cmd, "--dir", str(root), "--nodes",
+    return subprocess.run([sys.executable, "-m", "harness", cmd, "--dir", str(root), "--nodes",
                            "0"], cwd=cwd, capture_output=True, text=True, timeout=400)
 
 
 def _other_checkout(tmp: Path) -> Path:
-    """A copy of tests/cluster elsewhere: another checkout of the same user."""
+    """A copy of the cluster harness elsewhere: another checkout of the same user."""
     other = tmp / "other-checkout" / "tests"
-    shutil.copytree(TESTS / "cluster", other / "cluster",
+    shutil.copytree(TESTS / "harness", other / "harness",
                     ignore=shutil.ignore_patterns("__pycache__", "controllers"))
     return other
 

@@ -14,9 +14,7 @@ import re
 from typing import Any
 
 import pytest
-from support.rendering import render_pytorchjob, render_trainjob
-
-from cluster.kutil import (
+from harness.kutil import (
     SETTLE_S,
     delete_namespace,
     items,
@@ -25,7 +23,9 @@ from cluster.kutil import (
     wait_for,
     wait_runtime_seen,
 )
-from cluster.truth_rows import shape_spec
+from harness.truth_rows import shape_spec
+from support.rendering import render_pytorchjob, render_trainjob
+
 from kfp_nvrx.components.launch.pytorchjob import render as pytorchjob
 from kfp_nvrx.components.launch.trainjob.runtime import build_runtime
 from kfp_nvrx.components.launch.trainjob.validate import node_pod

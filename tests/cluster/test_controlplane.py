@@ -12,10 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
-
-from cluster.controlplane import USER_NAMESPACE, bin_dir
-from cluster.procs import alive
-from cluster.supervisor import read_state
+from harness.controlplane import USER_NAMESPACE, bin_dir
+from harness.procs import alive
+from harness.supervisor import read_state
 
 TESTS = Path(__file__).resolve().parents[1]
 COMPONENTS = {"etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler",
@@ -23,7 +22,7 @@ COMPONENTS = {"etcd", "kube-apiserver", "kube-controller-manager", "kube-schedul
 
 
 def _cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "cluster", *args], cwd=TESTS, text=True,
+    return subprocess.run([sys.executable, "-m", "harness", *args], cwd=TESTS, text=True,
                           capture_output=True, timeout=timeout)
 
 

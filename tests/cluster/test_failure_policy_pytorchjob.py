@@ -12,9 +12,8 @@ from __future__ import annotations
 import uuid
 
 import pytest
-
-from cluster.kutil import wait_for
-from cluster.policy_jobs import (
+from harness.kutil import wait_for
+from harness.policy_jobs import (
     FT_POD,
     KUBEFLOW,
     ONCE,

@@ -16,13 +16,13 @@ import time
 
 import pytest
 import torch
+from harness import kueue
+from harness.kueue_launch import DATA, Launch, LaunchArgs, prepare_data
+from harness.launch_real import wait_for
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 from support.rendering import render_pytorchjob, render_trainjob
 
-from cluster import kueue
-from cluster.kueue_launch import DATA, Launch, LaunchArgs, prepare_data
-from cluster.launch_real import wait_for
 from kfp_nvrx.components.launch.jobspec.spec import JobSpec
 from kfp_nvrx.components.launch.trainjob.runtime import GRACE_PERIOD_S, build_runtime
 
@@ -37,7 +37,7 @@ QUEUED = "queued: "
 @pytest.fixture(scope="module")
 def queue(cluster):
     """This module's ClusterQueue (2 CPUs: one job of 2 nodes x 1 CPU), LocalQueue, priorities."""
-    from cluster import install
+    from harness import install
 
     objs = kueue.queue_objects(cluster.namespace, CQ, LQ, cpu="2") + [
         kueue.priority_class(LOW, 100), kueue.priority_class(HIGH, 1000)]
@@ -258,7 +258,7 @@ def test_a_preempted_job_is_followed_until_it_runs_again(queue, launch) -> None:
 def test_a_namespaces_default_queue_holds_a_job_that_names_none(queue, launch) -> None:
     """Kueue queues every job of a namespace with a LocalQueue named ``default``: the launcher
     says so, renders the job as queued (a TrainJob without its own grace period) and follows it."""
-    from cluster import install
+    from harness import install
 
     ns = "kq-default-queue"
     objs = [{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}},

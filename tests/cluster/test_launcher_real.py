@@ -11,10 +11,8 @@ import copy
 import signal
 
 import pytest
-from kubernetes import client
-
-from cluster.kutil import wait_runtime_seen
-from cluster.launch_real import (
+from harness.kutil import wait_runtime_seen
+from harness.launch_real import (
     PODS,
     Background,
     Cli,
@@ -29,6 +27,8 @@ from cluster.launch_real import (
     sa_kubeconfig,
     wait_for,
 )
+from kubernetes import client
+
 from kfp_nvrx.components.launch import cluster_launch
 from kfp_nvrx.components.launch.trainjob import runtime as rt
 

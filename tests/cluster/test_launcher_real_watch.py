@@ -13,9 +13,7 @@ import os
 import signal
 
 import pytest
-from kubernetes import client, watch
-
-from cluster.launch_real import (
+from harness.launch_real import (
     SA,
     Background,
     audit_offset,
@@ -28,7 +26,9 @@ from cluster.launch_real import (
     sa_kubeconfig,
     wait_for,
 )
-from cluster.supervisor import read_state
+from harness.supervisor import read_state
+from kubernetes import client, watch
+
 from kfp_nvrx.components.launch.kube.logs import PodLogFollower
 from kfp_nvrx.components.launch.pytorchjob.follow import job_pods as pytorchjob_pods
 

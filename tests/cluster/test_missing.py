@@ -10,8 +10,7 @@ from __future__ import annotations
 import time
 
 import pytest
-
-from cluster.launch_real import Cli, cli_args, leftovers
+from harness.launch_real import Cli, cli_args, leftovers
 
 pytestmark = [pytest.mark.timeout(600)]
 #: --missing-grace: the default (60 s) would only make the test wait longer.

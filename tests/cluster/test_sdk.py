@@ -21,12 +21,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from harness import install, kueue
+from harness.kueue_launch import DATA, Launch, LaunchArgs, prepare_data
+from harness.launch_real import wait_for
 from kubernetes import client as k8s
 from kubernetes.client.rest import ApiException
 
-from cluster import install, kueue
-from cluster.kueue_launch import DATA, Launch, LaunchArgs, prepare_data
-from cluster.launch_real import wait_for
 from cluster.test_train_e2e import _assert_bitwise, _assert_nothing_left, _claim
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

@@ -20,9 +20,7 @@ from typing import Any
 
 import pytest
 import yaml
-from support.rendering import render_pytorchjob, render_trainjob
-
-from cluster.kutil import (
+from harness.kutil import (
     Verdict,
     delete_namespace,
     new_namespace,
@@ -31,7 +29,7 @@ from cluster.kutil import (
     trainjob_outcome,
     wait_runtime_seen,
 )
-from cluster.truth_rows import (
+from harness.truth_rows import (
     EXPECT,
     NODES,
     OPTIONS,
@@ -43,6 +41,8 @@ from cluster.truth_rows import (
     base_trainjob,
     shape_spec,
 )
+from support.rendering import render_pytorchjob, render_trainjob
+
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.launch.pytorchjob.validate import validate_job
 from kfp_nvrx.components.launch.trainjob.runtime import (

@@ -190,7 +190,7 @@ def _assert_bitwise(a, b) -> None:
 
 def _assert_nothing_left(kube) -> None:
     """Every container process the agent started for finished pods is gone."""
-    from cluster.procs import alive
+    from harness.procs import alive
 
     for f in (kube.root / "agent" / "pods").glob("*/pids.json"):
         pods = {p.metadata.uid: p for p in _core(kube).list_namespaced_pod(kube.namespace).items}

@@ -13,10 +13,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from harness.controlplane import bin_dir
 
-from cluster.controlplane import bin_dir
-
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1] / "harness"  # the Go modules that pin the versions
 README = HERE.parents[1] / "README.md"
 
 

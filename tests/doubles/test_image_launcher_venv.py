@@ -8,7 +8,7 @@ the venv must: have no torch; import every launcher-side module; ``kfp-nvrx rend
 ``base_image`` is the component image, the training step against the Kubernetes API test double
 (tests/support/k8s_double.py) as a real cluster task would.
 
-The trainer image's extras get the same treatment in tests/unit/test_images.py (``venv`` fixture).
+The trainer image's extras get the same treatment in tests/integration/test_images.py (``venv`` fixture).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 import pytest
+from integration.test_images import DOCKERFILES, ROOT, replay_wheel_stage
 from support.k8s_double import K8sDouble
-from unit.test_images import DOCKERFILES, ROOT, replay_wheel_stage
 
 from kfp_nvrx.components.launch.jobspec import naming
 

@@ -219,7 +219,7 @@ def test_component_image_carries_its_registry_for_the_trainer_image() -> None:
 def test_dockerignore_matcher() -> None:
     patterns = dockerignore(DOCKERFILES["trainer"])
     assert excluded(".venv/bin/python", patterns)
-    assert excluded("tests/unit/test_images.py", patterns)
+    assert excluded("tests/integration/test_images.py", patterns)
     assert not excluded("components/images.py", patterns)
     assert excluded("components/__pycache__/images.cpython-311.pyc", patterns)
 
@@ -360,7 +360,8 @@ def test_venv_is_consistent_and_uses_the_cpu_torch(venv: Path) -> None:
     # this machine (PyPI's default wheel of 2.13.0 is a CUDA build that runs on the CPU).
     assert torch.stdout.strip().split("+")[0] == _torch_pin().split("==")[1]
     imports = _run(venv, "python", "-c",
-                   "import kfp, kfp.kubernetes, kubeflow.training, kubernetes, jsonschema")
+                   "import kfp, kfp.kubernetes, kubeflow.training, kubeflow_trainer_api, "
+                   "kubernetes, jsonschema")
     assert imports.returncode == 0, imports.stderr
     ref = _run(venv, "python", "-m", "kfp_nvrx.components.images", "components")
     assert ref.stdout.strip() == f"r.example/team/kfp-nvrx-components:{__version__}"

@@ -66,7 +66,7 @@ def test_the_next_launch_removes_what_a_run_killed_whole_left(agents_too: bool, 
     """SIGKILL the launcher and its watchdog (the agents get the kernel's SIGTERM and stop their
     workers), or the agents too (their workers, in sessions of their own, run on until the next
     launch stops them: SIGKILLed with their resource trackers, they leak their semaphores)."""
-    from unit.test_launch_local_lifetime import _children, _launch_logged, _training, _watchdogs
+    from integration.test_launch_local_lifetime import _children, _launch_logged, _training, _watchdogs
 
     first, run_dir = uuid.uuid4().hex, tmp_path / "run"
     sems_before = semaphores()

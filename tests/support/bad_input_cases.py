@@ -1,4 +1,5 @@
-"""The bad-input sweep's table: one :class:`Case` per bad CLI/trainer input (tests/unit/test_bad_inputs.py).
+"""The bad-input sweep's table: one :class:`Case` per bad CLI/trainer input
+(tests/integration/test_bad_inputs.py).
 
 Each case names the field its one-line error must name (and, with ``says``, words the line must
 hold: a message that points the right way); ``{name}`` placeholders in ``argv`` are the sweep's

@@ -1,6 +1,6 @@
 """Bad-input sweep cases for what is read and written around a run (issue 30 items 8, 11-15, 17).
 
-Same format as tests/support/bad_input_cases.py; tests/unit/test_bad_inputs.py collects ``CASES``,
+Same format as tests/support/bad_input_cases.py; tests/integration/test_bad_inputs.py collects ``CASES``,
 ``COMPONENT_CASES`` and ``fixtures(fx)``. The classes: outputs that must never replace a FIFO,
 device, socket or link (``render-job --out``, ``launch --result``, ``run-local --out``, checked
 before any work); special files inside a run dir where we write (``events.jsonl`` as a FIFO hung

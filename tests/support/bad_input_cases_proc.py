@@ -1,6 +1,6 @@
 """Bad-input sweep cases for secrets, the network and processes (issue 23 items 5, 6, 10, 11).
 
-Same format as tests/support/bad_input_cases.py; tests/unit/test_bad_inputs.py collects ``CASES``,
+Same format as tests/support/bad_input_cases.py; tests/integration/test_bad_inputs.py collects ``CASES``,
 ``COMPONENT_CASES`` and ``fixtures(fx)``. The network cases talk to KFP API test doubles
 (tests/support/kfp_api_double.py, not a real KFP server) started once by :func:`fixtures`: one whose
 replies echo the bearer token, as a misconfigured server's error does, and ones that redirect.

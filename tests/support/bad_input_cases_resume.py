@@ -1,6 +1,6 @@
 """Bad-input sweep cases for the run's records (issue 30 item 13), through the real commands.
 
-Same format as tests/support/bad_input_cases.py; tests/unit/test_bad_inputs.py collects ``CASES`` and
+Same format as tests/support/bad_input_cases.py; tests/integration/test_bad_inputs.py collects ``CASES`` and
 ``fixtures(fx)``. A resume must find the data its checkpoints were trained on (by content, not
 only by path), and a run dir holding committed checkpoints must hold its records, complete:
 the launcher's preflight and the trainer refuse, naming the field, before any worker starts,

@@ -39,8 +39,8 @@ def _setup_cfg_pin(package: str) -> str:
 
 
 def _go_mod_pin(controller: str, module: str) -> str:
-    """The version ``tests/cluster/controllers/<controller>/go.mod`` requires of ``module``."""
-    text = (ROOT / "tests" / "cluster" / "controllers" / controller / "go.mod").read_text()
+    """The version ``tests/harness/controllers/<controller>/go.mod`` requires of ``module``."""
+    text = (ROOT / "tests" / "harness" / "controllers" / controller / "go.mod").read_text()
     m = re.search(rf"^require {re.escape(module)} v(\d+\.\d+\.\d+)$", text, re.M)
     assert m, f"{controller}/go.mod requires no {module}"
     return m[1]

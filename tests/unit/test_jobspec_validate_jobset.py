@@ -1,6 +1,6 @@
 """Offline half of the server-truth table: our validators refuse every bad row, without a cluster.
 
-The rows (``tests/cluster/truth_rows.py``) are the objects the real API server, webhooks and
+The rows (``tests/harness/truth_rows.py``) are the objects the real API server, webhooks and
 controllers refuse (``tests/cluster/test_server_truth.py``, which needs ``make cluster-bins``);
 this runs their offline verdicts everywhere, so a change to ``validate*.py`` that lets one through
 fails here first.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 
 import pytest
-from cluster.truth_rows import ROWS, Row, base_pytorchjob, base_runtime, base_trainjob
+from harness.truth_rows import ROWS, Row, base_pytorchjob, base_runtime, base_trainjob
 
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.launch.pytorchjob.validate import validate_job

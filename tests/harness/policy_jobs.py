@@ -19,7 +19,7 @@ import contextlib
 
 from support.rendering import render_pytorchjob, render_trainjob
 
-from cluster.kutil import wait_for
+from harness.kutil import wait_for
 from kfp_nvrx.components.launch.jobspec.pod import POD_ENTRY
 from kfp_nvrx.components.launch.jobspec.spec import JobSpec
 
@@ -30,7 +30,8 @@ TRAINER = ("trainer.kubeflow.org", "v1alpha1")
 JOBSET = ("jobset.x-k8s.io", "v1alpha2")
 KUBEFLOW = ("kubeflow.org", "v1")
 
-#: ft_launcher's last lines (its ``main``; ``tests/unit/test_pod_entry.py`` shows them on the real NVRx).
+#: ft_launcher's last lines (its ``main``; ``tests/integration/test_pod_entry.py`` shows them on
+#: the real NVRx).
 GAVE_UP = ("[ERROR] Some rank(s) exited with non-zero exit code: {1: ProcessFailure()}. "
            "Agent's exit code = 1")
 BROKE = ("[ERROR] Agent run ended with exception, e=RendezvousConnectionError(The connection "

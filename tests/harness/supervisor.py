@@ -1,6 +1,6 @@
 """The one process that owns a test cluster: starts every component, reports, stops them all.
 
-``python -m cluster serve --dir D`` runs in the foreground until SIGTERM/SIGINT; ``up`` starts it
+``python -m harness serve --dir D`` runs in the foreground until SIGTERM/SIGINT; ``up`` starts it
 detached and waits for ``D/state.json`` to say ``ready``; ``down`` signals it and waits until every
 component and port is gone. The components die with the supervisor even when it is SIGKILLed
 (``PR_SET_PDEATHSIG``), so nothing outlives a cluster.

@@ -1,4 +1,4 @@
-"""``python -m cluster up|down|serve|status`` (run from tests/; ``make cluster-up`` does).
+"""``python -m harness up|down|serve|status`` (run from tests/; ``make cluster-up`` does).
 
 up      start a detached supervisor, wait until the cluster is ready, print the kubeconfig path
 down    stop it, wait until no component process and no port of it is left
@@ -55,7 +55,7 @@ def up(root: Path, nodes: int, timeout_s: float) -> int:
         return 0
     root.mkdir(parents=True, exist_ok=True)
     log = open(root / "supervisor.log", "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "cluster", "serve", "--dir", str(root),
+    proc = subprocess.Popen([sys.executable, "-m", "harness", "serve", "--dir", str(root),
                              "--nodes", str(nodes)], cwd=Path(__file__).parent.parent,
                             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             start_new_session=True)
@@ -121,7 +121,7 @@ def down(root: Path, timeout_s: float = 120.0, any_owner: bool = False) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m cluster")
+    ap = argparse.ArgumentParser(prog="python -m harness")
     ap.add_argument("command", choices=["up", "down", "serve", "status"])
     ap.add_argument("--dir", type=Path, default=DEFAULT_DIR, help="run folder")
     ap.add_argument("--nodes", type=int, default=int(os.environ.get("CLUSTER_NODES", "2")),
