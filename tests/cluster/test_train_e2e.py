@@ -215,8 +215,10 @@ def reference(cluster, dataset):
 def test_trainjob_trains_through_the_real_controllers(kube, reference):
     run, out, _ = reference
     assert "TrainJob e2e-ref: Complete" in out and "Succeeded: e2e-ref" in out
-    # The launcher streamed both node pods' logs, trainer lines included.
-    assert "[node-0] [trainer] step" in out and "[node-1]" in out
+    # The launcher streamed both node pods' logs, trainer lines included (from the pod whose
+    # agent joined the rendezvous first: rank 0, either node).
+    assert "[node-0]" in out and "[node-1]" in out
+    assert "[node-0] [trainer] step" in out or "[node-1] [trainer] step" in out, out[-3000:]
     # The final step is committed; the others the durable pace reached, each a snapshot step
     # (checkpoint.keep=5 keeps them all).
     committed = run.committed()

@@ -27,6 +27,7 @@ from cluster.test_train_e2e import (
     DATA,
     INDEX_LABEL,
     JOBSET_LABEL,
+    PACED,
     PYTORCHJOB_LABEL,
     Launch,
     _assert_nothing_left,
@@ -113,7 +114,7 @@ def test_pytorchjob_rendezvous_host_evicted_recovers_like_a_trainjob(kube, datas
     from kubernetes import client
 
     name = "told-pj-evict"
-    run = Launch(kube, name, "pytorchjob", dataset)
+    run = Launch(kube, name, "pytorchjob", dataset, extra=PACED)
     codes = ExitCodes(kube, f"{PYTORCHJOB_LABEL}={name}")
     pods = _running(kube, f"{PYTORCHJOB_LABEL}={name}")
     run.wait_snapshot(12)
@@ -137,7 +138,7 @@ def test_pytorchjob_recreated_worker_counts_as_a_pod_restart(kube, dataset):
     """Item 3: an in-job restart (kill@8/1), then worker-1's processes killed (137): the
     operator recreates only worker-1; rank 0's agent is the same, the restart is a pod's."""
     name = "told-pj-layers"
-    run = Launch(kube, name, "pytorchjob", dataset, faults=["kill@8/1"])
+    run = Launch(kube, name, "pytorchjob", dataset, faults=["kill@8/1"], extra=PACED)
     pods = _running(kube, f"{PYTORCHJOB_LABEL}={name}")
     run.wait_snapshot(12)
     _kill_group(kube, pods[1])

@@ -48,7 +48,10 @@ def _launch(run_dir: Path, dataset: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
         [*CLI, "launch-local", "--run-dir", str(run_dir), "--set", f"data.path={dataset}",
          "--set", "train.steps=24", "--set", "checkpoint.interval=4", "--set",
-         "checkpoint.keep=10", "--set", "resilience.max_restarts=1"],
+         "checkpoint.keep=10", "--set", "resilience.max_restarts=1",
+         # Every snapshot written (the durable tier's own pace would write only some, and the
+         # small volume might never fill): the writer takes each one it is free for.
+         "--set", "checkpoint.persist_duty=1", "--set", "train.step_sleep=0.3"],
         capture_output=True, text=True, timeout=400)
 
 

@@ -22,7 +22,7 @@ from kfp_nvrx.components.training.checkpoint import Checkpointer, dcp_io, durabl
 from unit.test_staging import _state, _tensors, _trainer, pg  # noqa: F401 (pg: a fixture)
 
 #: Seconds the writer process sleeps before it writes: long enough to see the write in flight.
-WRITE_DELAY_S = 1.5
+WRITE_DELAY_S = 3.0
 
 
 @pytest.fixture()
