@@ -121,6 +121,11 @@ class CheckpointConfig(Section):
     # competes for memory bandwidth and cores): writes back to back would cost every step that.
     persist_duty: float = setting(0.25, gt=0, le=1)
     keep: int = positive(3)
+    # Copies of each rank's newest snapshot in host memory, its own included: every other copy
+    # is held by the same local rank of another node (the next ones by node order), sent in the
+    # background after the snapshot is sealed, so a lost node restores from a peer, not the
+    # volume. 1: no copies elsewhere (a lost node's ranks, and then every rank, read the store).
+    replicas: int = positive(2)
     async_save: bool = True
     finalize_timeout: float = positive(300.0)  # seconds a save may take before the run fails
     save_final: bool = True

@@ -16,6 +16,7 @@ boundaries (the ft_launcher command line, a pod's args) as its text.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -24,8 +25,10 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
 from typing import TypeVar
 
+from kfp_nvrx.components.core.host_copy import node_copy_dir, node_name, node_workers, remove_copy
 from kfp_nvrx.components.errors import UserError
 
 
@@ -83,7 +86,8 @@ class FaultKind:
         does: One line: what it does, for help texts.
         failure: True when the job must recover from it (one restart); False for a healthy stall
             the job must ride out without one.
-        action: Carries the fault out in the faulting worker (may not return).
+        action: Carries the fault out in the faulting worker, given the run dir (may not
+            return).
         params: The numbers it takes, with their defaults.
     """
 
@@ -92,7 +96,7 @@ class FaultKind:
     when: When
     does: str
     failure: bool
-    action: Callable[[Fault], None] = field(compare=False, repr=False)
+    action: Callable[[Fault, Path], None] = field(compare=False, repr=False)
     params: tuple[Param, ...] = ()
 
     def param(self, name: str) -> Param | None:
@@ -139,22 +143,49 @@ class FaultKinds:
 FAULT_KINDS = FaultKinds()
 
 
-def _kill(fault: Fault) -> None:
+def _kill(fault: Fault, run_dir: Path) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _raise(fault: Fault) -> None:
+def _lose_node(fault: Fault, run_dir: Path) -> None:
+    """This rank's node is lost: every worker on it, then its host memory of the run, then us.
+
+    The node's other workers are the ones whose owner records are in its host copy folder
+    (:mod:`.host_copy`); they go first, so none writes there after the folder is removed.
+    """
+    folder = node_copy_dir(run_dir, node_name())
+    others = node_workers(folder) - {os.getpid()}
+    for pid in others:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10.0
+    while others and time.monotonic() < deadline:
+        others = {pid for pid in others if _alive(pid)}
+        time.sleep(0.05)
+    remove_copy(folder)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def _raise(fault: Fault, run_dir: Path) -> None:
     raise InjectedFault(f"injected fault {fault.key}")
 
 
-def _hang(fault: Fault) -> None:
+def _hang(fault: Fault, run_dir: Path) -> None:
     # Blocked "forever" in the step: no heartbeat leaves this rank, so only the rank monitor's
     # timeout ends it.
     while True:
         time.sleep(3600)
 
 
-def _stall(fault: Fault) -> None:
+def _stall(fault: Fault, run_dir: Path) -> None:
     time.sleep(fault.param("seconds"))
 
 
@@ -164,7 +195,7 @@ def _stall(fault: Fault) -> None:
 _write_delays: list[float] = []
 
 
-def _slow_write(fault: Fault) -> None:
+def _slow_write(fault: Fault, run_dir: Path) -> None:
     _write_delays.append(float(fault.param("seconds")))
 
 
@@ -182,6 +213,12 @@ FAULT_KINDS.register(FaultKind(
 FAULT_KINDS.register(FaultKind(
     "hang", verb="hung", when=When.STEP, does="stop heartbeating and block", failure=True,
     action=_hang))
+# A lost node: its workers and its host memory (their snapshots and the peer copies it held) go
+# at once; the restart must restore its ranks from the copies on other nodes.
+FAULT_KINDS.register(FaultKind(
+    "node-lost", verb="lost its node", when=When.STEP,
+    does="SIGKILL every worker of the rank's node and drop the node's host memory", failure=True,
+    action=_lose_node))
 FAULT_KINDS.register(FaultKind(
     "kill-in-ckpt", verb="killed while checkpointing", when=When.CHECKPOINT,
     does="SIGKILL right after a snapshot's copies were queued", failure=True, action=_kill))

@@ -55,6 +55,7 @@ from kfp_nvrx.components.core.queue_waits import (
 )
 from kfp_nvrx.components.core.restart_counts import restart_counts
 from kfp_nvrx.components.core.rounds import start_layers
+from kfp_nvrx.components.core.sources import source_words
 
 
 @dataclass
@@ -305,7 +306,9 @@ def _resumed(e: Start, done: list[int]) -> tuple[str, str]:
     """Where a restart resumed from, and the stopped incarnation's steps it redoes, in words."""
     base = e.resumed_from
     where = "restarted from scratch" if base is None else f"resumed from step {base}"
-    if e.from_memory:
+    if e.sources and "peer" in e.sources:
+        where += source_words(e.sources, e.peer_bytes)
+    elif e.from_memory:
         where += " (host memory)"
     redone = sum(1 for s in done if s > (base or 0))
     return where, f"{redone} step{'s' if redone != 1 else ''} redone"

@@ -40,7 +40,7 @@ def freeze():
     fired: list[str] = []
     kind = FaultKind("freeze", "froze its checkpoint", When.CHECKPOINT,
                      "block the checkpoint writer", True,
-                     lambda f: fired.append(f"{f} for {f.param('seconds')} s"),
+                     lambda f, _run_dir: fired.append(f"{f} for {f.param('seconds')} s"),
                      (Param("seconds", 2, "how long the writer blocks", minimum=1),))
     FAULT_KINDS.register(kind)
     yield kind, fired
@@ -98,7 +98,8 @@ def test_every_builtin_kind_has_its_point_and_nature() -> None:
     kinds = {k.name: (k.when, k.failure) for k in FAULT_KINDS}
     assert kinds == {"kill": (When.STEP, True), "raise": (When.STEP, True),
                      "hang": (When.STEP, True), "kill-in-ckpt": (When.CHECKPOINT, True),
-                     "stall": (When.STEP, False), "slow-write": (When.STEP, False)}
+                     "stall": (When.STEP, False), "slow-write": (When.STEP, False),
+                     "node-lost": (When.STEP, True)}
     assert parse_fault("stall@3").param("seconds") == 3.0
     assert parse_fault("slow-write@3:seconds=60").param("seconds") == 60.0
     assert str(parse_fault(" hang@3 ")) == "hang@3/0"

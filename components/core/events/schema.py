@@ -69,6 +69,9 @@ class Start(Event):
         resumed_from: Step of the checkpoint it resumed from (None: from scratch).
         load_s: Seconds the load took.
         from_memory: The state came from the host copy, not the volume.
+        sources: Where each rank's state came from, by rank: ``memory`` (its node's host copy),
+            ``peer`` (a copy another node held: the node was lost) or ``volume``.
+        peer_bytes: Bytes the ranks fetched from peers for this start.
         pid: Rank 0's process id (the same across in-process restarts).
         run_id: The rendezvous id: new per launcher invocation (a session, see goodput).
         agent: Which ft_launcher started the rank (host/pid...): another agent means new pods.
@@ -83,6 +86,8 @@ class Start(Event):
     resumed_from: int | None = _f(COUNT, None, null=True)
     load_s: float | None = _f(NUMBER, None)
     from_memory: bool | None = _f(ANY, None)
+    sources: list[str] | None = _f(ANY, None)
+    peer_bytes: int | None = _f(COUNT, None)
     pid: int | None = _f(ANY, None)
     run_id: str | None = _f(ANY, None)
     agent: str | None = _f(ANY, None)

@@ -24,7 +24,7 @@ from types import FrameType
 from typing import Any
 
 from kfp_nvrx.components.core.events import End, Event, read_events
-from kfp_nvrx.components.core.host_copy import remove_run_copy
+from kfp_nvrx.components.core.host_copy import NODE_ENV, remove_run_copy
 from kfp_nvrx.components.core.launch_command import (
     FtLauncher,
     ft_launcher_argv,
@@ -228,8 +228,10 @@ class LocalRun:
         """One agent per node, node 0 the rendezvous host, each with its GPUs and stop file."""
         in_process = self.job.config.resilience.in_process
         for i in range(self.job.max_nodes):
+            # NODE_ENV: each local node keeps its host memory (snapshots, peer copies) in a
+            # folder of its own, so a lost node's is really gone while the others' stay.
             agent_env = {**env, "PET_RDZV_CONF": f"is_host={1 if i == 0 else 0}",
-                         STOP_FILE_ENV: str(stop_file(stops, f"node{i}"))}
+                         STOP_FILE_ENV: str(stop_file(stops, f"node{i}")), NODE_ENV: f"{i}"}
             if slices[i] is not None:
                 # Each local node sees only its own GPUs, as a pod would; LOCAL_RANK indexes them.
                 agent_env["CUDA_VISIBLE_DEVICES"] = str(slices[i])

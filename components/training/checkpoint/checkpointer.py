@@ -36,7 +36,9 @@ from kfp_nvrx.components.core.ckpt_store import CheckpointStore, open_store
 from kfp_nvrx.components.core.config import CheckpointConfig
 from kfp_nvrx.components.training.checkpoint.durable import DurableWrites, Kept, Reports
 from kfp_nvrx.components.training.checkpoint.hostcopy import HostCopyDir
+from kfp_nvrx.components.training.checkpoint.peers import Peers
 from kfp_nvrx.components.training.checkpoint.recovery import Recovery
+from kfp_nvrx.components.training.checkpoint.replication import Replicator
 from kfp_nvrx.components.training.checkpoint.snapshots import PINNING, Pace
 from kfp_nvrx.components.training.checkpoint.staging import (
     HostStaging,
@@ -101,8 +103,14 @@ class Checkpointer:
         self.writes = DurableWrites(self.store, cfg, device, Kept(staging, writer), self.pace,
                                     Reports(reports.on_commit, log=lambda msg: self.log(msg),
                                             stopping=reports.stopping))
+        # Peer copies of every snapshot (collective: every rank opens its side, in this order).
+        peers = (Peers.open(staging.home, cfg.replicas)
+                 if staging is not None and cfg.replicas > 1 else None)
+        self.replicator = (Replicator(peers, staging, self.pace, device, lambda msg: self.log(msg),
+                                      reports.on_replica)
+                           if peers is not None and staging is not None else None)
         self.recovery = Recovery(self.store, cfg, device, staging,
-                                 lambda msg: self.log(msg))  # self.log may be replaced
+                                 lambda msg: self.log(msg), peers)  # self.log may be replaced
 
     # ---------------------------------------------------------------- views
     @property
@@ -186,6 +194,17 @@ class Checkpointer:
     def restored_from_memory(self) -> bool:
         """Whether the last load came from host memory (the staging banks), not the files."""
         return self.recovery.restored_from_memory
+
+    @property
+    def sources(self) -> list[str] | None:
+        """Where each rank's state came from in the last resume (memory, peer, volume; None: none)."""
+        return self.recovery.sources
+
+    @property
+    def peer_bytes(self) -> int:
+        """Bytes the ranks fetched from peers in the last resume."""
+        peers = self.recovery.peers
+        return peers.fetched_bytes if peers is not None else 0
 
     def select(self, steps: list[int] | None = None, log: Callable[[str], None] = print) -> int | None:
         """The newest intact committed step, the same on every rank (collective)."""
@@ -290,6 +309,7 @@ class Checkpointer:
         self.mode = "nvrx"
         self.writes.without_banks()
         self.recovery.without_banks()
+        self.replicator = None  # nothing to copy: the banks are gone
         self.writer.use_cuda(True)  # NVRx's staging copies from the GPU in the writer
         return "no staging banks"
 
@@ -312,6 +332,8 @@ class Checkpointer:
             for note in self.staging.take_notes():
                 self.log(note)
         self.writes.tick()
+        if self.replicator is not None and self.staging is not None:
+            self.replicator.tick()
 
     def finalize(self, blocking: bool, timeout: float | None = None) -> bool:
         """Commits the write in flight; ``blocking`` also writes and commits the newest snapshot.
@@ -351,6 +373,8 @@ class Checkpointer:
     def abort(self) -> None:
         """Error path: drops the write in flight, kills the writer, forgets cut copies."""
         self.writes.abort()
+        if self.replicator is not None:
+            self.replicator.abort()
         if self.staging is not None and self.staging.copying():
             self.staging.invalidate()  # a snapshot's copies the fault may have cut
 
@@ -359,6 +383,8 @@ class Checkpointer:
         try:
             self.finalize(blocking=True)
         finally:
+            if self.replicator is not None:
+                self.replicator.close(self.cfg.finalize_timeout)
             self.writer.close()
 
     def discard_host_copy(self) -> None:

@@ -47,6 +47,8 @@ from kfp_nvrx.components.core.host_copy import (
     HostCopyUnavailable,
     host_copy_base,
     host_copy_dir,
+    node_copy_dir,
+    node_name,
     private_dir,
     remove_copy,
 )
@@ -157,10 +159,13 @@ class HostCopyDir:
         self.run_dir = str(Path(run_dir).resolve()) if run_dir is not None else None
         self.persistent = run_dir is not None
         self.run = run_identity(self.run_dir) if self.run_dir is not None else None
+        self.node = node_name() if self.run_dir is not None else ""
         if self.run_dir is not None:
-            self.path = host_copy_dir(self.run_dir, self.root)
+            self.run_path = host_copy_dir(self.run_dir, self.root)
+            self.path = node_copy_dir(self.run_dir, self.node, self.root)
         else:
             self.path = self.base / f"private-{os.getpid()}-{time.monotonic_ns()}"
+            self.run_path = self.path
         self.rank = rank
         self.world_size = world_size
 
@@ -174,11 +179,15 @@ class HostCopyDir:
         in it (0700), so the check holds for what follows.
         """
         try:
-            private_dir(self.base, create=False)
-            private_dir(self.path, create=False)
+            for d in self._dirs():
+                private_dir(d, create=False)
         except HostCopyUnavailable:
             return False
         return True
+
+    def _dirs(self) -> list[Path]:
+        """The base, the run's directory and (a simulated node's) this node's folder in it."""
+        return [self.base, self.run_path] + ([self.path] if self.path != self.run_path else [])
 
     @property
     def keeps(self) -> bool:
@@ -187,8 +196,8 @@ class HostCopyDir:
 
     def ensure(self) -> None:
         """Creates the directories (0700) and records who owns this rank's files."""
-        private_dir(self.base)
-        private_dir(self.path)
+        for d in self._dirs():
+            private_dir(d)
         owner = {"run_dir": self.run_dir, "pid": os.getpid(), "agent_pid": os.getppid(),
                  "time": time.time()}
         self._write(self.path / f"rank{self.rank}.owner", json.dumps(owner).encode())
@@ -315,8 +324,9 @@ class HostCopyDir:
         if not self.persistent:
             remove_copy(self.path)
             return
-        with contextlib.suppress(OSError):
-            self.path.rmdir()  # only when no other rank's files are left
+        for d in dict.fromkeys([self.path, self.run_path]):
+            with contextlib.suppress(OSError):
+                d.rmdir()  # only when no other rank's (or node's) files are left
 
     def sweep(self) -> list[Path]:
         """Removes other runs' directories whose every ft_launcher agent has exited.
@@ -373,7 +383,7 @@ def covers(crc32: Any, nbytes: int) -> bool:
 def _agents_gone(d: Path) -> bool:
     """Whether every agent that wrote files into host copy ``d`` has exited."""
     agents = []
-    for rec in d.glob("rank*.owner"):
+    for rec in [*d.glob("rank*.owner"), *d.glob("node-*/rank*.owner")]:  # d is private: no links
         owner = _read_json(rec, "owner record")
         if isinstance(owner, dict) and isinstance(owner.get("agent_pid"), int):
             agents.append(owner["agent_pid"])

@@ -25,6 +25,7 @@ from kfp_nvrx.components.core.config import CheckpointConfig
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.training.checkpoint import dcp_io
 from kfp_nvrx.components.training.checkpoint.host_tier import HostTier
+from kfp_nvrx.components.training.checkpoint.peers import Peers
 from kfp_nvrx.components.training.checkpoint.staging import HostStaging, SnapshotDamaged
 from kfp_nvrx.components.training.ranks import all_ranks, from_rank0, gather
 
@@ -38,11 +39,12 @@ class Recovery:
         device: The training device.
         staging: The process's staging banks (None: no host-memory tier).
         log: Where one-line notices go.
+        peers: The peer nodes holding copies of this rank's snapshots (None: none).
     """
 
     def __init__(self, store: CheckpointStore | str | os.PathLike[str], cfg: CheckpointConfig,
                  device: torch.device, staging: HostStaging | None,
-                 log: Callable[[str], None]) -> None:
+                 log: Callable[[str], None], peers: Peers | None = None) -> None:
         self.store = (open_store(store, cfg.store) if isinstance(store, (str, os.PathLike))
                       else store)
         self.cfg = cfg
@@ -51,13 +53,15 @@ class Recovery:
         self.log = log
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
+        self.peers = peers
         self.restored_from_memory = False
+        self.sources: list[str] | None = None  # where each rank's state came from, last resume
         self.durable: list[int] = []  # the store's commits the last resume saw, newest first
         self._loaded: dict[str, Any] | None = None
 
     def without_banks(self) -> None:
         """The banks are gone (unavailable on some rank): nothing is restored from memory."""
-        self.memory = None
+        self.memory = self.peers = None
 
     def resume(self, state_fn: Callable[[], dict[str, Any]],
                check: Callable[[set[str], int], None] | None = None, first_start: bool = True,
@@ -89,6 +93,7 @@ class Recovery:
         steps, pinned = self._timeline(first_start)
         self.durable = steps  # the store's commits this start sees, newest first
         newest = steps[0] if steps else None
+        fetched = self._from_peers(newest) if not pinned else None
         # checkpoint.load_step names a durable step: it is read from the store, never memory.
         memory = [] if pinned else [m for m in self.memory_steps() if newest is None or m >= newest]
         if not memory:
@@ -98,6 +103,7 @@ class Recovery:
             state = state_fn()
             for held in memory:
                 if self._load_memory(held, state, check, newest):
+                    self._said(held, fetched)
                     return held, self._loaded
             self._forget_memory()
         step = self.select(steps, log=self.log) if steps else None
@@ -105,10 +111,27 @@ class Recovery:
             # A fresh start. state_fn is called only once a step is known to load: building the
             # state initialises the optimizer's (DCP steps it once), which a fresh start must
             # not inherit (its weights would differ from a run that never failed).
+            self.sources = None
             return None, None
         state = self._only_stored(state if state is not None else state_fn(), step, check)
         dcp_io.load(self.store, step, state)
+        self.sources = ["volume"] * self.world_size
         return step, state
+
+    def _from_peers(self, newest: int | None) -> int | None:
+        """Ranks that lost their snapshots fetch them from the peers holding copies (collective).
+
+        Returns:
+            The step fetched for (None: nobody needed a peer).
+        """
+        if self.peers is None or self.memory is None:
+            return None
+        return self.peers.restore(self.memory.committed_steps(), newest, self.log)
+
+    def _said(self, step: int, fetched: int | None) -> None:
+        """Where each rank's state of ``step`` came from: its own host memory, or a peer's."""
+        peers = self.peers.fetched if self.peers is not None and fetched == step else []
+        self.sources = ["peer" if r in peers else "memory" for r in range(self.world_size)]
 
     def _timeline(self, first_start: bool) -> tuple[list[int], bool]:
         """Committed steps as rank 0 sees them, and whether ``load_step`` pins this start.

@@ -29,6 +29,7 @@ import hashlib
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -77,6 +78,8 @@ class HostStaging:
         self.target: _Bank | None = None  # bank being staged, or staged last
         self.committed: _Bank | None = None  # bank holding the newest committed step
         self.writing: _Bank | None = None  # bank the writer process reads: never staged into
+        self.replicating: _Bank | None = None  # bank a peer copy reads: never staged into
+        self._peer_join: Callable[[float | None], None] | None = None
         self.staged_step: int | None = None
         self.adopted_step: int | None = None  # step adopted from an earlier worker's bank
         self._event: Any = None
@@ -277,6 +280,9 @@ class HostStaging:
             self._prep = None
         self.synchronize()
         self.sealer.wait()  # it reads the banks
+        if self._peer_join is not None:  # so does a copy to a peer
+            self._peer_join(None)
+            self.replicating = self._peer_join = None
         self.sealer.sealed_step = None
         for bank in self.banks:
             bank.unmap()
@@ -287,6 +293,10 @@ class HostStaging:
     def lend(self, bank: _Bank | None) -> None:
         """``bank`` is read by the writer process from now on (None: none is): never staged into."""
         self.writing = bank
+
+    def lend_peer(self, bank: _Bank | None, join: Callable[[float | None], None] | None) -> None:
+        """``bank`` is read by a copy to peers (``join`` waits for it); None: none is."""
+        self.replicating, self._peer_join = bank, join
 
     def view(self, key: str, bank: _Bank | None = None) -> torch.Tensor:
         """The region of one tensor in a bank (the one being staged by default), typed and shaped."""
@@ -300,11 +310,13 @@ class HostStaging:
     def free_bank(self) -> _Bank | None:
         """The bank the next snapshot goes into; None when no ready bank is free.
 
-        Never the bank the writer reads (:attr:`writing`); where another bank is free, not the
+        Never a bank the writer or a copy to peers reads (:attr:`writing`,
+        :attr:`replicating`); where another bank is free, not the
         one holding the newest complete snapshot either, so a recovery point stays in memory
         while the next snapshot is copied. Else the oldest.
         """
-        free = [b for b in self.banks if b.ready and b is not self.writing]
+        free = [b for b in self.banks
+                if b.ready and b is not self.writing and b is not self.replicating]
         spare = [b for b in free if b.step is None or b.step != self.valid_step]
         pool = spare or free
         return min(pool, key=lambda b: -1 if b.step is None else b.step) if pool else None

@@ -24,7 +24,8 @@ class FaultInjector:
 
     def __init__(self, faults: list[Fault], run_dir: str | os.PathLike[str], rank: int) -> None:
         self.faults = [f for f in faults if f.rank == rank]
-        self.marker_dir = Path(run_dir) / FAULTS_DIR
+        self.run_dir = Path(run_dir)
+        self.marker_dir = self.run_dir / FAULTS_DIR
         self.rank = rank
 
     def _claim(self, fault: Fault) -> bool:
@@ -45,7 +46,6 @@ class FaultInjector:
                 return fault
         return None
 
-    @staticmethod
-    def fire(fault: Fault) -> None:
+    def fire(self, fault: Fault) -> None:
         """Carries the fault out: its kind's action (a kill or a hang never returns)."""
-        fault.kind.action(fault)
+        fault.kind.action(fault, self.run_dir)

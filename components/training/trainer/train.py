@@ -20,6 +20,7 @@ from kfp_nvrx.components.core.config import Config
 from kfp_nvrx.components.core.elastic_env import env_int
 from kfp_nvrx.components.core.events import EventLog, read_events
 from kfp_nvrx.components.core.rounds import agent_identity
+from kfp_nvrx.components.core.sources import source_words
 from kfp_nvrx.components.training.checkpoint import (
     Checkpointer,
     Kept,
@@ -253,10 +254,12 @@ class Incarnation:
         self.events.emit(ev.Start(
             time=self.t_start, incarnation=job.restart_count, iteration=iteration,
             world_size=self.world, resumed_from=resumed, load_s=round(load_s, 4),
-            from_memory=ckpt.restored_from_memory, pid=os.getpid(), run_id=job.run_id,
-            boot=boot, agent=agent, layer=layer if restarted else None))
+            from_memory=ckpt.restored_from_memory, sources=ckpt.sources,
+            peer_bytes=ckpt.peer_bytes if "peer" in (ckpt.sources or ()) else None,
+            pid=os.getpid(), run_id=job.run_id, boot=boot, agent=agent,
+            layer=layer if restarted else None))
         log0(boot_line(boot))
-        source = " (from host memory)" if ckpt.restored_from_memory else ""
+        source = source_words(ckpt.sources, ckpt.peer_bytes)
         log0(f"start: world_size={self.world} incarnation={job.restart_count}.{iteration} "
              f"resumed_from={resumed}{source} load={load_s:.2f}s device={job.device}")
 
