@@ -15,11 +15,11 @@ Transport: a gloo process group of its own (the training's NCCL group is never t
 second thread; over TCP on the pod network), point-to-point, a copy being a header, the sender's
 manifest and the bytes in :data:`CHUNK` pieces (:func:`send_copy`, :func:`recv_copy`).
 
-Why not NVRx's ``LocalCheckpointManager`` with ``CliqueReplicationStrategy``: it replicates the
-tensors of a save (``torch.save`` of a state it pickles and exchanges with ``all_gather`` in the
-caller's thread), so a save would wait for the exchange and hold a second copy of the state; here
-the banks the snapshot already fills are sent as they are, from a thread, and the receiver's
-copy is checked piece by piece against the CRC32s the bank was sealed with (docs/benchmarks/NOTES.md).
+Why not NVRx's ``LocalCheckpointManager`` with ``CliqueReplicationStrategy``: its ``save()``
+exchanges the tensors (one broadcast per tensor, on the training group) in the caller's thread
+before anything is asynchronous and writes every copy with ``torch.save``; here the banks the
+snapshot already fills are sent as they are, from a thread, and the receiver's copy is checked
+piece by piece against the CRC32s the bank was sealed with (docs/benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
