@@ -19,11 +19,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from kfp_nvrx.components.core.config import load_config
 from kfp_nvrx.components.training.checkpoint import Checkpointer
 from kfp_nvrx.components.training.checkpoint.staging import flat_state
 from kfp_nvrx.components.training.ranks import all_ranks
-from kfp_nvrx.components.training.trainer.build import TrainState, build, full_state
+from kfp_nvrx.components.training.trainer.build import full_state
 
 
 def _tensors(state):
@@ -37,11 +36,11 @@ def main(argv: list[str]) -> None:
     rank, world = int(rank_text), int(world_text)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
-    cfg = load_config("tiny", ["train.device=cpu", "checkpoint.staging=blocking",
-                               "train.deterministic=true", *overrides])
-    torch.manual_seed(cfg.train.seed)
-    model, opt, sched = build(cfg, torch.device("cpu"))
-    train = TrainState()
+    # unit/test_staging.py's tiny CPU trainer (tests/ is the working directory).
+    from unit.test_staging import _trainer
+
+    cfg, model, opt, sched, train, step = _trainer(["checkpoint.staging=blocking",
+                                                    "train.deterministic=true", *overrides])
 
     def state():
         return full_state(model, opt, sched, train, {"note": "ft"}, 0)
@@ -50,13 +49,8 @@ def main(argv: list[str]) -> None:
     notes: list[str] = []
     ckpt.log = notes.append
     if phase == "snapshot":
-        for _ in range(2):
-            tokens = torch.randint(0, cfg.model.vocab_size, (2, 16))
-            model(tokens).float().logsumexp(-1).mean().backward()
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            train.step += 1
+        step()
+        step()
         current = state()
         ckpt.save(train.step, current)
         held = False
