@@ -90,6 +90,11 @@ class GoodputReport:
     #: the seconds from each stop to the first step after it, its time queued not counted.
     preemptions: int = 0
     resume_s: list[float] = field(default_factory=list)
+    #: Where each restart's state came from: ``memory`` (every rank's own node), ``peer`` (some
+    #: ranks fetched copies other nodes held: a lost node), ``volume`` (the store); and the bytes
+    #: the peer restores moved over the network.
+    restores: dict[str, int] = field(default_factory=dict)
+    peer_restore_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form."""
@@ -98,6 +103,17 @@ class GoodputReport:
     def restarts_of(self, layer: str) -> int:
         """Restarts of one of :data:`~.events.RESTART_LAYERS` (0 when there was none)."""
         return self.restarts.get(layer, 0)
+
+
+def _count_restores(rep: GoodputReport, events: Sequence[Event]) -> None:
+    """Where each restart's state came from (its ``start``), and the bytes fetched from peers."""
+    for e in events:
+        if not isinstance(e, Start) or e.layer is None or e.resumed_from is None:
+            continue
+        sources = e.sources or (["memory"] if e.from_memory else ["volume"])
+        tier = "peer" if "peer" in sources else "memory" if "volume" not in sources else "volume"
+        rep.restores[tier] = rep.restores.get(tier, 0) + 1
+        rep.peer_restore_bytes += int(e.peer_bytes or 0)
 
 
 def _count_saves(rep: GoodputReport, events: Sequence[Event]) -> None:
@@ -201,6 +217,7 @@ def summarize_events(events: list[Event], queued: Sequence[Wait] = ()) -> Goodpu
     rep.restarts = restart_counts(events, sess, admitted)
     rep.preemptions = len(admitted)
     _count_saves(rep, events)
+    _count_restores(rep, events)
     rep.faults = sum(1 for e in events if isinstance(e, Fault))
     windows = _windows(events, sess)
     rep.recovery_s, rep.resume_s = (

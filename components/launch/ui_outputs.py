@@ -49,7 +49,10 @@ _HEAD_METRICS = (("goodput", float), ("wall_s", float), ("productive_s", float),
 _TAIL_METRICS = (("recovery_mean_s", float), ("recovery_max_s", float), ("queued_s", float),
                  ("checkpoint_stall_s", float), ("checkpoints", int), ("snapshots", int),
                  ("snapshots_skipped", int), ("snapshot_stall_s", float),
-                 ("snapshot_stall_max_s", float), ("faults", int))
+                 ("snapshot_stall_max_s", float), ("faults", int),
+                 ("peer_restore_bytes", int))
+#: Where restarts took their state from (``restores_from_peer``: a lost node restored from copies).
+RESTORE_TIERS = ("memory", "peer", "volume")
 
 
 def metrics_from_summary(summary: dict[str, Any]) -> dict[str, float]:
@@ -71,6 +74,8 @@ def metrics_from_summary(summary: dict[str, Any]) -> dict[str, float]:
     out.update({key: kind(summary.get(key, 0)) for key, kind in _TAIL_METRICS})
     for kind, count in restarts.items():  # kinds added later still show up
         out[restart_metric(kind)] = int(count)
+    restores = dict(summary.get("restores") or {})
+    out.update({f"restores_from_{tier}": int(restores.get(tier, 0)) for tier in RESTORE_TIERS})
     if summary.get("final_loss") is not None:
         out["final_loss"] = float(summary["final_loss"])
     return {k: round(v, 6) if isinstance(v, float) else v for k, v in out.items()}

@@ -161,3 +161,29 @@ def test_a_link_in_place_of_a_node_folder_is_refused(tmp_path, monkeypatch) -> N
             home.ensure()
     finally:
         shutil.rmtree(home.run_path, ignore_errors=True)
+
+
+def test_the_summary_and_metrics_say_where_each_restart_took_its_state() -> None:
+    from kfp_nvrx.components.core import events as ev
+    from kfp_nvrx.components.core.goodput import narrate, summarize_events
+    from kfp_nvrx.components.launch.ui_outputs import metrics_from_summary
+
+    steps = [ev.Step(time=t + 0.1, step=s, start=t, end=t + 0.1, incarnation=i)
+             for i, (t0, first) in enumerate(((0.0, 1), (10.0, 7), (20.0, 13), (30.0, 19)))
+             for s, t in ((first + k, t0 + k) for k in range(6))]
+    starts = [ev.Start(time=0.0, incarnation=0),
+              ev.Start(time=9.5, incarnation=1, resumed_from=6, layer=ev.IN_JOB, from_memory=True,
+                       sources=["memory", "memory"]),
+              ev.Start(time=19.5, incarnation=2, resumed_from=12, layer=ev.IN_JOB,
+                       from_memory=True, sources=["memory", "peer"], peer_bytes=2_000_000_000),
+              ev.Start(time=29.5, incarnation=3, resumed_from=18, layer=ev.IN_JOB,
+                       sources=["volume", "volume"])]
+    events = sorted([*steps, *starts], key=lambda e: e.when)
+    rep = summarize_events(events)
+    assert rep.restores == {"memory": 1, "peer": 1, "volume": 1}
+    assert rep.peer_restore_bytes == 2_000_000_000
+    m = metrics_from_summary(rep.to_dict())
+    assert (m["restores_from_memory"], m["restores_from_peer"], m["restores_from_volume"],
+            m["peer_restore_bytes"]) == (1, 1, 1, 2_000_000_000)
+    assert any("host memory: 1 rank, peer: 1 rank, 2.00 GB from peers" in line
+               for line in narrate(events))
