@@ -93,10 +93,18 @@ class LaunchResult:
         return max(0.0, self.finished_at - self.started_at)
 
     def restarts_text(self) -> str:
-        """``3 (in-job 2, in-process 0, pod 1)``, or why it is unknown and how to know it."""
+        """``3 (in-job 2, in-process 0, pod 1)``, or why it is unknown and how to know it.
+
+        Restarts whose ranks took state from peer copies (a lost node) are said after it.
+        """
         if self.restarts is None or self.summary is None:
             return f"unknown ({self._unreadable_why()})"
-        return restarts_in_words(self.restarts, self.summary.restarts)
+        text = restarts_in_words(self.restarts, self.summary.restarts)
+        peers = self.summary.restores.get("peer", 0)
+        if peers:  # a lost node's ranks took their state from copies other nodes held
+            text += (f", {peers} restored from peer copies "
+                     f"({self.summary.peer_restore_bytes / 1e9:.2f} GB over the network)")
+        return text
 
     def _mount(self) -> str | None:
         """Where the pods mount the run dir's volume, when the run dir is on a PVC (else None)."""

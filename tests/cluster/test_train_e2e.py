@@ -125,6 +125,22 @@ class Launch:
             time.sleep(0.5)
         raise AssertionError(f"no snapshot at step {step}:\n{self.text()[-3000:]}")
 
+    def wait_replica(self, step: int) -> int:
+        """Wait until every rank's snapshot at or past ``step`` is held by a peer; return its step."""
+        from kfp_nvrx.components.core import events as ev
+        from kfp_nvrx.components.core.events import read_events
+
+        deadline = time.monotonic() + RUN_S
+        while time.monotonic() < deadline:
+            if (self.run_dir / "events.jsonl").is_file():
+                held = [e.step for e in read_events(self.run_dir)
+                        if isinstance(e, ev.Replica) and e.ok and e.step >= step]
+                if held:
+                    return max(held)
+            assert self.proc.poll() is None, f"launch ended early:\n{self.text()[-3000:]}"
+            time.sleep(0.5)
+        raise AssertionError(f"no peer copy of step {step}:\n{self.text()[-3000:]}")
+
     def wait_committed(self, step: int) -> int:
         """Wait until a checkpoint at or past ``step`` is committed; return the newest."""
         deadline = time.monotonic() + RUN_S
@@ -306,11 +322,13 @@ def test_trainjob_fails_at_once_when_ft_launcher_gives_up(kube, dataset):
 def test_pytorchjob_trains_and_survives_a_killed_worker(kube, dataset, reference):
     """A rank killed at step 8: ft_launcher restarts the workers in the pods (no pod
     recreated); then worker-1's processes killed (137): the Training Operator recreates it
-    (ExitCode) and it re-joins."""
+    (ExitCode) and it re-joins. Its /dev/shm went with the old pod (each pod has its own here,
+    as on EKS): its rank's state comes from the copy worker-0 holds (issue 36)."""
     name = "e2e-pj"
     run = Launch(kube, name, "pytorchjob", dataset, faults=["kill@8/1"], extra=PACED)
     pods = _running(kube, f"{PYTORCHJOB_LABEL}={name}")
     newest = run.wait_snapshot(12)
+    held = run.wait_replica(12)
     assert len(run.starts()) == 2  # the in-job restart; the pods are the first ones (below)
     _kill_group(kube, pods[1])
     rc, out = run.wait()
@@ -329,7 +347,13 @@ def test_pytorchjob_trains_and_survives_a_killed_worker(kube, dataset, reference
             ran.setdefault(rec["name"], set()).add(f.parent.name)
     assert len(ran[pods[1].metadata.name]) == 2 and len(ran[pods[0].metadata.name]) == 1, ran
     resumed = [s["resumed_from"] for s in run.starts()]
-    assert resumed[-1] is not None and resumed[-1] >= newest, resumed
-    assert run.goodput()["restarts"].get("in-job", 0) >= 1
+    assert resumed[-1] is not None and resumed[-1] >= max(newest, held), resumed
+    last = run.starts()[-1]
+    assert "peer" in last["sources"] and "volume" not in last["sources"], last
+    assert last["peer_bytes"] > 0
+    goodput = run.goodput()
+    assert goodput["restarts"].get("in-job", 0) >= 1
+    assert goodput["restores"].get("peer") == 1 and goodput["peer_restore_bytes"] > 0, goodput
+    assert "restored from peer copies" in out
     _assert_bitwise(run.weights(), reference[2])
     _assert_nothing_left(kube)

@@ -55,6 +55,9 @@ def test_the_plan_takes_the_newest_step_every_rank_can_get() -> None:
     assert plan_restore([{12}, {12}], [set(), set()], newest=None) == (12, [])
     # The lowest holder sends.
     assert plan_restore([{12}, set(), {12}], [set(), set(), {(1, 12)}], None) == (12, [(2, 1)])
+    # Ranks that moved nodes: a copy of its own state in its new node's folder comes first.
+    assert plan_restore([set(), set()], [{(0, 12), (1, 12)}, {(0, 12), (1, 12)}], None) \
+        == (12, [(0, 0), (1, 1)])
 
 
 def test_a_manifest_of_another_run_step_rank_or_size_is_refused(tmp_path) -> None:
@@ -83,13 +86,16 @@ def run_dir(tmp_path):
     shutil.rmtree(host_copy_dir(run), ignore_errors=True)
 
 
-def _phase(run: Path, name: str, world: int, *overrides: str) -> list[dict]:
+def _phase(run: Path, name: str, world: int, *overrides: str,
+           nodes: list[int] | None = None) -> list[dict]:
+    """Runs ``name`` on ``world`` ranks, rank r on node ``nodes[r]`` (default: node r)."""
     port = free_port()
     out = run.parent
+    nodes = nodes or list(range(world))
     procs = [subprocess.Popen(
         [sys.executable, "-m", "support.peer_ranks", name, str(r), str(world), str(port),
          str(run), str(out / f"{name}{r}.pt"), *overrides],
-        cwd=TESTS, env={**os.environ, NODE_ENV: str(r)}) for r in range(world)]
+        cwd=TESTS, env={**os.environ, NODE_ENV: str(nodes[r])}) for r in range(world)]
     try:
         codes = [p.wait(240) for p in procs]
     finally:
@@ -117,6 +123,17 @@ def test_a_lost_node_restores_from_its_peer_bitwise(run_dir) -> None:
         assert _equal(back[rank]["tensors"], snap[rank]["tensors"])
     assert back[0]["peer_bytes"] > 0
     assert any("rank 1 fetched its state from rank 0" in n for n in back[1]["notes"])
+
+
+@pytest.mark.timeout(300)
+def test_ranks_that_moved_nodes_take_their_state_from_the_copies_there(run_dir) -> None:
+    """After a restart the rendezvous put rank 0 on node 1 and rank 1 on node 0: each finds its
+    own state as the copy its new node holds, and takes it without the network."""
+    snap = _phase(run_dir, "snapshot", 2)
+    back = _phase(run_dir, "restore", 2, nodes=[1, 0])
+    for rank in range(2):
+        assert back[rank]["step"] == 2 and back[rank]["sources"] == ["peer", "peer"]
+        assert _equal(back[rank]["tensors"], snap[rank]["tensors"])
 
 
 @pytest.mark.timeout(300)

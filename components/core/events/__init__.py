@@ -8,6 +8,7 @@ the drills read them (:func:`read_events`). Every line has ``type`` and ``time``
 - :class:`Step`: one training step (``start`` .. ``end``);
 - :class:`Checkpoint`: a save committed (``blocking_s`` stalled training);
 - :class:`Snapshot`: a host snapshot taken or skipped (``stall_s``: every wait it caused);
+- :class:`Replica`: a round of copies of a snapshot to peer nodes ended (``ok``: all held);
 - :class:`Fault`: an injected fault fired (written by the faulting rank, or by a drill);
 - :class:`Restart`: a restart of one of :data:`RESTART_LAYERS`;
 - :class:`Join`: a node's agent started the workers of a rendezvous round (:mod:`.rounds`);
@@ -46,6 +47,7 @@ from kfp_nvrx.components.core.events.schema import (
     Join,
     Other,
     Queued,
+    Replica,
     Restart,
     Snapshot,
     Start,
@@ -54,7 +56,8 @@ from kfp_nvrx.components.core.events.schema import (
 
 __all__ = [
     "IN_JOB", "IN_PROCESS", "POD", "RESTART_LAYERS", "STOPPED", "TYPES",
-    "Checkpoint", "End", "Event", "EventLog", "Fault", "Join", "Other", "Queued", "Restart", "Snapshot",
+    "Checkpoint", "End", "Event", "EventLog", "Fault", "Join", "Other", "Queued", "Replica", "Restart",
+    "Snapshot",
     "Start", "Step",
     "in_time_order", "parse_event", "parse_events", "read_events",
 ]

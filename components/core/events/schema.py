@@ -146,6 +146,20 @@ class Snapshot(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class Replica(Event):
+    """A round of peer copies of the snapshot of ``step`` ended (``ok``: every copy is held).
+
+    ``seconds`` from its start to rank 0's part ending; ``bytes`` each rank sent.
+    """
+
+    TYPE: ClassVar[str] = "replica"
+    step: int = _f(COUNT)
+    seconds: float = _f(NUMBER, 0.0)
+    bytes: int = _f(COUNT, 0)
+    ok: bool = _f(ANY, True)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Fault(Event):
     """An injected fault of ``kind`` fired at ``step`` on ``rank`` (-1 or None: no one rank)."""
 
@@ -250,5 +264,5 @@ class Other(Event):
 
 
 #: Every event class by its ``type``.
-TYPES: dict[str, type[Event]] = {c.TYPE: c for c in (Start, Step, Checkpoint, Snapshot, Fault,
+TYPES: dict[str, type[Event]] = {c.TYPE: c for c in (Start, Step, Checkpoint, Snapshot, Replica, Fault,
                                                      Restart, Join, End, Queued)}

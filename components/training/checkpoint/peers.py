@@ -198,7 +198,9 @@ class Peers:
         t0, moved, problem = time.perf_counter(), 0, ""
         for src, dst in moves:
             try:
-                if src == self.rank:
+                if src == dst == self.rank:  # a copy of its own state in its node's folder
+                    moved += self._take_local(_pick(held, dst, step), step)
+                elif src == self.rank:
                     self.sent += self._send_held(dst, _pick(held, dst, step))
                 elif dst == self.rank:
                     moved += recv_copy(self.group, src, self._keep_as_bank(step))
@@ -226,6 +228,15 @@ class Peers:
             bank.unmap()
         return held.nbytes
 
+    def _take_local(self, held: Held, step: int) -> int:
+        """Makes a copy of this rank's state in its node's folder its own bank (checked)."""
+        text, data, bank = open_held(held)
+        try:
+            manifest = parse_json(text, "checkpoint", held.manifest)
+            return self._keep_as_bank(step)(manifest, lambda buffer: buffer.copy_(data))
+        finally:
+            bank.unmap()  # (a view still alive is unmapped by the GC)
+
     def _keep_as_bank(self, step: int) -> Callable[[dict[str, Any], Callable], int]:
         home = self.files.home
 
@@ -250,12 +261,13 @@ def plan_restore(own: list[set[int]], held: list[set[tuple[int, int]]], newest: 
 
     Args:
         own: Per rank, the steps it holds itself.
-        held: Per rank, ``(owner, step)`` of the copies its node holds of other ranks.
+        held: Per rank, ``(owner, step)`` of the copies in its node's folder (peer copies, and
+            other ranks' banks left there; a copy of its own state after it moved nodes).
         newest: The newest committed step (an older snapshot is not taken).
 
     Returns:
         The step (None: none), and ``(holder, rank)`` for each rank that must fetch it, in rank
-        order (the lowest holder sends).
+        order: a copy in its own node folder (``holder == rank``), else the lowest holder's.
     """
     world = len(own)
     steps = sorted(set().union(*own, *({s for _, s in h} for h in held)), reverse=True)
@@ -266,7 +278,10 @@ def plan_restore(own: list[set[int]], held: list[set[tuple[int, int]]], newest: 
         for rank in range(world):
             if step in own[rank]:
                 continue
-            holders = [h for h in range(world) if h != rank and (rank, step) in held[h]]
+            # A copy in the rank's own node folder first (ranks may land on other nodes after
+            # a restart: its copy is then a local file), else the lowest holder elsewhere.
+            holders = sorted((h for h in range(world) if (rank, step) in held[h]),
+                             key=lambda h: (h != rank, h))
             if not holders:
                 break
             moves.append((holders[0], rank))

@@ -209,9 +209,13 @@ class Incarnation:
             def on_snapshot(step: int, stall: float, skipped: str) -> None:
                 events.emit(ev.Snapshot(step=step, stall_s=round(stall, 6), skipped=skipped))
 
+            def on_replica(step: int, seconds: float, nbytes: int, ok: bool) -> None:
+                events.emit(ev.Replica(step=step, seconds=round(seconds, 6), bytes=nbytes, ok=ok))
+
             self.ckpt = ckpt = Checkpointer(
                 job.run_dir, cfg.checkpoint, job.device, Kept(job.staging, job.writer),
-                Reports(on_commit, on_snapshot, log0, lambda: job.stop.deadline is not None),
+                Reports(on_commit, on_snapshot, log0, lambda: job.stop.deadline is not None,
+                        on_replica),
                 final_step=cfg.train.steps)
             job.keep(ckpt.staging, ckpt.writer)
             trainer = Trainer(job, Place(self.rank, self.world, self.iteration, self.call_wrapper),
