@@ -4,7 +4,7 @@
 # writes its own files under OUT, so a batch cut short keeps what it finished.
 #
 #   OUT=DIR [BUDGET=seconds] bash bench/round5_gpu.sh PART...
-#   PART: setup tests snapshots hangs
+#   PART: setup tests snapshots hangs peers
 # A lease's commands last 10 minutes at most: start it detached and collect OUT from later calls
 #   setsid nohup env OUT=/tmp/r5 bash bench/round5_gpu.sh setup tests snapshots >/tmp/r5.log 2>&1 &
 set -uo pipefail
@@ -21,6 +21,8 @@ for part in "$@"; do
   snapshots) python3 -m bench.snapshots --preset 1b --out "$OUT/snapshots_1b.json" \
       --only "${SNAP_RUNS:-off,defaults,2,5,30,kills}" --budget "$(left)" 2>&1 |
       grep -v "Warning\|import pynvml" ;;
+  peers) python3 -m bench.peer_transfer --gb "${PEER_GB:-13.25}" --repeat 3 \
+      --out "$OUT/peer_restore.json" 2>&1 | grep -v "Warning\|import pynvml" ;;
   hangs) python3 -m bench.startup_hangs --preset 1b --out "$OUT/startup_hangs_1b.json" \
       --budget "$(left)" 2>&1 | grep -v "Warning\|import pynvml" ;;
   *) echo "unknown part $part" ;;
