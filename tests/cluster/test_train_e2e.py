@@ -299,6 +299,24 @@ def test_trainjob_pod_failure_recreates_the_jobset(kube, dataset, reference, how
     _assert_nothing_left(kube)
 
 
+def test_trainjob_lost_node_memory_restores_from_the_peer(kube, dataset, reference):
+    """node-lost in pod 1 (its workers killed, its /dev/shm snapshots gone) while step 12's
+    durable write is slowed: ft_launcher restarts the workers in the same pods, and pod 1's rank
+    takes step 12 from the copy pod 0 holds (issue 36), not the older commit on the volume."""
+    name = "e2e-lost"
+    run = Launch(kube, name, "trainjob", dataset, extra=PACED,
+                 faults=["node-lost@14/1", "slow-write@11/0:seconds=60"])
+    rc, out = run.wait()
+    assert rc == 0, out[-4000:]
+    last = run.starts()[-1]
+    assert last["resumed_from"] == 12, run.starts()
+    assert "peer" in last["sources"] and "volume" not in last["sources"], last
+    goodput = run.goodput()
+    assert goodput["restarts"] == {"in-job": 1} and goodput["restores"] == {"peer": 1}, goodput
+    _assert_bitwise(run.weights(), reference[2])
+    _assert_nothing_left(kube)
+
+
 def test_trainjob_fails_at_once_when_ft_launcher_gives_up(kube, dataset):
     from kubernetes import client
 
@@ -354,6 +372,5 @@ def test_pytorchjob_trains_and_survives_a_killed_worker(kube, dataset, reference
     goodput = run.goodput()
     assert goodput["restarts"].get("in-job", 0) >= 1
     assert goodput["restores"].get("peer") == 1 and goodput["peer_restore_bytes"] > 0, goodput
-    assert "restored from peer copies" in out
     _assert_bitwise(run.weights(), reference[2])
     _assert_nothing_left(kube)
