@@ -40,6 +40,7 @@ from kfp_nvrx.components.core.events import (
     Fault,
     Join,
     Queued,
+    Replica,
     Snapshot,
     Start,
     Step,
@@ -95,6 +96,10 @@ class GoodputReport:
     #: the peer restores moved over the network.
     restores: dict[str, int] = field(default_factory=dict)
     peer_restore_bytes: int = 0
+    #: Rounds of peer copies that every rank's peers hold, and the seconds their collectives held
+    #: the training loop (also in ``checkpoint_stall_s``).
+    peer_copies: int = 0
+    peer_copy_stall_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form."""
@@ -117,7 +122,7 @@ def _count_restores(rep: GoodputReport, events: Sequence[Event]) -> None:
 
 
 def _count_saves(rep: GoodputReport, events: Sequence[Event]) -> None:
-    """The snapshots, durable writes and every second they held training."""
+    """The snapshots, durable writes, peer copies and every second they held training."""
     for event in events:
         if isinstance(event, Checkpoint):
             rep.checkpoints += 1
@@ -129,6 +134,10 @@ def _count_saves(rep: GoodputReport, events: Sequence[Event]) -> None:
             rep.snapshot_stall_s += stall
             rep.snapshot_stall_max_s = max(rep.snapshot_stall_max_s, stall)
             rep.checkpoint_stall_s += stall
+        elif isinstance(event, Replica):
+            rep.peer_copies += 1 if event.ok else 0
+            rep.peer_copy_stall_s += float(event.loop_s)
+            rep.checkpoint_stall_s += float(event.loop_s)
 
 
 def restarts_in_words(total: int, by_layer: Mapping[str, int]) -> str:

@@ -50,7 +50,7 @@ _TAIL_METRICS = (("recovery_mean_s", float), ("recovery_max_s", float), ("queued
                  ("checkpoint_stall_s", float), ("checkpoints", int), ("snapshots", int),
                  ("snapshots_skipped", int), ("snapshot_stall_s", float),
                  ("snapshot_stall_max_s", float), ("faults", int),
-                 ("peer_restore_bytes", int))
+                 ("peer_restore_bytes", int), ("peer_copies", int), ("peer_copy_stall_s", float))
 #: Where restarts took their state from (``restores_from_peer``: a lost node restored from copies).
 RESTORE_TIERS = ("memory", "peer", "volume")
 

@@ -195,12 +195,15 @@ def test_the_summary_and_metrics_say_where_each_restart_took_its_state() -> None
                        from_memory=True, sources=["memory", "peer"], peer_bytes=2_000_000_000),
               ev.Start(time=29.5, incarnation=3, resumed_from=18, layer=ev.IN_JOB,
                        sources=["volume", "volume"])]
-    events = sorted([*steps, *starts], key=lambda e: e.when)
+    copies = [ev.Replica(time=3.0, step=2, seconds=0.4, bytes=10, loop_s=0.002),
+              ev.Replica(time=15.0, step=12, seconds=0.5, bytes=10, ok=False, loop_s=0.003)]
+    events = sorted([*steps, *starts, *copies], key=lambda e: e.when)
     rep = summarize_events(events)
+    assert rep.peer_copies == 1 and rep.peer_copy_stall_s == pytest.approx(0.005)
     assert rep.restores == {"memory": 1, "peer": 1, "volume": 1}
     assert rep.peer_restore_bytes == 2_000_000_000
     m = metrics_from_summary(rep.to_dict())
     assert (m["restores_from_memory"], m["restores_from_peer"], m["restores_from_volume"],
-            m["peer_restore_bytes"]) == (1, 1, 1, 2_000_000_000)
+            m["peer_restore_bytes"], m["peer_copies"]) == (1, 1, 1, 2_000_000_000, 1)
     assert any("host memory: 1 rank, peer: 1 rank, 2.00 GB from peers" in line
                for line in narrate(events))

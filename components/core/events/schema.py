@@ -149,7 +149,8 @@ class Snapshot(Event):
 class Replica(Event):
     """A round of peer copies of the snapshot of ``step`` ended (``ok``: every copy is held).
 
-    ``seconds`` from its start to rank 0's part ending; ``bytes`` each rank sent.
+    ``seconds`` from its start to rank 0's part ending; ``bytes`` each rank sent; ``loop_s`` the
+    seconds its collectives (starting it, learning it ended) held the training loop.
     """
 
     TYPE: ClassVar[str] = "replica"
@@ -157,6 +158,7 @@ class Replica(Event):
     seconds: float = _f(NUMBER, 0.0)
     bytes: int = _f(COUNT, 0)
     ok: bool = _f(ANY, True)
+    loop_s: float = _f(NUMBER, 0.0)
 
 
 @dataclass(frozen=True, kw_only=True)

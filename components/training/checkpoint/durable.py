@@ -59,15 +59,16 @@ class Reports:
         log: Where one-line notices go (e.g. falling back to NVRx staging).
         stopping: Whether this node was asked to stop (a write its SIGTERM cut is no failure:
             the stop saves its step).
-        on_replica: Called on rank 0 with (step, seconds, bytes sent per rank, ok) after each
-            round of copies to peer nodes.
+        on_replica: Called on rank 0 with (step, seconds, bytes sent per rank, ok, loop seconds)
+            after each round of copies to peer nodes (loop seconds: what its collectives held
+            the training loop).
     """
 
     on_commit: Callable[[int, float, float, int], None] | None = None
     on_snapshot: Callable[[int, float, str], None] | None = None
     log: Callable[[str], None] = print
     stopping: Callable[[], bool] = lambda: False
-    on_replica: Callable[[int, float, int, bool], None] | None = None
+    on_replica: Callable[[int, float, int, bool, float], None] | None = None
 
 
 class DurableWrites:

@@ -27,8 +27,9 @@ from kfp_nvrx.components.training.checkpoint.snapshots import Pace
 from kfp_nvrx.components.training.checkpoint.staging import HostStaging
 from kfp_nvrx.components.training.ranks import all_ranks
 
-#: Called on rank 0 after each round with (step, seconds, bytes each rank sent, ok).
-OnReplica = Callable[[int, float, int, bool], None]
+#: Called on rank 0 after each round with (step, seconds, bytes each rank sent, ok, and the
+#: seconds the training loop spent in replication's collectives since the last round).
+OnReplica = Callable[[int, float, int, bool, float], None]
 
 
 class Round:
@@ -97,12 +98,23 @@ class Replicator:
         self.failed = -1  # a step whose round failed: not tried again
         self.rounds = 0
         self.round_s: list[float] = []
+        self.loop_s = 0.0  # seconds the loop spent in replication's collectives since the last report
 
     def tick(self) -> None:
-        """Once per step on every rank: ends the round in flight, or starts the next one."""
-        if self.round is not None:
-            self._end()
-            return
+        """Once per step on every rank: ends the round in flight, or starts the next one.
+
+        Its collectives are the loop's cost of replication: timed, and reported with the round.
+        """
+        t0 = time.perf_counter()
+        try:
+            if self.round is not None:
+                self._end()
+            else:
+                self._start()
+        finally:
+            self.loop_s += time.perf_counter() - t0
+
+    def _start(self) -> None:
         step = self.pace.newest
         if step < 0 or step <= self.replicated or step == self.failed:
             return
@@ -131,7 +143,8 @@ class Replicator:
             self.failed = r.step
             self.log(f"step {r.step} is not held by a peer: {r.error or 'a copy failed on another rank'}")
         if self.peers.rank == 0 and self.on_replica is not None:
-            self.on_replica(r.step, r.seconds, r.sent, ok)
+            loop_s, self.loop_s = self.loop_s, 0.0
+            self.on_replica(r.step, r.seconds, r.sent, ok, loop_s)
 
     def abort(self) -> None:
         """Error path: the round in flight is given up (its thread ends with the group)."""

@@ -209,8 +209,9 @@ class Incarnation:
             def on_snapshot(step: int, stall: float, skipped: str) -> None:
                 events.emit(ev.Snapshot(step=step, stall_s=round(stall, 6), skipped=skipped))
 
-            def on_replica(step: int, seconds: float, nbytes: int, ok: bool) -> None:
-                events.emit(ev.Replica(step=step, seconds=round(seconds, 6), bytes=nbytes, ok=ok))
+            def on_replica(step: int, seconds: float, nbytes: int, ok: bool, loop: float) -> None:
+                events.emit(ev.Replica(step=step, seconds=round(seconds, 6), bytes=nbytes, ok=ok,
+                                       loop_s=round(loop, 6)))
 
             self.ckpt = ckpt = Checkpointer(
                 job.run_dir, cfg.checkpoint, job.device, Kept(job.staging, job.writer),
