@@ -172,6 +172,7 @@ class Peers:
         if not any(every):
             return None
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=TIMEOUT_S))
+        Replicas(home).drop_parts()
         sources = [r for j in range(len(every[rank])) for r in range(world) if every[r][j] == rank]
         return cls(rank, world, every[rank], sources, group, Replicas(home), len(set(keys)))
 

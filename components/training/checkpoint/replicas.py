@@ -21,6 +21,7 @@ What keeps a replica honest:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -44,6 +45,8 @@ from kfp_nvrx.components.training.checkpoint.hostcopy import (
 from kfp_nvrx.components.training.checkpoint.integrity import SnapshotDamaged, check_pieces
 
 _REPLICA = re.compile(r"^rank(\d+)\.replica(\d+)\.json$")
+#: Numbers the files being received (a thread of an aborted incarnation may still be writing one).
+_PARTS = itertools.count()
 _OWN = re.compile(r"^rank(\d+)\.bank(\d+)\.json$")
 
 
@@ -189,7 +192,7 @@ class Replicas:
         """
         home, nbytes = self.home, int(manifest["nbytes"])
         final = home.bank_path(as_bank) if as_bank is not None else self.data_path(owner)
-        tmp = final.with_name(f".{final.name}.{os.getpid()}.part")
+        tmp = final.with_name(f".{final.name}.{os.getpid()}-{next(_PARTS)}.part")
         bank, checked = _Bank(-1, tmp), False
         buffer: torch.Tensor | None = None
         try:
@@ -226,11 +229,11 @@ class Replicas:
             HostCopyDir._write(self.manifest_path(owner), json.dumps(kept).encode())
         return nbytes
 
-    def drop(self) -> None:
-        """Deletes every replica this rank holds (a run that switched replication off)."""
+    def drop_parts(self) -> None:
+        """Deletes the files an earlier worker of this rank left half received (it died)."""
         if not self.home.private():
             return
-        for p in self.home.path.glob(f"rank{self.home.rank}.replica*"):
+        for p in self.home.path.glob(f".rank{self.home.rank}.*.part"):
             with contextlib.suppress(OSError):
                 p.unlink()
 

@@ -96,6 +96,7 @@ class Replicator:
         self.round: Round | None = None
         self.replicated = -1  # the newest step every rank's peers hold
         self.failed = -1  # a step whose round failed: not tried again
+        self.failing = False  # the last round failed (said once)
         self.rounds = 0
         self.round_s: list[float] = []
         self.loop_s = 0.0  # seconds the loop spent in replication's collectives since the last report
@@ -138,10 +139,14 @@ class Replicator:
         self.rounds += 1
         self.round_s.append(r.seconds)
         if ok:
-            self.replicated = r.step
+            self.replicated, self.failing = r.step, False
         else:
             self.failed = r.step
-            self.log(f"step {r.step} is not held by a peer: {r.error or 'a copy failed on another rank'}")
+            if not self.failing:  # one line when copies start failing, not one per snapshot
+                self.log(f"step {r.step} is not held by a peer: "
+                         f"{r.error or 'a copy failed on another rank'} (said once until a "
+                         "copy succeeds again)")
+            self.failing = True
         if self.peers.rank == 0 and self.on_replica is not None:
             loop_s, self.loop_s = self.loop_s, 0.0
             self.on_replica(r.step, r.seconds, r.sent, ok, loop_s)
