@@ -202,6 +202,7 @@ def lost_node(kube, pod):
         yield node
     finally:
         control.unlink(missing_ok=True)  # the agent registers the node again
+        # A node registered again has no conditions until its first status update: not back yet.
         wait_for(f"node {node} back", lambda: any(
-            n.metadata.name == node and {c.type: c.status for c in n.status.conditions}.get(
+            n.metadata.name == node and {c.type: c.status for c in n.status.conditions or []}.get(
                 "Ready") == "True" for n in core(kube).list_node().items) or None, 60)
