@@ -37,6 +37,7 @@ import torch.distributed as dist
 from kfp_nvrx.components.core.bounded import JSON_LIMIT, parse_json
 from kfp_nvrx.components.core.host_copy import node_name
 from kfp_nvrx.components.errors import UserError
+from kfp_nvrx.components.training.checkpoint.bank import StagingUnavailable
 from kfp_nvrx.components.training.checkpoint.hostcopy import HostCopyDir
 from kfp_nvrx.components.training.checkpoint.replicas import (
     Held,
@@ -103,6 +104,8 @@ def recv_copy(group: Any, src: int, take: Callable[[dict[str, Any], Callable], i
     header = torch.empty(2, dtype=torch.int64)
     dist.recv(header, src, group=group)
     mlen, nbytes = (int(v) for v in header.tolist())
+    if mlen == 0:  # the sender could not open its copy: nothing follows
+        raise ReplicaRefused(f"rank {src} has no copy to send")
     if not 0 < mlen <= JSON_LIMIT:
         raise ReplicaRefused(f"rank {src} sent a header of {mlen} bytes")  # the link is lost
     text = torch.empty(mlen, dtype=torch.uint8)
@@ -196,38 +199,64 @@ class Peers:
         self.fetched, self.fetched_bytes = [], 0
         if step is None or not moves:
             return None
-        t0, moved, problem = time.perf_counter(), 0, ""
+        t0, moved, problems = time.perf_counter(), 0, list[str]()
+        # Every copy this rank sends is posted first, then it receives its own: the copies from
+        # different holders to different ranks travel at once, and no pair waits on another.
+        sending = [self._post(dst, _pick(held, dst, step), problems)
+                   for src, dst in moves if src == self.rank != dst]
         for src, dst in moves:
+            if dst != self.rank:
+                continue
             try:
-                if src == dst == self.rank:  # a copy of its own state in its node's folder
+                if src == dst:  # a copy of its own state in its node's folder
                     moved += self._take_local(_pick(held, dst, step), step)
-                elif src == self.rank:
-                    self.sent += self._send_held(dst, _pick(held, dst, step))
-                elif dst == self.rank:
+                else:
                     moved += recv_copy(self.group, src, self._keep_as_bank(step))
             except (ReplicaRefused, OSError, RuntimeError) as err:
-                problem = problem or f"rank {src} -> rank {dst}: {err}"
+                problems.append(f"rank {src} -> rank {dst}: {err}")
+        for done in sending:
+            self.sent += done()
         self.received += moved
         every_moved = gather(moved, self.world_size)
         self.fetched = [d for _, d in moves if every_moved[d] > 0]
         self.fetched_bytes = sum(every_moved)
-        if problem:
-            log(f"peer restore of step {step}: {problem}")
+        if problems:
+            log(f"peer restore of step {step}: {problems[0]}")
         if moved:
             log(f"step {step}: rank {self.rank} fetched its state from rank "
                 f"{next(s for s, d in moves if d == self.rank)} ({moved / 1e9:.2f} GB in "
                 f"{time.perf_counter() - t0:.1f} s)")
         return step
 
-    def _send_held(self, dst: int, held: Held) -> int:
-        manifest, data, bank = open_held(held)
+    def _post(self, dst: int, held: Held, problems: list[str]) -> Callable[[], int]:
+        """Posts ``held`` to ``dst``; returns what waits for it (and says the bytes sent)."""
         try:
-            for work in send_copy(self.group, dst, manifest, data):
-                work.wait()
-        finally:
-            del data
-            bank.unmap()
-        return held.nbytes
+            manifest, data, bank = open_held(held)
+        except (OSError, UserError, StagingUnavailable) as err:
+            # An empty header: the receiver refuses it at once instead of waiting for bytes.
+            problems.append(f"rank {self.rank} -> rank {dst}: {err}")
+            empty = dist.isend(torch.zeros(2, dtype=torch.int64), dst, group=self.group)
+
+            def sent_nothing() -> int:
+                if empty is not None:
+                    empty.wait()
+                return 0
+
+            return sent_nothing
+        works = send_copy(self.group, dst, manifest, data)
+
+        def done() -> int:
+            try:
+                for work in works:
+                    work.wait()
+            except RuntimeError as err:
+                problems.append(f"rank {self.rank} -> rank {dst}: {err}")
+                return 0
+            finally:
+                bank.unmap()  # (the views are dropped with the works)
+            return held.nbytes
+
+        return done
 
     def _take_local(self, held: Held, step: int) -> int:
         """Makes a copy of this rank's state in its node's folder its own bank (checked)."""
