@@ -206,7 +206,9 @@ def take_write_delay() -> float:
 
 # The kinds. Adding one: a FaultKind here with its action above; everything else reads it.
 FAULT_KINDS.register(FaultKind(
-    "kill", verb="killed", when=When.STEP, does="SIGKILL", failure=True, action=_kill))
+    "kill", verb="killed", when=When.STEP, does="SIGKILL", failure=True, action=_kill,
+    params=(Param("after_commits", 0, "fire at the first step from STEP on at which the run has "
+                  "this many committed checkpoints (0: at STEP)"),)))
 FAULT_KINDS.register(FaultKind(
     "raise", verb="raised an exception", when=When.STEP, does="exception", failure=True,
     action=_raise))

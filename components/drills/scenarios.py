@@ -97,11 +97,14 @@ SCENARIOS: tuple[Scenario, ...] = (
              "flight), in-process restart on", faults=("raise@6/1",), extra=IN_PROCESS),
     Scenario("kill-in-ckpt", "SIGKILL rank 1 while the step-8 checkpoint is being written",
              faults=("kill-in-ckpt@8/1",)),
-    Scenario("corrupt-newest", "SIGKILL rank 1 at step 14, then flip 64 bytes of the newest "
-             "committed checkpoint (same size) before the restart", faults=("kill@14/1",),
+    # after_commits: the kill waits for a commit to damage (a loaded machine writes late).
+    Scenario("corrupt-newest", "SIGKILL rank 1 at step 14 (or the first step after it with a "
+             "commit), then flip 64 bytes of the newest committed checkpoint (same size) before "
+             "the restart", faults=("kill@14/1:after_commits=1",),
              action="flip-newest", quick=True),
-    Scenario("truncate-newest", "SIGKILL rank 1 at step 14, then truncate the newest committed "
-             "checkpoint to half before the restart", faults=("kill@14/1",),
+    Scenario("truncate-newest", "SIGKILL rank 1 at step 14 (or the first step after it with a "
+             "commit), then truncate the newest committed checkpoint to half before the restart",
+             faults=("kill@14/1:after_commits=1",),
              action="truncate-newest"),
     Scenario("disk-full", "checkpoint volume (tmpfs) fills up while the step-8 checkpoint is "
              "written; space is freed once the failure shows", action="disk-full", min_restarts=1),

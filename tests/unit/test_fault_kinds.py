@@ -136,3 +136,20 @@ def test_the_help_of_every_launcher_and_the_trainer_derive_them(capsys, monkeypa
         with pytest.raises(SystemExit):
             show()
         assert FAULT_KINDS.listing() in " ".join(capsys.readouterr().out.split())
+
+
+def test_a_kill_after_commits_waits_for_the_commits_then_fires_once(tmp_path, monkeypatch) -> None:
+    from kfp_nvrx.components.training.trainer import fault_injector
+
+    commits: list[int] = []
+    monkeypatch.setattr(fault_injector, "open_store",
+                        lambda _run_dir: type("S", (), {"committed_steps": lambda self: commits})())
+    injector = fault_injector.FaultInjector(
+        [parse_fault("kill@14/1:after_commits=1"), parse_fault("kill@3/1")], tmp_path, rank=1)
+    assert injector.due(13, When.STEP) is None
+    assert injector.due(14, When.STEP) is None  # no commit yet: it waits
+    assert injector.due(4, When.STEP) is None  # a plain fault fires at its step only
+    commits.append(12)
+    fired = injector.due(16, When.STEP)
+    assert fired is not None and fired.step == 14
+    assert injector.due(17, When.STEP) is None  # once

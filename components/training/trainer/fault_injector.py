@@ -12,6 +12,7 @@ import os
 import time
 from pathlib import Path
 
+from kfp_nvrx.components.core.ckpt_store import open_store
 from kfp_nvrx.components.core.faults import Fault, InjectedFault, When
 from kfp_nvrx.components.core.rundir import FAULTS_DIR
 
@@ -40,9 +41,21 @@ class FaultInjector:
         return True
 
     def due(self, step: int, when: When) -> Fault | None:
-        """The unfired fault of ``step`` that fires at ``when``, claimed, or None."""
+        """The unfired fault of ``step`` that fires at ``when``, claimed, or None.
+
+        A fault with ``after_commits=N`` fires at the first step from its own on at which the
+        run's store holds N committed checkpoints (a drill that damages the newest commit needs
+        one, however slowly the machine writes).
+        """
         for fault in self.faults:
-            if fault.step == step and fault.kind.when is when and self._claim(fault):
+            if fault.kind.when is not when or step < fault.step:
+                continue
+            commits = int(fault.param("after_commits")) if fault.kind.param("after_commits") else 0
+            if step > fault.step and not commits:
+                continue
+            if commits and len(open_store(self.run_dir).committed_steps()) < commits:
+                continue
+            if self._claim(fault):
                 return fault
         return None
 
