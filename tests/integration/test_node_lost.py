@@ -22,7 +22,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 STEPS = 24
 # Every write starts once the writer is free, at a pace that leaves it time to commit step 6 or
 # 12 before the fault (what was committed is read from the events, not assumed); the write of
-# step 18 is slowed by 60 s, so at step 20 it is still in flight.
+# step 18 is slowed by 60 s, so at step 22 it is still in flight. The fault comes four steps
+# after that snapshot, whose peer copy takes milliseconds once every rank sealed it (a tick or two).
 BASE = [f"train.steps={STEPS}", "checkpoint.interval=6", "checkpoint.keep=5",
         "checkpoint.persist_duty=1", "train.deterministic=true", "train.step_sleep=0.25"]
 SLOW_18 = "slow-write@17/0:seconds=60"
@@ -68,7 +69,7 @@ def _from_the_volume(run_dir: Path, nodes: int) -> None:
 def test_a_lost_node_restores_its_uncommitted_snapshot_from_its_peer(tmp_path, dataset, nodes,
                                                                      request) -> None:
     run = tmp_path / "run"
-    train(run, dataset, BASE, nodes=str(nodes), faults=["node-lost@20/1", SLOW_18])
+    train(run, dataset, BASE, nodes=str(nodes), faults=["node-lost@22/1", SLOW_18])
     start, committed = _restart(run)
     assert committed != 18
     assert start.resumed_from == 18  # newer than anything committed: host memory only
@@ -82,13 +83,13 @@ def test_a_node_and_the_holder_of_its_copy_lost_together_read_the_volume(tmp_pat
                                                                         reference3) -> None:
     # Three nodes, one copy each on the next node: node 1's copy is on node 2; both go.
     run = tmp_path / "run"
-    train(run, dataset, BASE, nodes="3", faults=["node-lost@20/1", "node-lost@20/2", SLOW_18])
+    train(run, dataset, BASE, nodes="3", faults=["node-lost@22/1", "node-lost@22/2", SLOW_18])
     _from_the_volume(run, 3)
     assert_bitwise(final_weights(run, STEPS), reference3)
 
 
 def test_replication_off_is_todays_path(tmp_path, dataset, reference) -> None:
     run = tmp_path / "run"
-    train(run, dataset, [*BASE, "checkpoint.replicas=1"], faults=["node-lost@20/1", SLOW_18])
+    train(run, dataset, [*BASE, "checkpoint.replicas=1"], faults=["node-lost@22/1", SLOW_18])
     _from_the_volume(run, 2)
     assert_bitwise(final_weights(run, STEPS), reference)
