@@ -300,12 +300,12 @@ def test_trainjob_pod_failure_recreates_the_jobset(kube, dataset, reference, how
 
 
 def test_trainjob_lost_node_memory_restores_from_the_peer(kube, dataset, reference):
-    """node-lost in pod 1 (its workers killed, its /dev/shm snapshots gone) while step 12's
+    """node-lost in pod 1 at step 16 (its workers killed, its /dev/shm snapshots gone) while step 12's
     durable write is slowed: ft_launcher restarts the workers in the same pods, and pod 1's rank
     takes step 12 from the copy pod 0 holds (issue 36), not the older commit on the volume."""
     name = "e2e-lost"
     run = Launch(kube, name, "trainjob", dataset, extra=PACED,
-                 faults=["node-lost@14/1", "slow-write@11/0:seconds=60"])
+                 faults=["node-lost@16/1", "slow-write@11/0:seconds=60"])
     rc, out = run.wait()
     assert rc == 0, out[-4000:]
     last = run.starts()[-1]
