@@ -28,7 +28,13 @@ from enum import Enum
 from pathlib import Path
 from typing import TypeVar
 
-from kfp_nvrx.components.core.host_copy import node_copy_dir, node_name, node_workers, remove_copy
+from kfp_nvrx.components.core.host_copy import (
+    node_copy_dir,
+    node_name,
+    node_workers,
+    pid_alive,
+    remove_copy,
+)
 from kfp_nvrx.components.errors import UserError
 
 
@@ -160,18 +166,10 @@ def _lose_node(fault: Fault, run_dir: Path) -> None:
             os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 10.0
     while others and time.monotonic() < deadline:
-        others = {pid for pid in others if _alive(pid)}
+        others = {pid for pid in others if pid_alive(pid)}
         time.sleep(0.05)
     remove_copy(folder)
     os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
-    return True
 
 
 def _raise(fault: Fault, run_dir: Path) -> None:

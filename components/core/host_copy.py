@@ -32,6 +32,24 @@ def node_name(env: dict[str, str] | None = None) -> str:
     return name if _NODE_NAME.match(name) and name not in (".", "..") else ""
 
 
+#: Linux's largest pid (``PID_MAX_LIMIT``, 2^22): a bigger number in a record names no process
+#: (``os.kill`` would raise OverflowError on one past a C int).
+PID_MAX = 4_194_304
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (another user's counts as alive)."""
+    if not 0 < pid <= PID_MAX:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
 def host_copy_base(root: Path = SHM_ROOT) -> Path:
     """This user's directory of host copies."""
     return Path(root) / f"kfp-nvrx-{os.getuid()}"
@@ -112,6 +130,6 @@ def node_workers(folder: Path) -> set[int]:
         except (OSError, UserError):
             continue
         pid = owner.get("pid") if isinstance(owner, dict) else None
-        if type(pid) is int and 0 < pid <= 4_194_304:
+        if type(pid) is int and 0 < pid <= PID_MAX:
             pids.add(pid)
     return pids

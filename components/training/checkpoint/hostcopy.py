@@ -49,6 +49,7 @@ from kfp_nvrx.components.core.host_copy import (
     host_copy_dir,
     node_copy_dir,
     node_name,
+    pid_alive,
     private_dir,
     remove_copy,
 )
@@ -107,23 +108,6 @@ def decode_objects(value: Any) -> Any:
             return float(value["__float__"])
         return {decode_objects(k): decode_objects(v) for k, v in value["__dict__"]}
     return value
-
-
-#: Linux's largest pid (``PID_MAX_LIMIT``, 2^22): a bigger number in a record names no process
-#: (``os.kill`` would raise OverflowError on one past a C int).
-PID_MAX = 4_194_304
-
-
-def _pid_alive(pid: int) -> bool:
-    if not 0 < pid <= PID_MAX:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive
-        return True
-    return True
 
 
 def _recent(path: Path, seconds: float = 60.0) -> bool:
@@ -388,7 +372,7 @@ def _agents_gone(d: Path) -> bool:
         if isinstance(owner, dict) and isinstance(owner.get("agent_pid"), int):
             agents.append(owner["agent_pid"])
     if d.name.startswith("private-"):
-        agents.append(int(d.name.split("-")[1]))  # any digits (_OURS): _pid_alive bounds them
+        agents.append(int(d.name.split("-")[1]))  # any digits (_OURS): pid_alive bounds them
     if not agents and _recent(d):
         return False  # being set up by a worker that has not written its owner record yet
-    return not any(_pid_alive(pid) for pid in agents)
+    return not any(pid_alive(pid) for pid in agents)
