@@ -24,6 +24,8 @@ piece by piece against the CRC32s the bank was sealed with (docs/benchmarks/NOTE
 
 from __future__ import annotations
 
+import itertools
+import os
 import socket
 import time
 from collections.abc import Callable
@@ -272,10 +274,10 @@ class Peers:
 
         def take(manifest: dict[str, Any], fill: Callable) -> int:
             check_manifest(manifest, home, self.rank, step)
-            used = {int(p.name.split(".bank")[1].split(".")[0]) for p in
-                    home.path.glob(f"rank{self.rank}.bank*") if p.name.split(".bank")[1]
-                    .split(".")[0].isdigit()}
-            index = next(i for i in range(len(used) + 1) if i not in used)
+            # The first bank index this rank has no file of (a replaced node: 0).
+            index = next(i for i in itertools.count()
+                         if not (os.path.lexists(home.bank_path(i))
+                                 or os.path.lexists(home.manifest_path(i))))
             return self.files.receive(manifest, fill, self.rank, as_bank=index)
 
         return take
