@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The round-5 GPU runs on one H200 in one batch: install offline (bench/gpu_setup.sh), the GPU
-# tests, the snapshot benchmark at 1b (bench.snapshots) and the start-up hang runs. Each part
-# writes its own files under OUT, so a batch cut short keeps what it finished.
+# tests, the snapshot benchmark at 1b (bench.snapshots), the start-up hang runs and the peer
+# copies (bench.peer_transfer, bench.replica_cost). Each part writes its own files under OUT, so
+# a batch cut short keeps what it finished.
 #
 #   OUT=DIR [BUDGET=seconds] bash bench/round5_gpu.sh PART...
-#   PART: setup tests snapshots hangs peers
+#   PART: setup tests snapshots hangs peers replica
 # A lease's commands last 10 minutes at most: start it detached and collect OUT from later calls
 #   setsid nohup env OUT=/tmp/r5 bash bench/round5_gpu.sh setup tests snapshots >/tmp/r5.log 2>&1 &
 set -uo pipefail
@@ -23,6 +24,8 @@ for part in "$@"; do
       grep -v "Warning\|import pynvml" ;;
   peers) python3 -m bench.peer_transfer --gb "${PEER_GB:-13.25}" --repeat 3 \
       --out "$OUT/peer_restore.json" 2>&1 | grep -v "Warning\|import pynvml" ;;
+  replica) python3 -m bench.replica_cost --preset 1b --gb "${PEER_GB:-13.25}" --rounds 3 \
+      --out "$OUT/peer_round_cost.json" 2>&1 | grep -v "Warning\|import pynvml" ;;
   hangs) python3 -m bench.startup_hangs --preset 1b --out "$OUT/startup_hangs_1b.json" \
       --budget "$(left)" 2>&1 | grep -v "Warning\|import pynvml" ;;
   *) echo "unknown part $part" ;;
