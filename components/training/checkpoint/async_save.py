@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 
-from kfp_nvrx.components.core.background import yield_to_loop
 from kfp_nvrx.components.training.checkpoint.bank import _Bank
 from kfp_nvrx.components.training.checkpoint.staged_write import (
     Seal,
@@ -163,7 +162,6 @@ class AsyncSaver:
 def _write_then_seal(save_fn: Callable, seal: Seal, rank: int, write_buckets: list,
                      *rest: Any) -> None:
     """The writer process's job: NVRx's write, then the store takes the files it wrote."""
-    yield_to_loop()  # the writer's threads (NVRx's, per file) inherit it
     save_fn(rank, write_buckets, *rest)
     seal([bucket[0] for bucket in write_buckets])
 

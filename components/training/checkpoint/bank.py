@@ -34,9 +34,6 @@ PIN_DUTY = 1.0
 #: madvise(MADV_POPULATE_WRITE) (Linux 5.14): maps a piece's pages outside the driver, so its
 #: registration only pins (Python's mmap module names it from 3.13 on).
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
-#: Bytes mapped per madvise call: mapping holds the process's memory-map lock, and the loop's
-#: thread waits for it whenever it maps or unmaps memory (Python's and glibc's allocators do).
-POPULATE_CHUNK = 4 << 20
 #: Headroom left in /dev/shm beyond the banks (NCCL, DataLoader workers use it too).
 SHM_RESERVE = 1 << 30
 
@@ -202,13 +199,11 @@ class _Bank:
             time.sleep(PIN_DUTY * (time.perf_counter() - t0))
 
     def _populate(self, offset: int, length: int) -> None:
-        """Maps one piece's pages now, a few MiB per call (best effort: registering maps the rest)."""
+        """Maps one piece's pages now; best effort: the registration maps what is left."""
         if self._mm is None:
             return
-        end = offset + length
         try:
-            for off in range(offset, end, POPULATE_CHUNK):
-                self._mm.madvise(_MADV_POPULATE_WRITE, off, min(POPULATE_CHUNK, end - off))
+            self._mm.madvise(_MADV_POPULATE_WRITE, offset, length)
         except (OSError, ValueError, AttributeError):
             pass
 

@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 
-from kfp_nvrx.components.core.background import yield_to_loop
 from kfp_nvrx.components.core.ckpt_store import CheckpointStore
 from kfp_nvrx.components.training.checkpoint.async_save import Gather
 from kfp_nvrx.components.training.checkpoint.writer import CheckpointError
@@ -42,7 +41,6 @@ class CommitJob:
             self._thread.start()
 
     def _run(self, steps: list[Callable[[], Any]]) -> None:
-        yield_to_loop()
         try:
             for step in steps:
                 self.result = step()

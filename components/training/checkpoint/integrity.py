@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kfp_nvrx.components.core.background import yield_to_loop
 from kfp_nvrx.components.training.checkpoint.bank import _Bank, _pin_ranges, _slot_rows
 
 if TYPE_CHECKING:
@@ -109,8 +108,7 @@ class Sealer:
     def pool(self) -> ThreadPoolExecutor:
         """The CRC threads (made on first use)."""
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="bank-crc",
-                                            initializer=yield_to_loop)
+            self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="bank-crc")
         return self._pool
 
     def seal(self, bank: _Bank, slots: dict[str, Slot], nbytes: int) -> None:
@@ -123,7 +121,6 @@ class Sealer:
 
     def _run(self, bank: _Bank, token: int, step: int | None, slots: dict[str, Slot],
              nbytes: int) -> None:
-        yield_to_loop()
         buffer = bank.buffer
         if buffer is None or step is None:
             return

@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from kfp_nvrx.components.core.background import yield_to_loop
 from kfp_nvrx.components.core.bounded import JSON_LIMIT, parse_json, read_bytes
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.training.checkpoint.peers import Peers, recv_copy, send_copy
@@ -47,7 +46,6 @@ class Round:
         self._thread.start()
 
     def _run(self, manifest: bytes, data: torch.Tensor) -> None:
-        yield_to_loop()
         peers = self.peers
         try:
             works = [w for dst in peers.targets for w in send_copy(peers.group, dst, manifest, data)]

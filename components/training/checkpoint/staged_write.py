@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kfp_nvrx.components.core.background import yield_to_loop
 from kfp_nvrx.components.training.checkpoint.staging import Slot
 
 #: The store's hand-over of one rank's written files (:meth:`.CheckpointStore.seal_files` with
@@ -133,7 +132,6 @@ def write_staged(rank: int, request: dict[str, Any], results_queue: Any) -> None
     import time
     import warnings
 
-    yield_to_loop()  # the writer's threads (NVRx's, per file) inherit it
     time.sleep(request.get("delay_s", 0.0))  # the slow-write fault: a slow store, on purpose
     base = _mapped(request["key"], request["path"], request["nbytes"])
     with warnings.catch_warnings():  # frombuffer on a ctypes array: "not writable" is fine here

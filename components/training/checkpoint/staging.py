@@ -34,7 +34,6 @@ from typing import Any
 
 import torch
 
-from kfp_nvrx.components.core.background import yield_to_loop
 from kfp_nvrx.components.training.checkpoint.bank import (
     _ALIGN,
     SHM_RESERVE,
@@ -135,7 +134,6 @@ class HostStaging:
         return self._prep is not None and self._prep.is_alive()
 
     def _allocate_quietly(self, slots: dict[str, Slot]) -> None:
-        yield_to_loop()
         try:
             self._allocate(slots)
         except BaseException as err:  # noqa: BLE001 - reported by the next ensure()

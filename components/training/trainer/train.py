@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 
 from kfp_nvrx.components.core import events as ev
-from kfp_nvrx.components.core.background import lower_background_work
 from kfp_nvrx.components.core.config import Config
 from kfp_nvrx.components.core.elastic_env import env_int
 from kfp_nvrx.components.core.events import EventLog, read_events
@@ -82,7 +81,6 @@ def pick_device(cfg: Config) -> torch.device:
     want = cfg.train.device
     if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
         torch.cuda.set_device(env_int("LOCAL_RANK", 0))
-        lower_background_work()  # the checkpoint's threads and writer yield to the loop's thread
         return torch.device("cuda", env_int("LOCAL_RANK", 0))
     return torch.device("cpu")
 
