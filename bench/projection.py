@@ -57,27 +57,49 @@ def fsx_gb_per_s(burst: bool) -> float:
     return per_tib * FSX_TIB / 1000
 
 
-#: The one path that recovers from host memory (every other reads the durable tier).
+#: The paths that recover from host memory (the others read the durable tier).
 MEMORY_PATH = "node kept: host memory"
+PEER_PATH = "node replaced: restored from a peer"
+#: The peer copies travel over TCP (gloo) on the pod network, not over EFA (NCCL's alone): one
+#: flow per rank pair, at most 10 Gbit/s a flow inside a cluster placement group, and a node's
+#: flows share its ENA interface (100 Gbit/s). AWS's published limits, not measured here.
+TCP_FLOW_GB_S = 1.25
+NODE_TCP_GB_S = 12.5
+
+
+def peer_fetch_s(state_gb_per_gpu: float, rank_gb_per_s: float) -> float:
+    """Seconds a replaced p5 node takes to fetch its 8 ranks' copies from the peer node.
+
+    Each rank receives its own copy on its own flow at the measured per-rank rate (sender's
+    copy out, receiver's CRC32 check) capped by :data:`TCP_FLOW_GB_S`; the 8 flows share the
+    node's :data:`NODE_TCP_GB_S`.
+    """
+    per_rank = min(rank_gb_per_s, TCP_FLOW_GB_S)
+    return max(state_gb_per_gpu / per_rank, GPUS_PER_P5 * state_gb_per_gpu / NODE_TCP_GB_S)
 
 
 def recovery_paths(nodes: int, measured_s: float, measured_load_s: float,
-                   state_gb_per_gpu: float) -> dict[str, float]:
+                   state_gb_per_gpu: float, peer_gb_per_s: float | None = None) -> dict[str, float]:
     """Recovery seconds of one failure on ``nodes`` p5 nodes, by the path the code takes.
 
     ``measured_s``/``measured_load_s``: an in-job restart measured on one GPU holding
     ``state_gb_per_gpu`` (its load from node-local memory). A p5 node holds 8 such shares.
 
     * ``node kept: host memory``: the measured restart (every node loads from its own memory);
-    * ``node replaced: every node reads FSx``: the ranks agree on one step every rank holds, and
-      a replaced node holds none in memory, so every node reads the newest commit from FSx at
-      once, at the burst and at the baseline throughput.
+    * ``node replaced: restored from a peer`` (with ``peer_gb_per_s``, the measured rate of one
+      rank's copy): the replaced node's ranks fetch their copies (:func:`peer_fetch_s`), then
+      every rank loads from host memory as in the measured restart; the others wait for them;
+    * ``node replaced: every node reads FSx``: a replaced node whose copies are gone too (or
+      ``checkpoint.replicas=1``): every node reads the newest commit from FSx at once, at the
+      burst and at the baseline throughput.
     """
     node_gb = GPUS_PER_P5 * state_gb_per_gpu
     rest = measured_s - measured_load_s
-    return {
-        MEMORY_PATH: measured_s,
-        "node replaced: every node reads FSx (burst)": rest + nodes * node_gb / fsx_gb_per_s(True),
-        "node replaced: every node reads FSx (baseline)":
-            rest + nodes * node_gb / fsx_gb_per_s(False),
-    }
+    paths = {MEMORY_PATH: measured_s}
+    if peer_gb_per_s:
+        paths[PEER_PATH] = measured_s + peer_fetch_s(state_gb_per_gpu, peer_gb_per_s)
+    paths["node replaced: every node reads FSx (burst)"] = \
+        rest + nodes * node_gb / fsx_gb_per_s(True)
+    paths["node replaced: every node reads FSx (baseline)"] = \
+        rest + nodes * node_gb / fsx_gb_per_s(False)
+    return paths

@@ -8,6 +8,9 @@ from typing import Any
 from bench.projection import (
     GPUS_PER_P5,
     MEMORY_PATH,
+    NODE_TCP_GB_S,
+    PEER_PATH,
+    TCP_FLOW_GB_S,
     fsx_gb_per_s,
     job_mtbf_s,
     recovery_paths,
@@ -92,34 +95,52 @@ def best_two_tier(costs: dict[float, float], recovery: float, redone_fixed: floa
     return best
 
 
+def peer_figures(peer: dict[str, Any]) -> dict[str, float]:
+    """From ``peer_restore.json``: one rank's copy rate (median GB/s) and a round's cost (s)."""
+    rates = sorted((peer.get("transfer") or {}).get("gb_per_s") or [])
+    cost = (peer.get("round_beside_training") or {}).get("excess_per_round_s")
+    if not rates or cost is None:
+        return {}
+    return {"rank_gb_per_s": rates[len(rates) // 2], "round_cost_s": max(0.0, float(cost))}
+
+
 def projection(kill: dict[str, Any] | None, state_gb_per_gpu: float | None,
                save_cost_s: float | dict[float, float] | None,
-               duty: float = PERSIST_DUTY) -> dict[str, Any]:
+               duty: float = PERSIST_DUTY, peer: dict[str, float] | None = None) -> dict[str, Any]:
     """Goodput at 16 and 128 p5 nodes by recovery path (FSx SCRATCH_2 for the durable tier).
 
     ``save_cost_s``: seconds one snapshot costs the run, every wait it causes included, by the
     snapshot interval it was measured at (``bench.snapshots``); a number: the same at every
     interval. The interval recommended is the best one for those measured costs. A path that
-    recovers from host memory redoes half a snapshot interval; one that reads the durable tier
-    redoes its lag: half its period (the write time over ``duty``) plus a write, whose time is
-    the state of every node over FSx's aggregate throughput.
+    recovers from host memory (its own or a peer's) redoes half a snapshot interval; one that
+    reads the durable tier redoes its lag: half its period (the write time over ``duty``) plus a
+    write, whose time is the state of every node over FSx's aggregate throughput.
+
+    ``peer`` (:func:`peer_figures`): with it, replication is on (the default,
+    ``checkpoint.replicas=2``): every snapshot also costs a round's measured cost, on every
+    path, and a replaced node is restored from its peer (:data:`PEER_PATH`).
     """
     if not kill or "total_s" not in kill or not state_gb_per_gpu or not save_cost_s:
         return {}
     costs = save_cost_s if isinstance(save_cost_s, dict) else {1.0: float(save_cost_s)}
+    peer = peer or {}
+    if peer:
+        costs = {k: v + peer["round_cost_s"] for k, v in costs.items()}
     out: dict[str, Any] = {"node_mtbf_days": NODE_MTBF_DAYS, "save_cost_s": costs,
                            "state_gb_per_gpu": state_gb_per_gpu, "persist_duty": duty,
                            "fsx_gb_per_s": {"burst": fsx_gb_per_s(True),
                                             "baseline": fsx_gb_per_s(False)},
+                           "peer": {**peer, "tcp_flow_gb_per_s": TCP_FLOW_GB_S,
+                                    "node_tcp_gb_per_s": NODE_TCP_GB_S} if peer else {},
                            "nodes": {}}
     for nodes in PROJECTION_NODES:
         mtbf = job_mtbf_s(nodes, NODE_MTBF_DAYS)
         write_s = nodes * GPUS_PER_P5 * state_gb_per_gpu / fsx_gb_per_s(True)
         lag_s = write_s / duty / 2 + write_s
         rows = {}
-        for path, rec in recovery_paths(nodes, kill["total_s"], kill["load_s"],
-                                        state_gb_per_gpu).items():
-            from_memory = path == MEMORY_PATH
+        for path, rec in recovery_paths(nodes, kill["total_s"], kill["load_s"], state_gb_per_gpu,
+                                        peer.get("rank_gb_per_s")).items():
+            from_memory = path in (MEMORY_PATH, PEER_PATH)
             tau, g, delta = best_two_tier(costs, rec, None if from_memory else lag_s, mtbf)
             rows[path] = {"recovery_s": rec, "best_interval_s": tau, "best_goodput": g,
                           "cost_per_snapshot_s": delta,
@@ -127,6 +148,17 @@ def projection(kill: dict[str, Any] | None, state_gb_per_gpu: float | None,
         out["nodes"][str(nodes)] = {"job_mtbf_s": mtbf, "durable_write_s": write_s,
                                     "durable_lag_s": lag_s, "paths": rows}
     return out
+
+
+def _peer_words(peer: dict[str, Any]) -> str:
+    if not peer:
+        return ""
+    return (f"; from a peer, the replaced node's ranks first fetch their copies at the measured "
+            f"{peer['rank_gb_per_s']:.2f} GB/s a rank (gloo over TCP; capped at "
+            f"{peer['tcp_flow_gb_per_s']:.2f} GB/s a flow and {peer['node_tcp_gb_per_s']:.1f} GB/s "
+            "a node, AWS's TCP limits: the copies do not use EFA). Replication on (the default): "
+            f"every snapshot also costs a round, {peer['round_cost_s']:.3f} s measured beside 1b "
+            "training")
 
 
 def projection_lines(p: dict[str, Any]) -> list[str]:
@@ -141,9 +173,10 @@ def projection_lines(p: dict[str, Any]) -> list[str]:
              f"per node; FSx for Lustre SCRATCH_2 1.2 TiB: {fsx['burst']:.2f} GB/s burst, "
              f"{fsx['baseline']:.2f} GB/s baseline for all nodes together)", "",
              "Recovery = the measured 1b in-job restart (kill), its load replaced where the state "
-             "comes from FSx. Cost per snapshot = the measured median excess of a snapshot's step "
-             "and the next one (which runs beside its copies), at the measured interval nearest "
-             f"the one recommended ({costs}). "
+             "comes from FSx" + _peer_words(p.get("peer") or {}) + ". Cost per snapshot = the "
+             "measured median excess of a snapshot's step and the next one (which runs beside its "
+             "copies)" + (", plus a replication round's measured cost" if p.get("peer") else "")
+             + f", at the measured interval nearest the one recommended ({costs}). "
              "Work redone = half a snapshot interval from host memory; from FSx, the durable "
              f"tier's lag: half its period (a write in flight {p.get('persist_duty', 1):.0%} of "
              "the time) plus one write of every node's state.", "",
@@ -152,7 +185,7 @@ def projection_lines(p: dict[str, Any]) -> list[str]:
     for nodes, n in p["nodes"].items():
         for path, row in n["paths"].items():
             # From the volume, the snapshots' interval changes nothing but their cost.
-            memory = path == MEMORY_PATH
+            memory = path in (MEMORY_PATH, PEER_PATH)
             tau = f"{row['best_interval_s']:.0f}" if memory else "—"
             cost = f"{row.get('cost_per_snapshot_s', 0):.3f}" if memory else "—"
             lines.append(f"| {nodes} | {n['job_mtbf_s'] / 3600:.1f} | {path} | "

@@ -10,7 +10,7 @@ from bench.common import ratio, write_json
 from bench.keys import round_two_keys, run_records, throughput_rows
 from bench.projection import best_interval, goodput, job_mtbf_s, young_daly
 from bench.readme import markdown
-from bench.recovery_report import projection
+from bench.recovery_report import peer_figures, projection
 from bench.snapshots import snapshot_lines
 
 NODES, NODE_MTBF_DAYS = 16, 30.0
@@ -126,7 +126,8 @@ def build_report(out: Path) -> dict[str, Any]:
     costs = snapshot_costs(_load(out, "snapshots_1b"))
     summary["goodput_projection_p5"] = projection(
         r1b.get("scenarios", {}).get("kill"), state_gb,
-        costs or ck.get("ours_overlap_visible_s") or ck.get("ours_visible_s"))
+        costs or ck.get("ours_overlap_visible_s") or ck.get("ours_visible_s"),
+        peer=peer_figures(_load(out, "peer_restore")))
     write_json(out / "summary.json", summary)
     text = markdown(summary, ck, t, overheads, {"1b": r1b, "125m": r}, proj)
     text += "\n".join(snapshot_lines(_load(out, "snapshots_1b"))) + "\n"
@@ -150,7 +151,8 @@ def snapshot_costs(snaps: dict[str, Any]) -> dict[float, float]:
     for row in snaps.get("runs", {}).values():
         median = (row.get("stall_per_snapshot_s") or {}).get("median")
         if row.get("interval_s") and median is not None and not row.get("faults"):
-            costs[float(row["interval_s"])] = max(1e-3, float(median))
+            at = float(row["interval_s"])  # runs at one interval: the costlier counts
+            costs[at] = max(costs.get(at, 1e-3), float(median))
     return costs
 
 

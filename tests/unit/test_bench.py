@@ -227,6 +227,30 @@ def test_p5_projection_reads_every_nodes_state_from_fsx_only_without_the_host_co
     assert n128[memory]["redone_s"] == n128[memory]["best_interval_s"] / 2
 
 
+def test_p5_projection_restores_a_replaced_node_from_its_peer_at_the_measured_rate():
+    from bench.recovery_report import peer_figures, projection
+
+    kill = {"total_s": 11.0, "load_s": 1.0}
+    peer = peer_figures({"transfer": {"gb_per_s": [0.9, 0.5, 0.8]},
+                         "round_beside_training": {"excess_per_round_s": 0.1}})
+    assert peer == {"rank_gb_per_s": 0.8, "round_cost_s": 0.1}  # the median rate
+    p = projection(kill, 13.25, {10.0: 0.03}, peer=peer)
+    n128 = p["nodes"]["128"]["paths"]
+    from_peer, memory = "node replaced: restored from a peer", "node kept: host memory"
+    # The replaced node's ranks fetch their copies in parallel, then load as the restart did.
+    assert abs(n128[from_peer]["recovery_s"] - (11.0 + 13.25 / 0.8)) < 1e-6
+    # Replication on: every snapshot also pays a round, on every path.
+    assert abs(n128[memory]["cost_per_snapshot_s"] - 0.13) < 1e-9
+    assert n128[from_peer]["redone_s"] == n128[from_peer]["best_interval_s"] / 2
+    assert n128[memory]["best_goodput"] > n128[from_peer]["best_goodput"] > 0.99
+    without = projection(kill, 13.25, {10.0: 0.03})["nodes"]["128"]["paths"]
+    assert from_peer not in without and without[memory]["best_goodput"] > n128[memory]["best_goodput"]
+    # A rate above AWS's per-flow TCP limit (10 Gbit/s) is capped by it.
+    fast = projection(kill, 13.25, {10.0: 0.03}, peer={"rank_gb_per_s": 50.0, "round_cost_s": 0})
+    assert abs(fast["nodes"]["16"]["paths"][from_peer]["recovery_s"] - (11.0 + 13.25 / 1.25)) < 1e-6
+    assert peer_figures({}) == {}
+
+
 def test_make_bench_publishes_the_recovery_sweep_per_preset():
     from bench.run import jobs
 
