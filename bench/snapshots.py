@@ -94,6 +94,32 @@ def attribute(steps: list[dict[str, Any]], quiet: float, events: list[dict[str, 
     return {k: round(v, 3) for k, v in parts.items()}, trace
 
 
+def parts_by_what_ran_beside(steps: list[dict[str, Any]],
+                             trace: list[list[Any]]) -> dict[str, dict[str, float]]:
+    """Each kind of step's excess split by the step's parts (``train.step_parts``).
+
+    A part's baseline is its median over the ``other`` steps (nothing ran beside them): a
+    step that grew because the loop's thread waited shows it in a launch part (``data``,
+    ``forward_backward``, ``optimizer``) or ``tick``/``monitor``; one whose GPU work ran slower
+    shows it in ``sync`` and ``gpu``.
+    """
+    # The trace has a row per step, in order (steps redone after a fault repeat their number).
+    with_parts = [(s, row[2]) for s, row in zip(steps, trace, strict=True)
+                  if s.get("parts") and row[2] != "u"]
+    quiet = [s["parts"] for s, kind in with_parts if kind == "o"]
+    if not quiet:
+        return {}
+    names = sorted({k for s, _ in with_parts for k in s["parts"]})
+    base = {k: statistics.median(p.get(k, 0.0) for p in quiet) for k in names}
+    out: dict[str, dict[str, float]] = {}
+    for s, letter in with_parts:
+        kind = {"s": "snapshot", "w": "writing", "p": "pinning", "o": "other"}[letter]
+        row = out.setdefault(kind, dict.fromkeys(names, 0.0))
+        for k in names:
+            row[k] += s["parts"].get(k, 0.0) - base[k]
+    return {kind: {k: round(v, 3) for k, v in row.items()} for kind, row in out.items()}
+
+
 def measure(events: list[dict[str, Any]], quiet_s: float | None = None,
             lines: list[tuple[float, str]] = ()) -> dict[str, Any]:
     """The stall, lag and recovery figures of one run's events (see the module docstring)."""
@@ -114,7 +140,7 @@ def measure(events: list[dict[str, Any]], quiet_s: float | None = None,
     commits = [e for e in events if e["type"] == "checkpoint"]
     snap_time = {e["step"]: e["time"] for e in taken}
     lags = [c["time"] - snap_time[c["step"]] for c in commits if c["step"] in snap_time]
-    return {
+    out = {
         "steps": len(steps), "quiet_step_s": round(quiet, 4),
         "snapshots": len(taken), "skipped": [[e["step"], e["skipped"]] for e in snaps
                                              if e.get("skipped")],
@@ -134,6 +160,8 @@ def measure(events: list[dict[str, Any]], quiet_s: float | None = None,
             steps, quiet, events, [t for t, ln in lines if "staging bank" in ln and " ready:" in ln]),
             strict=True)),
     }
+    out["parts_by_what_ran_beside_s"] = parts_by_what_ran_beside(steps, out["trace"])
+    return out
 
 
 def _recovery(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -185,7 +213,7 @@ def _training(preset: str, name: str, data: str, scale: float = 1.0) -> Training
     steps = max(20, int(spec["seconds"] * scale / STEP_S.get(preset, 0.1)))
     faults = [f"kill@{int(steps * k)}" for k in spec.get("kills", ())]
     base = [f"data.path={data}", f"train.steps={steps}", "checkpoint.keep=1",
-            f"train.log_every={max(10, steps // 10)}"]
+            f"train.log_every={max(10, steps // 10)}", "train.step_parts=true"]
     return Training(preset, [*base, *spec["set"]], faults)
 
 

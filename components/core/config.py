@@ -98,6 +98,9 @@ class TrainConfig(Section):
     device: str = one_of("auto", "cpu", "cuda")
     # Seconds slept per step: makes tiny drill runs long enough to fault mid-run.
     step_sleep: float = non_negative(0.0)
+    # A diagnostic: every step event also says where the step's time went (`parts`: the loop's
+    # thread between marks, the GPU's span), to tell a thread that waited from slower kernels.
+    step_parts: bool = False
     # Bitwise-reproducible steps: deterministic kernels, math SDPA, fixed cuBLAS workspace. A run
     # with faults then ends with exactly the weights of a fault-free run (costs step time on GPU).
     deterministic: bool = False

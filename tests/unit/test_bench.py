@@ -306,3 +306,24 @@ def test_a_sweep_row_counts_restarts_redone_steps_and_the_source():
     assert row["recovery_s"] == 22.0 - 14.5 and row["commit_lag_s"] == {"median": 20.0, "max": 20.0}
     s = summarise([{**row, "index": 0}])
     assert s["restarts_equal_faults"] and s["kill"]["steps_redone_worst"] == 4
+
+
+def test_snapshot_bench_splits_each_kind_of_steps_excess_by_the_steps_parts():
+    from bench.snapshots import measure
+
+    events: list[dict] = [{"type": "start", "time": 0.0}]
+    for i in range(1, 21):
+        slow_launch = 0.05 if i in (12, 13) else 0.0  # beside the write: the thread waited
+        slow_gpu = 0.04 if i in (6, 7) else 0.0  # the snapshot's step and the next: kernels
+        parts = {"data": 0.01, "forward_backward": 0.1 + slow_launch, "optimizer": 0.02,
+                 "sync": 0.17 + slow_gpu, "tick": 0.0, "monitor": 0.0, "gpu": 0.28 + slow_gpu}
+        start = float(i)
+        events.append({"type": "step", "step": i, "start": start,
+                       "end": start + 0.3 + slow_launch + slow_gpu, "parts": parts})
+    events.append({"type": "snapshot", "step": 6, "time": 6.4, "stall_s": 0.01})
+    events.append({"type": "checkpoint", "step": 6, "time": 13.9, "total_s": 2.0,
+                   "blocking_s": 0.0})
+    got = measure(events)["parts_by_what_ran_beside_s"]
+    assert got["snapshot"]["sync"] == 0.08 and got["snapshot"]["forward_backward"] == 0.0
+    assert got["writing"]["forward_backward"] == 0.1 and got["writing"]["gpu"] == 0.0
+    assert got["other"]["sync"] == 0.0

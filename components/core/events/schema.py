@@ -108,6 +108,8 @@ class Step(Event):
     #: None when it was not finite (a diverged loss is written as ``null``: NaN is no JSON).
     loss: float | None = _f(LOSS, None, null=True)
     tokens: int | None = _f(NUMBER, None)
+    #: Seconds of each part of the step, with ``train.step_parts`` (the trainer's StepParts).
+    parts: dict[str, float] | None = _f(ANY, None)
 
     @property
     def when(self) -> float:

@@ -26,6 +26,7 @@ from kfp_nvrx.components.training.trainer.build import (
 from kfp_nvrx.components.training.trainer.fault_injector import FaultInjector
 from kfp_nvrx.components.training.trainer.job import give_up
 from kfp_nvrx.components.training.trainer.rhythm import STARTUP_STEPS
+from kfp_nvrx.components.training.trainer.step_parts import StepParts
 from kfp_nvrx.components.training.trainer.stopping import StopRequested
 
 if TYPE_CHECKING:
@@ -103,19 +104,22 @@ class Trainer:
         first, steps_here, t_first = self.replica.train.step + 1, 0, time.perf_counter()
         last_beat: float | None = None  # the previous step's heartbeat (perf_counter)
         after_save = False  # the previous step saved: this one overlaps its copies
+        parts = StepParts(t.step_parts, self.job.device)
 
         for step in range(first, t.steps + 1):
             t0 = time.time()
+            parts.begin()
             writes, pinning = ckpt.write_events, ckpt.preparing()
             t_sec = time.perf_counter()
             # FT: the step's bound is its kind's (the first steps of an incarnation, steps while
             # the staging banks pin, steady steps): resilience.Monitor.step_section.
             with monitor.step_section(steps_here, pinning):
                 self._fault(step, When.STEP)
-                loss_value = self._step(step, tokens_per_step)
+                loss_value = self._step(step, tokens_per_step, parts)
                 if not math.isfinite(loss_value):
                     self._diverged(step, loss_value)
                 ckpt.tick()  # the durable write behind the snapshots: moved on, never waited for
+                parts.mark("tick")
             step_s = time.perf_counter() - t_sec
             monitor.heartbeat()
             now = time.perf_counter()
@@ -138,12 +142,14 @@ class Trainer:
                     and monitor.maybe_learn(self._reduce_max) and self.place.rank == 0:
                 log0(f"learned NVRx timeouts: {monitor.timeouts()}")
             after_save = ckpt.should_save(step)
+            parts.mark("monitor")
             if after_save:
                 with monitor.phase("checkpoint", bound=cfg.resilience.checkpoint_timeout):
                     ckpt.save(step, self.state())
                     self._fault(step, When.CHECKPOINT)
                 last_beat = time.perf_counter()  # the phase ends with a heartbeat
-            self._emit_step(step, t0, loss_value, tokens_per_step)
+                parts.mark("snapshot")
+            self._emit_step(step, t0, loss_value, tokens_per_step, parts.take())
             if steps_here == 1 and ckpt.periodic:  # the state's final layout exists (optimizer)
                 ckpt.prepare(self.state)
             if step % t.log_every == 0 or step == t.steps:
@@ -153,12 +159,13 @@ class Trainer:
                 log0(f"step {step}/{t.steps} loss {loss_value:.4f} tok/s {tps:,.0f} "
                      f"eta {eta:.0f}s")
 
-    def _emit_step(self, step: int, t0: float, loss_value: float, tokens: int) -> None:
+    def _emit_step(self, step: int, t0: float, loss_value: float, tokens: int,
+                   parts: dict[str, float] | None = None) -> None:
         """The step's event: from its start to now (its snapshot, if any, included)."""
         self.events.emit(ev.Step(step=step, start=t0, end=time.time(),
                                  incarnation=self.job.restart_count,
                                  iteration=self.place.iteration,
-                                 loss=round(loss_value, 6), tokens=tokens))
+                                 loss=round(loss_value, 6), tokens=tokens, parts=parts))
 
     def _stop(self, step: int, seconds: float) -> None:
         """A node is being stopped: every rank saves ``step`` if it fits, then leaves the loop."""
@@ -189,16 +196,18 @@ class Trainer:
         """Element-wise maximum of ``values`` over every rank (collective)."""
         return max_over_ranks(values, self.job.device)
 
-    def _step(self, step: int, tokens_per_step: int) -> float:
+    def _step(self, step: int, tokens_per_step: int, parts: StepParts) -> float:
         """One forward/backward/optimizer step; returns the loss."""
         cfg, device, t = self.job.cfg, self.job.device, self.job.cfg.train
         inputs, targets = self.job.data.batch(t.seed, step, self.place.rank, cfg.data.batch_size,
                                               cfg.data.seq_len)
         inputs = inputs.to(device, non_blocking=True)
         targets = targets.to(device, non_blocking=True)
+        parts.mark("data")
         logits = self.replica.model(inputs)
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
         loss.backward()
+        parts.mark("forward_backward")
         if t.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.replica.model.parameters(), t.grad_clip)
         self.ckpt.wait_before_update()  # a save's D2H copies overlap forward/backward, not this
@@ -207,7 +216,10 @@ class Trainer:
         self.replica.opt.zero_grad(set_to_none=True)
         counters = self.replica.train
         counters.step, counters.tokens = step, counters.tokens + tokens_per_step
+        parts.gpu_end()
+        parts.mark("optimizer")
         loss_value = loss.item()
+        parts.mark("sync")
         if t.step_sleep:
             time.sleep(t.step_sleep)
         return loss_value

@@ -1,0 +1,29 @@
+"""train.step_parts through a real run: ft_launcher agents, gloo, the tiny preset."""
+
+from __future__ import annotations
+
+import pytest
+from support.local_runs import tiny_dataset, train
+
+from kfp_nvrx.components.core import events as ev
+from kfp_nvrx.components.core.events import read_events
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+LOOP = {"data", "forward_backward", "optimizer", "sync", "tick", "monitor"}
+
+
+def test_every_step_says_where_its_time_went(tmp_path):
+    data = tiny_dataset(tmp_path / "data")
+    run = tmp_path / "run"
+    train(run, data, ["train.steps=6", "checkpoint.interval=2", "train.step_parts=true"],
+          nodes="1", deadline_s=240)
+    steps = [e for e in read_events(run) if isinstance(e, ev.Step)]
+    snaps = {e.step for e in read_events(run) if isinstance(e, ev.Snapshot) and not e.skipped}
+    assert [s.step for s in steps] == list(range(1, 7)) and snaps
+    for s in steps:
+        assert s.parts is not None
+        want = LOOP | ({"snapshot"} if s.step in snaps else set())
+        assert set(s.parts) == want, (s.step, s.parts)
+        # The marks split the step: together no longer than it, and most of it.
+        assert 0.5 * s.seconds <= sum(s.parts.values()) <= s.seconds + 1e-3, (s.step, s.parts)

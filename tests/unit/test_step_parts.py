@@ -1,0 +1,47 @@
+"""train.step_parts: where a step's time went, in its step event (trainer/step_parts.py)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kfp_nvrx.components.core import events as ev
+from kfp_nvrx.components.core.events.read import parse_event
+from kfp_nvrx.components.training.trainer.step_parts import StepParts
+
+
+def test_off_it_records_nothing():
+    parts = StepParts(False, torch.device("cpu"))
+    parts.begin()
+    parts.mark("data")
+    parts.gpu_end()
+    assert parts.take() is None
+
+
+def test_on_the_marks_split_the_step_and_add_up_per_name():
+    parts = StepParts(True, torch.device("cpu"))
+    t0 = time.perf_counter()
+    parts.begin()
+    time.sleep(0.02)
+    parts.mark("data")
+    time.sleep(0.01)
+    parts.mark("tick")
+    time.sleep(0.01)
+    parts.mark("data")  # a second stretch of one part adds to it
+    got = parts.take()
+    took = time.perf_counter() - t0
+    assert got is not None and set(got) == {"data", "tick"}  # no GPU on a CPU device
+    assert got["data"] >= 0.03 and got["tick"] >= 0.01
+    assert sum(got.values()) <= took + 1e-6
+    parts.begin()  # the next step starts empty
+    assert parts.take() == {}
+
+
+def test_a_step_event_carries_its_parts_and_reads_back():
+    step = ev.Step(step=3, start=1.0, end=2.0, parts={"data": 0.1, "sync": 0.5})
+    line = step.to_dict()
+    assert line["parts"] == {"data": 0.1, "sync": 0.5}
+    back = parse_event(line)
+    assert isinstance(back, ev.Step) and back.parts == {"data": 0.1, "sync": 0.5}
+    assert "parts" not in ev.Step(step=3, start=1.0, end=2.0).to_dict()  # off: as before
