@@ -15,6 +15,7 @@ is the pod network's. What it does not measure: the step-time cost of a round be
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 WORKER = "bench.peer_transfer"
@@ -88,26 +90,39 @@ def _versions() -> dict:
             "torch": torch.__version__, "nvidia-resiliency-ext": version("nvidia-resiliency-ext")}
 
 
+@contextlib.contextmanager
+def node_run() -> Iterator[tuple[Path, int, Path]]:
+    """A run dir two node processes share (with its record), a free port and a temp folder."""
+    from kfp_nvrx.components.launch.local.run import free_port
+
+    with tempfile.TemporaryDirectory() as tmp:
+        run = Path(tmp) / "run"
+        run.mkdir()
+        (run / "config.yaml").write_text("model: {}\n")
+        yield run, free_port(), Path(tmp)
+
+
+def spawn_nodes(module: str, calls: list[str]) -> list[int]:
+    """Runs ``module.<calls[r]>`` as node ``r``'s process (a host-memory folder each); exit codes."""
+    from kfp_nvrx.components.core.host_copy import NODE_ENV
+
+    procs = [subprocess.Popen([sys.executable, "-c", f"import {module} as m; m.{call}"],
+                              env={**os.environ, NODE_ENV: str(r)})
+             for r, call in enumerate(calls)]
+    return [p.wait() for p in procs]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gb", type=float, default=1.0, help="size of the rank's state in GB")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--out", type=Path, help="JSON of the result")
     args = ap.parse_args(argv)
-    from kfp_nvrx.components.core.host_copy import NODE_ENV
-    from kfp_nvrx.components.launch.local.run import free_port
-
     nbytes = int(args.gb * 1e9)
-    with tempfile.TemporaryDirectory() as tmp:
-        run = Path(tmp) / "run"
-        run.mkdir()
-        (run / "config.yaml").write_text("model: {}\n")
-        port, out = free_port(), Path(tmp) / "times.json"
-        procs = [subprocess.Popen([sys.executable, "-c", f"from {WORKER} import _worker; _worker("
-                                   f"{r}, {port}, {str(run)!r}, {nbytes}, {args.repeat}, "
-                                   f"{str(out)!r})"], env={**os.environ, NODE_ENV: str(r)})
-                 for r in range(2)]
-        codes = [p.wait() for p in procs]
+    with node_run() as (run, port, tmp):
+        out = tmp / "times.json"
+        codes = spawn_nodes(WORKER, [f"_worker({r}, {port}, {str(run)!r}, {nbytes}, "
+                                     f"{args.repeat}, {str(out)!r})" for r in range(2)])
         if codes != [0, 0]:
             print(f"peer_transfer: workers exited {codes}", file=sys.stderr)
             return 1

@@ -22,15 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
-import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from bench.common import log, machine_info, median, write_json
+from bench.peer_transfer import node_run, spawn_nodes
 
 #: Steps before the first quiet step is timed (compile-free eager warm-up, allocator).
 WARM = 8
@@ -191,22 +189,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quiet", type=int, default=30, help="quiet steps timed before the rounds")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
-    from kfp_nvrx.components.core.host_copy import NODE_ENV
-    from kfp_nvrx.components.launch.local.run import free_port
-
     nbytes = int(args.gb * 1e9)
-    with tempfile.TemporaryDirectory() as tmp:
-        run = Path(tmp) / "run"
-        run.mkdir()
-        (run / "config.yaml").write_text("model: {}\n")
-        port, out = free_port(), Path(tmp) / "times.json"
+    with node_run() as (run, port, tmp):
+        out = tmp / "times.json"
         plan = {"preset": args.preset, "rounds": args.rounds, "quiet": args.quiet}
         calls = [f"trainer({port}, {str(run)!r}, {nbytes}, {str(out)!r}, {plan!r})",
                  f"partner({port}, {str(run)!r}, {nbytes}, {args.rounds})"]
-        procs = [subprocess.Popen([sys.executable, "-c", f"from bench.replica_cost import *; {c}"],
-                                  env={**os.environ, NODE_ENV: str(r)})
-                 for r, c in enumerate(calls)]
-        codes = [p.wait() for p in procs]
+        codes = spawn_nodes("bench.replica_cost", calls)
         if codes != [0, 0]:
             log(f"replica_cost: processes exited {codes}")
             return 1
