@@ -19,7 +19,9 @@ from dataclasses import dataclass, replace
 from kfp_nvrx.components.core.faults import Fault, When, parse_fault
 from kfp_nvrx.components.errors import UserError
 
-STEPS = 16
+#: Enough steps after the faults at 14 that wait for a commit: on a busy machine NVRx's writer
+#: process may be up only ~15 s in (its imports), the first commit a few steps later.
+STEPS = 24
 INTERVAL = 4
 #: Overrides every drill run shares (the reference too): same steps, schedule and data.
 BASE_OVERRIDES = (f"train.steps={STEPS}", f"checkpoint.interval={INTERVAL}", "checkpoint.keep=4",
