@@ -209,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = work / f"run_{run['index']}"
         base = [f"data.path={data}", f"train.steps={run['steps']}",
                 f"checkpoint.interval={pre['interval']}", "checkpoint.keep=1",
-                "checkpoint.save_final=false", "resilience.workers_stop_timeout=5"]
+                "checkpoint.save_final=false", "resilience.workers_stop_timeout=5",
+                "train.step_parts=true"]  # the slow steps after a restart, split by part
         layer_set = KINDS.get(run["kind"], {"set": []})["set"]
         timeout = left - 5 if args.budget else pre["run_s"] * 4
         result = run_trainer("ft", Training(args.preset, [*base, *layer_set], run["faults"]),
