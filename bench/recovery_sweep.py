@@ -131,8 +131,9 @@ def measure(run: dict[str, Any], result: dict[str, Any], interval: int) -> dict[
     return row
 
 
-def _slowest_after(events: list[dict[str, Any]]) -> list[list[float]]:
-    """The three slowest steps of each restarted incarnation: [steps after its start, seconds]."""
+def _slowest_after(events: list[dict[str, Any]]) -> list[list[Any]]:
+    """The three slowest steps of each restarted incarnation: [steps after its start, seconds],
+    and the step's parts when the run recorded them (``train.step_parts``)."""
     out: list[list[float]] = []
     starts = [e for e in events if e["type"] == "start"][1:]
     for start in starts:
@@ -141,7 +142,8 @@ def _slowest_after(events: list[dict[str, Any]]) -> list[list[float]]:
                 and e.get("iteration") == start.get("iteration")]
         ranked = sorted(mine, key=lambda e: e["start"] - e["end"])[:3]
         first = mine[0]["step"] if mine else 0
-        out += [[e["step"] - first, round(e["end"] - e["start"], 3)] for e in ranked]
+        out += [[e["step"] - first, round(e["end"] - e["start"], 3),
+                 *([e["parts"]] if e.get("parts") else [])] for e in ranked]
     return out
 
 
