@@ -19,11 +19,11 @@ def test_every_step_says_where_its_time_went(tmp_path):
     train(run, data, ["train.steps=6", "checkpoint.interval=2", "train.step_parts=true"],
           nodes="1", deadline_s=240)
     steps = [e for e in read_events(run) if isinstance(e, ev.Step)]
-    snaps = {e.step for e in read_events(run) if isinstance(e, ev.Snapshot) and not e.skipped}
-    assert [s.step for s in steps] == list(range(1, 7)) and snaps
+    assert [s.step for s in steps] == list(range(1, 7))
     for s in steps:
         assert s.parts is not None
-        want = LOOP | ({"snapshot"} if s.step in snaps else set())
+        # Every second step saves (a snapshot, or one skipped while no bank is ready yet).
+        want = LOOP | ({"snapshot"} if s.step % 2 == 0 else set())
         assert set(s.parts) == want, (s.step, s.parts)
         # The marks split the step: together no longer than it, and most of it.
         assert 0.5 * s.seconds <= sum(s.parts.values()) <= s.seconds + 1e-3, (s.step, s.parts)
