@@ -18,6 +18,7 @@ from pathlib import Path
 
 from kfp_nvrx.components.core.events import Checkpoint, Event, EventLog, Fault, Step, read_events
 from kfp_nvrx.components.core.host_copy import host_copy_dir
+from kfp_nvrx.components.core.ownership import claim_run_dir
 from kfp_nvrx.components.core.volume_store import VolumeStore
 
 
@@ -143,6 +144,9 @@ class DiskFull(Action):
         self._lock = threading.Lock()
 
     def setup(self) -> None:  # noqa: D102
+        # The drill's own new run dir, claimed as a launch would: with the mount point in it, it
+        # is no longer empty, and launch-local takes only an empty folder or one of ours.
+        claim_run_dir(self.run_dir)
         self.mount.mkdir(parents=True)
         size = 6 * self.ckpt_bytes
         proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "kfp-nvrx-drill",

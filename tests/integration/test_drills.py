@@ -109,6 +109,25 @@ def test_report_table_and_markdown() -> None:
 
 
 @pytest.mark.drill
+def test_the_disk_full_drill_leaves_a_run_dir_launch_local_takes(tmp_path) -> None:
+    """Its tmpfs mount point sits in the run dir, which launch-local takes only new, empty or ours."""
+    from kfp_nvrx.components.core.ownership import check_run_dir_owned
+    from kfp_nvrx.components.drills.actions import DiskFull, DrillSkipped
+
+    run_dir = tmp_path / "runs" / "disk-full"
+    action = DiskFull(run_dir, ckpt_bytes=1 << 20)
+    try:
+        action.setup()
+    except DrillSkipped as err:  # no permission to mount a tmpfs here
+        pytest.skip(str(err))
+    try:
+        assert (run_dir / "checkpoints" / "ballast").is_file()
+        check_run_dir_owned(run_dir)  # raised "not empty and is not a kfp-nvrx run dir" before
+    finally:
+        action.teardown()
+    assert not os.path.ismount(run_dir / "checkpoints")
+
+
 @pytest.mark.timeout(900)
 def test_drill_quick_end_to_end(tmp_path) -> None:
     out = tmp_path / "drill"
