@@ -25,19 +25,39 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 WORKER = "bench.peer_transfer"
+
+
+def sealed_bank(home: Any, nbytes: int, fill: int | None) -> tuple[Any, Any]:
+    """A bank of ``nbytes`` with its CRC32s taken, as a sealed snapshot's; (bank, its bytes).
+
+    ``fill``: the value of every byte; None: random bytes.
+    """
+    import torch
+
+    from kfp_nvrx.components.training.checkpoint.bank import _Bank, _pin_ranges, layout_of
+    from kfp_nvrx.components.training.checkpoint.integrity import CRC_CHUNK, piece_crcs
+
+    slots = layout_of({"state": torch.empty(nbytes, dtype=torch.uint8, device="meta")})
+    bank = _Bank(0, home.bank_path(0))
+    bank.map(nbytes, create=True)
+    view = bank.buffer[:nbytes]
+    if fill is None:
+        view.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
+    else:
+        view.fill_(fill)
+    bank.crc32 = piece_crcs(view, _pin_ranges(slots, nbytes, CRC_CHUNK))
+    return bank, view
 
 
 def _worker(rank: int, port: int, run_dir: str, nbytes: int, repeat: int, out: str) -> None:
     from datetime import timedelta
 
-    import torch
     import torch.distributed as dist
 
-    from kfp_nvrx.components.training.checkpoint.bank import _Bank, _pin_ranges, layout_of
     from kfp_nvrx.components.training.checkpoint.hostcopy import HostCopyDir
-    from kfp_nvrx.components.training.checkpoint.integrity import CRC_CHUNK, piece_crcs
     from kfp_nvrx.components.training.checkpoint.peers import recv_copy, send_copy
     from kfp_nvrx.components.training.checkpoint.replicas import Replicas, check_manifest
 
@@ -48,15 +68,8 @@ def _worker(rank: int, port: int, run_dir: str, nbytes: int, repeat: int, out: s
     home.ensure()
     times = []
     if rank == 0:
-        flat = {"state": torch.empty(nbytes, dtype=torch.uint8)}
-        slots = layout_of(flat)
-        bank = _Bank(0, home.bank_path(0))
-        bank.map(nbytes, create=True)
-        assert bank.buffer is not None
-        buffer = bank.buffer[:nbytes]
-        buffer.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
-        crcs = piece_crcs(buffer, _pin_ranges(slots, nbytes, CRC_CHUNK))
-        home.publish(0, step=1, nbytes=nbytes, slots=[], objects={}, crc32=crcs)
+        bank, buffer = sealed_bank(home, nbytes, None)
+        home.publish(0, step=1, nbytes=nbytes, slots=[], objects={}, crc32=bank.crc32)
         manifest = home.manifest_path(0).read_bytes()
         for _ in range(repeat):
             dist.barrier(group)

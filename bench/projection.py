@@ -60,6 +60,7 @@ def fsx_gb_per_s(burst: bool) -> float:
 #: The paths that recover from host memory (the others read the durable tier).
 MEMORY_PATH = "node kept: host memory"
 PEER_PATH = "node replaced: restored from a peer"
+MEMORY_PATHS = (MEMORY_PATH, PEER_PATH)
 #: The peer copies travel over TCP (gloo) on the pod network, not over EFA (NCCL's alone): one
 #: flow per rank pair, at most 10 Gbit/s a flow inside a cluster placement group, and a node's
 #: flows share its ENA interface (100 Gbit/s). AWS's published limits, not measured here.

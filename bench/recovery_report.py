@@ -5,11 +5,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from bench.common import median
 from bench.projection import (
     GPUS_PER_P5,
-    MEMORY_PATH,
+    MEMORY_PATHS,
     NODE_TCP_GB_S,
-    PEER_PATH,
     TCP_FLOW_GB_S,
     fsx_gb_per_s,
     job_mtbf_s,
@@ -97,11 +97,11 @@ def best_two_tier(costs: dict[float, float], recovery: float, redone_fixed: floa
 
 def peer_figures(peer: dict[str, Any]) -> dict[str, float]:
     """From ``peer_restore.json``: one rank's copy rate (median GB/s) and a round's cost (s)."""
-    rates = sorted((peer.get("transfer") or {}).get("gb_per_s") or [])
+    rates = (peer.get("transfer") or {}).get("gb_per_s") or []
     cost = (peer.get("round_beside_training") or {}).get("excess_per_round_s")
     if not rates or cost is None:
         return {}
-    return {"rank_gb_per_s": rates[len(rates) // 2], "round_cost_s": max(0.0, float(cost))}
+    return {"rank_gb_per_s": median(rates), "round_cost_s": max(0.0, float(cost))}
 
 
 def projection(kill: dict[str, Any] | None, state_gb_per_gpu: float | None,
@@ -140,7 +140,7 @@ def projection(kill: dict[str, Any] | None, state_gb_per_gpu: float | None,
         rows = {}
         for path, rec in recovery_paths(nodes, kill["total_s"], kill["load_s"], state_gb_per_gpu,
                                         peer.get("rank_gb_per_s")).items():
-            from_memory = path in (MEMORY_PATH, PEER_PATH)
+            from_memory = path in MEMORY_PATHS
             tau, g, delta = best_two_tier(costs, rec, None if from_memory else lag_s, mtbf)
             rows[path] = {"recovery_s": rec, "best_interval_s": tau, "best_goodput": g,
                           "cost_per_snapshot_s": delta,
@@ -185,7 +185,7 @@ def projection_lines(p: dict[str, Any]) -> list[str]:
     for nodes, n in p["nodes"].items():
         for path, row in n["paths"].items():
             # From the volume, the snapshots' interval changes nothing but their cost.
-            memory = path in (MEMORY_PATH, PEER_PATH)
+            memory = path in MEMORY_PATHS
             tau = f"{row['best_interval_s']:.0f}" if memory else "—"
             cost = f"{row.get('cost_per_snapshot_s', 0):.3f}" if memory else "—"
             lines.append(f"| {nodes} | {n['job_mtbf_s'] / 3600:.1f} | {path} | "

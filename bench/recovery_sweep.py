@@ -134,7 +134,7 @@ def measure(run: dict[str, Any], result: dict[str, Any], interval: int) -> dict[
 def _slowest_after(events: list[dict[str, Any]]) -> list[list[Any]]:
     """The three slowest steps of each restarted incarnation: [steps after its start, seconds],
     and the step's parts when the run recorded them (``train.step_parts``)."""
-    out: list[list[float]] = []
+    out: list[list[Any]] = []
     starts = [e for e in events if e["type"] == "start"][1:]
     for start in starts:
         mine = [e for e in events if e["type"] == "step" and e["start"] >= start["time"]

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import log, machine_info, median, write_json
-from bench.peer_transfer import node_run, spawn_nodes
+from bench.peer_transfer import node_run, sealed_bank, spawn_nodes
 
 #: Steps before the first quiet step is timed (compile-free eager warm-up, allocator).
 WARM = 8
@@ -45,22 +45,6 @@ def peer_group(rank: int, port: int) -> Any:
     # dist.isend/recv map a rank through the group's registration; the group's ranks are 0 and 1.
     _world.pg_group_ranks[group] = {0: 0, 1: 1}
     return group
-
-
-def sealed_bank(home: Any, nbytes: int, fill: int) -> tuple[Any, Any]:
-    """A bank of ``nbytes`` (one byte value), sealed and published as a snapshot's; (bank, view)."""
-    import torch
-
-    from kfp_nvrx.components.training.checkpoint.bank import _Bank, _pin_ranges, layout_of
-    from kfp_nvrx.components.training.checkpoint.integrity import CRC_CHUNK, piece_crcs
-
-    slots = layout_of({"state": torch.empty(nbytes, dtype=torch.uint8, device="meta")})
-    bank = _Bank(0, home.bank_path(0))
-    bank.map(nbytes, create=True)
-    view = bank.buffer[:nbytes]
-    view.fill_(fill)
-    bank.crc32 = piece_crcs(view, _pin_ranges(slots, nbytes, CRC_CHUNK))
-    return bank, view
 
 
 def _peers(rank: int, port: int, home: Any) -> Any:
