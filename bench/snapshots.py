@@ -42,6 +42,9 @@ RUNS: dict[str, dict[str, Any]] = {
 }
 #: Seconds per step of each preset's quiet step, to size the runs (measured; a guess is enough).
 STEP_S = {"1b": 0.28, "125m": 0.06, "tiny": 0.05}
+#: What ran beside a timed step, in the order :func:`attribute` tries them (the trace keeps the
+#: first letter).
+BESIDE = ("snapshot", "writing", "pinning", "other")
 #: Steps of each incarnation left out as its start-up.
 START_UP = 2
 
@@ -74,7 +77,7 @@ def attribute(steps: list[dict[str, Any]], quiet: float, events: list[dict[str, 
     snap = {e["step"] for e in events if e["type"] == "snapshot" and not e.get("skipped")}
     writes = [(c["time"] - c["total_s"], c["time"]) for c in events if c["type"] == "checkpoint"]
     starts = sorted(e["time"] for e in events if e["type"] == "start") + [float("inf")]
-    parts = dict.fromkeys(("snapshot", "writing", "pinning", "other"), 0.0)
+    parts = dict.fromkeys(BESIDE, 0.0)
     trace = []
     for s in steps:
         if s["start_up"]:
@@ -113,7 +116,7 @@ def parts_by_what_ran_beside(steps: list[dict[str, Any]],
     base = {k: statistics.median(p.get(k, 0.0) for p in quiet) for k in names}
     out: dict[str, dict[str, float]] = {}
     for s, letter in with_parts:
-        kind = {"s": "snapshot", "w": "writing", "p": "pinning", "o": "other"}[letter]
+        kind = next(k for k in BESIDE if k[0] == letter)
         row = out.setdefault(kind, dict.fromkeys(names, 0.0))
         for k in names:
             row[k] += s["parts"].get(k, 0.0) - base[k]
