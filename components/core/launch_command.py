@@ -23,6 +23,9 @@ from kfp_nvrx.components.errors import UserError
 
 #: The module ft_launcher runs in every worker process.
 TRAINER_MODULE = "kfp_nvrx.components.training.trainer"
+#: The agent every node runs: NVRx's ft_launcher without the fixed 1 s waits of NVRx 0.7's restart
+#: path (``kfp_nvrx.components.training.ft_agent``; its flags and behaviour are ft_launcher's).
+FT_LAUNCHER = "kfp-nvrx-ft-launcher"
 #: Rendezvous backend: ft_launcher requires c10d.
 RDZV_BACKEND = "c10d"
 #: First NVRx release known to accept ``--ft-gpu-memory-poll-interval`` (0.4.1 rejects it).
@@ -177,13 +180,14 @@ class FtLauncher:
     """Which ft_launcher runs an agent.
 
     Attributes:
-        executable: The launcher binary (an absolute path for local runs).
+        executable: The launcher binary (an absolute path for local runs): :data:`FT_LAUNCHER`,
+            or NVRx's own ``ft_launcher``.
         nvrx_version: NVRx version of that launcher, enabling flags only newer versions accept;
             None: the installed one when ``executable`` is this environment's ft_launcher
             (``launch-local``), else none (pods: the image's version is not known here).
     """
 
-    executable: str = "ft_launcher"
+    executable: str = FT_LAUNCHER
     nvrx_version: str | None = None
 
 

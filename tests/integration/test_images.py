@@ -166,7 +166,7 @@ def test_trainer_pins_efa_ofi_and_nvrx() -> None:
     # The bundled plugin version is checked against the pin, so the two cannot disagree.
     assert f'grep -qxF "{args["AWS_OFI_NCCL_VERSION"]}"' in cmds
     assert f'"nvidia-resiliency-ext=={args["NVRX_VERSION"]}"' in cmds
-    assert "command -v ft_launcher" in cmds
+    assert "command -v ft_launcher" in cmds and "command -v kfp-nvrx-ft-launcher" in cmds
 
 
 @pytest.mark.parametrize("name", DOCKERFILES)

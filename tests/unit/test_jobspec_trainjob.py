@@ -21,7 +21,12 @@ from support.golden_specs import IMAGE, golden_specs
 from support.rendering import render_pytorchjob, render_trainjob
 
 from kfp_nvrx.components.core.config import load_config
-from kfp_nvrx.components.core.launch_command import Rendezvous, TrainerArgs, ft_launcher_argv
+from kfp_nvrx.components.core.launch_command import (
+    FT_LAUNCHER,
+    Rendezvous,
+    TrainerArgs,
+    ft_launcher_argv,
+)
 from kfp_nvrx.components.core.pod_entry import PEER_WAIT_ENV
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.launch.jobspec.pod import POD_ENTRY
@@ -155,7 +160,7 @@ def test_nvrx_parser_accepts_the_command_under_v2_env(filename: str) -> None:
     env.update(PET_NODE_RANK="1", POD_IP="10.0.0.7")
     assert env["PET_MASTER_ADDR"] == f"{name}-node-0-0.{name}"
     assert c["command"][:len(POD_ENTRY)] == POD_ENTRY
-    assert c["command"][len(POD_ENTRY)] == "ft_launcher"
+    assert c["command"][len(POD_ENTRY)] == FT_LAUNCHER  # NVRx's ft_launcher, its parser below
     argv = [_expand(a, env) for a in c["command"][len(POD_ENTRY) + 1:]]
     probe = (
         "import json, sys\n"

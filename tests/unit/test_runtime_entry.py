@@ -20,6 +20,7 @@ import pytest
 from support.rendering import render_trainjob
 
 from kfp_nvrx.components.core import runtime_entry as re_
+from kfp_nvrx.components.core.launch_command import FT_LAUNCHER
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.launch.jobspec.pod import POD_ENTRY
 from kfp_nvrx.components.launch.jobspec.spec import JobSpec
@@ -151,11 +152,11 @@ def test_bad_input_is_one_line_and_exit_2_before_anything_starts(tmp_path: Path)
 
 
 def test_main_hands_its_line_to_the_pod_entry(tmp_path: Path) -> None:
-    """A stand-in ft_launcher (first on PATH) prints what it was given; the entry's exit code,
-    the run-dir claim and the env it set come through pod_entry."""
+    """A stand-in agent (first on PATH) prints what it was given; the entry's exit code, the
+    run-dir claim and the env it set come through pod_entry."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    fake = bin_dir / "ft_launcher"
+    fake = bin_dir / FT_LAUNCHER
     fake.write_text("#!/bin/sh\necho \"argv: $*\"\necho \"holder: $KFP_NVRX_RUN_HOLDER\"\n"
                     "exit 0\n")
     fake.chmod(0o755)

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kfp_nvrx.components.core.launch_command import TRAINER_MODULE, TrainerArgs
+from kfp_nvrx.components.core.launch_command import FT_LAUNCHER, TRAINER_MODULE, TrainerArgs
 from kfp_nvrx.components.errors import UserError
 
 
@@ -46,15 +46,22 @@ def preflight(trainer: TrainerArgs, env: dict[str, str] | None = None) -> None:
     raise UserError("trainer", f"its input check exited {proc.returncode} ({last[:300]}); {fix}")
 
 
+def _installed(name: str) -> str:
+    """``name``'s script next to this interpreter, else on PATH ('' when neither)."""
+    local = Path(sys.executable).parent / name
+    return str(local) if local.exists() else shutil.which(name) or ""
+
+
 def ft_launcher() -> str:
-    """The ``ft_launcher`` next to this interpreter, else on PATH.
+    """The agent (:data:`FT_LAUNCHER`) next to this interpreter, else on PATH.
+
+    It runs NVRx's ``ft_launcher``, so that must be installed too.
 
     Raises:
-        UserError: It is not installed.
+        UserError: Either is not installed.
     """
-    local = Path(sys.executable).parent / "ft_launcher"
-    found = str(local) if local.exists() else shutil.which("ft_launcher")
-    if not found:
-        raise UserError("ft_launcher", "not found; install nvidia-resiliency-ext (pip install "
-                        "'kfp-nvrx[trainer]')")
-    return found
+    for name in ("ft_launcher", FT_LAUNCHER):
+        if not _installed(name):
+            raise UserError("ft_launcher", f"{name} not found; install the trainer (pip "
+                            "install 'kfp-nvrx[trainer]', which brings nvidia-resiliency-ext)")
+    return _installed(FT_LAUNCHER)
