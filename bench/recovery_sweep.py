@@ -45,6 +45,9 @@ KINDS = {
     "kill-in-ckpt": {"set": [], "layer": "in-job"},
 }
 
+#: Planned runs with a geometry of their own rather than steps drawn per kind (:func:`plan`).
+OWN_GEOMETRY_KINDS = ("kill+hang", "hang-start", "kill+hang-restart")
+
 
 def plan(preset: str, seed: int, per_kind: int, kinds: list[str]) -> list[dict[str, Any]]:
     """The runs: ``per_kind`` fault steps per kind, one drawn from each of equal strata.
@@ -72,11 +75,25 @@ def plan(preset: str, seed: int, per_kind: int, kinds: list[str]) -> list[dict[s
     two = {"kind": "kill+hang", "faults": [f"kill@{first}", f"hang@{second}"],
            "fault_steps": [first, second]}
     runs = [run for i in range(per_kind) for runs_of in by_kind for run in runs_of[i:i + 1]]
-    runs.insert(len(by_kind), two)
+    runs[len(by_kind):len(by_kind)] = [two, *_start_up_hangs(p["interval"], rng)]
     for i, run in enumerate(runs):
         run["steps"] = max(p["min_steps"], max(run["fault_steps"]) + p["lead"])
         run["index"] = i
     return runs
+
+
+def _start_up_hangs(interval: int, rng: random.Random) -> list[dict[str, Any]]:
+    """Issue 37: a hang in a run's first 10 steps, and one within 10 steps after a restart.
+
+    The kill lands 1-2 steps past the first snapshot, so the restart resumes from it and the hang
+    comes 3-10 steps into the restarted incarnation.
+    """
+    early = rng.randint(3, 10)
+    kill = interval + rng.randint(1, 2)
+    hang = interval + rng.randint(max(3, kill - interval + 1), 10)
+    return [{"kind": "hang-start", "faults": [f"hang@{early}"], "fault_steps": [early]},
+            {"kind": "kill+hang-restart", "faults": [f"kill@{kill}", f"hang@{hang}"],
+             "fault_steps": [kill, hang]}]
 
 
 def _steps_redone(events: list[dict[str, Any]]) -> list[int]:
@@ -181,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="1b", choices=sorted(PRESETS))
     p.add_argument("--seed", type=int, default=29)
     p.add_argument("--per-kind", type=int, default=4)
-    p.add_argument("--only", default=",".join([*KINDS, "kill+hang"]))
+    p.add_argument("--only", default=",".join([*KINDS, *OWN_GEOMETRY_KINDS]))
     p.add_argument("--skip-runs", type=int, default=0, help="plan indices already run")
     p.add_argument("--budget", type=float, default=0, help="seconds; 0: no limit")
     p.add_argument("--merge", nargs="*", help="merge these part files into --out and exit")

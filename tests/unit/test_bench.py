@@ -262,7 +262,7 @@ def test_make_bench_publishes_the_recovery_sweep_per_preset():
 def test_the_sweep_samples_fault_steps_as_the_issue_asks():
     """Issue 29: >= 4 steps per kind spread over >= 100-step runs, >= 60 steps after each
     restart, saves at the preset's interval, a two-fault run; the same seed, the same plan."""
-    from bench.recovery_sweep import KINDS, PRESETS, plan
+    from bench.recovery_sweep import KINDS, OWN_GEOMETRY_KINDS, PRESETS, plan
 
     for preset in ("1b", "125m"):
         runs = plan(preset, 29, 4, list(KINDS))
@@ -274,12 +274,18 @@ def test_the_sweep_samples_fault_steps_as_the_issue_asks():
             assert steps[-1] - steps[0] >= p["min_steps"] / 3, (kind, steps)  # spread out
             if kind == "kill-in-ckpt":
                 assert all(s % p["interval"] == 0 for s in steps)
-        [two] = [r for r in runs if r["faults"] == 2 or len(r["fault_steps"]) == 2]
+        [two] = [r for r in runs if r["kind"] == "kill+hang"]
         assert two["fault_steps"][1] - two["fault_steps"][0] >= p["lead"]
+        # Issue 37: a hang in the first 10 steps, and one 3-10 steps after a restart that
+        # resumes from the first snapshot (the kill lands just past it).
+        [early] = [r["fault_steps"] for r in runs if r["kind"] == "hang-start"]
+        assert 3 <= early[0] <= 10
+        [(kill, hang)] = [r["fault_steps"] for r in runs if r["kind"] == "kill+hang-restart"]
+        assert p["interval"] < kill < hang and 3 <= hang - p["interval"] <= 10
         for r in runs:
             assert r["steps"] >= max(p["min_steps"], max(r["fault_steps"]) + p["lead"])
         assert [r["index"] for r in runs] == list(range(len(runs)))
-        assert [r["kind"] for r in runs[:5]] == [*KINDS, "kill+hang"]  # every kind early
+        assert [r["kind"] for r in runs[:7]] == [*KINDS, *OWN_GEOMETRY_KINDS]  # every kind early
 
 
 def test_a_sweep_row_counts_restarts_redone_steps_and_the_source():
