@@ -6,6 +6,7 @@
 #
 #   OUT=DIR [BUDGET=seconds] bash bench/round5_gpu.sh PART...
 #   PART: setup tests snapshots hangs peers replica sweep
+#   (SNAP_RUNS, SWEEP_ONLY, SWEEP_PRESET, PEER_GB pick what a part runs)
 # A lease's commands last 10 minutes at most: start it detached and collect OUT from later calls
 #   setsid nohup env OUT=/tmp/r5 bash bench/round5_gpu.sh setup tests snapshots >/tmp/r5.log 2>&1 &
 set -uo pipefail
@@ -29,7 +30,7 @@ for part in "$@"; do
   hangs) python3 -m bench.startup_hangs --preset 1b --out "$OUT/startup_hangs_1b.json" \
       --budget "$(left)" 2>&1 | grep -v "Warning\|import pynvml" ;;
   sweep) python3 -m bench.recovery_sweep --preset "${SWEEP_PRESET:-1b}" --budget "$(left)" \
-      --out "$OUT/recovery_sweep_${SWEEP_PRESET:-1b}.json" 2>&1 | grep -v "Warning\|import pynvml" ;;
+      ${SWEEP_ONLY:+--only "$SWEEP_ONLY"} --out "$OUT/recovery_sweep_${SWEEP_PRESET:-1b}.json" 2>&1 | grep -v "Warning\|import pynvml" ;;
   *) echo "unknown part $part" ;;
   esac
   echo "== $part: rc=$? $((SECONDS - t0))s"
