@@ -33,3 +33,14 @@ def env_int(name: str, default: int = 0, env: Mapping[str, str] | None = None, *
         return int(environ.get(name, "") or default)
     except ValueError:
         return default
+
+
+#: The agent that started this worker, where the worker's parent is not that agent (a warm start:
+#: the worker is forked by the agent's zygote, ``kfp_nvrx.components.training.trainer.handoff``).
+AGENT_PID_ENV = "KFP_NVRX_AGENT_PID"
+
+
+def agent_pid() -> int:
+    """The pid of the agent (ft_launcher, torchrun) that started this worker."""
+    value = os.environ.get(AGENT_PID_ENV, "")
+    return int(value) if value.isdigit() else os.getppid()

@@ -261,6 +261,16 @@ def ft_launcher_argv(
     ]
 
 
+#: Set in an agent's environment when it keeps a warm process for its workers' starts
+#: (``resilience.warm_start``; ``kfp_nvrx.components.training.ft_agent``).
+WARM_START_ENV = "KFP_NVRX_WARM_START"
+
+
+def agent_env(res: ResilienceConfig) -> dict[str, str]:
+    """What the agent itself reads from its environment (pods and ``launch-local`` alike)."""
+    return {WARM_START_ENV: "1"} if res.warm_start else {}
+
+
 def in_process_env(gpu: bool) -> dict[str, str]:
     """What NVRx in-process restart requires of a worker's environment before torch is imported.
 

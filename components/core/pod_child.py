@@ -115,13 +115,18 @@ class Child:
         self.cut = ""  # why it was killed ('' while it was not)
 
     def workers_left(self) -> bool:
-        """Whether a worker (the module run by a process other than ft_launcher's forks) lives."""
+        """Whether a worker (the module run by a process other than ft_launcher's forks) lives.
+
+        The module must be a whole argument: the agent's warm process runs a module below it
+        (``...trainer.zygote``) and stays until the agent ends; the workers it forks carry its
+        command line and live no longer than the stand-ins ft_launcher started, which do match.
+        """
         own = None
         try:
             own = Path(f"/proc/{self.pid}/cmdline").read_bytes()
         except OSError:
             pass
-        return any(self.module and self.module in cmd and cmd != own
+        return any(self.module and self.module in cmd.split(b"\0") and cmd != own
                    for cmd in descendants(self.pid).values())
 
     def kill(self, why: str) -> None:

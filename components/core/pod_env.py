@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import posixpath
 
-from kfp_nvrx.components.core.launch_command import in_process_env
+from kfp_nvrx.components.core.config import ResilienceConfig
+from kfp_nvrx.components.core.launch_command import agent_env, in_process_env
 from kfp_nvrx.components.core.rundir import NCCL_TRACE_DIR
 
 
@@ -38,17 +39,19 @@ def gpu_env(run_dir: str) -> dict[str, str]:
     }
 
 
-def default_env(gpu: bool, in_process: bool, run_dir: str) -> dict[str, str]:
-    """Our env defaults of the trainer container: NCCL on GPU profiles, NVRx's for in-process.
+def default_env(gpu: bool, res: ResilienceConfig, run_dir: str) -> dict[str, str]:
+    """Our env defaults of the trainer container: the agent's, NCCL's, NVRx's for in-process.
+
+    The agent's own settings always, NCCL on GPU profiles, NVRx's requirements for in-process.
 
     Args:
         gpu: Whether the instance profile has GPUs.
-        in_process: ``resilience.in_process`` of the trainer config.
+        res: The trainer config's ``resilience`` section.
         run_dir: Run directory as the pod sees it.
     """
-    defaults: dict[str, str] = {}
+    defaults: dict[str, str] = agent_env(res)
     if gpu:
         defaults.update(gpu_env(run_dir))
-    if in_process:  # FT: the in-process restarter's requirements, as launch-local sets them
+    if res.in_process:  # FT: the in-process restarter's requirements, as launch-local sets them
         defaults.update(in_process_env(gpu=gpu))
     return defaults

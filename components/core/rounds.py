@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kfp_nvrx.components.core.elastic_env import env_int
+from kfp_nvrx.components.core.elastic_env import agent_pid, env_int
 from kfp_nvrx.components.core.events import IN_JOB, POD, Event, Join, Start
 
 # The line rank 0 prints when the budget is spent: the pod entrypoint and the local launcher read
@@ -44,7 +44,7 @@ def agent_identity(ppid: int | None = None) -> str:
     start their agents in the same 10 ms tick; their PID namespaces differ. '' off Linux. The
     trainer's ``start`` event names rank 0's agent the same way.
     """
-    ppid = os.getppid() if ppid is None else ppid
+    ppid = agent_pid() if ppid is None else ppid
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
         started = Path(f"/proc/{ppid}/stat").read_text().rsplit(")", 1)[1].split()[19]

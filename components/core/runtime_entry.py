@@ -151,7 +151,7 @@ class RuntimeRun:
         """
         out = {RUN_DIR_ENV: self.trainer.run_dir,
                HOLDER_ENV: kube_holder(self.namespace, self.job)}
-        defaults = default_env(self.gpu, self.config.resilience.in_process, self.trainer.run_dir)
+        defaults = default_env(self.gpu, self.config.resilience, self.trainer.run_dir)
         out.update({k: v for k, v in defaults.items() if k not in have})
         return out
 

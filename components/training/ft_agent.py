@@ -25,12 +25,18 @@ from __future__ import annotations
 
 import inspect
 import os
+import shutil
 import signal
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable
 from types import ModuleType
 from typing import Any
+
+from kfp_nvrx.components.core.launch_command import WARM_START_ENV
+from kfp_nvrx.components.training.trainer.handoff import ZYGOTE_ENV
 
 #: NVRx's grace between SIGTERM and SIGKILL of leftover worker process groups (0.7: 1.0 s).
 GROUP_GRACE_S = 1.0
@@ -134,8 +140,36 @@ def patch_launcher(launcher: ModuleType, barrier: ModuleType | None) -> list[str
     return applied
 
 
+class WarmStarts:
+    """The agent's zygote (:mod:`.trainer.zygote`): its workers' starts skip the imports.
+
+    Started before ft_launcher starts the first workers (which start cold while it imports);
+    its socket reaches every worker through the environment ft_launcher passes on. It dies with
+    this process (``PR_SET_PDEATHSIG``, and :meth:`close` on a normal exit).
+    """
+
+    def __init__(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="kfp-nvrx-zygote-")  # 0700: only we connect
+        self.path = os.path.join(self.dir, "zygote.sock")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kfp_nvrx.components.training.trainer.zygote", self.path,
+             str(os.getpid())], stdin=subprocess.DEVNULL)
+        os.environ[ZYGOTE_ENV] = self.path
+
+    def close(self) -> None:
+        """Stops the zygote (and any worker it still has) and removes its socket."""
+        os.environ.pop(ZYGOTE_ENV, None)
+        self.proc.kill()
+        self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
 def main() -> int:
-    """Runs ``ft_launcher`` (same argv) with :func:`patch_launcher` applied."""
+    """Runs ``ft_launcher`` (same argv) with :func:`patch_launcher` applied.
+
+    With a zygote for warm worker starts when the environment asks for one (``resilience.
+    warm_start``).
+    """
     from nvidia_resiliency_ext.fault_tolerance import launcher
 
     try:  # NVRx >= 0.6; 0.4.1 rendezvous differently and has neither wait
@@ -147,7 +181,13 @@ def main() -> int:
         print(f"kfp-nvrx-ft-launcher: restart path without NVRx's fixed waits "
               f"({', '.join(applied)})", file=sys.stderr, flush=True)
     sys.argv[0] = "ft_launcher"  # NVRx's own usage and log lines name it
-    return launcher.main()
+    warm = WarmStarts() if os.environ.get(WARM_START_ENV) == "1" and "--help" not in sys.argv \
+        else None
+    try:
+        return launcher.main()
+    finally:
+        if warm is not None:
+            warm.close()
 
 
 if __name__ == "__main__":

@@ -209,7 +209,7 @@ def _env(spec: JobSpec, cfg: Config, profile: InstanceProfile,
     """Our defaults, then the user's env (a user value replaces a default of the same name)."""
     for name in spec.env:
         check_env_name("env", name)
-    merged = {**default_env(profile.is_gpu, cfg.resilience.in_process, run_dir),
+    merged = {**default_env(profile.is_gpu, cfg.resilience, run_dir),
               **{k: str(v) for k, v in spec.env.items()}}
     return tuple(merged.items())
 

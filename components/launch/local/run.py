@@ -32,6 +32,9 @@ from kfp_nvrx.components.core.launch_command import (
     pet_env,
     term_timeout_s,
 )
+from kfp_nvrx.components.core.launch_command import (
+    agent_env as agent_settings,
+)
 from kfp_nvrx.components.core.ownership import claim_run_dir
 from kfp_nvrx.components.core.pod_entry import quiet_warnings
 from kfp_nvrx.components.core.rundir import LOGS_DIR
@@ -230,7 +233,8 @@ class LocalRun:
         for i in range(self.job.max_nodes):
             # NODE_ENV: each local node keeps its host memory (snapshots, peer copies) in a
             # folder of its own, so a lost node's is really gone while the others' stay.
-            agent_env = {**env, "PET_RDZV_CONF": f"is_host={1 if i == 0 else 0}",
+            agent_env = {**env, **agent_settings(self.job.config.resilience),
+                         "PET_RDZV_CONF": f"is_host={1 if i == 0 else 0}",
                          STOP_FILE_ENV: str(stop_file(stops, f"node{i}")), NODE_ENV: f"{i}"}
             if slices[i] is not None:
                 # Each local node sees only its own GPUs, as a pod would; LOCAL_RANK indexes them.

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from kfp_nvrx.components.core.bounded import JSON_LIMIT, parse_json, read_bytes
+from kfp_nvrx.components.core.elastic_env import agent_pid
 from kfp_nvrx.components.core.host_copy import (
     SHM_ROOT,
     HostCopyUnavailable,
@@ -182,7 +183,7 @@ class HostCopyDir:
         """Creates the directories (0700) and records who owns this rank's files."""
         for d in self._dirs():
             private_dir(d)
-        owner = {"run_dir": self.run_dir, "pid": os.getpid(), "agent_pid": os.getppid(),
+        owner = {"run_dir": self.run_dir, "pid": os.getpid(), "agent_pid": agent_pid(),
                  "time": time.time()}
         self._write(self.path / f"rank{self.rank}.owner", json.dumps(owner).encode())
 

@@ -26,6 +26,7 @@ from kfp_nvrx.components.core.trainer_flags import (  # noqa: E402
     add_trainer_flags,
 )
 from kfp_nvrx.components.errors import UserError  # noqa: E402
+from kfp_nvrx.components.training.trainer.handoff import process_start_time  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -39,27 +40,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def process_start_time() -> float | None:
-    """When this process was created (Unix seconds, 10 ms resolution; None off Linux)."""
-    try:
-        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-        return time.time() - uptime + int(fields[19]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def boot_parts(t_exec: float | None, t_main: float, t_imported: float,
-               prepared: dict[str, float]) -> dict[str, float]:
+               prepared: dict[str, float], *, warm: bool = False) -> dict[str, float]:
     """Seconds of the start before the first incarnation, in order.
 
     ``interpreter``: process creation (``t_exec``) to this module (``t_main``): Python, site,
-    runpy; absent off Linux. ``imports``: torch and the training modules; then :func:`prepare_job`'s parts:
-    ``checks`` (config, dataset, checkpoint, run dir), ``cuda_context`` (the device) and
-    ``nvrx_client`` (NVRx import and its rank monitor client).
+    runpy; absent off Linux. ``imports``: torch and the training modules, or ``handoff`` for a
+    warm start (:mod:`.handoff`: this process's start handed to the agent's zygote, whose fork has
+    them imported); then :func:`prepare_job`'s parts: ``checks`` (config, dataset, checkpoint,
+    run dir), ``cuda_context`` (the device) and ``nvrx_client`` (NVRx import and its rank
+    monitor client).
     """
     parts = {"interpreter": max(0.0, t_main - t_exec)} if t_exec else {}
-    parts["imports"] = t_imported - t_main
+    parts["handoff" if warm else "imports"] = t_imported - t_main
     return {**parts, **prepared}
 
 
@@ -77,8 +70,15 @@ def make_nccl_trace_dir() -> Path | None:
     return folder
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Validates inputs before any process group exists, then trains."""
+def main(argv: list[str] | None = None,
+         clock: tuple[float | None, float, float] | None = None) -> int:
+    """Validates inputs before any process group exists, then trains.
+
+    Args:
+        argv: The trainer's flags (default: this process's).
+        clock: For a warm start (:mod:`.zygote`): when the stand-in process was created and
+            began its ``__main__``, and when this fork took over; None for a cold start.
+    """
     args = parse_args(argv)
     if not args.run_dir.strip():  # Path('') is '.': the working directory, never meant
         sys.stderr.write("trainer: error: --run-dir: is empty; give the run directory\n")
@@ -91,12 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     import kfp_nvrx.components.training.trainer.train  # noqa: F401
     from kfp_nvrx.components.training.trainer.bootstrap import prepare_job
 
-    t_imported = time.time()
+    t_exec, t_main, t_imported = clock or (process_start_time(), _T_MAIN, time.time())
     try:
         job = prepare_job(args.config, args.overrides, args.faults, Path(args.run_dir))
         make_nccl_trace_dir()
-        t_exec = process_start_time()
-        job.booted(boot_parts(t_exec, _T_MAIN, t_imported, job.boot), min(t_exec or _T_MAIN, _T_MAIN))
+        job.booted(boot_parts(t_exec, t_main, t_imported, job.boot, warm=clock is not None),
+                   min(t_exec or t_main, t_main))
     except OSError as err:
         if disk_full(err):  # config.yaml or the run dir on a full disk: say so, let it restart
             sys.stderr.write(f"[trainer] error: {disk_full_line(args.run_dir)}\n")
@@ -169,4 +169,8 @@ _PEER_LOST = re.compile(r"Connection closed by peer|Connection reset by peer|rem
 
 
 if __name__ == "__main__":  # required: NVRx's checkpoint worker is started with spawn
-    sys.exit(main())
+    # FT: a warm start when the agent keeps a zygote (resilience.warm_start), else a cold one.
+    from kfp_nvrx.components.training.trainer.handoff import hand_off
+
+    code = hand_off(sys.argv, _T_MAIN)
+    sys.exit(main() if code is None else code)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kfp_nvrx.components.core.elastic_env import agent_pid
 from kfp_nvrx.components.training.trainer.stopping import StopWatch
 
 if TYPE_CHECKING:  # the job's parts are built by bootstrap (torch, numpy, NVRx)
@@ -78,6 +79,6 @@ def give_up(line: str, stop_timeout: float) -> None:
     """
     print(line, file=sys.stderr, flush=True)
     if os.environ.get("TORCHELASTIC_RUN_ID"):
-        os.kill(os.getppid(), signal.SIGTERM)  # FT: the agent stops its workers (this one too)
+        os.kill(agent_pid(), signal.SIGTERM)  # FT: the agent stops its workers (this one too)
         time.sleep(stop_timeout + 30)  # stopped by the agent meanwhile
     raise SystemExit(1)

@@ -1,0 +1,145 @@
+"""A worker's start handed to a warm process: the client side, standard library only.
+
+ft_launcher starts every worker as ``python -m kfp_nvrx.components.training.trainer``; a cold
+start then spends 2-2.5 s importing torch, NVRx and the trainer (issue 37: 4.3 s of process start
+in a 9-11 s in-job restart at 1b). When the agent runs a warm process (:mod:`.zygote`, beside the
+agent since the job started, with those imports done and CUDA untouched), the worker ft_launcher
+started only hands its start over: it sends its argv, environment, working directory and standard
+streams (``SCM_RIGHTS``) over the zygote's socket, the zygote forks a child that becomes the
+worker, and this process stays as its stand-in for ft_launcher: it forwards the signals it gets to
+the child and ends as the child ended (the same exit code, or killed by the same signal). A
+zygote that is not there yet (still importing) or fails the handshake means a cold start, as
+without one.
+
+Everything here runs before torch is imported, in the process ft_launcher watches.
+"""
+
+from __future__ import annotations
+
+import array
+import json
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+#: The zygote's socket, set by the agent in its workers' environment when warm starts are on.
+ZYGOTE_ENV = "KFP_NVRX_ZYGOTE"
+#: Signals the stand-in passes on: ft_launcher's stop and restart (SIGTERM), a user's ^C, hangups,
+#: and the user signals NVRx and torch use.
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+#: The standard streams handed over (ft_launcher's log files or pipes for this worker).
+STREAMS = (0, 1, 2)
+#: Most bytes of one message (a worker's environment is a few KiB).
+MAX_MESSAGE = 1 << 20
+#: Seconds the stand-in waits for the zygote to say it forked (it forks at once when idle).
+FORK_WAIT_S = 10.0
+
+
+def process_start_time(pid: int | str = "self") -> float | None:
+    """When process ``pid`` was created (Unix seconds, 10 ms resolution; None off Linux)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return time.time() - uptime + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def send(sock: socket.socket, message: dict[str, Any], fds: tuple[int, ...] = ()) -> None:
+    """One JSON line, with ``fds`` passed alongside its first byte."""
+    data = json.dumps(message).encode() + b"\n"
+    if fds:
+        sock.sendmsg([data[:1]], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+        data = data[1:]
+    sock.sendall(data)
+
+
+def receive(sock: socket.socket, nfds: int = 0) -> tuple[dict[str, Any] | None, list[int]]:
+    """One JSON line and the descriptors sent with it; (None, []) at end of stream.
+
+    Reads byte by byte up to the newline (messages are small and few), so nothing of a next
+    message is consumed; never more than :data:`MAX_MESSAGE` bytes.
+    """
+    fds: list[int] = []
+    buf = bytearray()
+    while len(buf) < MAX_MESSAGE:
+        if nfds and not fds:
+            data, anc, _, _ = sock.recvmsg(1, socket.CMSG_LEN(nfds * 4))
+            for level, kind, payload in anc:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds += array.array("i", payload[:len(payload) - len(payload) % 4])
+        else:
+            data = sock.recv(1)
+        if not data:
+            for fd in fds:
+                os.close(fd)
+            return None, []
+        if data == b"\n":
+            return json.loads(bytes(buf)), fds
+        buf += data
+    raise ValueError(f"a message over {MAX_MESSAGE} bytes")
+
+
+def _request(argv: list[str], t_main: float) -> dict[str, Any]:
+    return {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "agent_pid": os.getppid(),
+            "t_exec": process_start_time(), "t_main": t_main}
+
+
+def hand_off(argv: list[str], t_main: float) -> int | None:
+    """Hands this worker's start to the agent's zygote; returns the worker's exit code.
+
+    Args:
+        argv: ``sys.argv`` of this process (the module's flags after the first item).
+        t_main: When this process's ``__main__`` began (its start-up so far is reported).
+
+    Returns:
+        None when no zygote took it (none configured or listening, or it did not fork): the
+        caller starts cold. Otherwise the exit code to exit with; a worker killed by a signal
+        kills this process with the same signal instead of returning.
+    """
+    path = os.environ.get(ZYGOTE_ENV, "")
+    if not path or "--check" in argv:
+        return None
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(path)
+        sock.settimeout(FORK_WAIT_S)
+        send(sock, _request(argv, t_main), STREAMS)
+        forked, _ = receive(sock)
+    except (OSError, ValueError):
+        sock.close()
+        return None
+    if not forked or not isinstance(forked.get("pid"), int):
+        sock.close()
+        return None
+    return _stand_in(sock, forked["pid"])
+
+
+def _stand_in(sock: socket.socket, pid: int) -> int:
+    """Forwards signals to worker ``pid`` until the zygote says how it ended."""
+
+    def forward(signum: int, _frame: object) -> None:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+    for sig in FORWARDED:
+        signal.signal(sig, forward)
+    sock.settimeout(None)
+    try:
+        ended, _ = receive(sock)
+    except (OSError, ValueError):
+        ended = None
+    if ended is None:  # the zygote died (its children die with it): a lost worker
+        forward(signal.SIGKILL, None)
+        ended = {"signal": int(signal.SIGKILL)}
+    if "signal" in ended:  # end as the worker did, for ft_launcher's failure report
+        sig = int(ended["signal"])
+        signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+        return 128 + sig  # a signal this process survives (ignored by its parent's setting)
+    return int(ended.get("exit", 1))
