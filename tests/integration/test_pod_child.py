@@ -126,3 +126,31 @@ def test_the_barrier_default_and_a_bad_override() -> None:
     assert out.returncode == 2 and out.stderr.count("\n") == 1
     assert worker_module(["ft_launcher", "--x", "-m", "mod", "--run-dir", "r"]) == "mod"
     assert worker_module(["true"]) == ""
+
+
+def test_the_agents_warm_process_is_no_worker_but_its_stand_ins_are() -> None:
+    """The zygote runs a module below the trainer's and lives as long as the agent: a stop that
+    waited for it would wait for the term timeout; the stand-ins ft_launcher started count."""
+    from kfp_nvrx.components.core.launch_command import TRAINER_MODULE
+    from kfp_nvrx.components.core.pod_child import Child
+
+    agent = subprocess.Popen([sys.executable, "-c", (
+        "import subprocess, sys, time\n"
+        "sleep = [sys.executable, '-c', 'import time; time.sleep(600)', '-m']\n"
+        f"z = subprocess.Popen([*sleep, '{TRAINER_MODULE}.zygote'])\n"
+        f"w = subprocess.Popen([*sleep, '{TRAINER_MODULE}'])\n"
+        "print(w.pid, flush=True)\n"
+        "w.wait(); time.sleep(600)\n")], stdout=subprocess.PIPE, text=True,
+        start_new_session=True)
+    try:
+        stand_in = int(agent.stdout.readline())
+        child = Child(agent.pid, ["agent", "-m", TRAINER_MODULE], 1.0, 1.0, lambda: False)
+        assert child.workers_left()
+        os.kill(stand_in, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while child.workers_left() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not child.workers_left()  # the zygote alone is left
+    finally:
+        os.killpg(agent.pid, signal.SIGKILL)
+        agent.wait()

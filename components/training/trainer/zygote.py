@@ -179,6 +179,7 @@ class Zygote:
             for target, fd in zip(STREAMS, fds, strict=True):
                 os.dup2(fd, target)
                 os.close(fd)
+            take_over(request)
             code = self.run(request)
         except SystemExit as stop:
             code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
@@ -193,8 +194,13 @@ class Zygote:
             os._exit(code)
 
 
-def run_worker(request: dict[str, Any]) -> int:
-    """The trainer's ``main`` under the stand-in's argv, environment and working directory."""
+def take_over(request: dict[str, Any]) -> None:
+    """This fork becomes the stand-in's worker: its streams, directory, environment, argv."""
+    # Fresh stream objects on the handed-over descriptors (line-buffered: a log line is never
+    # held back); what the zygote buffered before the fork is not the worker's.
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the process's own stream
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     os.chdir(request["cwd"])
     env = {str(k): str(v) for k, v in request["env"].items()}
     env[AGENT_PID_ENV] = str(request["agent_pid"])
@@ -207,6 +213,10 @@ def run_worker(request: dict[str, Any]) -> int:
             except (OSError, ValueError):
                 pass
     sys.argv = list(request["argv"])
+
+
+def run_worker(request: dict[str, Any]) -> int:
+    """The trainer's ``main``, in a fork that took the stand-in's place (:func:`take_over`)."""
     import torch
 
     # The OpenMP pool was sized from the agent's environment at import; a worker's says more.
@@ -233,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     zygote = Zygote(args[0])
     zygote.listen()
     print(f"[zygote] warm in {time.time() - t0:.1f} s: workers start from {Path(args[0]).name}",
-          file=sys.stderr, flush=True)
+          file=sys.stderr, flush=True)  # nothing left buffered to fork
     zygote.serve()
     return 0
 

@@ -1,0 +1,164 @@
+"""Warm starts: the hand-off protocol between a worker's stand-in and the agent's zygote.
+
+Real processes and sockets: a zygote (``Zygote.serve`` in a child process) whose forked workers
+run a small function instead of the trainer, and stand-ins started as ft_launcher starts workers
+(``python -c`` calling ``hand_off``). The trainer under a warm start runs in
+``tests/integration/test_warm_start.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kfp_nvrx.components.core.elastic_env import AGENT_PID_ENV
+from kfp_nvrx.components.training.trainer.handoff import ZYGOTE_ENV, hand_off
+from kfp_nvrx.components.training.trainer.zygote import Zygote
+
+#: A stand-in: this interpreter running hand_off as the trainer's __main__ does.
+STAND_IN = ("import sys, time\n"
+            "from kfp_nvrx.components.training.trainer.handoff import hand_off\n"
+            "code = hand_off(sys.argv, time.time())\n"
+            "print('cold' if code is None else f'stand-in exits {code}', flush=True)\n"
+            "sys.exit(0 if code is None else code)\n")
+
+
+def _worker(request: dict[str, Any]) -> int:
+    """What a forked child runs in these tests: the request's argv says what to do."""
+    what = request["argv"][1]
+    print(json.dumps({"pid": os.getpid(), "cwd": os.getcwd(), "argv": sys.argv,
+                      "env": os.environ.get("HANDOFF_TEST", ""),
+                      "agent": os.environ.get(AGENT_PID_ENV, ""), "pgid": os.getpgid(0)}),
+          flush=True)
+    if what == "exit":
+        return int(request["argv"][2])
+    if what == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if what == "wait-term":
+        got = []
+        signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
+        while not got:
+            time.sleep(0.01)
+        print("worker got SIGTERM", flush=True)
+        return 7
+    time.sleep(300)  # "sleep": stays until killed
+    return 0
+
+
+def _serve(path: str) -> None:
+    zygote = Zygote(path, run=_worker)
+    zygote.listen()
+    zygote.serve()
+
+
+@pytest.fixture()
+def zygote(tmp_path: Path):
+    path = str(tmp_path / "z.sock")
+    pid = os.fork()
+    if pid == 0:  # the zygote: serves until killed
+        try:
+            _serve(path)
+        finally:
+            os._exit(1)
+    deadline = time.monotonic() + 30
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    yield path
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+
+
+def _stand_in(path: str, *args: str, cwd: Path | None = None) -> subprocess.Popen:
+    env = {**os.environ, ZYGOTE_ENV: path, "HANDOFF_TEST": "from the stand-in"}
+    return subprocess.Popen([sys.executable, "-c", STAND_IN, *args], env=env, cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def _first_line(proc: subprocess.Popen) -> dict[str, Any]:
+    return json.loads(proc.stdout.readline())
+
+
+def test_the_worker_takes_the_stand_ins_place_and_its_exit_code_comes_back(zygote, tmp_path):
+    proc = _stand_in(zygote, "exit", "3", cwd=tmp_path)
+    seen = _first_line(proc)
+    # The child wrote on the stand-in's stdout, with its argv, cwd and environment.
+    assert seen["argv"][1:] == ["exit", "3"] and seen["cwd"] == str(tmp_path)
+    assert seen["env"] == "from the stand-in" and seen["agent"] == str(os.getpid())
+    assert seen["pid"] != proc.pid and seen["pgid"] == seen["pid"]  # a session of its own
+    assert proc.wait(timeout=30) == 3
+    assert proc.stdout.read().strip() == "stand-in exits 3"
+
+
+def test_a_worker_killed_by_a_signal_kills_its_stand_in_with_it(zygote):
+    proc = _stand_in(zygote, "kill")
+    _first_line(proc)
+    assert proc.wait(timeout=30) == -signal.SIGKILL  # ft_launcher sees a killed worker
+
+
+def test_signals_to_the_stand_in_reach_the_worker(zygote):
+    proc = _stand_in(zygote, "wait-term")
+    _first_line(proc)
+    proc.send_signal(signal.SIGTERM)  # ft_launcher stopping its workers
+    assert proc.wait(timeout=30) == 7
+    assert "worker got SIGTERM" in proc.stdout.read()
+
+
+def test_a_killed_stand_in_takes_its_worker_along(zygote):
+    proc = _stand_in(zygote, "sleep")
+    worker = _first_line(proc)["pid"]
+    os.killpg(proc.pid, signal.SIGKILL)  # ft_launcher's SIGKILL of the worker's group
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while _alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not _alive(worker)
+
+
+def test_the_zygote_serves_again_after_each_worker(zygote):
+    for code in (0, 5, 0):
+        proc = _stand_in(zygote, "exit", str(code))
+        assert proc.wait(timeout=30) == code
+
+
+def test_no_zygote_means_a_cold_start(tmp_path):
+    proc = _stand_in(str(tmp_path / "nobody.sock"), "exit", "3")
+    assert proc.wait(timeout=30) == 0 and proc.stdout.read().strip() == "cold"
+    assert hand_off(["x", "--check"], time.time()) is None  # the preflight never hands off
+
+
+def test_a_worker_dies_with_its_zygote(tmp_path):
+    path = str(tmp_path / "z.sock")
+    zpid = os.fork()
+    if zpid == 0:
+        try:
+            _serve(path)
+        finally:
+            os._exit(1)
+    while not os.path.exists(path):
+        time.sleep(0.01)
+    proc = _stand_in(path, "sleep")
+    worker = _first_line(proc)["pid"]
+    os.kill(zpid, signal.SIGKILL)
+    os.waitpid(zpid, 0)
+    assert proc.wait(timeout=30) == -signal.SIGKILL  # the stand-in reports a lost worker
+    deadline = time.monotonic() + 30
+    while _alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not _alive(worker)  # PR_SET_PDEATHSIG
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
