@@ -42,6 +42,8 @@ from kfp_nvrx.components.training.trainer.handoff import ZYGOTE_ENV
 GROUP_GRACE_S = 1.0
 #: How often the leftover groups are checked during that grace.
 GROUP_POLL_S = 0.02
+#: Seconds the agent waits for its zygote's imports before it starts workers cold instead.
+ZYGOTE_READY_S = 120.0
 
 
 def group_alive(pgid: int) -> bool:
@@ -143,18 +145,30 @@ def patch_launcher(launcher: ModuleType, barrier: ModuleType | None) -> list[str
 class WarmStarts:
     """The agent's zygote (:mod:`.trainer.zygote`): its workers' starts skip the imports.
 
-    Started before ft_launcher starts the first workers (which start cold while it imports);
-    its socket reaches every worker through the environment ft_launcher passes on. It dies with
-    this process (``PR_SET_PDEATHSIG``, and :meth:`close` on a normal exit).
+    Started, and waited for, before ft_launcher starts the first workers: the imports a cold
+    worker would make are the zygote's instead, so every incarnation starts the same way. Its
+    socket reaches every worker through the environment ft_launcher passes on. It dies with this
+    process (``PR_SET_PDEATHSIG``, and :meth:`close` on a normal exit); a zygote that fails
+    leaves cold starts, said in one line.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, ready_s: float = ZYGOTE_READY_S) -> None:
         self.dir = tempfile.mkdtemp(prefix="kfp-nvrx-zygote-")  # 0700: only we connect
         self.path = os.path.join(self.dir, "zygote.sock")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kfp_nvrx.components.training.trainer.zygote", self.path,
              str(os.getpid())], stdin=subprocess.DEVNULL)
-        os.environ[ZYGOTE_ENV] = self.path
+        deadline = time.monotonic() + ready_s
+        while (not os.path.exists(self.path) and self.proc.poll() is None
+               and time.monotonic() < deadline):
+            time.sleep(0.02)
+        if os.path.exists(self.path):
+            os.environ[ZYGOTE_ENV] = self.path
+        else:
+            code = self.proc.poll()
+            why = f"it exited {code}" if code is not None else f"not ready in {ready_s:g} s"
+            print(f"kfp-nvrx-ft-launcher: no warm process ({why}); workers start cold",
+                  file=sys.stderr, flush=True)
 
     def close(self) -> None:
         """Stops the zygote (and any worker it still has) and removes its socket."""

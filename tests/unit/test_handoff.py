@@ -34,6 +34,9 @@ STAND_IN = ("import sys, time\n"
 def _worker(request: dict[str, Any]) -> int:
     """What a forked child runs in these tests: the request's argv says what to do."""
     what = request["argv"][1]
+    got: list[int] = []
+    if what == "wait-term":  # before the line below: the test signals once it read it
+        signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
     print(json.dumps({"pid": os.getpid(), "cwd": os.getcwd(), "argv": sys.argv,
                       "env": os.environ.get("HANDOFF_TEST", ""),
                       "agent": os.environ.get(AGENT_PID_ENV, ""), "pgid": os.getpgid(0)}),
@@ -43,8 +46,6 @@ def _worker(request: dict[str, Any]) -> int:
     if what == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     if what == "wait-term":
-        got = []
-        signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
         while not got:
             time.sleep(0.01)
         print("worker got SIGTERM", flush=True)
