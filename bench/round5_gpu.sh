@@ -19,7 +19,9 @@ for part in "$@"; do
   t0=$SECONDS
   case $part in
   setup) gpu_setup ;;
-  tests) python3 -m pytest -q -ra -p no:cacheprovider tests/gpu 2>&1 | tail -15 ;;
+  tests) python3 -m pytest -q -ra -p no:cacheprovider tests/gpu > "$OUT/gpu_tests.log" 2>&1
+    rc=$?; tail -15 "$OUT/gpu_tests.log"
+    [[ $rc == 0 ]] || { echo "== tests failed: the benchmarks are not run"; exit 1; } ;;
   snapshots) python3 -m bench.snapshots --preset 1b --out "$OUT/snapshots_1b.json" \
       --only "${SNAP_RUNS:-off,defaults,2,5,30,kills}" --budget "$(left)" 2>&1 |
       grep -v "Warning\|import pynvml" ;;

@@ -36,14 +36,23 @@ def test_both_replacements_apply_to_the_real_nvrx() -> None:
     assert hasattr(barrier._RendezvousBarrierState._wait_for_rendezvous_open, "__wrapped__")
 
 
-def test_an_in_job_restart_skips_the_round_poll(tmp_path: Path) -> None:
+def test_an_in_job_restart_skips_the_round_poll_and_starts_warm_on_cuda(tmp_path: Path) -> None:
+    """Both halves of issue 37's faster in-job restart on the real NVRx and a GPU: the agent's
+    replacements, and workers forked by its zygote (CUDA first touched in the fork)."""
+    import torch
+
     lines: list[str] = []
     data = tiny_dataset(tmp_path / "data")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     spec = JobSpec(nodes="1", run_dir=str(tmp_path / "run"), config="tiny", faults=["kill@6"],
-                   overrides=[f"data.path={data}", "train.steps=12", "checkpoint.interval=4"])
+                   overrides=[f"data.path={data}", "train.steps=12", "checkpoint.interval=4",
+                              f"train.device={device}", "resilience.warm_start=true"])
     res = run_local(spec, log=lines.append, deadline_s=300)
     assert res.state == "Succeeded", (res.reason, res.last_log_lines)
-    assert len([e for e in read_events(tmp_path / "run") if isinstance(e, ev.Restart)]) == 1
+    events = read_events(tmp_path / "run")
+    assert len([e for e in events if isinstance(e, ev.Restart)]) == 1
+    boots = [e.boot for e in events if isinstance(e, ev.Start)]
+    assert len(boots) == 2 and all("handoff" in b and "imports" not in b for b in boots), boots
     text = "\n".join(lines)
     assert "without NVRx's fixed waits (terminate_mp_processes, _wait_for_rendezvous_open)" in text
     assert "Worker group FAILED" in text  # the restart went through ft_launcher
