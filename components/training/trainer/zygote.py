@@ -229,6 +229,18 @@ def run_worker(request: dict[str, Any]) -> int:
                                      time.time()))
 
 
+def driver_loaded() -> bool:
+    """Whether this process loaded the CUDA driver (``libcuda``): CUDA does not survive a fork.
+
+    torch loads it at the first CUDA call (``torch.cuda.is_available()`` included), never at
+    import; a library that calls one at import would leave every fork without a usable GPU.
+    """
+    try:
+        return "libcuda.so" in Path("/proc/self/maps").read_text()
+    except OSError:
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     """``zygote.py SOCKET PARENT_PID``: warms up, then serves until the agent is gone."""
     args = sys.argv[1:] if argv is None else argv
@@ -240,6 +252,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a ^C is the agent's to handle
     t0 = time.time()
     warm_up()
+    if driver_loaded():
+        print("[zygote] the imports loaded the CUDA driver, which a fork cannot share; workers "
+              "start cold", file=sys.stderr, flush=True)
+        return 1
     zygote = Zygote(args[0])
     zygote.listen()
     print(f"[zygote] warm in {time.time() - t0:.1f} s: workers start from {Path(args[0]).name}",
