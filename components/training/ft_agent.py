@@ -130,11 +130,11 @@ def patch_launcher(launcher: ModuleType, barrier: ModuleType | None) -> list[str
     # FT: 0.7 binds terminate_mp_processes(allowed_pgids) into the launcher's namespace and
     # calls it from _shutdown on every restart; 0.4.1's takes (allowed_ppids, allowed_pgids).
     if _params(getattr(launcher, "terminate_mp_processes", None)) == ["allowed_pgids"]:
-        launcher.terminate_mp_processes = terminate_groups
+        setattr(launcher, "terminate_mp_processes", terminate_groups)  # noqa: B010 - NVRx >= 0.7
         applied.append("terminate_mp_processes")
     state = getattr(barrier, "_RendezvousBarrierState", None)
     wait = getattr(state, "_wait_for_rendezvous_open", None)
-    if (wait is not None and not hasattr(wait, "__wrapped__")
+    if (state is not None and wait is not None and not hasattr(wait, "__wrapped__")
             and callable(getattr(state, "_sync_from_per_round_state", None))
             and _params(wait)[:2] == ["self", "node_desc"]):
         state._wait_for_rendezvous_open = synced_first(wait)

@@ -138,9 +138,9 @@ def _stand_in(sock: socket.socket, pid: int) -> int:
         forward(signal.SIGKILL, None)
         ended = {"signal": int(signal.SIGKILL)}
     if "signal" in ended:  # end as the worker did, for ft_launcher's failure report
-        sig = int(ended["signal"])
-        if sig not in (signal.SIGKILL, signal.SIGSTOP):  # those have no handler to reset
-            signal.signal(sig, signal.SIG_DFL)
-        os.kill(os.getpid(), sig)
-        return 128 + sig  # a signal this process survives (ignored by its parent's setting)
+        died_of = int(ended["signal"])
+        if died_of not in (signal.SIGKILL, signal.SIGSTOP):  # those have no handler to reset
+            signal.signal(died_of, signal.SIG_DFL)
+        os.kill(os.getpid(), died_of)
+        return 128 + died_of  # a signal this process survives (ignored by its parent's setting)
     return int(ended.get("exit", 1))
