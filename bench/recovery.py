@@ -116,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep-logs", default="", help="copy each run's launcher logs here")
     p.add_argument("--gpus", type=int, choices=(1, 2), default=1,
                    help="local nodes of one GPU each (launch-local --nodes N)")
+    p.add_argument("--set", action="append", default=[], dest="sets",
+                   help="a config override for every scenario (e.g. resilience.warm_start=false)")
     args = p.parse_args(argv)
 
     from kfp_nvrx.components.core.config import load_config
@@ -127,9 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     base = [f"data.path={data}", f"train.steps={pre['steps']}",
             f"checkpoint.interval={pre['interval']}", f"checkpoint.keep={pre['keep']}",
             "checkpoint.save_final=false", "resilience.learn_after=3",
-            "resilience.workers_stop_timeout=5"]
+            "resilience.workers_stop_timeout=5", *args.sets]
     res: dict[str, Any] = {"bench": "recovery", "preset": args.preset, "gpus": args.gpus,
-                           "machine": machine_info(), "scenarios": {}}
+                           "machine": machine_info(), "sets": args.sets, "scenarios": {}}
     on_rank = f"/{args.gpus - 1}" if args.gpus > 1 else ""
     for name in args.only.split(","):
         sc = SCENARIOS[name]

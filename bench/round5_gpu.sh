@@ -5,7 +5,7 @@
 # a batch cut short keeps what it finished.
 #
 #   OUT=DIR [BUDGET=seconds] bash bench/round5_gpu.sh PART...
-#   PART: setup tests snapshots hangs peers replica sweep
+#   PART: setup tests snapshots hangs peers replica recovery sweep
 #   (SNAP_RUNS, SWEEP_ONLY, SWEEP_PRESET, PEER_GB pick what a part runs)
 # A lease's commands last 10 minutes at most: start it detached and collect OUT from later calls
 #   setsid nohup env OUT=/tmp/r5 bash bench/round5_gpu.sh setup tests snapshots >/tmp/r5.log 2>&1 &
@@ -31,6 +31,10 @@ for part in "$@"; do
       --out "$OUT/peer_round_cost.json" 2>&1 | grep -v "Warning\|import pynvml" ;;
   hangs) python3 -m bench.startup_hangs --preset 1b --out "$OUT/startup_hangs_1b.json" \
       --budget "$(left)" 2>&1 | grep -v "Warning\|import pynvml" ;;
+  recovery) python3 -m bench.recovery --preset 1b --only "${RECOVERY_ONLY:-kill,raise}" \
+      --out "$OUT/recovery_1b.json" --keep-logs "$OUT/recovery_logs" 2>&1 | grep -v "Warning\|import pynvml"
+    python3 -m bench.recovery --preset 1b --only kill --set resilience.warm_start=false \
+      --out "$OUT/recovery_1b_cold.json" 2>&1 | grep -v "Warning\|import pynvml" ;;
   sweep) python3 -m bench.recovery_sweep --preset "${SWEEP_PRESET:-1b}" --budget "$(left)" \
       ${SWEEP_ONLY:+--only "$SWEEP_ONLY"} --out "$OUT/recovery_sweep_${SWEEP_PRESET:-1b}.json" 2>&1 | grep -v "Warning\|import pynvml" ;;
   *) echo "unknown part $part" ;;
