@@ -229,16 +229,15 @@ def run_worker(request: dict[str, Any]) -> int:
                                      time.time()))
 
 
-def driver_loaded() -> bool:
-    """Whether this process loaded the CUDA driver (``libcuda``): CUDA does not survive a fork.
+def cuda_initialized() -> bool:
+    """Whether the imports initialised CUDA in this process, which a fork cannot share.
 
-    torch loads it at the first CUDA call (``torch.cuda.is_available()`` included), never at
-    import; a library that calls one at import would leave every fork without a usable GPU.
+    torch initialises it lazily (the first tensor on a GPU); loading its libraries, ``libcuda``
+    included, is fine: forks of this process ran CUDA and NCCL on an H100 (NOTES, issue 37).
     """
-    try:
-        return "libcuda.so" in Path("/proc/self/maps").read_text()
-    except OSError:
-        return False
+    import torch
+
+    return torch.cuda.is_initialized()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -252,9 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a ^C is the agent's to handle
     t0 = time.time()
     warm_up()
-    if driver_loaded():
-        print("[zygote] the imports loaded the CUDA driver, which a fork cannot share; workers "
-              "start cold", file=sys.stderr, flush=True)
+    if cuda_initialized():
+        print("[zygote] the imports initialised CUDA, which a fork cannot share; workers start "
+              "cold", file=sys.stderr, flush=True)
         return 1
     zygote = Zygote(args[0])
     zygote.listen()
