@@ -191,9 +191,11 @@ class ResilienceConfig(Section):
     stop_save_timeout: float = non_negative(60.0)
     in_process: bool = False
     # Each agent keeps a warm process (torch, NVRx and the trainer imported; CUDA untouched) that
-    # forks its restarted workers, so an in-job restart skips 2-2.5 s of imports (issue 37). Costs
-    # a Python process per node (~0.5 GB of host memory, its imports' CPU once at the start).
-    warm_start: bool = True
+    # forks its workers, so an in-job restart skips 2-3 s of imports (issue 37: 5.0-5.4 s against
+    # 8.4 s cold at 1b on an H100). Opt-in: in the one 1b snapshot run with it, steps beside the
+    # background pinning, snapshots and writes stalled 8.4 % against 2.4-2.8 % cold (not yet
+    # A/B'd on one machine; docs/benchmarks/NOTES.md). Costs a Python process per node.
+    warm_start: bool = False
     in_process_max_iterations: int = positive(3)
     soft_timeout: float = positive(60.0)
     hard_timeout: float = positive(90.0)

@@ -161,3 +161,15 @@ def test_the_agent_is_nvrx_ft_launcher_under_our_name(tmp_path) -> None:  # noqa
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("usage: ft_launcher")
     assert "--ft-rank-heartbeat-timeout" in out.stdout.replace("_", "-")
+
+
+def test_the_pod_env_and_the_local_agents_ask_for_warm_starts_as_the_config_says() -> None:
+    from kfp_nvrx.components.core.config import ResilienceConfig
+    from kfp_nvrx.components.core.launch_command import WARM_START_ENV, agent_env
+    from kfp_nvrx.components.core.pod_env import default_env
+
+    on, off = ResilienceConfig(warm_start=True), ResilienceConfig()
+    assert agent_env(on) == {WARM_START_ENV: "1"} and agent_env(off) == {}
+    for gpu in (False, True):
+        assert default_env(gpu, on, "/fsx/run")[WARM_START_ENV] == "1"
+        assert WARM_START_ENV not in default_env(gpu, off, "/fsx/run")

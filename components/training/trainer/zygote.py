@@ -17,6 +17,7 @@ process group, which is what is killed when its stand-in is gone.
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import select
 import signal
@@ -251,6 +252,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a ^C is the agent's to handle
     t0 = time.time()
     warm_up()
+    # The imported objects stay out of every fork's garbage collections: a collection that walked
+    # them would write to (and so copy) each of their shared pages in every worker.
+    gc.collect()
+    gc.freeze()
     if cuda_initialized():
         print("[zygote] the imports initialised CUDA, which a fork cannot share; workers start "
               "cold", file=sys.stderr, flush=True)
