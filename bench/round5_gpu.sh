@@ -6,7 +6,8 @@
 #
 #   OUT=DIR [BUDGET=seconds] bash bench/round5_gpu.sh PART...
 #   PART: setup tests snapshots hangs peers replica recovery sweep
-#   (SNAP_RUNS, SWEEP_ONLY, SWEEP_PRESET, PEER_GB pick what a part runs)
+#   (SNAP_RUNS, SWEEP_ONLY, SWEEP_PRESET, PEER_GB pick what a part runs; SNAP_RUNS=defaults,
+#   defaults+warm is the A/B of warm worker starts)
 # A lease's commands last 10 minutes at most: start it detached and collect OUT from later calls
 #   setsid nohup env OUT=/tmp/r5 bash bench/round5_gpu.sh setup tests snapshots >/tmp/r5.log 2>&1 &
 set -uo pipefail

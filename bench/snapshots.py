@@ -211,13 +211,23 @@ def snapshot_lines(snaps: dict[str, Any]) -> list[str]:
     return lines
 
 
+#: A run name's suffix that runs it with warm worker starts (``defaults+warm``): the A/B of
+#: issue 37's zygote against the cold start, back to back on one machine.
+WARM_SUFFIX = "+warm"
+
+
+def _spec(name: str) -> dict[str, Any]:
+    return RUNS[name.removesuffix(WARM_SUFFIX)]
+
+
 def _training(preset: str, name: str, data: str, scale: float = 1.0) -> Training:
-    spec = RUNS[name]
+    spec = _spec(name)
     steps = max(20, int(spec["seconds"] * scale / STEP_S.get(preset, 0.1)))
     faults = [f"kill@{int(steps * k)}" for k in spec.get("kills", ())]
     base = [f"data.path={data}", f"train.steps={steps}", "checkpoint.keep=1",
             f"train.log_every={max(10, steps // 10)}", "train.step_parts=true"]
-    return Training(preset, [*base, *spec["set"]], faults)
+    warm = ["resilience.warm_start=true"] if name.endswith(WARM_SUFFIX) else []
+    return Training(preset, [*base, *spec["set"], *warm], faults)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -237,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.only.split(","):
         training = _training(args.preset, name, data, args.scale)
         left = args.budget - (time.time() - t0)
-        need = RUNS[name]["seconds"] + 60
+        need = _spec(name)["seconds"] + 60
         if args.budget and left < need:
             log(f"snapshots: {left:.0f}s left, run {name} needs ~{need:.0f}s: stopping")
             break

@@ -333,3 +333,12 @@ def test_snapshot_bench_splits_each_kind_of_steps_excess_by_the_steps_parts():
     assert got["snapshot"]["sync"] == 0.08 and got["snapshot"]["forward_backward"] == 0.0
     assert got["writing"]["forward_backward"] == 0.1 and got["writing"]["gpu"] == 0.0
     assert got["other"]["sync"] == 0.0
+
+
+def test_a_snapshot_run_repeats_warm_for_the_ab():
+    """Issue 37's open question: ``defaults+warm`` is ``defaults`` with warm worker starts."""
+    from bench.snapshots import _training
+
+    cold, warm = _training("1b", "defaults", "/d"), _training("1b", "defaults+warm", "/d")
+    assert warm.overrides == [*cold.overrides, "resilience.warm_start=true"]
+    assert warm.faults == cold.faults
