@@ -24,6 +24,7 @@ from support import k8s_double_http
 from support.k8s_double import K8sDouble
 
 from kfp_nvrx.components.cli import main as cli
+from kfp_nvrx.components.core.launch_command import FT_LAUNCHER
 from kfp_nvrx.components.errors import UserError
 from kfp_nvrx.components.launch import cluster_launch, job_apis
 from kfp_nvrx.components.launch.job_api import Rendered
@@ -165,7 +166,7 @@ def test_a_registered_job_api_is_offered_rendered_and_refused(registered, capsys
     manifest = yaml.safe_load(capsys.readouterr().out)
     assert manifest["kind"] == "FakeJob" and manifest["spec"]["replicas"] == 2
     container = manifest["spec"]["template"]["spec"]["containers"][0]
-    assert container["name"] == CONTAINER and "ft_launcher" in " ".join(container["command"])
+    assert container["name"] == CONTAINER and FT_LAUNCHER in container["command"]
     with pytest.raises(SystemExit):  # what an unregistered name gets from argparse
         cli.main(["render-job", "--job-api", "rayjob", *JOB])
     assert cli.main(["render-job", "--job-api", "fakejob", *JOB, "--nodes", "1:2"]) == 2

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from support.rendering import render_pytorchjob
 
+from kfp_nvrx.components.core.launch_command import FT_LAUNCHER
 from kfp_nvrx.components.launch.backends import check, launch
 from kfp_nvrx.components.launch.jobspec.pod import POD_ENTRY
 from kfp_nvrx.components.launch.jobspec.spec import JobSpec
@@ -54,5 +55,5 @@ def test_local_backend_runs_a_tiny_job(tmp_path: Path) -> None:
     # Pods run ft_launcher under the entrypoint that reports a SIGTERM stop as 143.
     assert pod_cmd[:3] == POD_ENTRY
     pod_cmd = pod_cmd[len(POD_ENTRY):]
-    assert Path(local_cmd[0]).name == pod_cmd[0] == "ft_launcher"
+    assert Path(local_cmd[0]).name == pod_cmd[0] == FT_LAUNCHER
     assert strip(local_cmd) == strip(pod_cmd)

@@ -44,6 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kfp_nvrx.components.core.launch_command import FT_LAUNCHER
 from kfp_nvrx.components.errors import UserError
 
 LOCK_FILE = ".kfp-nvrx-run.lock"
@@ -182,7 +183,7 @@ def _what(pid: int) -> str:
     except OSError:
         return "gone meanwhile"
     text = b" ".join(argv).decode("utf-8", "replace")
-    if "ft_launcher" in text:
+    if "ft_launcher" in text or FT_LAUNCHER in text:  # NVRx's own, or ours around it
         return "an ft_launcher agent"
     if WATCHDOG_TAG in text:
         return "the run's watchdog"
