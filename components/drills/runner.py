@@ -176,8 +176,13 @@ def _specific(row: Row, sc: Scenario, run_dir: Path, action: Any) -> None:
     if isinstance(action, DiskFull):
         row.check(action.enospc_seen, "no 'No space left on device' error surfaced")
     for torn in sc.torn_steps():
-        resumed = [s.resumed_from for s in starts[1:]]
-        row.check(torn not in resumed, f"resumed from the torn step {torn}")
+        # The write of the torn step is never loaded; its snapshot in host memory may be, when
+        # every rank sealed it before the kill (CRC-checked; the run must still end bitwise).
+        from_volume = [s.resumed_from for s in starts[1:] if not s.from_memory]
+        row.check(torn not in from_volume, f"resumed from the torn step {torn} on the volume")
+        if any(s.resumed_from == torn for s in starts[1:]):
+            row.notes.append(f"step {torn}'s snapshot was sealed in host memory before the "
+                             "kill: the restart loaded it from there")
     if "resilience.in_process=true" in sc.extra:
         row.check(set(row.restarts) == {IN_PROCESS}, f"expected in-process only: {row.restarts}")
         row.check(len({s.pid for s in starts}) == 1, "in-process restart changed worker PIDs")
