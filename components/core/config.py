@@ -192,8 +192,8 @@ class ResilienceConfig(Section):
     in_process: bool = False
     # Each agent keeps a warm process (torch, NVRx and the trainer imported; CUDA untouched) that
     # forks its workers, so an in-job restart skips 2-3 s of imports (issue 37: 5.0-5.4 s against
-    # 8.4 s cold at 1b on an H100). Opt-in: in the one 1b snapshot run with it, steps beside the
-    # background pinning, snapshots and writes stalled 8.4 % against 2.4-2.8 % cold (not yet
+    # 8.4 s cold at 1b on an H100, nothing loaded). Opt-in: in the one 1b snapshot run with it, the
+    # steps beside the pinning, snapshots and writes stalled 8.4 % against 2.4-2.8 % cold (not yet
     # A/B'd on one machine; docs/benchmarks/NOTES.md). Costs a Python process per node.
     warm_start: bool = False
     in_process_max_iterations: int = positive(3)
