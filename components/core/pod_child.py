@@ -29,6 +29,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from kfp_nvrx.components.core.procfs import PPID, stat_fields
+
 #: Seconds ft_launcher may take to exit after its last worker ended on a stop request.
 STOP_SETTLE_S = 1.0
 #: Seconds past ``--term-timeout`` after a stop request before ft_launcher is killed regardless.
@@ -68,10 +70,12 @@ def _processes() -> dict[int, tuple[int, bytes]]:
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
+        fields = stat_fields(entry.name)
+        if fields is None:
+            continue
         try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            out[int(entry.name)] = (ppid, (entry / "cmdline").read_bytes())
-        except (OSError, ValueError, IndexError):
+            out[int(entry.name)] = (int(fields[PPID]), (entry / "cmdline").read_bytes())
+        except (OSError, ValueError):
             continue
     return out
 

@@ -30,6 +30,7 @@ from kfp_nvrx.components.core.events import IN_JOB, POD, Event, Join, Start
 # The line rank 0 prints when the budget is spent: the pod entrypoint and the local launcher read
 # it as a give-up (a final verdict, never an infrastructure failure to restart from).
 from kfp_nvrx.components.core.exits import BUDGET_SPENT
+from kfp_nvrx.components.core.procfs import STARTTIME, stat_fields
 
 __all__ = ["BUDGET_SPENT", "Budget", "Round", "agent_identity", "budget", "current_budget",
            "join_event", "might_spend", "rounds", "start_layers"]
@@ -45,12 +46,12 @@ def agent_identity(ppid: int | None = None) -> str:
     trainer's ``start`` event names rank 0's agent the same way.
     """
     ppid = agent_pid() if ppid is None else ppid
+    fields = stat_fields(ppid)
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        started = Path(f"/proc/{ppid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
+    except OSError:
         return ""
-    return f"{boot}/{_pid_namespace()}/{ppid}/{started}"
+    return "" if fields is None else f"{boot}/{_pid_namespace()}/{ppid}/{fields[STARTTIME]}"
 
 
 def _pid_namespace() -> str:

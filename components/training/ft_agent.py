@@ -36,6 +36,7 @@ from types import ModuleType
 from typing import Any
 
 from kfp_nvrx.components.core.launch_command import WARM_START_ENV
+from kfp_nvrx.components.core.procfs import PGRP, STATE, stat_fields
 from kfp_nvrx.components.training.trainer.handoff import ZYGOTE_ENV
 
 #: NVRx's grace between SIGTERM and SIGKILL of leftover worker process groups (0.7: 1.0 s).
@@ -46,27 +47,32 @@ GROUP_POLL_S = 0.02
 ZYGOTE_READY_S = 120.0
 
 
-def group_alive(pgid: int) -> bool:
-    """Whether process group ``pgid`` still has a member that is not a zombie.
+def live_groups(pgids: Iterable[int]) -> set[int]:
+    """Those of ``pgids`` that still have a member that is not a zombie (one look at /proc).
 
     A zombie has released its memory and descriptors; the worker's own zombies are reaped by the
     agent, but an orphaned grandchild's (NVRx's checkpoint writer) only when init gets to it.
     """
-    try:
-        os.killpg(pgid, 0)
-    except (ProcessLookupError, PermissionError):  # gone, or the id is someone else's now
-        return False
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
+    candidates = set()
+    for pgid in pgids:
         try:
-            with open(f"/proc/{entry.name}/stat", "rb") as fh:
-                fields = fh.read(4096).rsplit(b")", 1)[1].split()
-        except (OSError, IndexError):
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):  # gone, or the id is someone else's now
             continue
-        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != b"Z":  # state, ppid, pgrp
-            return True
-    return False
+        candidates.add(pgid)
+    live: set[int] = set()
+    if not candidates:
+        return live
+    for entry in os.scandir("/proc"):
+        fields = stat_fields(entry.name) if entry.name.isdigit() else None
+        if fields is not None and fields[STATE] != "Z" and int(fields[PGRP]) in candidates:
+            live.add(int(fields[PGRP]))
+    return live
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether process group ``pgid`` still has a member that is not a zombie."""
+    return bool(live_groups([pgid]))
 
 
 def terminate_groups(allowed_pgids: Iterable[int], grace_s: float = GROUP_GRACE_S,
@@ -85,7 +91,7 @@ def terminate_groups(allowed_pgids: Iterable[int], grace_s: float = GROUP_GRACE_
         except OSError:
             pass
     deadline = time.monotonic() + grace_s
-    while any(group_alive(p) for p in pgids) and time.monotonic() < deadline:
+    while live_groups(pgids) and time.monotonic() < deadline:
         time.sleep(poll_s)
     for pgid in pgids:
         try:

@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kfp_nvrx.components.core.procfs import STARTTIME, stat_fields
+
 #: The zygote's socket, set by the agent in its workers' environment when warm starts are on.
 ZYGOTE_ENV = "KFP_NVRX_ZYGOTE"
 #: Signals the stand-in passes on: ft_launcher's stop and restart (SIGTERM), a user's ^C, hangups,
@@ -40,11 +42,13 @@ FORK_WAIT_S = 10.0
 
 def process_start_time(pid: int | str = "self") -> float | None:
     """When process ``pid`` was created (Unix seconds, 10 ms resolution; None off Linux)."""
+    fields = stat_fields(pid)
+    if fields is None:
+        return None
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         uptime = float(Path("/proc/uptime").read_text().split()[0])
-        return time.time() - uptime + int(fields[19]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
+        return time.time() - uptime + int(fields[STARTTIME]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError):
         return None
 
 
