@@ -27,13 +27,11 @@ from kfp_nvrx.components.core.events import End, Event, read_events
 from kfp_nvrx.components.core.host_copy import NODE_ENV, remove_run_copy
 from kfp_nvrx.components.core.launch_command import (
     FtLauncher,
+    agent_env,
     ft_launcher_argv,
     in_process_env,
     pet_env,
     term_timeout_s,
-)
-from kfp_nvrx.components.core.launch_command import (
-    agent_env as agent_settings,
 )
 from kfp_nvrx.components.core.ownership import claim_run_dir
 from kfp_nvrx.components.core.pod_entry import quiet_warnings
@@ -233,16 +231,16 @@ class LocalRun:
         for i in range(self.job.max_nodes):
             # NODE_ENV: each local node keeps its host memory (snapshots, peer copies) in a
             # folder of its own, so a lost node's is really gone while the others' stay.
-            agent_env = {**env, **agent_settings(self.job.config.resilience),
+            node = {**env, **agent_env(self.job.config.resilience),
                          "PET_RDZV_CONF": f"is_host={1 if i == 0 else 0}",
                          STOP_FILE_ENV: str(stop_file(stops, f"node{i}")), NODE_ENV: f"{i}"}
             if slices[i] is not None:
                 # Each local node sees only its own GPUs, as a pod would; LOCAL_RANK indexes them.
-                agent_env["CUDA_VISIBLE_DEVICES"] = str(slices[i])
+                node["CUDA_VISIBLE_DEVICES"] = str(slices[i])
             if in_process:  # the pod spec's rule (jobspec/env.py), GPU or CPU
-                agent_env.update(in_process_env(gpu=slices[i] is not None))
+                node.update(in_process_env(gpu=slices[i] is not None))
             out = NodeOutput(self.log, self.verbose, self.run_path / LOGS_DIR / f"node{i}.log")
-            self.agents.append(Agent(i, argv, agent_env, out, hold=lock.path))
+            self.agents.append(Agent(i, argv, node, out, hold=lock.path))
         if self.on_start is not None:
             self.on_start([a.proc.pid for a in self.agents])
 
