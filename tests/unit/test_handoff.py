@@ -163,3 +163,26 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def test_messages_are_read_whole_one_at_a_time_and_bounded():
+    import socket
+    import struct
+
+    from kfp_nvrx.components.training.trainer.handoff import MAX_MESSAGE, receive, send
+
+    a, b = socket.socketpair()
+    with a, b:
+        r, w = os.pipe()
+        send(a, {"first": "x" * 100_000}, (r,))
+        send(a, {"second": 2})
+        first, fds = receive(b, 1)
+        assert first == {"first": "x" * 100_000} and len(fds) == 1  # nothing of the next one
+        assert receive(b) == ({"second": 2}, [])
+        for fd in (r, w, *fds):
+            os.close(fd)
+        a.sendall(struct.pack("!I", MAX_MESSAGE + 1))
+        with pytest.raises(ValueError):
+            receive(b)
+        a.close()
+        assert receive(b) == (None, [])  # end of stream

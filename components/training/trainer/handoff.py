@@ -21,6 +21,7 @@ import json
 import os
 import signal
 import socket
+import struct
 import time
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,8 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signa
 STREAMS = (0, 1, 2)
 #: Most bytes of one message (a worker's environment is a few KiB).
 MAX_MESSAGE = 1 << 20
+#: A message's length, ahead of it.
+_HEADER = struct.Struct("!I")
 #: Seconds the stand-in waits for the zygote to say it forked (it forks at once when idle).
 FORK_WAIT_S = 10.0
 
@@ -53,38 +56,49 @@ def process_start_time(pid: int | str = "self") -> float | None:
 
 
 def send(sock: socket.socket, message: dict[str, Any], fds: tuple[int, ...] = ()) -> None:
-    """One JSON line, with ``fds`` passed alongside its first byte."""
-    data = json.dumps(message).encode() + b"\n"
+    """One JSON message behind its length, with ``fds`` passed alongside the length."""
+    data = json.dumps(message).encode()
+    header = _HEADER.pack(len(data))
     if fds:
-        sock.sendmsg([data[:1]], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
-        data = data[1:]
+        sock.sendmsg([header], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+    else:
+        sock.sendall(header)
     sock.sendall(data)
 
 
-def receive(sock: socket.socket, nfds: int = 0) -> tuple[dict[str, Any] | None, list[int]]:
-    """One JSON line and the descriptors sent with it; (None, []) at end of stream.
-
-    Reads byte by byte up to the newline (messages are small and few), so nothing of a next
-    message is consumed; never more than :data:`MAX_MESSAGE` bytes.
-    """
-    fds: list[int] = []
-    buf = bytearray()
-    while len(buf) < MAX_MESSAGE:
-        if nfds and not fds:
-            data, anc, _, _ = sock.recvmsg(1, socket.CMSG_LEN(nfds * 4))
+def _read(sock: socket.socket, size: int, nfds: int = 0) -> tuple[bytes, list[int]]:
+    """``size`` bytes (fewer only at end of stream) and the descriptors sent with the first."""
+    buf, fds = bytearray(), list[int]()
+    while len(buf) < size:
+        if nfds and not buf:
+            data, anc, _, _ = sock.recvmsg(size, socket.CMSG_LEN(nfds * 4))
             for level, kind, payload in anc:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                     fds += array.array("i", payload[:len(payload) - len(payload) % 4])
         else:
-            data = sock.recv(1)
+            data = sock.recv(size - len(buf))
         if not data:
-            for fd in fds:
-                os.close(fd)
-            return None, []
-        if data == b"\n":
-            return json.loads(bytes(buf)), fds
+            break
         buf += data
-    raise ValueError(f"a message over {MAX_MESSAGE} bytes")
+    return bytes(buf), fds
+
+
+def receive(sock: socket.socket, nfds: int = 0) -> tuple[dict[str, Any] | None, list[int]]:
+    """One message and the descriptors sent with it; (None, []) at end of stream.
+
+    Reads the length first, then exactly that (never more than :data:`MAX_MESSAGE` bytes), so
+    nothing of a next message is consumed.
+    """
+    header, fds = _read(sock, _HEADER.size, nfds)
+    size = _HEADER.unpack(header)[0] if len(header) == _HEADER.size else None
+    body = _read(sock, size)[0] if size is not None and size <= MAX_MESSAGE else b""
+    if size is None or len(body) != size:
+        for fd in fds:
+            os.close(fd)
+        if size is not None and size > MAX_MESSAGE:
+            raise ValueError(f"a message of {size} bytes, over {MAX_MESSAGE}")
+        return None, []
+    return json.loads(body), fds
 
 
 def _request(argv: list[str], t_main: float) -> dict[str, Any]:
