@@ -120,3 +120,22 @@ def test_a_dead_component_is_reported_with_its_log(tmp_path):
     assert "jobset" in failed.split("\n", 1)[1].lower()  # the log's tail comes with it
     _cli("down", "--dir", str(root))
     assert not any(alive(c["pid"]) for c in state["components"].values())
+
+
+def test_ports_are_outside_the_outgoing_range_and_never_shared_between_clusters():
+    # Two supervisors on one machine (xdist workers) each take ports; none may get one the
+    # other holds, and none may come from the range the kernel gives outgoing connections.
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from harness.procs import free_port\n"
+         "print(' '.join(str(free_port()) for _ in range(100)), flush=True); sys.stdin.read()"],
+        cwd=TESTS, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        theirs = {int(p) for p in holder.stdout.readline().split()}
+        from harness.procs import _ephemeral_start, free_port
+        ours = {free_port() for _ in range(100)}
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    assert len(theirs) == 100 and len(ours) == 100
+    assert not theirs & ours
+    assert max(theirs | ours) < _ephemeral_start()

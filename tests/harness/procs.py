@@ -8,10 +8,13 @@ stop sends SIGTERM to the child's process group, waits, then SIGKILLs the group.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import os
+import random
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,11 +28,55 @@ def _die_with_parent() -> None:
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
+#: Locks on the ports this process handed out; open (held) until the process ends.
+_held: list[int] = []
+#: Below this, ports are left to the system's fixed services.
+_LOWEST = 10000
+
+
+def _ephemeral_start() -> int:
+    """The first port of the kernel's range for outgoing connections (bounded read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", "rb") as f:
+            return int(f.read(64).split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _reserve(port: int, locks: Path) -> bool:
+    """Takes this machine's lock on ``port`` for this process's life, if free and unlocked."""
+    fd = os.open(locks / str(port), os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+    except OSError:  # another cluster holds it, or something listens or lingers on it
+        os.close(fd)
+        return False
+    _held.append(fd)
+    return True
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1, free now and reserved on this machine for this process's life.
+
+    Ports come from below the kernel's range for outgoing connections: a port from that range
+    (``bind(0)``) can be taken by any process's next connection before the component binds it
+    (CI saw Kueue's health port go so). Two clusters on one machine (pytest-xdist workers) pick
+    apart through one ``flock`` per port, held by the supervisor that started the components.
+    """
+    locks = Path(tempfile.gettempdir()) / f"kfp-nvrx-test-ports-{os.getuid()}"
+    locks.mkdir(mode=0o700, exist_ok=True)
+    top = _ephemeral_start()
+    if top - _LOWEST < 1000:  # an unusual range leaves no room below it: take the kernel's pick
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+    for _ in range(200):
+        port = random.randrange(_LOWEST, top)
+        if _reserve(port, locks):
+            return port
+    raise RuntimeError(f"no free TCP port in {_LOWEST}-{top - 1} after 200 tries")
 
 
 def tail(path: Path, lines: int = 40, max_bytes: int = 64 * 1024) -> str:
