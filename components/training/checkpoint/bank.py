@@ -14,11 +14,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.tensor import DTensor
+
+if TYPE_CHECKING:
+    from kfp_nvrx.components.training.checkpoint.gpu_waits import GpuWaits
 
 # Every tensor starts on its own page: the banks are pinned in page-aligned ranges of whole
 # tensors (see _pin_ranges), and two registrations may not share a page.
@@ -34,6 +37,24 @@ PIN_DUTY = 1.0
 #: madvise(MADV_POPULATE_WRITE) (Linux 5.14): maps a piece's pages outside the driver, so its
 #: registration only pins (Python's mmap module names it from 3.13 on).
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+#: Bytes per second a piece is assumed to pin at before one was timed (H100/H200: 2.5-3 GB/s).
+PIN_RATE_GUESS = 1e9
+#: Seconds a background piece waits for the loop to wait for the GPU before it goes paced.
+PIN_WAIT_TIMEOUT = 2.0
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.madvise.restype = ctypes.c_int
+
+
+def _populate(address: int, length: int) -> None:
+    """Maps a piece's pages now; best effort (the registration maps what is left).
+
+    Through ctypes, which lets go of the GIL: Python's ``mmap.madvise`` holds it, and the loop's
+    thread could not even return from its wait for the GPU meanwhile.
+    """
+    page = mmap.PAGESIZE
+    start = address - address % page
+    _libc.madvise(start, length + address - start, _MADV_POPULATE_WRITE)
 #: Headroom left in /dev/shm beyond the banks (NCCL, DataLoader workers use it too).
 SHM_RESERVE = 1 << 30
 
@@ -175,37 +196,35 @@ class _Bank:
                 "memory-backed emptyDir, or set checkpoint.staging=nvrx)") from None
         self.buffer = torch.frombuffer(self._mm, dtype=torch.uint8)
 
-    def pin(self, ranges: list[tuple[int, int]]) -> None:
-        """Page-locks the bank piece by piece, paced so the training thread is never starved.
+    def pin(self, ranges: list[tuple[int, int]], waits: GpuWaits | None = None) -> None:
+        """Page-locks the bank piece by piece, so the training thread is never starved.
 
         Each piece's pages are mapped first (``MADV_POPULATE_WRITE``, no data changes), then
-        registered, then the thread pauses as long as both took: mapping and registering hold
-        the process's memory-map lock, and one call over a whole 13 GB bank would hold every
-        allocation of the training thread (glibc maps large buffers) for seconds.
+        registered: both hold the process's memory map and the driver, so a kernel launch of the
+        training thread issued meanwhile waits. With ``waits`` (a background allocation) a piece
+        runs only while the loop's thread waits for the GPU with enough of its wait left
+        (:class:`.gpu_waits.GpuWaits`); else (the loop is not running, its waits are too short,
+        or the loop's own thread pins) the thread pauses after each piece as long as it took.
         """
         if self.buffer is None:
             raise RuntimeError("_Bank.pin() before map()")
         register = _host_register()
         base = self.buffer.data_ptr()
+        per_byte = 1 / PIN_RATE_GUESS  # seconds per byte of the slowest recent piece
         for offset, length in ranges:
+            gated = waits is not None and waits.wait_for(per_byte * length, PIN_WAIT_TIMEOUT)
             t0 = time.perf_counter()
-            self._populate(offset, length)
+            _populate(base + offset, length)
             # Portable: page-locked for every device context of this process.
             rc = register(base + offset, length, 1)
             if rc != 0:
                 raise StagingUnavailable(f"cudaHostRegister of {length / 1e9:.2f} GB failed "
                                          f"(error {rc})")
             self.pinned.append(base + offset)
-            time.sleep(PIN_DUTY * (time.perf_counter() - t0))
-
-    def _populate(self, offset: int, length: int) -> None:
-        """Maps one piece's pages now; best effort: the registration maps what is left."""
-        if self._mm is None:
-            return
-        try:
-            self._mm.madvise(_MADV_POPULATE_WRITE, offset, length)
-        except (OSError, ValueError, AttributeError):
-            pass
+            took = time.perf_counter() - t0
+            per_byte = max(per_byte * 0.5, took / max(length, 1))  # slower pieces count at once
+            if not gated:
+                time.sleep(PIN_DUTY * took)
 
     def unmap(self) -> None:
         if self.pinned:

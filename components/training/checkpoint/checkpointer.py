@@ -23,6 +23,7 @@ durable write staged by NVRx and waits for the one before it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -312,6 +313,12 @@ class Checkpointer:
         self.replicator = None  # nothing to copy: the banks are gone
         self.writer.use_cuda(True)  # NVRx's staging copies from the GPU in the writer
         return "no staging banks"
+
+    def gpu_wait(self) -> contextlib.AbstractContextManager[None]:
+        """Wraps the loop's wait for the GPU: the banks pin in it, not beside the loop's launches."""
+        if self.staging is None:
+            return contextlib.nullcontext()
+        return self.staging.gpu_waits.waiting()
 
     def wait_before_update(self) -> None:
         """Call before the optimizer step: it must not change tensors still being copied.

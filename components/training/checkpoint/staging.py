@@ -47,6 +47,7 @@ from kfp_nvrx.components.training.checkpoint.bank import (
     layout_of,
     shm_free_bytes,
 )
+from kfp_nvrx.components.training.checkpoint.gpu_waits import GpuWaits
 from kfp_nvrx.components.training.checkpoint.hostcopy import HostCopyDir, HostCopyUnavailable
 from kfp_nvrx.components.training.checkpoint.integrity import Sealer, SnapshotDamaged
 from kfp_nvrx.components.training.checkpoint.snapshots import BUSY, PINNING
@@ -89,6 +90,8 @@ class HostStaging:
         self._notes: list[str] = []  # bank-ready lines for the loop thread to log
         self._lock = threading.Lock()
         self.sealer = Sealer(self.home, self._lock)
+        # The loop's waits for the GPU: the background allocation pins in them (:mod:`.gpu_waits`).
+        self.gpu_waits = GpuWaits()
 
     # ------------------------------------------------------------------ views of the banks
     @property
@@ -135,7 +138,7 @@ class HostStaging:
 
     def _allocate_quietly(self, slots: dict[str, Slot]) -> None:
         try:
-            self._allocate(slots)
+            self._allocate(slots, self.gpu_waits)
         except BaseException as err:  # noqa: BLE001 - reported by the next ensure()
             self._prep_error = err
 
@@ -197,12 +200,17 @@ class HostStaging:
                 return n
         return 0
 
-    def _allocate(self, slots: dict[str, Slot]) -> None:
+    def _allocate(self, slots: dict[str, Slot], waits: GpuWaits | None = None) -> None:
         """Lays the banks out for ``slots`` and brings as many as fit to ready, one at a time.
 
         The lock is held only while the bank list and the layout change: a bank is mapped and
         pinned before it joins :attr:`banks` (or, adopted, before it is marked ready), so the
         loop thread snapshots into a ready bank meanwhile without waiting for the others.
+
+        Args:
+            slots: The layout.
+            waits: The loop's waits for the GPU, where the pinning is done beside the loop (the
+                background allocation); None when the loop's own thread allocates.
         """
         last = max(slots.values(), key=lambda s: s.offset, default=None)
         nbytes = max(_ALIGN, last.offset + last.nbytes if last else 0)
@@ -232,16 +240,16 @@ class HostStaging:
             adopted = [b for b in self.banks if not b.ready]
         if self.cuda:
             torch.cuda.set_device(self.device)  # prepare() runs this in its own thread
-        self._add_banks(slots, nbytes, count, adopted)
+        self._add_banks(slots, nbytes, count, adopted, waits)
 
     def _add_banks(self, slots: dict[str, Slot], nbytes: int, count: int,
-                   adopted: list[_Bank]) -> None:
+                   adopted: list[_Bank], waits: GpuWaits | None) -> None:
         """Readies the adopted banks, then maps (and pins) new ones up to ``count``."""
         ranges = _pin_ranges(slots, nbytes)
         for bank in adopted:  # adopted from an earlier worker: pinned before a save copies in
             t0 = time.perf_counter()
             if self.cuda:
-                bank.pin(ranges)
+                bank.pin(ranges, waits)
             bank.ready = True
             self._said_ready(bank, nbytes, time.perf_counter() - t0)
         have = {b.index for b in self.banks}
@@ -254,7 +262,7 @@ class HostStaging:
             bank = _Bank(index, self.home.bank_path(index))
             bank.map(nbytes, create=True)
             if self.cuda:
-                bank.pin(ranges)
+                bank.pin(ranges, waits)
             bank.key = f"{self.layout_key}-{index}"
             bank.ready = True
             with self._lock:

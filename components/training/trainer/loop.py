@@ -218,7 +218,8 @@ class Trainer:
         counters.step, counters.tokens = step, counters.tokens + tokens_per_step
         parts.gpu_end()
         parts.mark("optimizer")
-        loss_value = loss.item()
+        with self.ckpt.gpu_wait():  # the loop's idle stretch: background pinning runs in it
+            loss_value = loss.item()
         parts.mark("sync")
         if t.step_sleep:
             time.sleep(t.step_sleep)
