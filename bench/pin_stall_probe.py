@@ -6,9 +6,9 @@ A restarted 1b worker's steps 10 and 20 after its start took 4-5 s (0.28 s usual
 window before each, the background work a bank's set-up and sealing does: ``posix_fallocate`` of
 the tmpfs file, touching its pages, ``cudaHostRegister`` in the trainer's pieces and in smaller
 paced ones, the CRC32 of the whole bank on 8 threads, unpinning and deleting it, then the
-trainer's own bank path (``_Bank.map`` + ``pin``). The loop also allocates a few MB of host memory
-per iteration, as a training step does. Per phase: its seconds and the loop's median and worst
-iteration against the quiet baseline.
+trainer's own bank path (``_Bank.map`` + ``pin``), paced and then in the loop's waits for the
+GPU. The loop also allocates a few MB of host memory per iteration, as a training step does. Per
+phase: its seconds and the loop's median and worst iteration against the quiet baseline.
 
 ``python -m bench.pin_stall_probe --out pin_stall.json [--gb 13.25]``
 """
@@ -28,10 +28,11 @@ import torch
 
 from bench.common import machine_info, write_json
 from kfp_nvrx.components.training.checkpoint.bank import PIN_CHUNK, _host_register
+from kfp_nvrx.components.training.checkpoint.gpu_waits import GpuWaits
 from kfp_nvrx.components.training.checkpoint.integrity import crc_of
 
 
-def _loop(stop: threading.Event, times: list[tuple[float, float]]) -> None:
+def _loop(stop: threading.Event, times: list[tuple[float, float]], waits: GpuWaits) -> None:
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     while not stop.is_set():
@@ -39,7 +40,8 @@ def _loop(stop: threading.Event, times: list[tuple[float, float]]) -> None:
         c = a
         for _ in range(20):
             c = (c @ b) * 1e-4
-        c.sum().item()
+        with waits.waiting():  # as the trainer's loss.item()
+            c.sum().item()
         # Host buffers of a few MB each step (a batch, a pickled request): glibc maps them, which
         # needs the memory-map lock that populating and pinning pages hold.
         torch.empty(4 << 20, dtype=torch.uint8).fill_(1)
@@ -61,14 +63,14 @@ def _phase(name: str, fn, times: list, out: dict, quiet: float = 2.0) -> None:
     print(name, out[name], flush=True)
 
 
-def trainer_bank(nbytes: int, state: dict) -> None:
-    """The trainer's own path: a bank file allocated, mapped and pinned (populate + paced)."""
+def trainer_bank(nbytes: int, state: dict, waits: GpuWaits | None = None) -> None:
+    """The trainer's own path: a bank file allocated, mapped and pinned (paced, or in ``waits``)."""
     from kfp_nvrx.components.training.checkpoint.bank import _Bank
 
     bank = _Bank(0, Path(f"/dev/shm/pin-stall-probe-bank-{os.getpid()}"))
     bank.map(nbytes, create=True)
     bank.path.unlink()  # the mapping keeps the pages; nothing is left behind
-    bank.pin([(o, min(PIN_CHUNK, nbytes - o)) for o in range(0, nbytes, PIN_CHUNK)])
+    bank.pin([(o, min(PIN_CHUNK, nbytes - o)) for o in range(0, nbytes, PIN_CHUNK)], waits)
     state["bank"] = bank
 
 
@@ -129,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     nbytes = int(args.gb * 1e9) // 4096 * 4096
     times: list[tuple[float, float]] = []
     stop = threading.Event()
-    loop = threading.Thread(target=_loop, args=(stop, times), daemon=True)
+    waits = GpuWaits()
+    loop = threading.Thread(target=_loop, args=(stop, times, waits), daemon=True)
     loop.start()
     time.sleep(3.0)  # warm-up
     out: dict = {"bench": "pin stall probe", "gb": args.gb, "machine": machine_info()}
@@ -145,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         _phase("delete", bank.delete, times, out)
         _phase("trainer_bank_map_and_pin", lambda: trainer_bank(nbytes, state), times, out)
         _phase("trainer_bank_release", lambda: state.pop("bank").unmap(), times, out)
+        _phase("trainer_bank_pin_in_gpu_waits", lambda: trainer_bank(nbytes, state, waits), times,
+               out)
+        _phase("trainer_bank_release_again", lambda: state.pop("bank").unmap(), times, out)
     finally:
         stop.set()
         loop.join()

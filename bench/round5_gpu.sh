@@ -5,7 +5,7 @@
 # a batch cut short keeps what it finished.
 #
 #   OUT=DIR [BUDGET=seconds] bash bench/round5_gpu.sh PART...
-#   PART: setup tests snapshots hangs peers replica recovery sweep
+#   PART: setup tests pinprobe snapshots hangs peers replica recovery sweep
 #   (SNAP_RUNS, SWEEP_ONLY, SWEEP_PRESET, PEER_GB pick what a part runs; SNAP_RUNS=defaults,
 #   defaults+warm is the A/B of warm worker starts)
 # A lease's commands last 10 minutes at most: start it detached and collect OUT from later calls
@@ -25,6 +25,8 @@ for part in "$@"; do
     [[ $rc == 0 ]] || { echo "== tests failed: the benchmarks are not run"; exit 1; } ;;
   snapshots) python3 -m bench.snapshots --preset 1b --out "$OUT/snapshots_1b.json" \
       --only "${SNAP_RUNS:-off,defaults,2,5,30,kills}" --budget "$(left)" 2>&1 |
+      grep -v "Warning\|import pynvml" ;;
+  pinprobe) python3 -m bench.pin_stall_probe --out "$OUT/pin_stall.json" 2>&1 |
       grep -v "Warning\|import pynvml" ;;
   peers) python3 -m bench.peer_transfer --gb "${PEER_GB:-13.25}" --repeat 3 \
       --out "$OUT/peer_restore.json" 2>&1 | grep -v "Warning\|import pynvml" ;;
