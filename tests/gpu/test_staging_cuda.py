@@ -129,3 +129,34 @@ def test_in_memory_restore_equals_the_files(tmp_path, pg):
         assert torch.equal(got[key], value), key
     assert target["train"] == disk["train"]
     again.close()
+
+
+def test_banks_pin_while_the_loop_waits_for_the_gpu(tmp_path, pg):
+    from kfp_nvrx.components.training.checkpoint import Checkpointer
+    from kfp_nvrx.components.training.trainer.build import full_state
+
+    cfg, model, opt, sched, train, step, device = _trainer(["checkpoint.staging=overlap"])
+    ckpt = Checkpointer(tmp_path, cfg.checkpoint, device)
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+
+    def gpu_bound_step() -> None:
+        # A step whose GPU work outlasts its launches (as 1b's: ~0.1 s of matmuls on an H100),
+        # ending in the loop's wait.
+        step(ckpt)
+        c = a
+        for _ in range(60):
+            c = (c @ a) * 1e-3
+        with ckpt.gpu_wait():
+            c.sum().item()
+
+    gpu_bound_step()
+    gpu_bound_step()
+    ckpt.prepare(lambda: full_state(model, opt, sched, train, {}, 0))
+    while ckpt.preparing():
+        gpu_bound_step()
+    notes = [n for n in ckpt.staging.take_notes() if " ready:" in n]
+    assert notes, "no bank became ready"
+    for note in notes:  # "... (N of M pieces while the loop waited for the GPU) ..."
+        n, m = (int(x) for x in note.split("(", 1)[1].split(" pieces")[0].split(" of "))
+        assert n == m, note
+    ckpt.close()

@@ -86,11 +86,11 @@ def test_bank_pins_every_piece_inside_the_loops_waits(monkeypatch, tmp_path):
         with _Loop(waits, busy=0.1, wait=0.3) as loop:
             loop_box.append(loop)
             time.sleep(0.5)
-            bank.pin([(i * piece, piece) for i in range(count)], waits)
+            in_waits = bank.pin([(i * piece, piece) for i in range(count)], waits)
     finally:
         bank.pinned = []  # nothing was registered for real
         bank.unmap()
-    assert len(seen) == count
+    assert len(seen) == count and in_waits == count
     assert all(seen), f"{seen.count(False)} of {count} pieces pinned while the loop launched"
 
 
@@ -103,11 +103,11 @@ def test_bank_without_a_loop_pins_paced_and_finishes(monkeypatch, tmp_path):
     bank.map(piece * 8, create=True)
     t0 = time.perf_counter()
     try:
-        bank.pin([(i * piece, piece) for i in range(8)], GpuWaits())
+        in_waits = bank.pin([(i * piece, piece) for i in range(8)], GpuWaits())
     finally:
         bank.pinned = []
         bank.unmap()
-    assert len(calls) == 8
+    assert len(calls) == 8 and in_waits == 0
     assert time.perf_counter() - t0 < 10  # never waits for a loop that does not run
 
 

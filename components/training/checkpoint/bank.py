@@ -196,7 +196,7 @@ class _Bank:
                 "memory-backed emptyDir, or set checkpoint.staging=nvrx)") from None
         self.buffer = torch.frombuffer(self._mm, dtype=torch.uint8)
 
-    def pin(self, ranges: list[tuple[int, int]], waits: GpuWaits | None = None) -> None:
+    def pin(self, ranges: list[tuple[int, int]], waits: GpuWaits | None = None) -> int:
         """Page-locks the bank piece by piece, so the training thread is never starved.
 
         Each piece's pages are mapped first (``MADV_POPULATE_WRITE``, no data changes), then
@@ -205,12 +205,16 @@ class _Bank:
         runs only while the loop's thread waits for the GPU with enough of its wait left
         (:class:`.gpu_waits.GpuWaits`); else (the loop is not running, its waits are too short,
         or the loop's own thread pins) the thread pauses after each piece as long as it took.
+
+        Returns:
+            How many pieces were pinned inside the loop's waits.
         """
         if self.buffer is None:
             raise RuntimeError("_Bank.pin() before map()")
         register = _host_register()
         base = self.buffer.data_ptr()
         per_byte = 1 / PIN_RATE_GUESS  # seconds per byte of the slowest recent piece
+        in_waits = 0
         for offset, length in ranges:
             gated = waits is not None and waits.wait_for(per_byte * length, PIN_WAIT_TIMEOUT)
             t0 = time.perf_counter()
@@ -223,8 +227,11 @@ class _Bank:
             self.pinned.append(base + offset)
             took = time.perf_counter() - t0
             per_byte = max(per_byte * 0.5, took / max(length, 1))  # slower pieces count at once
-            if not gated:
+            if gated:
+                in_waits += 1
+            else:
                 time.sleep(PIN_DUTY * took)
+        return in_waits
 
     def unmap(self) -> None:
         if self.pinned:

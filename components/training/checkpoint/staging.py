@@ -248,10 +248,9 @@ class HostStaging:
         ranges = _pin_ranges(slots, nbytes)
         for bank in adopted:  # adopted from an earlier worker: pinned before a save copies in
             t0 = time.perf_counter()
-            if self.cuda:
-                bank.pin(ranges, waits)
+            in_waits = bank.pin(ranges, waits) if self.cuda else 0
             bank.ready = True
-            self._said_ready(bank, nbytes, time.perf_counter() - t0)
+            self._said_ready(bank, nbytes, time.perf_counter() - t0, in_waits, len(ranges))
         have = {b.index for b in self.banks}
         for index in range(self.max_banks):
             if len(have) >= count:
@@ -261,18 +260,19 @@ class HostStaging:
             t0 = time.perf_counter()
             bank = _Bank(index, self.home.bank_path(index))
             bank.map(nbytes, create=True)
-            if self.cuda:
-                bank.pin(ranges, waits)
+            in_waits = bank.pin(ranges, waits) if self.cuda else 0
             bank.key = f"{self.layout_key}-{index}"
             bank.ready = True
             with self._lock:
                 self.banks.append(bank)
             have.add(index)
-            self._said_ready(bank, nbytes, time.perf_counter() - t0)
+            self._said_ready(bank, nbytes, time.perf_counter() - t0, in_waits, len(ranges))
 
-    def _said_ready(self, bank: _Bank, nbytes: int, seconds: float) -> None:
+    def _said_ready(self, bank: _Bank, nbytes: int, seconds: float, in_waits: int,
+                    pieces: int) -> None:
         """Notes a bank ready (the loop thread logs the notes: :meth:`take_notes`)."""
-        how = "mapped and pinned" if self.cuda else "mapped"
+        how = (f"mapped and pinned ({in_waits} of {pieces} pieces while the loop waited for the "
+               "GPU)") if self.cuda else "mapped"
         self._notes.append(f"staging bank {bank.index} ready: {nbytes / 1e9:.2f} GB {how} in "
                            f"{seconds:.1f} s ({len(self.banks)} ready)")
 
