@@ -164,6 +164,11 @@ def measure(events: list[dict[str, Any]], quiet_s: float | None = None,
             strict=True)),
     }
     out["parts_by_what_ran_beside_s"] = parts_by_what_ran_beside(steps, out["trace"])
+    # When each bank became ready, the step of the first snapshot, and how much was pinned in the
+    # loop's waits for the GPU (the trainer's "staging bank N ready: ..." lines).
+    out["banks_ready"] = [ln.split("[trainer] ", 1)[-1][:200] for _, ln in lines
+                          if "staging bank" in ln and " ready:" in ln]
+    out["first_snapshot_step"] = taken[0]["step"] if taken else None
     return out
 
 

@@ -329,7 +329,11 @@ def test_snapshot_bench_splits_each_kind_of_steps_excess_by_the_steps_parts():
     events.append({"type": "snapshot", "step": 6, "time": 6.4, "stall_s": 0.01})
     events.append({"type": "checkpoint", "step": 6, "time": 13.9, "total_s": 2.0,
                    "blocking_s": 0.0})
-    got = measure(events)["parts_by_what_ran_beside_s"]
+    lines = [(5.0, "[trainer] staging bank 0 ready: 0.06 GB mapped and pinned (2 of 2 pieces "
+                   "while the loop waited for the GPU) in 1.2 s (1 ready)")]
+    row = measure(events, lines=lines)
+    assert row["first_snapshot_step"] == 6 and row["banks_ready"] == [lines[0][1][10:]]
+    got = row["parts_by_what_ran_beside_s"]
     assert got["snapshot"]["sync"] == 0.08 and got["snapshot"]["forward_backward"] == 0.0
     assert got["writing"]["forward_backward"] == 0.1 and got["writing"]["gpu"] == 0.0
     assert got["other"]["sync"] == 0.0
