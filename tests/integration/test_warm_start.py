@@ -52,15 +52,27 @@ def no_zygote_left():
 
 
 def _zygotes() -> list[int]:
+    """Live zygotes started under this file's tests (by this pytest worker).
+
+    Another worker may run a zygote of its own meanwhile (test_pod_child's stand-in runs under
+    the zygote's module name): the zygote's environment, inherited from pytest, names the test.
+    """
+    mine = f"{Path(__file__).name}::".encode()
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "").encode()
     out = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 cmd = (entry / "cmdline").read_bytes()
+                if ZYGOTE not in cmd.split(b"\0"):
+                    continue
                 state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                with open(entry / "environ", "rb") as f:
+                    env = dict(kv.partition(b"=")[::2] for kv in f.read(1 << 20).split(b"\0"))
             except (OSError, IndexError):
                 continue
-            if ZYGOTE in cmd.split(b"\0") and state != "Z":
+            if state != "Z" and mine in env.get(b"PYTEST_CURRENT_TEST", b"") \
+                    and env.get(b"PYTEST_XDIST_WORKER", b"") == worker:
                 out.append(int(entry.name))
     return out
 
