@@ -41,22 +41,11 @@ _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 PIN_RATE_GUESS = 1e9
 #: Seconds a background piece waits for the loop to wait for the GPU before it goes paced.
 PIN_WAIT_TIMEOUT = 2.0
+#: Headroom left in /dev/shm beyond the banks (NCCL, DataLoader workers use it too).
+SHM_RESERVE = 1 << 30
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.madvise.restype = ctypes.c_int
-
-
-def _populate(address: int, length: int) -> None:
-    """Maps a piece's pages now; best effort (the registration maps what is left).
-
-    Through ctypes, which lets go of the GIL: Python's ``mmap.madvise`` holds it, and the loop's
-    thread could not even return from its wait for the GPU meanwhile.
-    """
-    page = mmap.PAGESIZE
-    start = address - address % page
-    _libc.madvise(start, length + address - start, _MADV_POPULATE_WRITE)
-#: Headroom left in /dev/shm beyond the banks (NCCL, DataLoader workers use it too).
-SHM_RESERVE = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -109,6 +98,17 @@ def _pin_ranges(slots: dict[str, Slot], nbytes: int,
     if nbytes > start:
         ranges.append((start, nbytes - start))
     return ranges
+
+
+def _populate(address: int, length: int) -> None:
+    """Maps a piece's pages now; best effort (the registration maps what is left).
+
+    Through ctypes, which lets go of the GIL: Python's ``mmap.madvise`` holds it, and the loop's
+    thread could not even return from its wait for the GPU meanwhile.
+    """
+    page = mmap.PAGESIZE
+    start = address - address % page
+    _libc.madvise(start, length + address - start, _MADV_POPULATE_WRITE)
 
 
 def shm_free_bytes(path: str = "/dev/shm") -> int:
