@@ -245,3 +245,55 @@ def test_an_in_process_restart_relearns_with_the_last_learning_as_floor() -> Non
         m.observe(0.1, 0.1, steady=True)
     assert m.maybe_learn(lambda v: v)
     assert client.loaded[-1]["current_timeouts"]["section"]["section"]["step"] == 5.0
+
+
+class _StrictClient(_Client):
+    """Refuses what NVRx's client refuses: anything after shutdown_workload_monitoring."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.after_shutdown: list[str] = []
+
+    def _alive(self, what: str) -> None:
+        if not self.is_initialized:
+            self.after_shutdown.append(what)
+            raise RuntimeError(f"{what} after shutdown")
+
+    def end_all_sections(self) -> None:
+        self._alive("end_all_sections")
+
+    def shutdown_workload_monitoring(self) -> None:
+        self._alive("shutdown")
+        self.is_initialized = False
+
+    def end_section(self, name: str) -> None:
+        self._alive("end_section")
+
+    def send_heartbeat(self) -> None:
+        self._alive("heartbeat")
+
+    def load_state_dict(self, state: dict) -> None:
+        self._alive("load_state_dict")
+        super().load_state_dict(state)
+
+
+def test_the_wrappers_abort_disconnects_a_rank_blocked_inside_its_step() -> None:
+    """Issue 37: a healthy rank blocked in a collective with the faulted one (gloo waits
+    pg_timeout) must not be judged by its step rhythm once the in-process restart is decided:
+    the wrapper's abort, on its monitor thread, disconnects it; the main thread's section then
+    ends without another call to the client (the step's heartbeat and bounds neither)."""
+    import nvidia_resiliency_ext.inprocess as inprocess
+
+    from kfp_nvrx.components.training.trainer.restart_clock import RestartClock, clock_hooks
+
+    m, _ = _monitor()
+    client = m.client = _StrictClient()
+    clock = RestartClock()
+    _, _, abort = clock_hooks(inprocess, clock, on_abort=m.disconnect)
+    with m.section("step"):  # the main thread, blocked in its step's collective
+        abort(None)  # the monitor thread decides the restart
+        assert not client.is_initialized
+        m.heartbeat()
+        m._send((30.0, 30.0))
+    m.disconnect()  # the main thread's error path, after the collective gave up
+    assert client.after_shutdown == [] and clock.abort_s is not None

@@ -22,7 +22,8 @@ log = logging.getLogger(__name__)
 WRAPPER_POLL_S = 0.25
 
 
-def in_process_wrapper(cfg: ResilienceConfig, store_port: int) -> Callable[[Callable], Callable]:
+def in_process_wrapper(cfg: ResilienceConfig, store_port: int,
+                       on_abort: Callable[[], None] | None = None) -> Callable[[Callable], Callable]:
     """The NVRx in-process restart decorator configured from ``resilience``.
 
     The wrapped function must create its process group itself, on a
@@ -35,13 +36,15 @@ def in_process_wrapper(cfg: ResilienceConfig, store_port: int) -> Callable[[Call
     concurrent faults of other ranks appear in the logged attribution; ``resilience.last_call_wait``
     (0.1 s) keeps that for faults within 0.1 s. The monitor-thread, monitor-process and progress
     watchdog intervals are ``WRAPPER_POLL_S`` (NVRx: 1 s); the heartbeat interval keeps its default.
-    The abort (NCCL communicators, process group) is timed and its share printed with the restart.
+    The abort (NCCL communicators, process group) is timed and its share printed with the restart;
+    ``on_abort`` runs first (the rank monitor's disconnect: from then on the wrapper's timeouts
+    bound the restart, not the learned step rhythm).
     """
     # FT: in-process restart; the wrapper's own TCPStore listens on MASTER_PORT + 2.
     from nvidia_resiliency_ext import inprocess
 
     clock = RestartClock()
-    wrapper = _nvrx_wrapper(inprocess, cfg, store_port, clock)
+    wrapper = _nvrx_wrapper(inprocess, cfg, store_port, clock, on_abort)
     _fit_health_check(wrapper)
 
     def decorate(fn: Callable) -> Callable:
@@ -51,9 +54,9 @@ def in_process_wrapper(cfg: ResilienceConfig, store_port: int) -> Callable[[Call
 
 
 def _nvrx_wrapper(inprocess: Any, cfg: ResilienceConfig, store_port: int,
-                  clock: RestartClock) -> Any:
+                  clock: RestartClock, on_abort: Callable[[], None] | None) -> Any:
     """NVRx's ``inprocess.Wrapper`` with the timeouts, polls and hooks described above."""
-    initialize, finalize, abort = clock_hooks(inprocess, clock)
+    initialize, finalize, abort = clock_hooks(inprocess, clock, on_abort)
     poll = datetime.timedelta(seconds=WRAPPER_POLL_S)
     return inprocess.Wrapper(
         store_kwargs={"port": store_port},

@@ -155,15 +155,20 @@ class Monitor:
         the process group, checks health and waits at its barriers: seconds without heartbeats.
         The wrapper's own soft/hard timeouts bound that phase, so the rank monitor must not
         apply its learned step rhythm to it (it would SIGKILL the rank and turn the in-process
-        restart into an in-job one).
+        restart into an in-job one). Called by the wrapper's abort on its monitor thread as soon
+        as a restart is decided (a healthy rank's main thread may still be blocked in a
+        collective with the faulted peer: gloo's cannot be aborted and wait ``pg_timeout``),
+        and again by the error path on the main thread; every client call holds the lock.
         """
-        if not self.enabled or not self.client.is_initialized:
+        if not self.enabled:
             return
-        with self._lock, contextlib.suppress(Exception):
-            self.client.end_all_sections()
-        with self._lock, contextlib.suppress(Exception):
-            self.client.shutdown_workload_monitoring()
-        self._open.clear()
+        with self._lock:
+            if self.client.is_initialized:
+                with contextlib.suppress(Exception):
+                    self.client.end_all_sections()
+                with contextlib.suppress(Exception):
+                    self.client.shutdown_workload_monitoring()
+            self._open.clear()
 
     @contextlib.contextmanager
     def section(self, name: str) -> Iterator[None]:
@@ -174,14 +179,16 @@ class Monitor:
         # FT: start_section/end_section bound each phase by its (learned) timeout.
         with self._lock:
             self.client.start_section(name)
-        self._open.add(name)
+            self._open.add(name)
         try:
             yield
         finally:
-            if name in self._open and not self.quiet:
-                with self._lock:
+            # Not when the in-process wrapper's abort disconnected the client meanwhile (it
+            # runs on another thread, see disconnect) or the node is being stopped.
+            with self._lock:
+                if name in self._open and not self.quiet and self.client.is_initialized:
                     self.client.end_section(name)
-            self._open.discard(name)
+                self._open.discard(name)
 
     @property
     def adaptive(self) -> bool:
@@ -219,10 +226,12 @@ class Monitor:
 
     def _send(self, bound: tuple[float, float]) -> None:
         """Hands the rank monitor a (step section, heartbeat gap) bound unless it holds it."""
-        if bound == self._sent or self.quiet or not self.client.is_initialized:
+        if bound == self._sent or self.quiet:
             return
         # FT: load_state_dict sends the timeouts to the rank monitor right away.
         with self._lock:
+            if not self.client.is_initialized:
+                return
             self.client.load_state_dict(self._learned_state(*bound))
         self._sent = bound
 
@@ -262,10 +271,11 @@ class Monitor:
 
     def heartbeat(self) -> None:
         """One heartbeat per step (both modes: in sections mode it backs up the sections)."""
-        if self.enabled and not self.quiet and self.client.is_initialized:
+        if self.enabled and not self.quiet:
             # FT: heartbeat; a rank that stops sending is killed after the heartbeat timeout.
             with self._lock:
-                self.client.send_heartbeat()
+                if self.client.is_initialized:  # not after the wrapper's abort (disconnect)
+                    self.client.send_heartbeat()
 
     def go_quiet(self) -> None:
         """This node is being stopped: send nothing more (signal-handler safe: sets a flag)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 
@@ -48,10 +49,12 @@ class RestartClock:
         self.t_exit = self.t_decided = self.t_iteration = self.abort_s = None
 
 
-def clock_hooks(inprocess: Any, clock: RestartClock) -> tuple[Any, Any, Any]:
+def clock_hooks(inprocess: Any, clock: RestartClock,
+                on_abort: Callable[[], None] | None = None) -> tuple[Any, Any, Any]:
     """NVRx hooks that record times on ``clock``: initialize, finalize and a timed abort.
 
-    The abort is NVRx's default (``AbortTorchDistributed``), timed.
+    The abort is NVRx's default (``AbortTorchDistributed``), timed, after ``on_abort`` (the
+    rank monitor's disconnect: the restart has begun, the wrapper's timeouts bound it).
     """
 
     class _Iteration(inprocess.initialize.Initialize):
@@ -69,6 +72,8 @@ def clock_hooks(inprocess: Any, clock: RestartClock) -> tuple[Any, Any, Any]:
             self.inner = inprocess.abort.AbortTorchDistributed()
 
         def __call__(self, state: Any) -> Any:
+            if on_abort is not None:
+                on_abort()
             t0 = time.time()
             try:
                 return self.inner(state)

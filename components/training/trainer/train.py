@@ -103,7 +103,10 @@ def run(job: Job) -> None:
         multi_tenant=True, wait_for_workers=True, use_libuv=True,
         timeout=datetime.timedelta(seconds=res.barrier_timeout),
     )
-    wrapped = in_process_wrapper(res, store_port=port + 2)(incarnation)
+    # FT: once the wrapper decides to restart, the rank monitor stops judging this rank (a healthy
+    # rank may still be blocked in a collective with the faulted one): the wrapper's timeouts do.
+    wrapped = in_process_wrapper(res, store_port=port + 2, on_abort=job.monitor.disconnect)(
+        incarnation)
     wrapped(job, base_store)
 
 
