@@ -56,7 +56,11 @@ class GpuWaits:
     def budget(self) -> float | None:
         """Seconds a piece may take in one wait (None: no wait measured yet)."""
         with self._cond:
-            return self.share * min(self._waits) if self._waits else None
+            return self._budget()
+
+    def _budget(self) -> float | None:
+        # Callers hold the condition's lock.
+        return self.share * min(self._waits) if self._waits else None
 
     def wait_for(self, seconds: float, timeout: float) -> bool:
         """Blocks until the loop waits for the GPU with ``seconds`` of its wait left.
@@ -70,11 +74,11 @@ class GpuWaits:
         deadline = time.perf_counter() + timeout
         with self._cond:
             while True:
-                now = time.perf_counter()
-                if not self._waits or self.share * min(self._waits) < seconds:
+                now, budget = time.perf_counter(), self._budget()
+                if budget is None or budget < seconds:
                     return False
                 if self._opened is not None:
-                    if self._opened + self.share * min(self._waits) - now >= seconds:
+                    if self._opened + budget - now >= seconds:
                         return True
                 elif now - self._closed > timeout:
                     return False

@@ -283,9 +283,12 @@ class Monitor:
 
     def stop(self) -> None:
         """Stops heartbeats and sections (before a deliberate hang, or at shutdown)."""
-        if self.enabled and self.client.is_initialized:
-            with self._lock, contextlib.suppress(Exception):
-                self.client.end_all_sections()
+        if not self.enabled:
+            return
+        with self._lock:  # as disconnect: the wrapper's abort may disconnect meanwhile
+            if self.client.is_initialized:
+                with contextlib.suppress(Exception):
+                    self.client.end_all_sections()
             self._open.clear()
 
     def observe(self, step_s: float, gap_s: float | None, steady: bool) -> None:
