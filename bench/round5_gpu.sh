@@ -20,7 +20,7 @@ for part in "$@"; do
   t0=$SECONDS
   case $part in
   setup) gpu_setup ;;
-  tests) python3 -m pytest -q -ra -p no:cacheprovider tests/gpu > "$OUT/gpu_tests.log" 2>&1
+  tests) python3 -m pytest -q -ra -rP -p no:cacheprovider tests/gpu > "$OUT/gpu_tests.log" 2>&1
     rc=$?; tail -15 "$OUT/gpu_tests.log"
     [[ $rc == 0 ]] || { echo "== tests failed: the benchmarks are not run"; exit 1; } ;;
   snapshots) python3 -m bench.snapshots --preset 1b --out "$OUT/snapshots_1b.json" \

@@ -53,8 +53,11 @@ def clock_hooks(inprocess: Any, clock: RestartClock,
                 on_abort: Callable[[], None] | None = None) -> tuple[Any, Any, Any]:
     """NVRx hooks that record times on ``clock``: initialize, finalize and a timed abort.
 
-    The abort is NVRx's default (``AbortTorchDistributed``), timed, after ``on_abort`` (the
-    rank monitor's disconnect: the restart has begun, the wrapper's timeouts bound it).
+    The abort runs after ``on_abort`` (the rank monitor's disconnect: the restart has begun, the
+    wrapper's timeouts bound it) and is timed. Where the groups have NCCL backends, their aborts
+    and shutdown run on a thread and torch forgets the groups at once
+    (:func:`.quick_abort.abort_in_background`: the 0.5-1.0 s of NCCL's teardown leave the
+    restart's path); elsewhere it is NVRx's default (``AbortTorchDistributed``).
     """
 
     class _Iteration(inprocess.initialize.Initialize):
@@ -76,6 +79,11 @@ def clock_hooks(inprocess: Any, clock: RestartClock,
                 on_abort()
             t0 = time.time()
             try:
+                # FT: the abort of NVRx's in-process restart, its NCCL teardown moved off the path.
+                from kfp_nvrx.components.training.trainer.quick_abort import abort_in_background
+
+                if abort_in_background(lambda line: print(line, flush=True)):
+                    return state
                 return self.inner(state)
             finally:
                 clock.abort_s = time.time() - t0
