@@ -46,6 +46,9 @@ _LEARNED = "learned NVRx timeouts"
 SCENARIOS = {
     "raise": {"faults": ["raise@{f}"], "set": ["resilience.in_process=true"], "kind": "in-process",
               "at": "fault"},
+    # Issue 37 item 3's worst case: a second in-process restart in the same run (4 steps on).
+    "raise-twice": {"faults": ["raise@{f}", "raise@{hang}"], "set": ["resilience.in_process=true"],
+                    "kind": "in-process", "at": "fault"},
     "kill": {"faults": ["kill@{f}"], "set": [], "kind": "in-job", "at": "fault"},
     "hang": {"faults": ["hang@{f}"], "set": [], "kind": "in-job", "at": "hang"},
     "kill-in-ckpt": {"faults": ["kill-in-ckpt@{f}"], "set": [], "kind": "in-job", "at": "ckpt"},
@@ -139,12 +142,16 @@ def main(argv: list[str] | None = None) -> int:
     on_rank = f"/{args.gpus - 1}" if args.gpus > 1 else ""
     for name in args.only.split(","):
         sc = SCENARIOS[name]
-        faults = [f.format(f=pre[sc["at"]]) + on_rank for f in sc["faults"]]
+        faults = [f.format(f=pre[sc["at"]], hang=pre["hang"]) + on_rank for f in sc["faults"]]
         run_dir = work / f"run_{name}"
         run = run_trainer("ft", Training(args.preset, [*base, *sc["set"]], faults, args.gpus),
                           run_dir, timeout=args.run_timeout)
         row = {"kind": sc["kind"], "state": run["state"], "wall_s": run["wall_s"],
                **split(run["events"], run["lines"], sc["kind"] == "in-process")}
+        if len(faults) > 1:  # the split of every fault, each from its own events on
+            at = [i for i, e in enumerate(run["events"]) if e["type"] == "fault"]
+            row["per_fault"] = [split(run["events"][i:], run["lines"], sc["kind"] == "in-process")
+                                for i in at]
         row["detect_lines"] = [ln[-300:] for t, ln in run["lines"] if _DETECT.search(ln)][:8]
         row["learned"] = [ln[-300:] for _, ln in run["lines"] if _LEARNED in ln][:2]
         row["progress_warning"] = any(_PROGRESS_WARNING in ln for _, ln in run["lines"])

@@ -6,7 +6,7 @@
 #
 #   OUT=DIR [BUDGET=seconds] bash bench/round5_gpu.sh PART...
 #   PART: setup tests pinprobe snapshots hangs peers replica recovery sweep
-#   (SNAP_RUNS, SWEEP_ONLY, SWEEP_PRESET, PEER_GB pick what a part runs; SNAP_RUNS=defaults,
+#   (SNAP_RUNS, RECOVERY_ONLY, RECOVERY_COLD=0, SWEEP_ONLY, SWEEP_PRESET, PEER_GB pick what a part runs; SNAP_RUNS=defaults,
 #   defaults+warm is the A/B of warm worker starts)
 # A lease's commands last 10 minutes at most: start it detached and collect OUT from later calls
 #   setsid nohup env OUT=/tmp/r5 bash bench/round5_gpu.sh setup tests snapshots >/tmp/r5.log 2>&1 &
@@ -36,6 +36,7 @@ for part in "$@"; do
       --budget "$(left)" 2>&1 | grep -v "Warning\|import pynvml" ;;
   recovery) python3 -m bench.recovery --preset 1b --only "${RECOVERY_ONLY:-kill,raise}" \
       --out "$OUT/recovery_1b.json" --keep-logs "$OUT/recovery_logs" 2>&1 | grep -v "Warning\|import pynvml"
+    [[ ${RECOVERY_COLD:-1} == 0 ]] ||
     python3 -m bench.recovery --preset 1b --only kill --set resilience.warm_start=false \
       --out "$OUT/recovery_1b_cold.json" 2>&1 | grep -v "Warning\|import pynvml" ;;
   sweep) python3 -m bench.recovery_sweep --preset "${SWEEP_PRESET:-1b}" --budget "$(left)" \
