@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 
 import torch
@@ -31,11 +32,24 @@ def test_on_the_marks_split_the_step_and_add_up_per_name():
     parts.mark("data")  # a second stretch of one part adds to it
     got = parts.take()
     took = time.perf_counter() - t0
-    assert got is not None and set(got) == {"data", "tick"}  # no GPU on a CPU device
+    assert got is not None and set(got) == {"data", "tick", "gc"}  # no GPU on a CPU device
     assert got["data"] >= 0.03 and got["tick"] >= 0.01
-    assert sum(got.values()) <= took + 1e-6
+    # gc overlaps the marked parts (a collection runs inside whichever part allocates)
+    assert sum(v for k, v in got.items() if k != "gc") <= took + 1e-6
     parts.begin()  # the next step starts empty
-    assert parts.take() == {}
+    assert parts.take() == {"gc": 0.0}
+
+
+def test_the_collectors_runs_within_a_step_are_its_gc_part():
+    parts = StepParts(True, torch.device("cpu"))
+    gc.collect()  # between steps: belongs to no step
+    parts.begin()
+    t0 = time.perf_counter()
+    gc.collect()  # a full collection of this test process's heap
+    full = time.perf_counter() - t0
+    parts.mark("data")
+    got = parts.take()
+    assert got is not None and 0 < got["gc"] <= full + 1e-6
 
 
 def test_a_step_event_carries_its_parts_and_reads_back():

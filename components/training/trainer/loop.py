@@ -24,6 +24,7 @@ from kfp_nvrx.components.training.trainer.build import (
     warm_start,
 )
 from kfp_nvrx.components.training.trainer.fault_injector import FaultInjector
+from kfp_nvrx.components.training.trainer.heap import freeze_heap
 from kfp_nvrx.components.training.trainer.job import give_up
 from kfp_nvrx.components.training.trainer.rhythm import STARTUP_STEPS
 from kfp_nvrx.components.training.trainer.step_parts import StepParts
@@ -115,12 +116,16 @@ class Trainer:
             # the staging banks pin, steady steps): resilience.Monitor.step_section.
             with monitor.step_section(steps_here, pinning):
                 self._fault(step, When.STEP)
-                loss_value = self._step(step, tokens_per_step, parts)
+                loss_value, froze_s = self._step(step, tokens_per_step, parts,
+                                                 freeze=steps_here == 1
+                                                 and self.place.call_wrapper is None)
                 if not math.isfinite(loss_value):
                     self._diverged(step, loss_value)
                 ckpt.tick()  # the durable write behind the snapshots: moved on, never waited for
                 parts.mark("tick")
-            step_s = time.perf_counter() - t_sec
+            # The heap's one-time freeze ran under the start-up bound; it is no part of the
+            # rhythm the later steps' bounds are made of.
+            step_s = time.perf_counter() - t_sec - froze_s
             monitor.heartbeat()
             now = time.perf_counter()
             # Steady: what a healthy run repeats (see Monitor.observe).
@@ -150,14 +155,30 @@ class Trainer:
                 last_beat = time.perf_counter()  # the phase ends with a heartbeat
                 parts.mark("snapshot")
             self._emit_step(step, t0, loss_value, tokens_per_step, parts.take())
-            if steps_here == 1 and ckpt.periodic:  # the state's final layout exists (optimizer)
-                ckpt.prepare(self.state)
+            if steps_here == 1:
+                self._first_step_done()
             if step % t.log_every == 0 or step == t.steps:
                 elapsed = time.perf_counter() - t_first
                 tps = steps_here * tokens_per_step / max(elapsed, 1e-9)
                 eta = (t.steps - step) * elapsed / steps_here
                 log0(f"step {step}/{t.steps} loss {loss_value:.4f} tok/s {tps:,.0f} "
                      f"eta {eta:.0f}s")
+
+    def _first_step_done(self) -> None:
+        """The incarnation's state has its final layout (optimizer state, compiled code)."""
+        if self.ckpt.periodic:
+            self.ckpt.prepare(self.state)
+
+    def _freeze_heap(self) -> float:
+        """The incarnation's built heap leaves the garbage collector's full passes (:mod:`.heap`).
+
+        Called in the second step while the GPU runs it (the first step after a restore is
+        part of the recovery, and is not lengthened); not under the in-process wrapper.
+        """
+        frozen, seconds = freeze_heap()
+        log0(f"froze the start-up heap ({frozen:,} objects, {seconds:.2f}s, while the GPU ran "
+             "step 2): no later step pays a full garbage collection of it")
+        return seconds
 
     def _emit_step(self, step: int, t0: float, loss_value: float, tokens: int,
                    parts: dict[str, float] | None = None) -> None:
@@ -196,8 +217,12 @@ class Trainer:
         """Element-wise maximum of ``values`` over every rank (collective)."""
         return max_over_ranks(values, self.job.device)
 
-    def _step(self, step: int, tokens_per_step: int, parts: StepParts) -> float:
-        """One forward/backward/optimizer step; returns the loss."""
+    def _step(self, step: int, tokens_per_step: int, parts: StepParts,
+              freeze: bool) -> tuple[float, float]:
+        """One forward/backward/optimizer step; returns the loss and the seconds of ``freeze``.
+
+        ``freeze``: the heap is frozen while the GPU runs the step (:meth:`_freeze_heap`).
+        """
         cfg, device, t = self.job.cfg, self.job.device, self.job.cfg.train
         inputs, targets = self.job.data.batch(t.seed, step, self.place.rank, cfg.data.batch_size,
                                               cfg.data.seq_len)
@@ -218,12 +243,13 @@ class Trainer:
         counters.step, counters.tokens = step, counters.tokens + tokens_per_step
         parts.gpu_end()
         parts.mark("optimizer")
+        froze_s = self._freeze_heap() if freeze else 0.0
         with self.ckpt.gpu_wait():  # the loop's idle stretch: background pinning runs in it
             loss_value = loss.item()
         parts.mark("sync")
         if t.step_sleep:
             time.sleep(t.step_sleep)
-        return loss_value
+        return loss_value, froze_s
 
     def _fault(self, step: int, when: When) -> None:
         """Fires the injected fault due at this point (``when``) of ``step``, if any."""

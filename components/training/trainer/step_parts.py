@@ -5,8 +5,9 @@ round) grows for one of two reasons: the loop's thread waited (for a core, a loc
 the GPU ran out of queued work, or the GPU's own kernels ran slower. The loop's thread is timed
 between marks (``data``, ``forward_backward`` and ``optimizer``: launching them; ``sync``:
 waiting for the GPU in ``loss.item()``; ``tick``: the durable write and replication moved on;
-``monitor``: heartbeats, stop and learning collectives; ``snapshot``: the save), and the GPU
-from the step's first to its last kernel (``gpu``, CUDA events on the compute stream). Off by
+``monitor``: heartbeats, stop and learning collectives; ``snapshot``: the save), the GPU
+from the step's first to its last kernel (``gpu``, CUDA events on the compute stream), and the
+garbage collector's runs within the step, whichever part they fell in (``gc``). Off by
 default: the marks cost microseconds, the events a little more.
 """
 
@@ -15,6 +16,8 @@ from __future__ import annotations
 import time
 
 import torch
+
+from kfp_nvrx.components.training.trainer.heap import CollectionClock
 
 
 class StepParts:
@@ -31,12 +34,15 @@ class StepParts:
         self.parts: dict[str, float] = {}
         self._last = 0.0
         self._gpu: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+        self._gc = CollectionClock.shared() if enabled else None
 
     def begin(self) -> None:
         """The step starts now."""
         if not self.enabled:
             return
         self.parts, self._last = {}, time.perf_counter()
+        if self._gc is not None:
+            self._gc.take()  # what ran between steps belongs to no step
         if self.cuda:
             self._gpu = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             self._gpu[0].record()
@@ -64,5 +70,7 @@ class StepParts:
             end.synchronize()  # recorded before loss.item(), which waited for it already
             out["gpu"] = round(start.elapsed_time(end) / 1000.0, 6)
             self._gpu = None
+        if self._gc is not None:
+            out["gc"] = round(self._gc.take()[0], 6)
         self.parts = {}
         return out
