@@ -205,6 +205,10 @@ class ResilienceConfig(Section):
     # before it restarts. Those only enrich the logged attribution, and every second here is a
     # second of recovery (NVRx's default of 1 s: the figures in docs/benchmarks/NOTES.md).
     last_call_wait: float = non_negative(0.1)
+    # The in-process restart's abort: NCCL communicators aborted and torn down on a thread while
+    # the next ones are made (NCCL's teardown waits up to a second for its proxy threads), torch's
+    # process groups forgotten at once. False: NVRx's AbortTorchDistributed, which waits for it.
+    quick_abort: bool = True
     # ft_launcher polling period, seconds: --monitor-interval (how soon a failed worker is seen;
     # every agent also polls the rendezvous store at this rate) and, with NVRx >= 0.7,
     # --ft-gpu-memory-poll-interval (restarted workers wait for the failed ones' GPU memory to be

@@ -56,7 +56,7 @@ def in_process_wrapper(cfg: ResilienceConfig, store_port: int,
 def _nvrx_wrapper(inprocess: Any, cfg: ResilienceConfig, store_port: int,
                   clock: RestartClock, on_abort: Callable[[], None] | None) -> Any:
     """NVRx's ``inprocess.Wrapper`` with the timeouts, polls and hooks described above."""
-    initialize, finalize, abort = clock_hooks(inprocess, clock, on_abort)
+    initialize, finalize, abort = clock_hooks(inprocess, clock, on_abort, cfg.quick_abort)
     poll = datetime.timedelta(seconds=WRAPPER_POLL_S)
     return inprocess.Wrapper(
         store_kwargs={"port": store_port},

@@ -49,15 +49,15 @@ class RestartClock:
         self.t_exit = self.t_decided = self.t_iteration = self.abort_s = None
 
 
-def clock_hooks(inprocess: Any, clock: RestartClock,
-                on_abort: Callable[[], None] | None = None) -> tuple[Any, Any, Any]:
+def clock_hooks(inprocess: Any, clock: RestartClock, on_abort: Callable[[], None] | None = None,
+                quick: bool = True) -> tuple[Any, Any, Any]:
     """NVRx hooks that record times on ``clock``: initialize, finalize and a timed abort.
 
     The abort runs after ``on_abort`` (the rank monitor's disconnect: the restart has begun, the
-    wrapper's timeouts bound it) and is timed. Where the groups have NCCL backends, their aborts
-    and shutdown run on a thread and torch forgets the groups at once
-    (:func:`.quick_abort.abort_in_background`: the 0.5-1.0 s of NCCL's teardown leave the
-    restart's path); elsewhere it is NVRx's default (``AbortTorchDistributed``).
+    wrapper's timeouts bound it) and is timed. With ``quick`` (``resilience.quick_abort``), where
+    the groups have NCCL backends, their aborts and shutdown run on a thread and torch forgets
+    the groups at once (:func:`.quick_abort.abort_in_background`: the 0.5-1.0 s of NCCL's
+    teardown leave the restart's path); otherwise it is NVRx's ``AbortTorchDistributed``.
     """
 
     class _Iteration(inprocess.initialize.Initialize):
@@ -82,7 +82,7 @@ def clock_hooks(inprocess: Any, clock: RestartClock,
                 # FT: the abort of NVRx's in-process restart, its NCCL teardown moved off the path.
                 from kfp_nvrx.components.training.trainer.quick_abort import abort_in_background
 
-                if abort_in_background(lambda line: print(line, flush=True)):
+                if quick and abort_in_background(lambda line: print(line, flush=True)):
                     return state
                 return self.inner(state)
             finally:
