@@ -207,8 +207,10 @@ class ResilienceConfig(Section):
     last_call_wait: float = non_negative(0.1)
     # The in-process restart's abort: NCCL communicators aborted and torn down on a thread while
     # the next ones are made (NCCL's teardown waits up to a second for its proxy threads), torch's
-    # process groups forgotten at once. False: NVRx's AbortTorchDistributed, which waits for it.
-    quick_abort: bool = True
+    # process groups forgotten at once. Off: NVRx's AbortTorchDistributed, which waits for it.
+    # Opt-in until it has run on a GPU (built in a session that could start none;
+    # docs/benchmarks/NOTES.md, 2026-12-06 20:17 UTC).
+    quick_abort: bool = False
     # ft_launcher polling period, seconds: --monitor-interval (how soon a failed worker is seen;
     # every agent also polls the rendezvous store at this rate) and, with NVRx >= 0.7,
     # --ft-gpu-memory-poll-interval (restarted workers wait for the failed ones' GPU memory to be

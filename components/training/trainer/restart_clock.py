@@ -50,7 +50,7 @@ class RestartClock:
 
 
 def clock_hooks(inprocess: Any, clock: RestartClock, on_abort: Callable[[], None] | None = None,
-                quick: bool = True) -> tuple[Any, Any, Any]:
+                quick: bool = False) -> tuple[Any, Any, Any]:
     """NVRx hooks that record times on ``clock``: initialize, finalize and a timed abort.
 
     The abort runs after ``on_abort`` (the rank monitor's disconnect: the restart has begun, the
