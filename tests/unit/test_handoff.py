@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -20,7 +22,13 @@ from typing import Any
 import pytest
 
 from kfp_nvrx.components.core.elastic_env import AGENT_PID_ENV
-from kfp_nvrx.components.training.trainer.handoff import ZYGOTE_ENV, hand_off
+from kfp_nvrx.components.training.trainer.handoff import (
+    STREAMS,
+    ZYGOTE_ENV,
+    hand_off,
+    receive,
+    send,
+)
 from kfp_nvrx.components.training.trainer.zygote import Zygote
 
 #: A stand-in: this interpreter running hand_off as the trainer's __main__ does.
@@ -29,6 +37,17 @@ STAND_IN = ("import sys, time\n"
             "code = hand_off(sys.argv, time.time())\n"
             "print('cold' if code is None else f'stand-in exits {code}', flush=True)\n"
             "sys.exit(0 if code is None else code)\n")
+
+
+#: A worker that ends with 7 once it got SIGTERM (says when its handler is set).
+WAITS_FOR_TERM = ("import signal, sys, time\n"
+                  "got = []\n"
+                  "signal.signal(signal.SIGTERM, lambda s, f: got.append(s))\n"
+                  "print('ready', flush=True)\n"
+                  "deadline = time.monotonic() + 30\n"
+                  "while not got and time.monotonic() < deadline:\n"
+                  "    time.sleep(0.01)\n"
+                  "sys.exit(7 if got else 1)\n")
 
 
 def _worker(request: dict[str, Any]) -> int:
@@ -111,6 +130,78 @@ def test_signals_to_the_stand_in_reach_the_worker(zygote):
     proc.send_signal(signal.SIGTERM)  # ft_launcher stopping its workers
     assert proc.wait(timeout=30) == 7
     assert "worker got SIGTERM" in proc.stdout.read()
+
+
+def test_a_signal_before_the_forks_reply_reaches_the_worker(tmp_path):
+    """ft_launcher may stop a worker while its stand-in still waits for the zygote's reply (the
+    forked worker already runs): the signal is held and forwarded once the pid is known, never
+    the stand-in's death by it with its worker left running. A zygote of the test's own replies
+    only after the test signalled."""
+    path = str(tmp_path / "slow.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+    asked, signalled = threading.Event(), threading.Event()
+    codes: list[int] = []
+
+    def slow_zygote() -> None:
+        conn, _ = server.accept()
+        with conn:
+            _request, fds = receive(conn, len(STREAMS))
+            for fd in fds:
+                os.close(fd)
+            asked.set()
+            signalled.wait(30)
+            worker = subprocess.Popen([sys.executable, "-c", WAITS_FOR_TERM],
+                                      stdout=subprocess.PIPE, text=True)
+            worker.stdout.readline()  # its handler is set
+            send(conn, {"pid": worker.pid})
+            codes.append(worker.wait(timeout=30))
+            send(conn, {"exit": codes[-1]})
+
+    thread = threading.Thread(target=slow_zygote, daemon=True)
+    thread.start()
+    proc = _stand_in(path, "slow")
+    assert asked.wait(30)
+    proc.send_signal(signal.SIGTERM)  # before the stand-in knows its worker
+    time.sleep(0.3)  # the stand-in has had the signal (and, unheld, would have died of it)
+    signalled.set()
+    assert proc.wait(timeout=30) == 7, proc.stderr.read()
+    assert codes == [7]
+    thread.join(timeout=5)
+    server.close()
+
+
+def test_a_signal_held_for_a_fork_that_never_came_is_delivered_to_the_cold_start(tmp_path):
+    path = str(tmp_path / "refusing.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+    asked, signalled = threading.Event(), threading.Event()
+
+    def refusing_zygote() -> None:
+        conn, _ = server.accept()
+        with conn:
+            _request, fds = receive(conn, len(STREAMS))
+            for fd in fds:
+                os.close(fd)
+            asked.set()
+            signalled.wait(30)
+            send(conn, {"error": "busy"})  # no fork: the stand-in starts cold
+
+    thread = threading.Thread(target=refusing_zygote, daemon=True)
+    thread.start()
+    proc = _stand_in(path, "cold")
+    assert asked.wait(30)  # the stand-in waits for the reply
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    signalled.set()
+    # The held SIGTERM reaches the process as soon as it stops waiting: it ends of it, as a
+    # cold start stopped at that moment does, and does not start the trainer.
+    assert proc.wait(timeout=30) == -signal.SIGTERM
+    assert "cold" not in proc.stdout.read()
+    thread.join(timeout=5)
+    server.close()
 
 
 def test_a_killed_stand_in_takes_its_worker_along(zygote):

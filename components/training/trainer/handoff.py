@@ -121,6 +121,9 @@ def hand_off(argv: list[str], t_main: float) -> int | None:
     path = os.environ.get(ZYGOTE_ENV, "")
     if not path or "--check" in argv:
         return None
+    # The signals are caught before the zygote is asked: the worker may run (and ft_launcher
+    # signal this process) before the fork's reply arrives here.
+    forwarder = _Forwarder()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.connect(path)
@@ -128,32 +131,62 @@ def hand_off(argv: list[str], t_main: float) -> int | None:
         send(sock, _request(argv, t_main), STREAMS)
         forked, _ = receive(sock)
     except (OSError, ValueError):
-        sock.close()
-        return None
+        forked = None
     if not forked or not isinstance(forked.get("pid"), int):
         sock.close()
+        forwarder.cancel()
         return None
-    return _stand_in(sock, forked["pid"])
+    forwarder.to(forked["pid"])
+    return _stand_in(sock, forwarder)
 
 
-def _stand_in(sock: socket.socket, pid: int) -> int:
-    """Forwards signals to worker ``pid`` until the zygote says how it ended."""
+class _Forwarder:
+    """This process's handler of the :data:`FORWARDED` signals, installed when it is made.
 
-    def forward(signum: int, _frame: object) -> None:
+    Until the worker's pid is known a signal is held; then it and every later one go to the
+    worker. Cancelled (no worker), the old handlers return and a held signal is delivered to
+    this process, which starts cold as if it had come then.
+    """
+
+    def __init__(self) -> None:
+        self.pid: int | None = None
+        self.held: list[int] = []
+        self.previous = {sig: signal.signal(sig, self) for sig in FORWARDED}
+
+    def __call__(self, signum: int, _frame: object) -> None:
+        if self.pid is None:
+            self.held.append(signum)
+            return
         try:
-            os.kill(pid, signum)
+            os.kill(self.pid, signum)
         except ProcessLookupError:
             pass
 
-    for sig in FORWARDED:
-        signal.signal(sig, forward)
+    def to(self, pid: int) -> None:
+        """The worker is ``pid``: the held signals go to it now."""
+        self.pid = pid
+        for signum in self.held:
+            self(signum, None)
+        self.held = []
+
+    def cancel(self) -> None:
+        """No worker: the old handlers back, a held signal delivered here."""
+        for sig, handler in self.previous.items():
+            # None: a handler not set from Python, i.e. the default one this process began with
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+        for signum in self.held:
+            os.kill(os.getpid(), signum)
+
+
+def _stand_in(sock: socket.socket, forwarder: _Forwarder) -> int:
+    """Forwards signals to the worker until the zygote says how it ended."""
     sock.settimeout(None)
     try:
         ended, _ = receive(sock)
     except (OSError, ValueError):
         ended = None
     if ended is None:  # the zygote died (its children die with it): a lost worker
-        forward(signal.SIGKILL, None)
+        forwarder(signal.SIGKILL, None)
         ended = {"signal": int(signal.SIGKILL)}
     if "signal" in ended:  # end as the worker did, for ft_launcher's failure report
         died_of = int(ended["signal"])
