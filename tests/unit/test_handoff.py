@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -132,76 +133,64 @@ def test_signals_to_the_stand_in_reach_the_worker(zygote):
     assert "worker got SIGTERM" in proc.stdout.read()
 
 
+def _signalled_while_waiting(tmp_path: Path, reply: Callable[[socket.socket], None],
+                            *args: str) -> subprocess.Popen:
+    """A stand-in SIGTERMed while it waits for the zygote's reply; a zygote of the test's own
+    then gives it ``reply`` (on a thread). Returns the stand-in once the reply is under way."""
+    path = str(tmp_path / "z.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+    asked, signalled = threading.Event(), threading.Event()
+
+    def zygote() -> None:
+        conn, _ = server.accept()
+        with conn:
+            _request, fds = receive(conn, len(STREAMS))
+            for fd in fds:
+                os.close(fd)
+            asked.set()
+            signalled.wait(30)
+            reply(conn)
+        server.close()
+
+    threading.Thread(target=zygote, daemon=True).start()
+    proc = _stand_in(path, *args)
+    assert asked.wait(30)  # the stand-in waits for the reply
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)  # the stand-in has had the signal (and, unheld, died of it)
+    signalled.set()
+    return proc
+
+
 def test_a_signal_before_the_forks_reply_reaches_the_worker(tmp_path):
     """ft_launcher may stop a worker while its stand-in still waits for the zygote's reply (the
     forked worker already runs): the signal is held and forwarded once the pid is known, never
-    the stand-in's death by it with its worker left running. A zygote of the test's own replies
-    only after the test signalled."""
-    path = str(tmp_path / "slow.sock")
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.bind(path)
-    server.listen(1)
-    asked, signalled = threading.Event(), threading.Event()
+    the stand-in's death by it with its worker left running."""
     codes: list[int] = []
 
-    def slow_zygote() -> None:
-        conn, _ = server.accept()
-        with conn:
-            _request, fds = receive(conn, len(STREAMS))
-            for fd in fds:
-                os.close(fd)
-            asked.set()
-            signalled.wait(30)
-            worker = subprocess.Popen([sys.executable, "-c", WAITS_FOR_TERM],
-                                      stdout=subprocess.PIPE, text=True)
-            worker.stdout.readline()  # its handler is set
-            send(conn, {"pid": worker.pid})
-            codes.append(worker.wait(timeout=30))
-            send(conn, {"exit": codes[-1]})
+    def fork(conn: socket.socket) -> None:
+        worker = subprocess.Popen([sys.executable, "-c", WAITS_FOR_TERM],
+                                  stdout=subprocess.PIPE, text=True)
+        worker.stdout.readline()  # its handler is set
+        send(conn, {"pid": worker.pid})
+        codes.append(worker.wait(timeout=30))
+        send(conn, {"exit": codes[-1]})
 
-    thread = threading.Thread(target=slow_zygote, daemon=True)
-    thread.start()
-    proc = _stand_in(path, "slow")
-    assert asked.wait(30)
-    proc.send_signal(signal.SIGTERM)  # before the stand-in knows its worker
-    time.sleep(0.3)  # the stand-in has had the signal (and, unheld, would have died of it)
-    signalled.set()
+    proc = _signalled_while_waiting(tmp_path, fork, "slow")
     assert proc.wait(timeout=30) == 7, proc.stderr.read()
     assert codes == [7]
-    thread.join(timeout=5)
-    server.close()
 
 
 def test_a_signal_held_for_a_fork_that_never_came_is_delivered_to_the_cold_start(tmp_path):
-    path = str(tmp_path / "refusing.sock")
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.bind(path)
-    server.listen(1)
-    asked, signalled = threading.Event(), threading.Event()
+    def refuse(conn: socket.socket) -> None:
+        send(conn, {"error": "busy"})  # no fork: the stand-in starts cold
 
-    def refusing_zygote() -> None:
-        conn, _ = server.accept()
-        with conn:
-            _request, fds = receive(conn, len(STREAMS))
-            for fd in fds:
-                os.close(fd)
-            asked.set()
-            signalled.wait(30)
-            send(conn, {"error": "busy"})  # no fork: the stand-in starts cold
-
-    thread = threading.Thread(target=refusing_zygote, daemon=True)
-    thread.start()
-    proc = _stand_in(path, "cold")
-    assert asked.wait(30)  # the stand-in waits for the reply
-    proc.send_signal(signal.SIGTERM)
-    time.sleep(0.3)
-    signalled.set()
+    proc = _signalled_while_waiting(tmp_path, refuse, "cold")
     # The held SIGTERM reaches the process as soon as it stops waiting: it ends of it, as a
     # cold start stopped at that moment does, and does not start the trainer.
     assert proc.wait(timeout=30) == -signal.SIGTERM
     assert "cold" not in proc.stdout.read()
-    thread.join(timeout=5)
-    server.close()
 
 
 def test_a_killed_stand_in_takes_its_worker_along(zygote):
