@@ -6,8 +6,9 @@
 #
 #   OUT=DIR [BUDGET=seconds] bash bench/round5_gpu.sh PART...
 #   PART: setup tests pinprobe snapshots hangs peers replica recovery sweep
-#   (SNAP_RUNS, RECOVERY_ONLY, RECOVERY_COLD=0, SWEEP_ONLY, SWEEP_PRESET, PEER_GB pick what a part runs; SNAP_RUNS=defaults,
-#   defaults+warm is the A/B of warm worker starts)
+#   (SNAP_RUNS, RECOVERY_ONLY, RECOVERY_COLD=0, SWEEP_ONLY, SWEEP_PRESET, PEER_GB pick what a
+#   part runs; SNAP_RUNS=defaults,defaults+warm is the A/B of warm worker starts; TESTS_GATE=0
+#   runs the later parts after failed GPU tests)
 # A lease's commands last 10 minutes at most: start it detached and collect OUT from later calls
 #   setsid nohup env OUT=/tmp/r5 bash bench/round5_gpu.sh setup tests snapshots >/tmp/r5.log 2>&1 &
 set -uo pipefail

@@ -9,8 +9,9 @@ exists into a permanent generation that collections skip; refcounting still free
 objects, only a reference cycle among them is kept. torchtitan (``gc_freq``) and Megatron
 (``--manual-gc``) take the collections off the steps for the same reason.
 
-Frozen after the incarnation's first step (its model, optimizer state and compiled code exist,
-the step's temporaries are gone). Not under NVRx's in-process restart: there the incarnation's
+Frozen while the GPU runs the incarnation's second step (its model, optimizer state and
+compiled code exist, the first step's temporaries are gone, and the first step after a restore,
+part of the recovery, is not lengthened). Not under NVRx's in-process restart: there the incarnation's
 model and optimizer must be collectable when the function is left (FSDP's hooks make them a
 cycle), and unfreezing then would cost the restart the full collection the wrapper's start-up
 freeze avoids (:func:`.inprocess_restart._restartable`).
@@ -65,8 +66,3 @@ class CollectionClock:
         out = (self._seconds, self._full)
         self._seconds, self._full = 0.0, 0
         return out
-
-    def close(self) -> None:
-        """Removes the hook."""
-        if self._on_gc in gc.callbacks:
-            gc.callbacks.remove(self._on_gc)

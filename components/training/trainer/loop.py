@@ -155,19 +155,14 @@ class Trainer:
                 last_beat = time.perf_counter()  # the phase ends with a heartbeat
                 parts.mark("snapshot")
             self._emit_step(step, t0, loss_value, tokens_per_step, parts.take())
-            if steps_here == 1:
-                self._first_step_done()
+            if steps_here == 1 and ckpt.periodic:  # the state's final layout exists (optimizer)
+                ckpt.prepare(self.state)
             if step % t.log_every == 0 or step == t.steps:
                 elapsed = time.perf_counter() - t_first
                 tps = steps_here * tokens_per_step / max(elapsed, 1e-9)
                 eta = (t.steps - step) * elapsed / steps_here
                 log0(f"step {step}/{t.steps} loss {loss_value:.4f} tok/s {tps:,.0f} "
                      f"eta {eta:.0f}s")
-
-    def _first_step_done(self) -> None:
-        """The incarnation's state has its final layout (optimizer state, compiled code)."""
-        if self.ckpt.periodic:
-            self.ckpt.prepare(self.state)
 
     def _freeze_heap(self) -> float:
         """The incarnation's built heap leaves the garbage collector's full passes (:mod:`.heap`).

@@ -79,11 +79,14 @@ def clock_hooks(inprocess: Any, clock: RestartClock, on_abort: Callable[[], None
                 on_abort()
             t0 = time.time()
             try:
-                # FT: the abort of NVRx's in-process restart, its NCCL teardown moved off the path.
-                from kfp_nvrx.components.training.trainer.quick_abort import abort_in_background
+                if quick:
+                    # FT: NVRx's in-process abort, its NCCL teardown moved off the restart's path.
+                    from kfp_nvrx.components.training.trainer.quick_abort import (
+                        abort_in_background,
+                    )
 
-                if quick and abort_in_background(lambda line: print(line, flush=True)):
-                    return state
+                    if abort_in_background(lambda line: print(line, flush=True)):
+                        return state
                 return self.inner(state)
             finally:
                 clock.abort_s = time.time() - t0
