@@ -49,10 +49,10 @@ SCENARIOS = {
     # Issue 37 item 3's worst case: a second in-process restart in the same run (4 steps on).
     "raise-twice": {"faults": ["raise@{f}", "raise@{hang}"], "set": ["resilience.in_process=true"],
                     "kind": "in-process", "at": "fault"},
-    # The same with the quick abort (resilience.quick_abort: NCCL's teardown beside the restart).
-    "raise-quick": {"faults": ["raise@{f}", "raise@{hang}"],
-                    "set": ["resilience.in_process=true", "resilience.quick_abort=true"],
-                    "kind": "in-process", "at": "fault"},
+    # The same with NVRx's own abort, which waits for NCCL's teardown (resilience.quick_abort off).
+    "raise-nvrx": {"faults": ["raise@{f}", "raise@{hang}"],
+                   "set": ["resilience.in_process=true", "resilience.quick_abort=false"],
+                   "kind": "in-process", "at": "fault"},
     "kill": {"faults": ["kill@{f}"], "set": [], "kind": "in-job", "at": "fault"},
     "hang": {"faults": ["hang@{f}"], "set": [], "kind": "in-job", "at": "hang"},
     "kill-in-ckpt": {"faults": ["kill-in-ckpt@{f}"], "set": [], "kind": "in-job", "at": "ckpt"},

@@ -35,7 +35,7 @@ for part in "$@"; do
       --out "$OUT/peer_round_cost.json" 2>&1 | grep -v "Warning\|import pynvml" ;;
   hangs) python3 -m bench.startup_hangs --preset 1b --out "$OUT/startup_hangs_1b.json" \
       --budget "$(left)" 2>&1 | grep -v "Warning\|import pynvml" ;;
-  recovery) python3 -m bench.recovery --preset 1b --only "${RECOVERY_ONLY:-kill,raise-twice,raise-quick}" \
+  recovery) python3 -m bench.recovery --preset 1b --only "${RECOVERY_ONLY:-kill,raise-twice,raise-nvrx}" \
       --out "$OUT/recovery_1b.json" --keep-logs "$OUT/recovery_logs" 2>&1 | grep -v "Warning\|import pynvml"
     [[ ${RECOVERY_COLD:-1} == 0 ]] ||
     python3 -m bench.recovery --preset 1b --only kill --set resilience.warm_start=false \

@@ -216,13 +216,27 @@ def snapshot_lines(snaps: dict[str, Any]) -> list[str]:
     return lines
 
 
-#: A run name's suffix that runs it with warm worker starts (``defaults+warm``): the A/B of
-#: issue 37's zygote against the cold start, back to back on one machine.
-WARM_SUFFIX = "+warm"
+#: A run name's suffixes change it: ``+warm`` runs it with warm worker starts (issue 37's zygote
+#: against the cold start, back to back on one machine), ``+key=value`` adds that override
+#: (``defaults+train.step_parts=false``: the same run without the step-parts diagnostic).
+WARM_SUFFIX = "warm"
 
 
 def _spec(name: str) -> dict[str, Any]:
-    return RUNS[name.removesuffix(WARM_SUFFIX)]
+    return RUNS[name.split("+")[0]]
+
+
+def _suffix_overrides(name: str) -> list[str]:
+    """The overrides a run name's ``+`` suffixes add (see :data:`WARM_SUFFIX`)."""
+    out = []
+    for extra in name.split("+")[1:]:
+        if extra == WARM_SUFFIX:
+            out.append("resilience.warm_start=true")
+        elif "=" in extra:
+            out.append(extra)
+        else:
+            raise SystemExit(f"--only: unknown run suffix +{extra} (+warm or +key=value)")
+    return out
 
 
 def _training(preset: str, name: str, data: str, scale: float = 1.0) -> Training:
@@ -231,8 +245,7 @@ def _training(preset: str, name: str, data: str, scale: float = 1.0) -> Training
     faults = [f"kill@{int(steps * k)}" for k in spec.get("kills", ())]
     base = [f"data.path={data}", f"train.steps={steps}", "checkpoint.keep=1",
             f"train.log_every={max(10, steps // 10)}", "train.step_parts=true"]
-    warm = ["resilience.warm_start=true"] if name.endswith(WARM_SUFFIX) else []
-    return Training(preset, [*base, *spec["set"], *warm], faults)
+    return Training(preset, [*base, *spec["set"], *_suffix_overrides(name)], faults)
 
 
 def main(argv: list[str] | None = None) -> int:

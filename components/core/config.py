@@ -207,10 +207,10 @@ class ResilienceConfig(Section):
     last_call_wait: float = non_negative(0.1)
     # The in-process restart's abort: NCCL communicators aborted and torn down on a thread while
     # the next ones are made (NCCL's teardown waits up to a second for its proxy threads), torch's
-    # process groups forgotten at once. Off: NVRx's AbortTorchDistributed, which waits for it.
-    # Opt-in until it has run on a GPU (built in a session that could start none;
-    # docs/benchmarks/NOTES.md, 2026-12-06 20:17 UTC).
-    quick_abort: bool = False
+    # process groups forgotten at once. Off: NVRx's AbortTorchDistributed, which waits for it
+    # (at 1b on an H100 the wrapper's part of a restart took 0.18-0.20 s with it, 1.09-1.21 s
+    # without; docs/benchmarks/NOTES.md).
+    quick_abort: bool = True
     # ft_launcher polling period, seconds: --monitor-interval (how soon a failed worker is seen;
     # every agent also polls the rendezvous store at this rate) and, with NVRx >= 0.7,
     # --ft-gpu-memory-poll-interval (restarted workers wait for the failed ones' GPU memory to be

@@ -68,7 +68,9 @@ def test_an_in_process_restart_on_cuda_goes_through_the_quick_abort(tmp_path: Pa
     spec = JobSpec(nodes="1", run_dir=str(tmp_path / "run"), config="tiny", faults=["raise@6"],
                    overrides=[f"data.path={data}", "train.steps=12", "checkpoint.interval=4",
                               "train.device=cuda", "resilience.in_process=true",
-                              "resilience.quick_abort=true"])
+                              "resilience.quick_abort=true",
+                              # with NCCL the collectives' timeout must outlast the hard timeout
+                              "resilience.pg_timeout=30"])
     res = run_local(spec, log=lines.append, deadline_s=300)
     assert res.state == "Succeeded", (res.reason, res.last_log_lines)
     restarts = [e for e in read_events(tmp_path / "run") if isinstance(e, ev.Restart)]

@@ -346,3 +346,15 @@ def test_a_snapshot_run_repeats_warm_for_the_ab():
     cold, warm = _training("1b", "defaults", "/d"), _training("1b", "defaults+warm", "/d")
     assert warm.overrides == [*cold.overrides, "resilience.warm_start=true"]
     assert warm.faults == cold.faults
+
+
+def test_a_snapshot_run_name_adds_overrides_and_refuses_unknown_suffixes():
+    """``defaults+train.step_parts=false``: the same run without the step-parts diagnostic."""
+    from bench.snapshots import _training
+
+    base = _training("1b", "defaults", "/d")
+    off = _training("1b", "defaults+train.step_parts=false+warm", "/d")
+    assert off.overrides == [*base.overrides, "train.step_parts=false",
+                             "resilience.warm_start=true"]
+    with pytest.raises(SystemExit, match=r"\+bogus"):
+        _training("1b", "defaults+bogus", "/d")

@@ -39,8 +39,6 @@ PIN_DUTY = 1.0
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 #: Bytes per second a piece is assumed to pin at before one was timed (H100/H200: 2.5-3 GB/s).
 PIN_RATE_GUESS = 1e9
-#: Seconds a background piece waits for the loop to wait for the GPU before it goes paced.
-PIN_WAIT_TIMEOUT = 2.0
 #: Headroom left in /dev/shm beyond the banks (NCCL, DataLoader workers use it too).
 SHM_RESERVE = 1 << 30
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -145,10 +143,18 @@ def _host_register() -> Callable[[int, int, int], int]:
         with open("/proc/self/maps") as fh:
             path = cudart_path(fh.read())
         if path is not None:
-            fn = ctypes.CDLL(path).cudaHostRegister
+            lib = ctypes.CDLL(path)
+            fn, clear = lib.cudaHostRegister, lib.cudaGetLastError
             fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
-            fn.restype = ctypes.c_int
-            return lambda ptr, n, flags: int(fn(ptr, n, flags))
+            fn.restype = clear.restype = ctypes.c_int
+
+            def register(ptr: int, n: int, flags: int) -> int:
+                rc = int(fn(ptr, n, flags))
+                if rc != 0:  # the runtime keeps it as this thread's last error, which torch's
+                    clear()  # next kernel launch here would raise as its own (seen on an H100)
+                return rc
+
+            return register
     except (OSError, AttributeError):
         pass
     cudart = torch.cuda.cudart()
@@ -201,10 +207,10 @@ class _Bank:
 
         Each piece's pages are mapped first (``MADV_POPULATE_WRITE``, no data changes), then
         registered: both hold the process's memory map and the driver, so a kernel launch of the
-        training thread issued meanwhile waits. With ``waits`` (a background allocation) a piece
-        runs only while the loop's thread waits for the GPU with enough of its wait left
-        (:class:`.gpu_waits.GpuWaits`); else (the loop is not running, its waits are too short,
-        or the loop's own thread pins) the thread pauses after each piece as long as it took.
+        training thread issued meanwhile waits. A piece that finds the loop's thread waiting for
+        the GPU with room left in its wait (``waits``, a background allocation:
+        :class:`.gpu_waits.GpuWaits`) runs at once and is followed by the next; any other piece
+        is followed by a pause as long as it took, so the loop gets the driver half the time.
 
         Returns:
             How many pieces were pinned inside the loop's waits.
@@ -216,7 +222,7 @@ class _Bank:
         per_byte = 1 / PIN_RATE_GUESS  # seconds per byte of the slowest recent piece
         in_waits = 0
         for offset, length in ranges:
-            gated = waits is not None and waits.wait_for(per_byte * length, PIN_WAIT_TIMEOUT)
+            in_wait = waits is not None and waits.room(per_byte * length)
             t0 = time.perf_counter()
             _populate(base + offset, length)
             # Portable: page-locked for every device context of this process.
@@ -227,7 +233,7 @@ class _Bank:
             self.pinned.append(base + offset)
             took = time.perf_counter() - t0
             per_byte = max(per_byte * 0.5, took / max(length, 1))  # slower pieces count at once
-            if gated:
+            if in_wait:
                 in_waits += 1
             else:
                 time.sleep(PIN_DUTY * took)

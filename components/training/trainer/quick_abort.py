@@ -10,9 +10,9 @@ and torch's process-group bookkeeping is cleared at once, as ``destroy_process_g
 it, so that the next iteration's ``init_process_group`` (new communicators, on the wrapper's
 next store prefix) proceeds while the old ones are torn down.
 
-Opt-in (``resilience.quick_abort``) until it has run on a GPU. Only where a group has an NCCL
-backend: a gloo collective cannot be aborted, and there the wrapper's wait is for
-``pg_timeout``, not for a teardown (NVRx's abort runs unchanged).
+On by default (``resilience.quick_abort``; measured on an H100 at 1b: docs/benchmarks/NOTES.md).
+Only where a group has an NCCL backend: a gloo collective cannot be aborted, and there the
+wrapper's wait is for ``pg_timeout``, not for a teardown (NVRx's abort runs unchanged).
 """
 
 from __future__ import annotations
