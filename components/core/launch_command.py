@@ -246,7 +246,7 @@ def ft_launcher_argv(
         f"--rdzv-backend={RDZV_BACKEND}",
         *rdzv_flags,
         f"--local-addr={local_addr}",
-        f"--max-restarts={res.max_restarts}",
+        f"--max-restarts={agent_max_restarts(res.max_restarts)}",
         # FT: restarts stop workers at once; a stopped pod's workers save first (term_timeout_s).
         f"--workers-stop-timeout={stop_timeout_s(res):g}",
         f"--term-timeout={term_timeout_s(res):g}",
@@ -289,6 +289,19 @@ def in_process_env(gpu: bool) -> dict[str, str]:
     return env
 
 
+def agent_max_restarts(max_restarts: int) -> int:
+    """ft_launcher's own restart count (``--max-restarts``, ``PET_MAX_RESTARTS``): one over the job's.
+
+    ``resilience.max_restarts`` is the job's budget, judged by rank 0 when a restart starts
+    (:mod:`.rounds`). An agent's count is only a backstop, and it may reach the job's: a fault on
+    one node can fail every node's workers (their collectives with it break), and each agent
+    counts that as a failure of its own. Given the job's number, every agent could give up at the
+    restart that spends the budget, before rank 0 says why (a 2-node run failed with "ft_launcher
+    exited 1" and no verdict); one more lets that restart start and rank 0 judge it.
+    """
+    return max_restarts + 1
+
+
 def pet_env(
     *, nnodes: str, nproc_per_node: int, rdzv_endpoint: str, rdzv_id: str, max_restarts: int
 ) -> dict[str, str]:
@@ -299,5 +312,5 @@ def pet_env(
         "PET_RDZV_ENDPOINT": rdzv_endpoint,
         "PET_RDZV_ID": rdzv_id,
         "PET_RDZV_BACKEND": RDZV_BACKEND,
-        "PET_MAX_RESTARTS": str(max_restarts),
+        "PET_MAX_RESTARTS": str(agent_max_restarts(max_restarts)),
     }

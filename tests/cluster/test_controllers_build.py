@@ -26,6 +26,7 @@ from harness.kutil import (
 from harness.truth_rows import shape_spec
 from support.rendering import render_pytorchjob, render_trainjob
 
+from kfp_nvrx.components.core.launch_command import agent_max_restarts
 from kfp_nvrx.components.launch.pytorchjob import render as pytorchjob
 from kfp_nvrx.components.launch.trainjob.runtime import build_runtime
 from kfp_nvrx.components.launch.trainjob.validate import node_pod
@@ -259,7 +260,8 @@ def test_pytorchjob_pods_and_services_are_what_we_rendered(kube, space) -> None:
         assert env["PET_RDZV_ENDPOINT"] == {"value": f"{name}-worker-0:{pytorchjob.RDZV_PORT}"}
         assert env["PET_RDZV_BACKEND"] == {"value": "c10d"}
         assert env["PET_NPROC_PER_NODE"] == {"value": "8"}
-        assert env["PET_MAX_RESTARTS"] == {"value": str(rendered.config.resilience.max_restarts)}
+        assert env["PET_MAX_RESTARTS"] == {
+            "value": str(agent_max_restarts(rendered.config.resilience.max_restarts))}
         assert env["PYTHONUNBUFFERED"] == {"value": "1"} and "PET_RDZV_ID" not in env
         for k, v in _norm_env(want["env"]).items():
             assert env[k] == v, k

@@ -56,7 +56,8 @@ def test_golden_manifest(filename: str) -> None:
 def test_p5_manifest_has_what_p5_needs() -> None:
     m = render_pytorchjob(GOLDEN_SPECS["pytorchjob_p5.yaml"]).to_dict()
     spec, c = m["spec"], _container(m)
-    assert spec["elasticPolicy"] == {"maxReplicas": 4, "maxRestarts": 3, "minReplicas": 2,
+    # maxRestarts: ft_launcher's backstop, one over the job's resilience.max_restarts (3)
+    assert spec["elasticPolicy"] == {"maxReplicas": 4, "maxRestarts": 4, "minReplicas": 2,
                                      "rdzvBackend": "c10d"}
     assert spec["nprocPerNode"] == "8" and _worker(m)["replicas"] == 4
     assert _worker(m)["restartPolicy"] == "ExitCode"
@@ -100,7 +101,7 @@ def test_container_command_is_the_launch_local_builder() -> None:
         command = _container(rendered.to_dict())["command"]
         assert command == [*POD_ENTRY, *expected]
         assert "--local-addr=$(POD_IP)" in command
-        assert f"--max-restarts={res.max_restarts}" in command
+        assert f"--max-restarts={res.max_restarts + 1}" in command  # the backstop: agent_max_restarts
         # No profile watches link_downed: EFA has no such counter (profiles.py).
         assert "--ft-enable-nic-monitor=False" in command
         assert not any(a.startswith("--ft-restart-policy=") for a in command)

@@ -24,6 +24,7 @@ from types import FrameType
 from typing import Any
 
 from kfp_nvrx.components.core.events import End, Event, read_events
+from kfp_nvrx.components.core.exits import BUDGET_SPENT
 from kfp_nvrx.components.core.host_copy import NODE_ENV, remove_run_copy
 from kfp_nvrx.components.core.launch_command import (
     FtLauncher,
@@ -321,7 +322,10 @@ class LocalRun:
         bad = next((a for a in self.agents if a.gave_up), failing[0] if failing else self.agents[0])
         result.last_log_lines = bad.disk_full.clean(list(bad.tail)[-20:])
         if bad.gave_up:  # a worker's own verdict (the job's budget, a diverged loss)
-            result.reason = f"node{bad.idx} {bad.gave_up[:400]}"
+            # The budget was spent on restarts that met a full disk: that is what to fix.
+            full = next((a.disk_full.line for a in self.agents if a.disk_full.line), "")
+            cause = f"{full}; " if full and BUDGET_SPENT in bad.gave_up else ""
+            result.reason = f"node{bad.idx} {cause}{bad.gave_up[:400]}"
             return
         last_err = bad.disk_full.line or next(
             (ln for ln in reversed(result.last_log_lines) if "error" in ln.lower()), "")

@@ -28,6 +28,7 @@ from kubeflow.training import models
 from kubeflow.training.constants import constants
 from kubernetes import client as k8s
 
+from kfp_nvrx.components.core.launch_command import agent_max_restarts
 from kfp_nvrx.components.core.pod_entry import PEER_WAIT_ENV
 from kfp_nvrx.components.launch.job_api import Rendered
 from kfp_nvrx.components.launch.jobspec import naming
@@ -109,7 +110,8 @@ def build_pytorchjob(job: ResolvedJob) -> RenderedJob:
                 rdzv_backend="c10d",
                 min_replicas=job.min_nodes,
                 max_replicas=job.max_nodes,
-                max_restarts=job.config.resilience.max_restarts,
+                # the operator passes it on as PET_MAX_RESTARTS: ft_launcher's backstop
+                max_restarts=agent_max_restarts(job.config.resilience.max_restarts),
             ),
             nproc_per_node=str(job.procs_per_node),
             pytorch_replica_specs={
