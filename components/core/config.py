@@ -100,6 +100,8 @@ class TrainConfig(Section):
     step_sleep: float = non_negative(0.0)
     # A diagnostic: every step event also says where the step's time went (`parts`: the loop's
     # thread between marks, the GPU's span), to tell a thread that waited from slower kernels.
+    # It costs time itself: at 1b on an H100 the step after each snapshot took 0.53 s with it
+    # against 0.30 s without (docs/benchmarks/NOTES.md), so time nothing with it on.
     step_parts: bool = False
     # Bitwise-reproducible steps: deterministic kernels, math SDPA, fixed cuBLAS workspace. A run
     # with faults then ends with exactly the weights of a fault-free run (costs step time on GPU).
