@@ -67,59 +67,55 @@ def test_room_only_inside_a_wait_with_room_left():
     assert all(inside for ok, inside in answers if ok)
 
 
-def _recording_register(monkeypatch, seen: list[bool], loop_box: list[_Loop],
-                        seconds: float) -> None:
+def _recording_register(monkeypatch, seen: list[bool], loop: _Loop, seconds: float) -> None:
     """Registration is CUDA's; here a recorder stands in for it (taking ``seconds``) and notes
     whether the loop was waiting for the GPU when each piece was registered."""
     def register(ptr: int, n: int, flags: int) -> int:
-        seen.append(loop_box[0].inside)
+        seen.append(loop.inside)
         time.sleep(seconds)
         return 0
 
     monkeypatch.setattr(bank_mod, "_host_register", lambda: register)
 
 
-def test_bank_pins_in_the_loops_waits_where_it_finds_them(monkeypatch, tmp_path):
-    seen: list[bool] = []
-    loop_box: list[_Loop] = []
-    _recording_register(monkeypatch, seen, loop_box, 0.005)
-    waits = GpuWaits()
+def _pin_beside(loop: _Loop, tmp_path, count: int, settle) -> tuple[int, float]:
+    """Pins a bank of ``count`` pieces while ``loop`` runs (once ``settle()`` returned):
+    the pieces pinned in its waits and the seconds it took."""
     bank = bank_mod._Bank(0, tmp_path / "bank-0")
-    piece, count = 64 << 10, 40
+    piece = 64 << 10
     bank.map(piece * count, create=True)
     try:
-        with _Loop(waits, busy=0.1, wait=0.3) as loop:
-            loop_box.append(loop)
-            time.sleep(0.5)
-            in_waits = bank.pin([(i * piece, piece) for i in range(count)], waits)
+        with loop:
+            settle()
+            t0 = time.perf_counter()
+            in_waits = bank.pin([(i * piece, piece) for i in range(count)], loop.waits)
+            return in_waits, time.perf_counter() - t0
     finally:
         bank.pinned = []  # nothing was registered for real
         bank.unmap()
-    assert len(seen) == count and 0 < in_waits <= seen.count(True)
+
+
+def test_bank_pins_in_the_loops_waits_where_it_finds_them(monkeypatch, tmp_path):
+    seen: list[bool] = []
+    loop = _Loop(GpuWaits(), busy=0.1, wait=0.3)
+    _recording_register(monkeypatch, seen, loop, 0.005)
+    in_waits, _ = _pin_beside(loop, tmp_path, 40, lambda: time.sleep(0.5))
+    assert len(seen) == 40 and 0 < in_waits <= seen.count(True)
 
 
 def test_no_piece_waits_for_the_loop_to_wait(monkeypatch, tmp_path):
     # A loop that seldom waits for the GPU: the pieces go paced rather than holding the bank
     # back until a wait opens (that made 1b banks take 20-27 s instead of ~10 s).
     seen: list[bool] = []
-    loop_box: list[_Loop] = []
-    _recording_register(monkeypatch, seen, loop_box, 0.01)
-    waits = GpuWaits()
-    bank = bank_mod._Bank(0, tmp_path / "bank-0")
-    piece, count = 64 << 10, 10
-    bank.map(piece * count, create=True)
-    try:
-        with _Loop(waits, busy=1.5, wait=0.2) as loop:
-            loop_box.append(loop)
-            while not waits.budget():
-                time.sleep(0.01)
-            t0 = time.perf_counter()
-            bank.pin([(i * piece, piece) for i in range(count)], waits)
-            took = time.perf_counter() - t0
-    finally:
-        bank.pinned = []
-        bank.unmap()
-    assert len(seen) == count
+    loop = _Loop(GpuWaits(), busy=1.5, wait=0.2)
+    _recording_register(monkeypatch, seen, loop, 0.01)
+
+    def first_wait_measured() -> None:
+        while not loop.waits.budget():
+            time.sleep(0.01)
+
+    _, took = _pin_beside(loop, tmp_path, 10, first_wait_measured)
+    assert len(seen) == 10
     assert took < 1.2, took  # paced: ~0.2 s; waiting for the next wait: 1.5 s at least
 
 
