@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -295,3 +296,40 @@ def test_agent_stream_shows_what_matters_and_logs_everything(tmp_path):
                      "[node0] [rank1]: Traceback (most recent call last):",
                      "[node0] [rank1]: ValueError: a real error"]
     assert (tmp_path / "node0.log").read_text().splitlines() == lines
+
+
+_COUNTS_SIGTERMS = """
+import signal, sys, time
+got = []
+signal.signal(signal.SIGTERM, lambda *_: got.append(1))
+for line in sys.argv[1:]:
+    print(line, flush=True)
+deadline = time.time() + 3
+while time.time() < deadline:
+    time.sleep(0.05)
+print(f"sigterms {len(got)}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("verdict", [False, True])
+def test_an_agent_is_sigtermed_once_and_not_by_us_after_its_worker_gave_up(tmp_path, verdict):
+    """ft_launcher raises a second SIGTERM during its exit as a SignalException traceback, which
+    reached a failed run's last lines (the launcher stopped every agent twice, and the one whose
+    worker gave up had that worker's SIGTERM too: ``job.give_up``)."""
+    from kfp_nvrx.components.core.exits import GAVE_UP
+    from kfp_nvrx.components.launch.local.agent import Agent, NodeOutput
+
+    lines = ["[trainer] step 4/8 loss 4.0"] + ([f"{GAVE_UP} the job's in-job restarts are used up"]
+                                              if verdict else [])
+    agent = Agent(0, [sys.executable, "-c", _COUNTS_SIGTERMS, *lines], dict(os.environ),
+                  NodeOutput(lambda _line: None, False, tmp_path / "node0.log"))
+    while len(agent.tail) < len(lines):  # the agent said all it had to say
+        assert agent.proc.poll() is None
+        time.sleep(0.05)
+    agent.terminate()  # as _stop_agents does: terminate every agent, then stop each
+    time.sleep(0.3)  # the first is handled by then (two at once would be one pending signal)
+    agent.stop(grace=10)
+    agent.thread.join(10)
+    assert agent.tail[-1] == f"sigterms {0 if verdict else 1}"
+    if verdict:
+        assert agent.verdict_tail == lines

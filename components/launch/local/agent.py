@@ -97,6 +97,10 @@ class Agent:
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
         self.exited_at: float | None = None  # when the launcher first saw it gone
         self.gave_up = ""  # a worker's verdict: the job's restart budget is spent, or divergence
+        self.verdict_tail: list[str] = []  # its last lines up to the verdict (then: its shutdown)
+        # SIGTERMed once (by us, or by the worker that gave up: job.give_up): a second SIGTERM
+        # while ft_launcher exits is raised in its exit handlers as a SignalException traceback.
+        self.signalled = False
         # Set once the launcher stops this agent (a cancel, another node's failure): what it
         # prints while stopping (NVRx's asyncio CancelledError traceback, SignalException
         # lines) is its shutdown, not news; it goes to the node log only.
@@ -135,6 +139,8 @@ class Agent:
                     continue
                 if GAVE_UP in line and not self.gave_up:
                     self.gave_up = line[line.index(GAVE_UP):]
+                    self.verdict_tail = list(self.tail)
+                    self.signalled = True  # the worker that said it stops this agent
                 for shown_line in shown.lines(line, self.disk_full.check(line)):
                     out.log(f"[node{self.idx}] {shown_line}")
         finally:
@@ -143,7 +149,8 @@ class Agent:
     def terminate(self) -> None:
         """Ask the agent to stop (it stops its workers, who save first on a stop request)."""
         self.stopping = True
-        if self.proc.poll() is None:
+        if self.proc.poll() is None and not self.signalled:
+            self.signalled = True
             # ft_launcher alone, as a pod's entry point signals it: it stops its workers (who
             # save first on a stop request) and then its own helpers; SIGTERM to the whole
             # group would kill those helpers (rank monitors, the checkpoint writer) under a save.

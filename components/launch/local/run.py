@@ -320,7 +320,7 @@ class LocalRun:
         # The agent that failed first holds the cause; the others report its consequences.
         failing.sort(key=lambda a: a.exited_at or float("inf"))
         bad = next((a for a in self.agents if a.gave_up), failing[0] if failing else self.agents[0])
-        result.last_log_lines = bad.disk_full.clean(list(bad.tail)[-20:])
+        result.last_log_lines = bad.disk_full.clean((bad.verdict_tail or list(bad.tail))[-20:])
         if bad.gave_up:  # a worker's own verdict (the job's budget, a diverged loss)
             # The budget was spent on restarts that met a full disk: that is what to fix.
             full = next((a.disk_full.line for a in self.agents if a.disk_full.line), "")
