@@ -4,7 +4,8 @@
 # NVLink multicast off and writes the versions the results are recorded with to $OUT/versions.txt.
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 gpu_setup() {
-  python3 -m pip install -q --no-index --no-deps .whl/nvidia_resiliency_ext-*.whl .whl/defusedxml-*.whl
+  python3 -m pip install -q --no-index --no-deps .whl/nvidia_resiliency_ext-*.whl .whl/defusedxml-*.whl \
+    .whl/crc32c-*.whl
   python3 -m pip install -q --no-index --no-deps --no-build-isolation . >/dev/null
   python3 -c 'import pytest' 2>/dev/null ||
     python3 -m pip install -q --no-index --no-deps .whl/pytest-*.whl .whl/pluggy-*.whl .whl/iniconfig-*.whl

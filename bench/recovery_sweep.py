@@ -10,7 +10,7 @@ of the next step, split as ``bench.recovery`` splits it), hang detection, the st
 the state came from (host memory, disk, or nothing) and the save -> commit lag.
 
 ``python -m bench.recovery_sweep --preset 1b --out recovery_sweep_1b.json [--seed 29]
-[--only kill,hang] [--budget 560] [--skip-runs N]``: runs stop being started when fewer than
+[--only kill,hang] [--budget 560] [--skip-runs N] [--set key=value]``: runs stop being started when fewer than
 ``--budget`` seconds would be left for one; the JSON is rewritten after every run, so a sweep
 split over several machine leases is merged from its parts (``--merge``).
 """
@@ -150,7 +150,8 @@ def measure(run: dict[str, Any], result: dict[str, Any], interval: int) -> dict[
 
 def _slowest_after(events: list[dict[str, Any]]) -> list[list[Any]]:
     """The three slowest steps of each restarted incarnation: [steps after its start, seconds],
-    and the step's parts when the run recorded them (``train.step_parts``)."""
+    and the step's parts when the run recorded them (``--set train.step_parts=true``; the
+    diagnostic costs time itself, so the sweep runs without it)."""
     out: list[list[Any]] = []
     starts = [e for e in events if e["type"] == "start"][1:]
     for start in starts:
@@ -202,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-runs", type=int, default=0, help="plan indices already run")
     p.add_argument("--budget", type=float, default=0, help="seconds; 0: no limit")
     p.add_argument("--merge", nargs="*", help="merge these part files into --out and exit")
+    p.add_argument("--set", action="append", default=[], dest="sets",
+                   help="a config override for every run (key=value), e.g. resilience.warm_start=true")
     args = p.parse_args(argv)
     if args.merge:
         merge(args.merge, args.out)
@@ -216,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     data = make_dataset(work, load_config(args.preset).data.seq_len)
     res: dict[str, Any] = {"bench": "recovery sweep", "preset": args.preset, "seed": args.seed,
                            "machine": {**machine_info(), "date": time.strftime("%Y-%m-%d")},
-                           "plan": "bench.recovery_sweep.plan", "runs": []}
+                           "plan": "bench.recovery_sweep.plan", "set": args.sets, "runs": []}
     for run in runs:
         left = args.budget - (time.time() - t0)
         # A run's length: the longest so far per planned step (or the preset's guess), + 30 %.
@@ -228,9 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = work / f"run_{run['index']}"
         base = [f"data.path={data}", f"train.steps={run['steps']}",
                 f"checkpoint.interval={pre['interval']}", "checkpoint.keep=1",
-                "checkpoint.save_final=false", "resilience.workers_stop_timeout=5",
-                "train.step_parts=true"]  # the slow steps after a restart, split by part
-        layer_set = KINDS.get(run["kind"], {"set": []})["set"]
+                "checkpoint.save_final=false", "resilience.workers_stop_timeout=5"]
+        layer_set = [*KINDS.get(run["kind"], {"set": []})["set"], *args.sets]
         timeout = left - 5 if args.budget else pre["run_s"] * 4
         result = run_trainer("ft", Training(args.preset, [*base, *layer_set], run["faults"]),
                              run_dir, timeout=timeout)

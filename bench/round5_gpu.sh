@@ -6,9 +6,10 @@
 #
 #   OUT=DIR [BUDGET=seconds] bash bench/round5_gpu.sh PART...
 #   PART: setup tests pinprobe snapshots hangs peers replica recovery sweep
-#   (SNAP_RUNS, RECOVERY_ONLY, RECOVERY_COLD=0, SWEEP_ONLY, SWEEP_PRESET, PEER_GB pick what a
-#   part runs; SNAP_RUNS=defaults,defaults+warm is the A/B of warm worker starts; TESTS_GATE=0
-#   runs the later parts after failed GPU tests)
+#   (SNAP_RUNS, RECOVERY_ONLY, RECOVERY_SET, RECOVERY_COLD=0, SWEEP_ONLY, SWEEP_SET, SWEEP_PRESET,
+#   PEER_GB pick what a part runs; *_SET is one key=value override for every run of the part;
+#   SNAP_RUNS=defaults,defaults+warm is the A/B of warm worker starts; TESTS_GATE=0 runs the
+#   later parts after failed GPU tests)
 # A lease's commands last 10 minutes at most: start it detached and collect OUT from later calls
 #   setsid nohup env OUT=/tmp/r5 bash bench/round5_gpu.sh setup tests snapshots >/tmp/r5.log 2>&1 &
 set -uo pipefail
@@ -36,12 +37,12 @@ for part in "$@"; do
   hangs) python3 -m bench.startup_hangs --preset 1b --out "$OUT/startup_hangs_1b.json" \
       --budget "$(left)" 2>&1 | grep -v "Warning\|import pynvml" ;;
   recovery) python3 -m bench.recovery --preset 1b --only "${RECOVERY_ONLY:-kill,raise-twice,raise-nvrx}" \
-      --out "$OUT/recovery_1b.json" --keep-logs "$OUT/recovery_logs" 2>&1 | grep -v "Warning\|import pynvml"
+      ${RECOVERY_SET:+--set "$RECOVERY_SET"} --out "$OUT/recovery_1b.json" --keep-logs "$OUT/recovery_logs" 2>&1 | grep -v "Warning\|import pynvml"
     [[ ${RECOVERY_COLD:-1} == 0 ]] ||
     python3 -m bench.recovery --preset 1b --only kill --set resilience.warm_start=false \
       --out "$OUT/recovery_1b_cold.json" 2>&1 | grep -v "Warning\|import pynvml" ;;
   sweep) python3 -m bench.recovery_sweep --preset "${SWEEP_PRESET:-1b}" --budget "$(left)" \
-      ${SWEEP_ONLY:+--only "$SWEEP_ONLY"} --out "$OUT/recovery_sweep_${SWEEP_PRESET:-1b}.json" 2>&1 | grep -v "Warning\|import pynvml" ;;
+      ${SWEEP_ONLY:+--only "$SWEEP_ONLY"} ${SWEEP_SET:+--set "$SWEEP_SET"} --out "$OUT/recovery_sweep_${SWEEP_PRESET:-1b}.json" 2>&1 | grep -v "Warning\|import pynvml" ;;
   *) echo "unknown part $part" ;;
   esac
   echo "== $part: rc=$? $((SECONDS - t0))s"

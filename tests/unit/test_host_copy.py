@@ -153,7 +153,7 @@ def test_a_damaged_bank_is_caught_by_its_crc_and_never_taken_again(run_dir, pg):
     bank.write_bytes(bytes(data))
     again, resumed, target, notes = _restart(run_dir, cfg)
     assert resumed == newest and not again.restored_from_memory
-    assert any("host memory is damaged" in n and "CRC32" in n for n in notes), notes
+    assert any("host memory is damaged" in n and "CRC-32C" in n for n in notes), notes
     _assert_equal(_tensors(target), _tensors(_disk(run_dir, newest)))  # from the intact files
     again.close()
     # Its description is gone: the next restart does not trip over it again.

@@ -18,7 +18,7 @@ import torch
 
 from kfp_nvrx.components.core.host_copy import NODE_ENV, host_copy_dir, node_copy_dir
 from kfp_nvrx.components.launch.local.run import free_port
-from kfp_nvrx.components.training.checkpoint.hostcopy import HostCopyDir
+from kfp_nvrx.components.training.checkpoint.hostcopy import MANIFEST_VERSION, HostCopyDir
 from kfp_nvrx.components.training.checkpoint.peers import peer_ranks, plan_restore
 from kfp_nvrx.components.training.checkpoint.replicas import ReplicaRefused, check_manifest
 
@@ -65,7 +65,7 @@ def test_a_manifest_of_another_run_step_rank_or_size_is_refused(tmp_path) -> Non
     run.mkdir()
     (run / "config.yaml").write_text("model: {}\n")
     home = HostCopyDir(run, 0, 2)
-    good = {"version": 2, "run_dir": home.run_dir, "run": "99:" + home.run.partition(":")[2],
+    good = {"version": MANIFEST_VERSION, "run_dir": home.run_dir, "run": "99:" + home.run.partition(":")[2],
             "rank": 1, "world_size": 2, "step": 12, "bank": 0, "nbytes": 8,
             "slots": [], "objects": {"__dict__": []}, "crc32": [[0, 8, 1]]}
     assert check_manifest(good, home, 1, 12) is good  # another node's device number: one run

@@ -57,7 +57,9 @@ from kfp_nvrx.components.core.host_copy import (
 from kfp_nvrx.components.core.rundir import CONFIG_FILE
 from kfp_nvrx.components.errors import UserError
 
-MANIFEST_VERSION = 2
+#: 3: the banks' pieces carry CRC-32C (2: zlib's CRC-32), so a bank an older worker described is
+#: read from the volume instead.
+MANIFEST_VERSION = 3
 #: Names of the directories under the base that we create (a run key, or a private one).
 _OURS = re.compile(r"^([0-9a-f]{16}|private-\d+-\d+)$")
 

@@ -1,22 +1,25 @@
-"""CRC32 of a staging bank's pieces: taken when a snapshot is complete, checked when it is loaded.
+"""CRC-32C of a staging bank's pieces: taken when a snapshot is complete, checked when it is loaded.
 
 A bank outlives the worker that staged it (a file under ``/dev/shm``), so what a restarted worker
-loads from it must be the bytes that were staged: the same check the disk checkpoints get (their
-commit marker's CRC32s). The pieces are the bank's pinning ranges (whole tensors, ~256 MiB), so a
-restore that copies piece by piece checks each one as it goes. ``zlib.crc32`` releases the GIL, so
-a few threads take 13 GB in well under a second on a GPU host; the trainer's loop thread is not
-held (the check of a new snapshot runs in the background).
+loads from it must be the bytes that were staged, as the disk checkpoints' commit markers check
+theirs. The pieces are the bank's pinning ranges (whole tensors, ~256 MiB), so a restore that
+copies piece by piece checks each one as it goes. The check is on every restore's path: with
+``zlib.crc32`` (2 GB/s a thread) eight threads took 0.8 s of a 13.25 GB in-process restore whose
+copy to the GPU takes 0.24 s, so the banks use CRC-32C (Castagnoli), which the ``crc32c`` package
+computes with the CPU's CRC instruction at ~10 GB/s a thread, releasing the GIL: the trainer's
+loop thread is not held (the check of a new snapshot runs in the background). The disk tier keeps
+zlib's CRC-32: its markers outlive the process and are read by every later version.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-import zlib
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+import crc32c
 import torch
 
 from kfp_nvrx.components.training.checkpoint.bank import _Bank, _pin_ranges, _slot_rows
@@ -29,17 +32,17 @@ if TYPE_CHECKING:
 THREADS = max(1, min(8, (os.cpu_count() or 2) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
 
 
-#: Bytes per CRC32 piece of a bank (whole tensors; a check runs one piece per thread).
+#: Bytes per CRC-32C piece of a bank (whole tensors; a check runs one piece per thread).
 CRC_CHUNK = 256 << 20
 
 
 class SnapshotDamaged(RuntimeError):
-    """A bank's bytes do not match the CRC32 taken when its snapshot was complete."""
+    """A bank's bytes do not match the CRC-32C taken when its snapshot was complete."""
 
 
 def crc_of(buffer: torch.Tensor) -> int:
-    """CRC32 of a contiguous host uint8 tensor's bytes (no copy)."""
-    return zlib.crc32(buffer.numpy()) if buffer.numel() else 0  # type: ignore[arg-type]
+    """CRC-32C of a contiguous host uint8 tensor's bytes (no copy; the GIL is released)."""
+    return crc32c.crc32c(buffer.numpy()) if buffer.numel() else 0
 
 
 def piece_crcs(buffer: torch.Tensor, pieces: Iterable[tuple[int, int]],
@@ -53,12 +56,12 @@ def piece_crcs(buffer: torch.Tensor, pieces: Iterable[tuple[int, int]],
 
 def check_pieces(buffer: torch.Tensor, expected: list[list[int]],
                  pool: ThreadPoolExecutor | None = None) -> None:
-    """Raises :class:`SnapshotDamaged` naming the first piece whose CRC32 differs."""
+    """Raises :class:`SnapshotDamaged` naming the first piece whose CRC-32C differs."""
     got = piece_crcs(buffer, [(off, n) for off, n, _ in expected], pool)
     for (off, n, want), (_, _, crc) in zip(expected, got, strict=True):
         if want != crc:
             raise SnapshotDamaged(f"bytes {off}..{off + n} changed since the snapshot was "
-                                  f"taken (CRC32 {crc:08x}, recorded {want:08x})")
+                                  f"taken (CRC-32C {crc:08x}, recorded {want:08x})")
 
 
 class BackgroundCheck:
@@ -90,7 +93,7 @@ class BackgroundCheck:
 
 
 class Sealer:
-    """Seals complete snapshots: takes their CRC32s and publishes their manifests, off the loop.
+    """Seals complete snapshots: takes their CRC-32Cs and publishes their manifests, off the loop.
 
     Args:
         home: The rank's host copy directory (where manifests are published).
@@ -101,7 +104,7 @@ class Sealer:
     def __init__(self, home: HostCopyDir, lock: threading.Lock) -> None:
         self.home = home
         self.lock = lock
-        self.sealed_step: int | None = None  # newest snapshot whose CRC32s are taken
+        self.sealed_step: int | None = None  # newest snapshot whose CRC-32Cs are taken
         self._thread: threading.Thread | None = None
         self._pool: ThreadPoolExecutor | None = None
 
