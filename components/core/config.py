@@ -193,11 +193,11 @@ class ResilienceConfig(Section):
     stop_save_timeout: float = non_negative(60.0)
     in_process: bool = False
     # Each agent keeps a warm process (torch, NVRx and the trainer imported; CUDA untouched) that
-    # forks its workers, so an in-job restart skips 2-3 s of imports (issue 37: 5.0-5.4 s against
-    # 8.4 s cold at 1b on an H100, nothing loaded). Opt-in: in the one 1b snapshot run with it, the
-    # steps beside the pinning, snapshots and writes stalled 8.4 % against 2.4-2.8 % cold (not yet
-    # A/B'd on one machine; docs/benchmarks/NOTES.md). Costs a Python process per node.
-    warm_start: bool = False
+    # forks its workers, so an in-job restart skips 2-3 s of imports: a kill at 1b on an H100 came
+    # back in 5.41 s with it, loading 13.25 GB from host memory (8.4 s cold, nothing loaded), and
+    # snapshots beside its forked workers stalled 0.45 % of step time against 0.41 % cold, one
+    # run each on one machine (docs/benchmarks/NOTES.md). Costs a Python process per node.
+    warm_start: bool = True
     in_process_max_iterations: int = positive(3)
     soft_timeout: float = positive(60.0)
     hard_timeout: float = positive(90.0)

@@ -1,7 +1,7 @@
 """Issue 37 item 2 on CPU: workers started warm from their agent's zygote.
 
 Real ft_launcher agents (NVRx 0.4.1 here), gloo, 2 local nodes x 1 process, the tiny preset with
-``resilience.warm_start=true`` (off by default). Every incarnation
+``resilience.warm_start=true`` (the default, set explicitly). Every incarnation
 must start from the zygote (its ``boot`` has ``handoff``, no ``imports``), and every fault path a
 cold worker takes must end the same way: restarts == faults with final weights bitwise equal to a
 cold, fault-free run; a stop saves its step; workers name (and, to end the job, signal) their
@@ -41,7 +41,7 @@ def dataset(tmp_path_factory) -> str:
 def reference(tmp_path_factory, dataset):
     """A cold, fault-free run."""
     run_dir = tmp_path_factory.mktemp("ref") / "run"
-    train(run_dir, dataset, BASE)
+    train(run_dir, dataset, [*BASE, "resilience.warm_start=false"])
     return final_weights(run_dir, STEPS)
 
 

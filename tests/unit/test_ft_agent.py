@@ -168,7 +168,7 @@ def test_the_pod_env_and_the_local_agents_ask_for_warm_starts_as_the_config_says
     from kfp_nvrx.components.core.launch_command import WARM_START_ENV, agent_env
     from kfp_nvrx.components.core.pod_env import default_env
 
-    on, off = ResilienceConfig(warm_start=True), ResilienceConfig()
+    on, off = ResilienceConfig(), ResilienceConfig(warm_start=False)  # on by default
     assert agent_env(on) == {WARM_START_ENV: "1"} and agent_env(off) == {}
     for gpu in (False, True):
         assert default_env(gpu, on, "/fsx/run")[WARM_START_ENV] == "1"

@@ -95,7 +95,8 @@ def test_sdk_env_runs_the_line_the_launcher_renders() -> None:
     assert run.argv() == _launched(overrides=SETS, faults=["kill@14/1"])
     assert run.trainer.run_dir == f"/fsx/runs/{NAME}"
     assert run.env(env) == {"KFP_NVRX_RUN_DIR": f"/fsx/runs/{NAME}",
-                            "KFP_NVRX_RUN_HOLDER": f"k8s:{NS}/{NAME}"}
+                            "KFP_NVRX_RUN_HOLDER": f"k8s:{NS}/{NAME}",
+                            "KFP_NVRX_WARM_START": "1"}  # resilience.warm_start, on by default
 
 
 def test_trainer_args_say_the_same_as_env() -> None:
