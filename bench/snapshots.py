@@ -173,7 +173,12 @@ def measure(events: list[dict[str, Any]], quiet_s: float | None = None,
 
 
 def _recovery(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per fault: the step resumed from, steps redone, from memory or the volume."""
+    """Per fault: the step resumed from, steps redone, from memory or the volume.
+
+    Steps redone are the steps done before the fault that the restart did again: the newest step
+    completed before it minus the step resumed from (as ``bench.recovery_sweep`` counts them). A
+    kill "at step N" lands before step N runs, so N itself is not among them.
+    """
     out = []
     faults = [e for e in events if e["type"] == "fault"]
     starts = [e for e in events if e["type"] == "start"]
@@ -182,8 +187,10 @@ def _recovery(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if nxt is None:
             continue
         resumed = nxt.get("resumed_from")
+        done = max((e["step"] for e in events if e["type"] == "step" and e["end"] <= f["time"]),
+                   default=0)
         out.append({"fault": f"{f['kind']}@{f['step']}", "resumed_from": resumed,
-                    "steps_redone": f["step"] - (resumed or 0), "from_memory": nxt.get("from_memory"),
+                    "steps_redone": done - (resumed or 0), "from_memory": nxt.get("from_memory"),
                     "load_s": nxt.get("load_s")})
     return out
 

@@ -314,6 +314,20 @@ def test_a_sweep_row_counts_restarts_redone_steps_and_the_source():
     assert s["restarts_equal_faults"] and s["kill"]["steps_redone_worst"] == 4
 
 
+def test_snapshot_bench_counts_the_steps_done_before_a_kill_as_redone_not_the_killed_one():
+    """A kill at step 62 lands before step 62 runs: resumed from 44, steps 45-61 are redone (17)."""
+    from bench.snapshots import _recovery
+
+    events: list[dict] = [{"type": "start", "time": 0.0, "resumed_from": None}]
+    events += [{"type": "step", "step": s, "start": s - 1.0, "end": float(s)} for s in range(1, 62)]
+    events += [{"type": "fault", "kind": "kill", "step": 62, "time": 61.1},
+               {"type": "start", "time": 66.0, "resumed_from": 44, "from_memory": True,
+                "load_s": 1.0}]
+    events += [{"type": "step", "step": s, "start": s + 21.0, "end": s + 22.0} for s in range(45, 70)]
+    assert _recovery(events) == [{"fault": "kill@62", "resumed_from": 44, "steps_redone": 17,
+                                  "from_memory": True, "load_s": 1.0}]
+
+
 def test_snapshot_bench_splits_each_kind_of_steps_excess_by_the_steps_parts():
     from bench.snapshots import measure
 
