@@ -42,7 +42,7 @@ class SnapshotDamaged(RuntimeError):
 
 def crc_of(buffer: torch.Tensor) -> int:
     """CRC-32C of a contiguous host uint8 tensor's bytes (no copy; the GIL is released)."""
-    return crc32c.crc32c(buffer.numpy()) if buffer.numel() else 0
+    return crc32c.crc32c(buffer.numpy().data) if buffer.numel() else 0
 
 
 def piece_crcs(buffer: torch.Tensor, pieces: Iterable[tuple[int, int]],
