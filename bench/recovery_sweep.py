@@ -85,12 +85,14 @@ def plan(preset: str, seed: int, per_kind: int, kinds: list[str]) -> list[dict[s
 def _start_up_hangs(interval: int, rng: random.Random) -> list[dict[str, Any]]:
     """Issue 37: a hang in a run's first 10 steps, and one within 10 steps after a restart.
 
-    The kill lands 1-2 steps past the first snapshot, so the restart resumes from it and the hang
-    comes 3-10 steps into the restarted incarnation.
+    The kill lands 3-5 steps past the first snapshot, once its copies (beside the next step) are
+    done and it is sealed: a kill as the step after a snapshot begins resumes from the snapshot
+    before (1b on an H100: a kill at 62 resumed from 44, not 61). The restart resumes from that
+    first snapshot and the hang comes 4-10 steps into the restarted incarnation.
     """
     early = rng.randint(3, 10)
-    kill = interval + rng.randint(1, 2)
-    hang = interval + rng.randint(max(3, kill - interval + 1), 10)
+    kill = interval + rng.randint(3, 5)
+    hang = rng.randint(kill + 1, interval + 10)
     return [{"kind": "hang-start", "faults": [f"hang@{early}"], "fault_steps": [early]},
             {"kind": "kill+hang-restart", "faults": [f"kill@{kill}", f"hang@{hang}"],
              "fault_steps": [kill, hang]}]
@@ -229,8 +231,11 @@ def main(argv: list[str] | None = None) -> int:
             log(f"sweep: {left:.0f}s left, run {run['index']} needs ~{need:.0f}s: stopping")
             break
         run_dir = work / f"run_{run['index']}"
+        # Snapshots by steps (the presets' interval_s would take over): the plan's fault steps
+        # are placed against them (a kill during a save's write, a kill past the first one).
         base = [f"data.path={data}", f"train.steps={run['steps']}",
-                f"checkpoint.interval={pre['interval']}", "checkpoint.keep=1",
+                f"checkpoint.interval={pre['interval']}", "checkpoint.interval_s=0",
+                "checkpoint.keep=1",
                 "checkpoint.save_final=false", "resilience.workers_stop_timeout=5"]
         layer_set = [*KINDS.get(run["kind"], {"set": []})["set"], *args.sets]
         timeout = left - 5 if args.budget else pre["run_s"] * 4
