@@ -45,6 +45,8 @@ GROUP_GRACE_S = 1.0
 GROUP_POLL_S = 0.02
 #: Seconds the agent waits for its zygote's imports before it starts workers cold instead.
 ZYGOTE_READY_S = 120.0
+#: Seconds the agent gives its zygote to kill its workers' groups and exit before SIGKILL.
+ZYGOTE_STOP_S = 5.0
 
 
 def live_groups(pgids: Iterable[int]) -> set[int]:
@@ -177,10 +179,18 @@ class WarmStarts:
                   file=sys.stderr, flush=True)
 
     def close(self) -> None:
-        """Stops the zygote (and any worker it still has) and removes its socket."""
+        """Stops the zygote (and any worker it still has, helpers and all) and removes its socket.
+
+        SIGTERM first: the zygote kills its workers' process groups before it exits (a SIGKILLed
+        zygote's workers die by their death signal, leaving what they spawned into their groups).
+        """
         os.environ.pop(ZYGOTE_ENV, None)
-        self.proc.kill()
-        self.proc.wait()
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=ZYGOTE_STOP_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

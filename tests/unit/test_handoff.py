@@ -61,6 +61,11 @@ def _worker(request: dict[str, Any]) -> int:
                       "env": os.environ.get("HANDOFF_TEST", ""),
                       "agent": os.environ.get(AGENT_PID_ENV, ""), "pgid": os.getpgid(0)}),
           flush=True)
+    if what in ("helper", "helper-exit"):  # a helper in the worker's group (as NVRx's writer)
+        helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+        print(json.dumps({"helper": helper.pid}), flush=True)
+        if what == "helper-exit":
+            return 0
     if what == "exit":
         return int(request["argv"][2])
     if what == "kill":
@@ -76,6 +81,7 @@ def _worker(request: dict[str, Any]) -> int:
 
 def _serve(path: str) -> None:
     zygote = Zygote(path, run=_worker)
+    zygote.stop_on(signal.SIGTERM)  # as the zygote's main sets it up
     zygote.listen()
     zygote.serve()
 
@@ -235,6 +241,43 @@ def test_a_worker_dies_with_its_zygote(tmp_path):
     while _alive(worker) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not _alive(worker)  # PR_SET_PDEATHSIG
+
+
+def _gone(pid: int, timeout: float = 30) -> bool:
+    deadline = time.monotonic() + timeout
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return not _alive(pid)
+
+
+def test_a_stopped_zygote_takes_its_workers_helpers_along(tmp_path):
+    """The agent is gone (the zygote's death signal is SIGTERM): the workers' groups are killed,
+    helpers included, which a worker's own SIGKILL by its death signal would leave running."""
+    path = str(tmp_path / "z.sock")
+    zpid = os.fork()
+    if zpid == 0:
+        try:
+            _serve(path)
+        finally:
+            os._exit(1)
+    while not os.path.exists(path):
+        time.sleep(0.01)
+    proc = _stand_in(path, "helper")
+    worker = _first_line(proc)["pid"]
+    helper = _first_line(proc)["helper"]
+    os.kill(zpid, signal.SIGTERM)
+    os.waitpid(zpid, 0)
+    proc.wait(timeout=30)
+    assert _gone(worker) and _gone(helper)
+
+
+def test_what_an_ended_worker_left_in_its_group_goes_with_it(zygote):
+    """As ft_launcher kills a cold worker's group when it closes it."""
+    proc = _stand_in(zygote, "helper-exit")
+    _first_line(proc)
+    helper = _first_line(proc)["helper"]
+    assert proc.wait(timeout=30) == 0
+    assert _gone(helper)
 
 
 def _alive(pid: int) -> bool:

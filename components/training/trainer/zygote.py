@@ -9,9 +9,11 @@ the trainer's ``main``, in a session of its own; the zygote tells the stand-in h
 (exit code or signal) and SIGKILLs the child's process group when the stand-in goes away first
 (ft_launcher stopped that worker).
 
-Lifetimes: the zygote dies with the agent (``PR_SET_PDEATHSIG``) and every child with the zygote,
-so no process outlives the agent; a child's own helpers (NVRx's checkpoint writer) share its
-process group, which is what is killed when its stand-in is gone.
+Lifetimes: the zygote dies with the agent (``PR_SET_PDEATHSIG``: SIGTERM, on which it SIGKILLs
+every child's process group first) and every child with the zygote, so no process outlives the
+agent; a child's own helpers (NVRx's checkpoint writer, spawned into its process group) die with
+that group, which is killed when its stand-in is gone, when the child ended (as ft_launcher kills
+a cold worker's group when it closes it) and when the zygote is stopped.
 """
 
 from __future__ import annotations
@@ -38,10 +40,10 @@ REQUEST_WAIT_S = 5.0
 _PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent(parent: int) -> None:
-    """SIGKILL this process when its parent dies; exits at once if it already has."""
+def die_with_parent(parent: int, sig: signal.Signals = signal.SIGKILL) -> None:
+    """Send ``sig`` to this process when its parent dies; exits at once if it already has."""
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+    if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
     if os.getppid() != parent:  # the parent was gone before the request took effect
         os._exit(1)
@@ -86,6 +88,24 @@ class Zygote:
         self.run = run or run_worker
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.children: list[Child] = []
+        self.pid = os.getpid()
+
+    def stop_on(self, sig: signal.Signals = signal.SIGTERM) -> None:
+        """On ``sig`` (the agent is gone, or stops it): every child's group is killed, then exit.
+
+        A worker SIGKILLed by its own death signal leaves the helpers it spawned into its group
+        (NVRx's checkpoint writer) running: nothing but this kills that group then.
+        """
+        def stop(_signum: int, _frame: object) -> None:
+            if os.getpid() != self.pid:  # a fork that has not reset its dispositions yet
+                signal.signal(sig, signal.SIG_DFL)
+                os.kill(os.getpid(), sig)
+                return
+            for child in self.children:
+                _kill_group(child.pid)
+            os._exit(0)
+
+        signal.signal(sig, stop)
 
     def listen(self) -> None:
         """Binds under a temporary name and renames, so a client never finds a dead socket."""
@@ -135,7 +155,8 @@ class Zygote:
             self._orphaned(self.children[-1])
 
     def _ended(self, child: Child) -> None:
-        """The worker ended: its stand-in ends the same way."""
+        """The worker ended: what is left of its group goes too, its stand-in ends the same way."""
+        _kill_group(child.pid)  # before the reap: the zombie keeps its pid from being reused
         _, status = os.waitpid(child.pid, 0)
         end = ({"signal": os.WTERMSIG(status)} if os.WIFSIGNALED(status)
                else {"exit": os.waitstatus_to_exitcode(status)})
@@ -154,12 +175,7 @@ class Zygote:
         Reaped when its pidfd says it ended; the loop serves other hand-offs meanwhile (a worker
         with a GPU context takes most of a second to die).
         """
-        for kill in (os.killpg, os.kill):  # the group exists once the child called setsid
-            try:
-                kill(child.pid, signal.SIGKILL)
-                break
-            except ProcessLookupError:
-                continue
+        _kill_group(child.pid)
         assert child.conn is not None
         child.conn.close()
         child.conn = None
@@ -193,6 +209,16 @@ class Zygote:
                 except (OSError, ValueError):
                     pass
             os._exit(code)
+
+
+def _kill_group(pid: int) -> None:
+    """SIGKILLs the process group of the child ``pid`` (the child alone before its setsid)."""
+    for kill in (os.killpg, os.kill):  # the group exists once the child called setsid
+        try:
+            kill(pid, signal.SIGKILL)
+            return
+        except ProcessLookupError:
+            continue
 
 
 def take_over(request: dict[str, Any]) -> None:
@@ -248,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m kfp_nvrx.components.training.trainer.zygote SOCKET PARENT_PID",
               file=sys.stderr)
         return 2
-    die_with_parent(int(args[1]))
+    # SIGTERM, not SIGKILL: stop_on() below kills the workers' groups before the zygote goes.
+    die_with_parent(int(args[1]), signal.SIGTERM)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a ^C is the agent's to handle
     t0 = time.time()
     warm_up()
@@ -261,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
               "cold", file=sys.stderr, flush=True)
         return 1
     zygote = Zygote(args[0])
+    zygote.stop_on(signal.SIGTERM)
     zygote.listen()
     print(f"[zygote] warm in {time.time() - t0:.1f} s: workers start from {Path(args[0]).name}",
           file=sys.stderr, flush=True)  # nothing left buffered to fork
