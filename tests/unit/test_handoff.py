@@ -222,7 +222,8 @@ def test_no_zygote_means_a_cold_start(tmp_path):
     assert hand_off(["x", "--check"], time.time()) is None  # the preflight never hands off
 
 
-def test_a_worker_dies_with_its_zygote(tmp_path):
+def _zygote_of_our_own(tmp_path: Path) -> tuple[int, str]:
+    """A zygote this test stops itself (the fixture's is killed at the end): (its pid, socket)."""
     path = str(tmp_path / "z.sock")
     zpid = os.fork()
     if zpid == 0:
@@ -232,15 +233,17 @@ def test_a_worker_dies_with_its_zygote(tmp_path):
             os._exit(1)
     while not os.path.exists(path):
         time.sleep(0.01)
+    return zpid, path
+
+
+def test_a_worker_dies_with_its_zygote(tmp_path):
+    zpid, path = _zygote_of_our_own(tmp_path)
     proc = _stand_in(path, "sleep")
     worker = _first_line(proc)["pid"]
     os.kill(zpid, signal.SIGKILL)
     os.waitpid(zpid, 0)
     assert proc.wait(timeout=30) == -signal.SIGKILL  # the stand-in reports a lost worker
-    deadline = time.monotonic() + 30
-    while _alive(worker) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not _alive(worker)  # PR_SET_PDEATHSIG
+    assert _gone(worker)  # PR_SET_PDEATHSIG
 
 
 def _gone(pid: int, timeout: float = 30) -> bool:
@@ -253,15 +256,7 @@ def _gone(pid: int, timeout: float = 30) -> bool:
 def test_a_stopped_zygote_takes_its_workers_helpers_along(tmp_path):
     """The agent is gone (the zygote's death signal is SIGTERM): the workers' groups are killed,
     helpers included, which a worker's own SIGKILL by its death signal would leave running."""
-    path = str(tmp_path / "z.sock")
-    zpid = os.fork()
-    if zpid == 0:
-        try:
-            _serve(path)
-        finally:
-            os._exit(1)
-    while not os.path.exists(path):
-        time.sleep(0.01)
+    zpid, path = _zygote_of_our_own(tmp_path)
     proc = _stand_in(path, "helper")
     worker = _first_line(proc)["pid"]
     helper = _first_line(proc)["helper"]
