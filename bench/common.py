@@ -93,6 +93,14 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a and b else None
 
 
+def newest_step_done(events: list[dict[str, Any]], t: float) -> int:
+    """The newest step an events.jsonl records as ended by time ``t`` (0: none).
+
+    Steps redone by a restart are counted from it: a fault "at step N" lands before N runs.
+    """
+    return max((e["step"] for e in events if e["type"] == "step" and e["end"] <= t), default=0)
+
+
 def write_json(path: str | os.PathLike, obj: Any) -> None:
     """Writes ``obj`` as indented JSON (creating parent directories)."""
     path = Path(path)

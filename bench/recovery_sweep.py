@@ -10,9 +10,9 @@ of the next step, split as ``bench.recovery`` splits it), hang detection, the st
 the state came from (host memory, disk, or nothing) and the save -> commit lag.
 
 ``python -m bench.recovery_sweep --preset 1b --out recovery_sweep_1b.json [--seed 29]
-[--only kill,hang] [--budget 560] [--skip-runs N] [--set key=value]``: runs stop being started when fewer than
-``--budget`` seconds would be left for one; the JSON is rewritten after every run, so a sweep
-split over several machine leases is merged from its parts (``--merge``).
+[--only kill,hang] [--budget 560] [--skip-runs N] [--set key=value]``: runs stop being started
+when fewer than ``--budget`` seconds would be left for one; the JSON is rewritten after every
+run, so a sweep split over several machine leases is merged from its parts (``--merge``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import log, machine_info, make_dataset, write_json
+from bench.common import log, machine_info, make_dataset, newest_step_done, write_json
 from bench.recovery import _DETECT, split
 from bench.runs import Training, run_trainer
 
@@ -104,8 +104,7 @@ def _steps_redone(events: list[dict[str, Any]]) -> list[int]:
     for i, start in enumerate(e for e in events if e["type"] == "start"):
         if i == 0:
             continue
-        done = [e["step"] for e in events if e["type"] == "step" and e["end"] <= start["time"]]
-        out.append(max(done, default=0) - (start.get("resumed_from") or 0))
+        out.append(newest_step_done(events, start["time"]) - (start.get("resumed_from") or 0))
     return out
 
 
@@ -235,8 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         # are placed against them (a kill during a save's write, a kill past the first one).
         base = [f"data.path={data}", f"train.steps={run['steps']}",
                 f"checkpoint.interval={pre['interval']}", "checkpoint.interval_s=0",
-                "checkpoint.keep=1",
-                "checkpoint.save_final=false", "resilience.workers_stop_timeout=5"]
+                "checkpoint.keep=1", "checkpoint.save_final=false",
+                "resilience.workers_stop_timeout=5"]
         layer_set = [*KINDS.get(run["kind"], {"set": []})["set"], *args.sets]
         timeout = left - 5 if args.budget else pre["run_s"] * 4
         result = run_trainer("ft", Training(args.preset, [*base, *layer_set], run["faults"]),

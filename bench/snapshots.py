@@ -26,7 +26,7 @@ import statistics
 import time
 from typing import Any
 
-from bench.common import log, start_bench, write_json
+from bench.common import log, newest_step_done, start_bench, write_json
 from bench.runs import Training, run_trainer
 
 #: The runs: name -> (overrides, faults, steps per second of the preset's quiet step).
@@ -187,10 +187,9 @@ def _recovery(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if nxt is None:
             continue
         resumed = nxt.get("resumed_from")
-        done = max((e["step"] for e in events if e["type"] == "step" and e["end"] <= f["time"]),
-                   default=0)
         out.append({"fault": f"{f['kind']}@{f['step']}", "resumed_from": resumed,
-                    "steps_redone": done - (resumed or 0), "from_memory": nxt.get("from_memory"),
+                    "steps_redone": newest_step_done(events, f["time"]) - (resumed or 0),
+                    "from_memory": nxt.get("from_memory"),
                     "load_s": nxt.get("load_s")})
     return out
 
