@@ -17,7 +17,7 @@ gpu_setup() {
     python3 -c 'import torch, importlib.metadata as m; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", ".".join(map(str, torch.cuda.nccl.version())), "nvrx", m.version("nvidia-resiliency-ext"))'
     python3 --version; nproc; free -g | head -2; df -h / /dev/shm | tail -2
     python3 -c 'import sympy, os; print("bytecode cached:", os.path.exists(sympy.__cached__))'
-    git log -1 --format='commit %H %cd' 2>/dev/null || true
+    echo "tree of commit ${LEASE_COMMIT:-unknown (set LEASE_COMMIT)}"
   } > "$OUT/versions.txt" 2>&1
   cat "$OUT/versions.txt"
 }

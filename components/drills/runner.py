@@ -41,6 +41,7 @@ from kfp_nvrx.components.drills.scenarios import (
     SURVIVE,
     Placement,
     Scenario,
+    check_config,
     select,
 )
 from kfp_nvrx.components.launch.local.lifetime import processes_with_env
@@ -76,12 +77,13 @@ class _Ctx:
     ckpt_bytes: int
     log: Callable[[str], None]
     place: Placement
+    config: str = "tiny"
 
     def overrides(self, sc: Scenario | None) -> list[str]:
         return [f"data.path={self.data}", *BASE_OVERRIDES, *self.place.overrides(sc)]
 
 
-def _train(run: _Run, overrides: list[str], faults: list[str], nodes: str,
+def _train(run: _Run, config: str, overrides: list[str], faults: list[str], nodes: str,
            action: Action | None = None) -> Any:
     from kfp_nvrx.components.launch.jobspec.resolve import LOCAL, resolve
     from kfp_nvrx.components.launch.jobspec.spec import JobSpec
@@ -93,7 +95,7 @@ def _train(run: _Run, overrides: list[str], faults: list[str], nodes: str,
             if action is not None:
                 action.on_line(line)
 
-        spec = JobSpec(nodes=nodes, run_dir=str(run.dir), config="tiny", overrides=overrides,
+        spec = JobSpec(nodes=nodes, run_dir=str(run.dir), config=config, overrides=overrides,
                        faults=faults, env={DRILL_ENV: run.token})
         return LocalRun(resolve(spec, LOCAL), log=log, deadline_s=DEADLINE_S, verbose=True,
                         on_start=action.on_start if action is not None else None).run()
@@ -204,7 +206,7 @@ def _scenario(sc: Scenario, ctx: _Ctx) -> Row:
         return row
     try:
         with Watcher(action):
-            res = _train(run, ctx.overrides(sc), ctx.place.faults(sc), nodes, action)
+            res = _train(run, ctx.config, ctx.overrides(sc), ctx.place.faults(sc), nodes, action)
     finally:
         action.teardown()
     row.state = res.state
@@ -223,7 +225,7 @@ def _sigterm(sc: Scenario, ctx: _Ctx, relaunch: bool) -> Row:
     t0 = time.time()
     nodes = str(ctx.place.world)
     argv = [sys.executable, "-m", "kfp_nvrx.components.cli", "launch-local", "--nodes", nodes,
-            "--run-dir", str(run.dir), "--config", "tiny", "--verbose"]
+            "--run-dir", str(run.dir), "--config", ctx.config, "--verbose"]
     for item in ctx.overrides(sc):
         argv += ["--set", item]
     rc, t_sig = _launch_then_stop(argv, run, row, t0)
@@ -235,7 +237,7 @@ def _sigterm(sc: Scenario, ctx: _Ctx, relaunch: bool) -> Row:
         row.wall_s = round(time.time() - t0, 1)
         row.passed = not row.failures
         return row
-    res = _train(run, ctx.overrides(sc), [], nodes)
+    res = _train(run, ctx.config, ctx.overrides(sc), [], nodes)
     row.state = f"Cancelled, relaunch {res.state}"
     _common(row, sc, ctx, run, res)
     first = next((e for e in read_events(run.dir)[len(events):] if isinstance(e, Step)), None)
@@ -289,12 +291,12 @@ def _check_stopped(row: Row, run: _Run, rc: int, t_sig: float) -> list[Event]:
     return events
 
 
-def _reference(ctx_out: Path, data: str,
-               place: Placement) -> tuple[dict[str, Any] | None, int, float]:
+def _reference(ctx_out: Path, data: str, place: Placement,
+               config: str) -> tuple[dict[str, Any] | None, int, float]:
     run = _Run.named(ctx_out, "reference")
     run_dir = run.dir
     t0 = time.time()
-    res = _train(run, [f"data.path={data}", *BASE_OVERRIDES, *place.overrides(None)], [],
+    res = _train(run, config, [f"data.path={data}", *BASE_OVERRIDES, *place.overrides(None)], [],
                  str(place.world))
     if not res.succeeded:
         raise DrillError(f"the fault-free reference run {res.state}: {res.reason} (see "
@@ -322,8 +324,8 @@ def _gpu_line(place: Placement) -> str:
 
 
 def run_drill(out: str | os.PathLike, *, quick: bool = False, names: list[str] | None = None,
-              log: Callable[[str], None] = print,
-              place: Placement | None = None) -> tuple[list[Row], dict[str, Any]]:
+              log: Callable[[str], None] = print, place: Placement | None = None,
+              config: str = "tiny") -> tuple[list[Row], dict[str, Any]]:
     """Runs the reference and the chosen scenarios; writes ``drill.json``/``drill.md`` as it goes.
 
     Args:
@@ -332,12 +334,13 @@ def run_drill(out: str | os.PathLike, *, quick: bool = False, names: list[str] |
         names: Only these scenarios (overrides ``quick``).
         log: Progress lines.
         place: CPU (default) or CUDA with 1-2 GPUs.
+        config: The job's preset (:data:`...scenarios.CONFIGS`; the larger ones on CUDA only).
 
     Returns:
         (rows, meta) as written to the reports.
 
     Raises:
-        UserError: Unknown scenario names.
+        UserError: Unknown scenario names, or a preset the placement cannot run.
         DrillError: The fault-free reference did not succeed.
     """
     import torch
@@ -345,27 +348,32 @@ def run_drill(out: str | os.PathLike, *, quick: bool = False, names: list[str] |
     from kfp_nvrx.components.data.prepare import prepare_dataset
 
     scenarios = select(names, quick)
+    place = place or Placement()
+    check_config(config, place)
     from kfp_nvrx.components.core.ownership import reset_out_dir
 
-    place = place or Placement()
     out = reset_out_dir(Path(out).absolute(), ("runs", "logs"), "out")  # only a folder we made
     for sub in ("runs", "logs"):
         (out / sub).mkdir(parents=True)
     data = out / "data"
-    prepare_dataset("sample:400", data, seq_len=64, log=lambda _m: None)
-    log(f"drill: reference run ({STEPS} steps, {place.label}, tiny) ...")
-    reference, ckpt_bytes, ref_s = _reference(out, str(data), place)
-    ctx = _Ctx(out, str(data), reference, ckpt_bytes, log, place)
+    from kfp_nvrx.components.core.config import load_config
+
+    # The bundled sample wraps around: it holds ~70k tokens, enough for any preset's seq_len.
+    prepare_dataset("sample:400", data, seq_len=load_config(config).data.seq_len,
+                    log=lambda _m: None)
+    log(f"drill: reference run ({STEPS} steps, {place.label}, {config}) ...")
+    reference, ckpt_bytes, ref_s = _reference(out, str(data), place, config)
+    ctx = _Ctx(out, str(data), reference, ckpt_bytes, log, place, config)
     from importlib.metadata import version
 
     meta = {
         "mode": "quick" if quick and not names else ("selected" if names else "full"),
-        "setup": f"tiny preset, {place.label}, {STEPS} steps, a committed "
+        "setup": f"{config} preset, {place.label}, {STEPS} steps, a committed "
                  f"checkpoint every {INTERVAL}; fault-free reference {ref_s:.0f} s. "
                  f"{os.cpu_count()} CPUs, Python {platform.python_version()}, torch "
                  f"{torch.__version__}, nvidia-resiliency-ext {version('nvidia-resiliency-ext')}, "
                  f"{time.strftime('%Y-%m-%d')}.{_gpu_line(place)}",
-        "steps": STEPS, "interval": INTERVAL, "reference_s": round(ref_s, 1),
+        "config": config, "steps": STEPS, "interval": INTERVAL, "reference_s": round(ref_s, 1),
     }
     rows: list[Row] = []
     for sc in scenarios:

@@ -1,8 +1,9 @@
-"""The drill matrix: one scenario per fault, all on the same tiny job.
+"""The drill matrix: one scenario per fault, all on the same job (``tiny`` unless told).
 
 Every final weight can so be compared bitwise with one fault-free reference run.
 
-The job: ``tiny`` preset, 2 local nodes x 1 process, :data:`STEPS` steps, a snapshot every
+The job: ``tiny`` preset (``drill --config 125m`` on CUDA: the same schedule on a real model
+size, where the bitwise resume matters), 2 local nodes x 1 process, :data:`STEPS` steps, a snapshot every
 :data:`INTERVAL` steps and its durable write whenever the writer is free (all kept: the drills
 exercise the durable tier at every snapshot). Healthy 0.4 s steps: the writer process is up
 and writing within the first snapshots even on a busy machine (a write never waits for it: on a
@@ -23,9 +24,16 @@ from kfp_nvrx.components.errors import UserError
 #: process may be up only ~15 s in (its imports), the first commit a few steps later.
 STEPS = 24
 INTERVAL = 4
-#: Overrides every drill run shares (the reference too): same steps, schedule and data.
-BASE_OVERRIDES = (f"train.steps={STEPS}", f"checkpoint.interval={INTERVAL}", "checkpoint.keep=4",
-                  "checkpoint.persist_duty=1", "train.step_sleep=0.4")
+#: Overrides every drill run shares (the reference too): same steps, schedule and data. Snapshots
+#: go by steps (the larger presets' ``interval_s`` would take over): the faults are placed
+#: against them.
+BASE_OVERRIDES = (f"train.steps={STEPS}", f"checkpoint.interval={INTERVAL}",
+                  "checkpoint.interval_s=0", "checkpoint.keep=4", "checkpoint.persist_duty=1",
+                  "train.step_sleep=0.4")
+#: The presets a drill may run: ``tiny`` anywhere, the larger ones on CUDA only (a 2-rank gloo
+#: drill of 125m would take hours on a CPU). 8b needs more than one GPU's memory per rank.
+CONFIGS = ("tiny", "125m", "1b")
+CPU_CONFIGS = ("tiny",)
 #: In-process restart on gloo (see ``trainer.bootstrap.check_in_process_timeouts``).
 IN_PROCESS = ("resilience.in_process=true", "resilience.monitor=off",
               "resilience.learn_timeouts=false", "resilience.soft_timeout=6",
@@ -158,6 +166,15 @@ class Placement:
         if most <= self.world:
             return nodes
         return None if ":" in nodes else str(self.world)
+
+
+def check_config(config: str, place: Placement) -> None:
+    """Refuses a preset the drill does not run, or one too large for the placement's device."""
+    if config not in CONFIGS:
+        raise UserError("config", f"is {config!r}; the drill runs {', '.join(CONFIGS)}")
+    if place.device == "cpu" and config not in CPU_CONFIGS:
+        raise UserError("config", f"{config} drills run on CUDA only (2 gloo ranks of it would "
+                        "take hours); use --device cuda on a GPU host, or --config tiny")
 
 
 def select(names: list[str] | None, quick: bool) -> list[Scenario]:

@@ -13,7 +13,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Runs a fault-free reference and then each fault scenario (kill a rank, lose "
         "a node, hang, raise in-process, kill during a checkpoint write, corrupt/truncated "
         "checkpoint, disk full, two quick faults, launcher SIGTERM, more faults than "
-        "max_restarts) on a tiny job with 2 local nodes; prints one row per scenario and writes "
+        "max_restarts) on a tiny job (--config) with 2 local nodes; prints one row per scenario and writes "
         "drill.json and drill.md. Exit code 0 when every scenario met its expectation.")
     p.add_argument("--quick", action="store_true",
                    help="only the CI subset (corrupt-newest, launcher-sigterm, max-restarts)")
@@ -27,12 +27,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "deterministic steps; auto = cuda when this host shows a GPU (default)")
     p.add_argument("--gpus", type=int, default=None, choices=(1, 2),
                    help="GPUs (ranks) on CUDA (default: 2 when the host has 2 or more, else 1)")
+    p.add_argument("--config", default="tiny", metavar="PRESET",
+                   help="the job's preset: tiny (default), or 125m / 1b on CUDA, where the "
+                   "bitwise resume of every fault is checked on a real model size")
     p.add_argument("--list", action="store_true", help="list the scenarios and exit")
     p.set_defaults(handler=_run)
 
 
 #: The drill library's fields -> this command's flags (its errors name the flag the user typed).
-FLAGS = {"scenario": "--scenario", "out": "--out"}
+FLAGS = {"scenario": "--scenario", "out": "--out", "config": "--config"}
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -52,7 +55,7 @@ def _drill(args: argparse.Namespace) -> int:
             print(f"{sc.name:<18} {'[quick] ' if sc.quick else ''}{sc.what} -> {sc.expect}")
         return 0
     select(args.scenario, args.quick)  # a typo fails before anything starts
-    from kfp_nvrx.components.drills.scenarios import Placement
+    from kfp_nvrx.components.drills.scenarios import Placement, check_config
     from kfp_nvrx.components.errors import UserError
     from kfp_nvrx.components.launch.local.gpus import uses_cuda, visible_gpus
 
@@ -66,12 +69,14 @@ def _drill(args: argparse.Namespace) -> int:
         if world > len(gpus):
             raise UserError("--gpus", f"asks for {world} GPUs, this host has {len(gpus)}")
         place = Placement("cuda", world)
+    check_config(args.config, place)  # before the output directory is touched
     from kfp_nvrx.components.drills.results import JSON_FILE, MD_FILE, table
     from kfp_nvrx.components.drills.runner import DrillError, run_drill
 
     try:
         rows, _meta = run_drill(args.out, quick=args.quick, names=args.scenario,
-                                log=lambda m: print(m, flush=True), place=place)
+                                log=lambda m: print(m, flush=True), place=place,
+                                config=args.config)
     except DrillError as err:
         sys.stderr.write(f"kfp-nvrx drill: {err}\n")
         return 1
