@@ -5,13 +5,15 @@
 # to WAIT seconds for the batch and copy what it wrote so far (/tmp/r5) into the call's $OUT.
 #
 #   bash bench/lease_round5.sh start PART...   (environment: round5_gpu.sh's, e.g. BUDGET)
-#   bash bench/lease_round5.sh wait
+#   [LEFT_S=seconds] bash bench/lease_round5.sh wait   (LEFT_S: the device time the lease has
+#   left, as its last reply said; the batch's parts then budget against it)
 set -uo pipefail
 what=${1:?start PART... | wait}; shift
 if [[ $what == start ]]; then
-  rm -rf /tmp/w /tmp/r5 && mkdir -p /tmp/w && cp -a . /tmp/w/
+  rm -rf /tmp/w /tmp/r5 /tmp/r5.deadline && mkdir -p /tmp/w && cp -a . /tmp/w/
   (cd /tmp/w && setsid nohup env OUT=/tmp/r5 bash bench/round5_gpu.sh "$@" >/tmp/r5.log 2>&1 </dev/null &)
 fi
+[[ -n ${LEFT_S:-} ]] && echo $(($(date +%s) + LEFT_S)) > /tmp/r5.deadline
 for ((i = 0; i < ${WAIT:-540}; i += 5)); do
   grep -q "^== done" /tmp/r5.log 2>/dev/null && break
   sleep 5

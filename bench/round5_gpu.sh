@@ -19,7 +19,12 @@ OUT=${OUT:?set OUT}
 BUDGET=${BUDGET:-1200}
 mkdir -p "$OUT"
 source bench/gpu_setup.sh
-left() { echo $((BUDGET - SECONDS)); }
+# Seconds left: to the epoch in /tmp/r5.deadline when a later call wrote one (the device time the
+# lease reported left, known only once the machine has started), else BUDGET from the start.
+left() {
+  if [[ -s /tmp/r5.deadline ]]; then echo $(($(cat /tmp/r5.deadline) - $(date +%s)))
+  else echo $((BUDGET - SECONDS)); fi
+}
 # A sweep's run count: SWEEP_RUNS_<preset> (e.g. SWEEP_RUNS_125m), else SWEEP_RUNS, else all.
 runs_of() { local v="SWEEP_RUNS_$1"; echo "${!v:-${SWEEP_RUNS:-0}}"; }
 # The seconds a part may use: what is left, at most $1 when that is set and > 0.
