@@ -66,6 +66,52 @@ def recovery_lines(by_preset: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
+def sweep_lines(sweeps: dict[str, dict[str, Any]], drill: dict[str, Any]) -> list[str]:
+    """Markdown: every fault of the recovery sweeps, its recovery split into its parts, and the
+    bitwise resume of each fault kind (``kfp-nvrx drill --config 125m``, ``drill_125m.json``)."""
+    from bench.recovery_sweep import fault_rows
+
+    lines: list[str] = []
+    for preset, sw in sweeps.items():
+        if not sw.get("runs"):
+            continue
+        m = sw.get("machine", {})
+        lines += ["", f"## Recovery sweep, {preset} (`bench.recovery_sweep`, seed {sw.get('seed')})",
+                  "", f"{m.get('gpu', '?')}, driver {m.get('driver', '?')}, NVRx "
+                  f"{m.get('nvidia_resiliency_ext', '?')}, {m.get('date', '?')}, commit "
+                  f"{sw.get('commit') or m.get('commit', '?')}"
+                  f"{', ' + ' '.join(sw['set']) if sw.get('set') else ''}. Fault steps drawn per kind "
+                  "over runs of >= 100 steps, snapshots every "
+                  f"{sw['runs'][0]['interval']} steps; one row per fault (a two-fault run has two). "
+                  "Parts as in the recovery table above; total = fault → end of the first step "
+                  "after it.", "",
+                  "| run | fault | total s | " + " | ".join(p for _, p in PARTS)
+                  + " | loaded from | resumed from | steps redone | run |",
+                  "|---" * (7 + len(PARTS)) + "|"]
+        for _kind, run, x in fault_rows(sw["runs"]):
+            fault = x["fault"]
+            if "total_s" not in x:
+                lines.append(f"| {run['index']} | {fault} | {x.get('error', '—')} |"
+                             + " |" * (5 + len(PARTS)))
+                continue
+            src = "nothing" if x.get("resumed_from") is None else \
+                {True: "memory", False: "disk"}.get(x.get("from_memory"), "?")
+            lines.append(f"| {run['index']} | {fault} | **{x['total_s']:.2f}** | "
+                         + " | ".join(_cell(x, k) for k, _ in PARTS)
+                         + f" | {src} | {x.get('resumed_from')} | {run['steps_redone']} | "
+                         f"{run['state']}, {run['restarts']} restart(s) / {run['faults']} |")
+    rows = drill.get("rows", [])
+    if rows:
+        lines += ["", "## Bitwise resume (`kfp-nvrx drill --config 125m --device cuda`)", "",
+                  drill.get("setup", ""), "", "| scenario | outcome | restarts | steps redone | "
+                  "recovery s | bitwise = reference |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['scenario']} | {r['state']} | "
+                  f"{', '.join(f'{k} {n}' for k, n in r['restarts'].items()) or 0} | {r['steps_redone']} | "
+                  f"{', '.join(f'{v:.1f}' for v in r['recovery_s'])} | "
+                  f"{ {True: 'yes', False: '**no**'}.get(r['bitwise'], 'n/a')} |" for r in rows]
+    return lines
+
+
 #: The durable write's share of the time (``checkpoint.persist_duty``'s default).
 PERSIST_DUTY = 0.25
 

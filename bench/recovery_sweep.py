@@ -46,6 +46,10 @@ KINDS = {
     "kill-in-ckpt": {"set": [], "layer": "in-job"},
 }
 
+#: Per fault, the recovery's parts kept in the report (``bench.recovery.split``'s names).
+SPLIT_KEYS = ("total_s", "detection_s", "launcher_s", "start_s", "load_s", "first_step_s",
+              "from_memory", "resumed_from", "error")
+
 #: Planned runs with a geometry of their own rather than steps drawn per kind (:func:`plan`).
 OWN_GEOMETRY_KINDS = ("kill+hang", "hang-start", "kill+hang-restart")
 
@@ -140,10 +144,10 @@ def measure(run: dict[str, Any], result: dict[str, Any], interval: int) -> dict[
         "commit_lag_s": {"median": round(statistics.median(commits), 2),
                          "max": round(max(commits), 2)} if commits else None,
         "wall_s": round(result["wall_s"], 1),
-        "split": [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in s.items()
-                   if k in ("total_s", "detection_s", "launcher_s", "start_s", "load_s",
-                            "first_step_s", "from_memory", "resumed_from", "error")}
-                  for s in splits],
+        "fault_kinds": [f.split("@")[0] for f in run["faults"]],
+        "split": [{"fault": f, **{k: (round(v, 3) if isinstance(v, float) else v)
+                                  for k, v in s.items() if k in SPLIT_KEYS}}
+                  for f, s in zip(run["faults"], splits, strict=False)],
         "slowest_steps_after_restart": _slowest_after(events),
     }
     row["detect_lines"] = [ln[-200:] for _, ln in result["lines"] if _DETECT.search(ln)][:6]
@@ -164,6 +168,22 @@ def _slowest_after(events: list[dict[str, Any]]) -> list[list[Any]]:
         first = mine[0]["step"] if mine else 0
         out += [[e["step"] - first, round(e["end"] - e["start"], 3),
                  *([e["parts"]] if e.get("parts") else [])] for e in ranked]
+    return out
+
+
+def fault_rows(runs: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """(fault kind, run, that fault's split) for every fault of every run, in run order.
+
+    Runs recorded before ``fault_kinds`` existed name them by the run's kind: a two-fault run is
+    a kill, then a hang; ``hang-start`` is a hang.
+    """
+    out = []
+    for run in runs:
+        kinds = run.get("fault_kinds") or (
+            ["kill", "hang"] if run["kind"].startswith("kill+hang")
+            else ["hang"] if run["kind"] == "hang-start" else [run["kind"]])
+        out += [(kind, run, {"fault": f"{kind}@{step}", **s}) for kind, step, s
+                in zip(kinds, run["fault_steps"], run.get("split", []), strict=False)]
     return out
 
 

@@ -10,7 +10,8 @@ from bench.common import ratio, write_json
 from bench.keys import round_two_keys, run_records, throughput_rows
 from bench.projection import best_interval, goodput, job_mtbf_s, young_daly
 from bench.readme import markdown
-from bench.recovery_report import peer_figures, projection
+from bench.recovery_report import peer_figures, projection, sweep_lines
+from bench.recovery_sweep import fault_rows
 from bench.snapshots import snapshot_lines
 
 NODES, NODE_MTBF_DAYS = 16, 30.0
@@ -131,6 +132,8 @@ def build_report(out: Path) -> dict[str, Any]:
     write_json(out / "summary.json", summary)
     text = markdown(summary, ck, t, overheads, {"1b": r1b, "125m": r}, proj)
     text += "\n".join(snapshot_lines(_load(out, "snapshots_1b"))) + "\n"
+    text += "\n".join(sweep_lines({p: _load(out, f"recovery_sweep_{p}") for p in ("1b", "125m")},
+                                  _load(out, "drill_125m"))) + "\n"
     (out / "README.md").write_text(text)
     _plots(out, ck, {**{f"{k} (125m)": v for k, v in sc.items()},
                      **{f"{k} (1b)": v for k, v in r1b.get("scenarios", {}).items()}},
@@ -206,26 +209,29 @@ def _goodput_projection(ck: dict[str, Any], sc: dict[str, Any], kill_1b: dict[st
 
 
 def sweep_keys(preset: str, sweep: dict[str, Any]) -> dict[str, Any]:
-    """The recovery sweep's figures (``bench.recovery_sweep``): worst per fault kind, and
-    whether every run ended Succeeded with one restart per fault and redid at most an interval."""
+    """The recovery sweep's figures (``bench.recovery_sweep``): the worst of each fault kind,
+    taken per fault (a two-fault run's kill is a kill, its hang a hang), and whether every run
+    ended Succeeded with one restart per fault and redid at most an interval."""
     runs = sweep.get("runs", [])
     key = f"sweep_{preset}"
     if not runs:
         return {f"{key}_runs": 0}
+    faults = fault_rows(runs)
 
     def worst(kinds: tuple[str, ...], field: str) -> float | None:
-        vals = [r[field] for r in runs if r["kind"] in kinds and r.get(field) is not None]
-        return max(vals) if vals else None
+        vals = [s[field] for kind, _, s in faults if kind in kinds and s.get(field) is not None]
+        return round(max(vals), 3) if vals else None
 
     return {
-        f"{key}_runs": len(runs),
+        f"{key}_runs": len(runs), f"{key}_faults": len(faults),
         f"{key}_one_restart_per_fault": all(r["state"] == "Succeeded"
                                             and r["restarts"] == r["faults"] for r in runs),
         f"{key}_redone_within_interval": all(r["steps_redone"] <= r["interval"] for r in runs),
-        f"{key}_inprocess_worst_s": worst(("raise",), "recovery_s"),
-        f"{key}_injob_kill_worst_s": worst(("kill", "kill-in-ckpt"), "recovery_s"),
-        f"{key}_hang_detect_worst_s": worst(("hang", "kill+hang"), "detect_s"),
-        f"{key}_hang_to_step_worst_s": worst(("hang", "kill+hang"), "recovery_s"),
+        f"{key}_inprocess_worst_s": worst(("raise",), "total_s"),
+        f"{key}_injob_kill_worst_s": worst(("kill", "kill-in-ckpt"), "total_s"),
+        f"{key}_hang_detect_worst_s": worst(("hang",), "detection_s"),
+        f"{key}_hang_to_step_worst_s": worst(("hang",), "total_s"),
+        f"{key}_date": sweep.get("machine", {}).get("date"),
     }
 
 
