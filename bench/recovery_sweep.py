@@ -10,7 +10,7 @@ of the next step, split as ``bench.recovery`` splits it), hang detection, the st
 the state came from (host memory, disk, or nothing) and the save -> commit lag.
 
 ``python -m bench.recovery_sweep --preset 1b --out recovery_sweep_1b.json [--seed 29]
-[--only kill,hang] [--budget 560] [--skip-runs N] [--max-runs N] [--set key=value]``: runs stop
+[--only kill,hang] [--budget 560] [--skip-runs N] [--max-runs N] [--pick 6,3] [--set k=v]``: runs stop
 being started when fewer than ``--budget`` seconds would be left for one, or after ``--max-runs``;
 the JSON is rewritten after every run, so a sweep split over several machine leases is merged from
 its parts (``--merge``).
@@ -225,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-runs", type=int, default=0, help="plan indices already run")
     p.add_argument("--budget", type=float, default=0, help="seconds; 0: no limit")
     p.add_argument("--max-runs", type=int, default=0, help="the first N runs of the plan; 0: all")
+    p.add_argument("--pick", default="", help="only these plan indices, in this order (e.g. 6,3)")
     p.add_argument("--merge", nargs="*", help="merge these part files into --out and exit")
     p.add_argument("--set", action="append", default=[], dest="sets",
                    help="a config override for every run (key=value), e.g. resilience.warm_start=true")
@@ -238,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     only = args.only.split(",")
     runs = [r for r in plan(args.preset, args.seed, args.per_kind, [k for k in KINDS if k in only])
             if r["kind"] in only and r["index"] >= args.skip_runs]
+    if args.pick:  # a sweep split over leases: the runs an earlier part did not sample
+        by_index = {r["index"]: r for r in runs}
+        runs = [by_index[int(i)] for i in args.pick.split(",") if int(i) in by_index]
     runs = runs[:args.max_runs] if args.max_runs else runs
     work = Path(tempfile.mkdtemp(prefix="kfp-nvrx-bench-"))
     data = make_dataset(work, load_config(args.preset).data.seq_len)

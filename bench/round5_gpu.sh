@@ -5,10 +5,10 @@
 # a batch cut short keeps what it finished.
 #
 #   OUT=DIR [BUDGET=seconds] bash bench/round5_gpu.sh PART...
-#   PART: setup tests pinprobe snapshots hangs peers replica recovery sweep sweep:PRESET exact
+#   PART: setup tests pinprobe snapshots hangs peers replica recovery sweep sweep:PRESET[:I,J] exact
 #   (SNAP_RUNS, RECOVERY_ONLY, RECOVERY_SET, RECOVERY_COLD=0, SWEEP_ONLY, SWEEP_SET, SWEEP_PRESET,
 #   PEER_GB pick what a part runs; SWEEP_RUNS[_<preset>]: the first N runs of a sweep's plan; SWEEP_S caps a sweep part's seconds (the parts after it keep
-#   theirs); sweep:125m is a sweep of that preset; exact is the bitwise resume of every fault kind
+#   theirs); sweep:125m is a sweep of that preset, sweep:1b:6,3 those runs of its plan; exact is the bitwise resume of every fault kind
 #   at 125m on CUDA (kfp-nvrx drill --config 125m, EXACT_SCENARIOS); *_SET is one key=value override for every run of the part;
 #   SNAP_RUNS=defaults,defaults+warm is the A/B of warm worker starts; TESTS_GATE=0 runs the
 #   later parts after failed GPU tests)
@@ -52,10 +52,10 @@ for part in "$@"; do
     [[ ${RECOVERY_COLD:-1} == 0 ]] ||
     python3 -m bench.recovery --preset 1b --only kill --set resilience.warm_start=false \
       --out "$OUT/recovery_1b_cold.json" 2>&1 | grep -v "Warning\|import pynvml" ;;
-  sweep|sweep:*) preset=${part#sweep:}; [[ $preset == sweep ]] && preset=${SWEEP_PRESET:-1b}
+  sweep|sweep:*) IFS=: read -r _ preset pick <<< "$part"; preset=${preset:-${SWEEP_PRESET:-1b}}
     python3 -m bench.recovery_sweep --preset "$preset" --budget "$(cap "${SWEEP_S:-0}")" \
       ${SWEEP_ONLY:+--only "$SWEEP_ONLY"} ${SWEEP_SET:+--set "$SWEEP_SET"} --max-runs "$(runs_of "$preset")" \
-      --out "$OUT/recovery_sweep_$preset.json" 2>&1 | grep -v "Warning\|import pynvml" ;;
+      --pick "${pick:-}" --out "$OUT/recovery_sweep_$preset${pick:+_${pick//,/-}}.json" 2>&1 | grep -v "Warning\|import pynvml" ;;
   exact) scen=(); for s in ${EXACT_SCENARIOS:-kill-rank hang-rank raise-in-process kill-in-ckpt}; do scen+=(--scenario "$s"); done
     timeout "$(cap "${EXACT_S:-0}")" kfp-nvrx drill --device cuda --gpus 1 --config 125m "${scen[@]}" \
       --out "$OUT/drill_125m" > "$OUT/drill_125m.log" 2>&1
