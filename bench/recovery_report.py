@@ -84,19 +84,25 @@ def sweep_lines(sweeps: dict[str, dict[str, Any]], drill: dict[str, Any]) -> lis
                   "over runs of >= 100 steps, snapshots every "
                   f"{sw['runs'][0]['interval']} steps; one row per fault (a two-fault run has two). "
                   "Parts as in the recovery table above; total = fault → end of the first step "
-                  "after it.", "",
-                  "| run | fault | total s | " + " | ".join(p for _, p in PARTS)
+                  "after it.", ""]
+        if len(sw.get("parts", [])) > 1:  # a sweep merged from leases: run = part:index
+            lines += [f"- part {i}: {q.get('gpu', '?')}, {q.get('date', '?')}, commit "
+                      f"{q.get('commit', '?')}{', ' + ' '.join(q['set']) if q.get('set') else ''}"
+                      f"{'. ' + q['note'] if q.get('note') else ''}"
+                      for i, q in enumerate(sw["parts"], 1)] + [""]
+        lines += ["| run | fault | total s | " + " | ".join(p for _, p in PARTS)
                   + " | loaded from | resumed from | steps redone | run |",
                   "|---" * (7 + len(PARTS)) + "|"]
         for _kind, run, x in fault_rows(sw["runs"]):
             fault = x["fault"]
+            ref = f"{run['part']}:{run['index']}" if "part" in run else run["index"]
             if "total_s" not in x:
-                lines.append(f"| {run['index']} | {fault} | {x.get('error', '—')} |"
+                lines.append(f"| {ref} | {fault} | {x.get('error', '—')} |"
                              + " |" * (5 + len(PARTS)))
                 continue
             src = "nothing" if x.get("resumed_from") is None else \
                 {True: "memory", False: "disk"}.get(x.get("from_memory"), "?")
-            lines.append(f"| {run['index']} | {fault} | **{x['total_s']:.2f}** | "
+            lines.append(f"| {ref} | {fault} | **{x['total_s']:.2f}** | "
                          + " | ".join(_cell(x, k) for k, _ in PARTS)
                          + f" | {src} | {x.get('resumed_from')} | {run['steps_redone']} | "
                          f"{run['state']}, {run['restarts']} restart(s) / {run['faults']} |")

@@ -206,11 +206,18 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def merge(paths: list[str], out: str) -> None:
-    """One report from the parts of a sweep (same preset and seed), runs in plan order."""
+    """One report from the parts of a sweep (same preset and seed), runs in plan order.
+
+    The first part's top-level fields (machine, commit, note) head the report; ``parts`` lists
+    every part's, and each row its ``part``.
+    """
     parts = [json.loads(Path(p).read_text()) for p in paths]
-    rows = sorted((r for p in parts for r in p["runs"]), key=lambda r: r["index"])
-    res = {**parts[0], "runs": rows, "parts": [p["machine"] for p in parts],
-           "summary": summarise(rows)}
+    # Each row keeps its part (1-based): parts run from other plans or commits may share indices.
+    rows = sorted(({**r, "part": i + 1} for i, p in enumerate(parts) for r in p["runs"]),
+                  key=lambda r: (r["index"], r["part"]))
+    res = {**parts[0], "runs": rows, "summary": summarise(rows),
+           "parts": [{**p["machine"], "commit": p.get("commit"), "note": p.get("note"),
+                      "set": p.get("set")} for p in parts]}
     write_json(out, res)
 
 

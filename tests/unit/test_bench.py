@@ -314,6 +314,48 @@ def test_a_sweep_row_counts_restarts_redone_steps_and_the_source():
     assert s["restarts_equal_faults"] and s["kill"]["steps_redone_worst"] == 4
 
 
+def _sweep_row(index: int, kind: str, faults: list[str], splits: list[dict], **kw) -> dict:
+    return {"index": index, "kind": kind, "faults": len(faults), "state": "Succeeded",
+            "restarts": len(faults), "interval": 40, "steps_redone": 5,
+            "fault_steps": [int(f.split("@")[1]) for f in faults],
+            "fault_kinds": [f.split("@")[0] for f in faults],
+            "split": [{"fault": f, **s} for f, s in zip(faults, splits, strict=True)],
+            "recovery_s": max(s["total_s"] for s in splits), "detect_s": None, **kw}
+
+
+def test_the_sweeps_worst_is_taken_per_fault_and_each_fault_is_a_row(tmp_path):
+    """A two-fault run's kill counts as a kill and its hang as a hang (issue 37's targets), and
+    the report lists every fault's recovery in its parts; merged parts keep their origin."""
+    from bench.recovery_report import sweep_lines
+    from bench.recovery_sweep import fault_rows, merge
+    from bench.summary import sweep_keys
+
+    kill = {"total_s": 4.5, "detection_s": 1.3, "launcher_s": 0.04, "start_s": 1.4, "load_s": 1.0,
+            "first_step_s": 0.66, "from_memory": True, "resumed_from": 40}
+    hang = {**kill, "total_s": 8.7, "detection_s": 4.1}
+    old = {"kind": "hang", "faults": 1, "state": "Succeeded", "restarts": 1, "interval": 40,
+           "steps_redone": 9, "fault_steps": [50], "index": 1, "recovery_s": 16.2, "detect_s": 4.2,
+           "split": [{**hang, "total_s": 16.2, "detection_s": 4.2}]}  # before fault_kinds
+    parts = []
+    for i, runs in enumerate([[_sweep_row(0, "kill+hang", ["kill@41", "hang@50"], [kill, hang])],
+                              [old, _sweep_row(0, "raise", ["raise@7"], [{**kill, "total_s": 0.6}])]]):
+        parts.append(tmp_path / f"part{i}.json")
+        parts[-1].write_text(json.dumps({"preset": "1b", "seed": 29, "runs": runs, "set": [],
+                                         "commit": f"c{i}", "machine": {"gpu": "G", "date": "d"}}))
+    merge([str(p) for p in parts], str(tmp_path / "sweep.json"))
+    sweep = json.loads((tmp_path / "sweep.json").read_text())
+    assert [(r["index"], r["part"]) for r in sweep["runs"]] == [(0, 1), (0, 2), (1, 2)]
+    assert [p["commit"] for p in sweep["parts"]] == ["c0", "c1"]
+    assert [(k, x["fault"]) for k, _, x in fault_rows(sweep["runs"])] == [
+        ("kill", "kill@41"), ("hang", "hang@50"), ("raise", "raise@7"), ("hang", "hang@50")]
+    k = sweep_keys("1b", sweep)
+    assert (k["sweep_1b_injob_kill_worst_s"], k["sweep_1b_hang_to_step_worst_s"]) == (4.5, 16.2)
+    assert k["sweep_1b_hang_detect_worst_s"] == 4.2 and k["sweep_1b_inprocess_worst_s"] == 0.6
+    assert k["sweep_1b_faults"] == 4
+    table = [ln for ln in sweep_lines({"1b": sweep}, {}) if ln.startswith("| 1:0 | kill@41")]
+    assert table and "**4.50** | 1.30 | 0.04 | 1.40 | 1.00 | 0.66 | memory | 40 |" in table[0]
+
+
 def test_snapshot_bench_counts_the_steps_done_before_a_kill_as_redone_not_the_killed_one():
     """A kill at step 62 lands before step 62 runs: resumed from 44, steps 45-61 are redone (17)."""
     from bench.snapshots import _recovery
