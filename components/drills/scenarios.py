@@ -174,7 +174,7 @@ def check_config(config: str, place: Placement) -> None:
         raise UserError("config", f"is {config!r}; the drill runs {', '.join(CONFIGS)}")
     if place.device == "cpu" and config not in CPU_CONFIGS:
         raise UserError("config", f"{config} drills run on CUDA only (2 gloo ranks of it would "
-                        "take hours); use --device cuda on a GPU host, or --config tiny")
+                        "take hours); use `device=cuda` on a GPU host, or `config=tiny`")
 
 
 def select(names: list[str] | None, quick: bool) -> list[Scenario]:

@@ -35,7 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 #: The drill library's fields -> this command's flags (its errors name the flag the user typed).
-FLAGS = {"scenario": "--scenario", "out": "--out", "config": "--config"}
+FLAGS = {"scenario": "--scenario", "out": "--out", "config": "--config", "device": "--device"}
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -44,7 +44,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         return _drill(args)
     except UserError as err:
-        raise Surface(FLAGS).reword(err) from None
+        raise Surface(FLAGS, assign="{name} {value}").reword(err) from None
 
 
 def _drill(args: argparse.Namespace) -> int:
