@@ -76,10 +76,11 @@ def sweep_lines(sweeps: dict[str, dict[str, Any]], drill: dict[str, Any]) -> lis
         if not sw.get("runs"):
             continue
         m = sw.get("machine", {})
+        origin = (f"merged from {len(sw['parts'])} parts (below)" if len(sw.get("parts", [])) > 1
+                  else f"commit {sw.get('commit') or m.get('commit', '?')}")
         lines += ["", f"## Recovery sweep, {preset} (`bench.recovery_sweep`, seed {sw.get('seed')})",
                   "", f"{m.get('gpu', '?')}, driver {m.get('driver', '?')}, NVRx "
-                  f"{m.get('nvidia_resiliency_ext', '?')}, {m.get('date', '?')}, commit "
-                  f"{sw.get('commit') or m.get('commit', '?')}"
+                  f"{m.get('nvidia_resiliency_ext', '?')}, {m.get('date', '?')}, {origin}"
                   f"{', ' + ' '.join(sw['set']) if sw.get('set') else ''}. Fault steps drawn per kind "
                   "over runs of >= 100 steps, snapshots every "
                   f"{sw['runs'][0]['interval']} steps; one row per fault (a two-fault run has two). "
