@@ -7,12 +7,15 @@
 #   OUT=DIR [BUDGET=seconds] bash bench/round5_gpu.sh PART...
 #   PART: setup tests pinprobe snapshots hangs peers replica recovery sweep sweep:PRESET[:I,J] exact
 #   (SNAP_RUNS, RECOVERY_ONLY, RECOVERY_SET, RECOVERY_COLD=0, SWEEP_ONLY, SWEEP_SET, SWEEP_PRESET,
-#   PEER_GB pick what a part runs; SWEEP_RUNS[_<preset>]: the first N runs of a sweep's plan; SWEEP_S caps a sweep part's seconds (the parts after it keep
-#   theirs); sweep:125m is a sweep of that preset, sweep:1b:6,3 those runs of its plan; exact is the bitwise resume of every fault kind
-#   at 125m on CUDA (kfp-nvrx drill --config 125m, EXACT_SCENARIOS); *_SET is one key=value override for every run of the part;
+#   PEER_GB pick what a part runs; SWEEP_RUNS[_<preset>]: the first N runs of a sweep's plan;
+#   SWEEP_S / EXACT_S cap a part's seconds (the parts after it keep theirs); sweep:125m is a sweep
+#   of that preset, sweep:1b:6,3 those runs of its plan; exact is the bitwise resume of every
+#   fault kind at 125m on CUDA (kfp-nvrx drill --config 125m, EXACT_SCENARIOS); *_SET is one
+#   key=value override for every run of the part;
 #   SNAP_RUNS=defaults,defaults+warm is the A/B of warm worker starts; TESTS_GATE=0 runs the
 #   later parts after failed GPU tests)
 # A lease's commands last 10 minutes at most: start it detached and collect OUT from later calls
+#   (bench/lease_round5.sh does that from a copy of the tree)
 #   setsid nohup env OUT=/tmp/r5 bash bench/round5_gpu.sh setup tests snapshots >/tmp/r5.log 2>&1 &
 set -uo pipefail
 OUT=${OUT:?set OUT}
