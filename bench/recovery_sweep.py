@@ -144,7 +144,6 @@ def measure(run: dict[str, Any], result: dict[str, Any], interval: int) -> dict[
         "commit_lag_s": {"median": round(statistics.median(commits), 2),
                          "max": round(max(commits), 2)} if commits else None,
         "wall_s": round(result["wall_s"], 1),
-        "fault_kinds": [f.split("@")[0] for f in run["faults"]],
         "split": [{"fault": f, **{k: (round(v, 3) if isinstance(v, float) else v)
                                   for k, v in s.items() if k in SPLIT_KEYS}}
                   for f, s in zip(run["faults"], splits, strict=False)],
@@ -172,18 +171,18 @@ def _slowest_after(events: list[dict[str, Any]]) -> list[list[Any]]:
 
 
 def fault_rows(runs: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
-    """(fault kind, run, that fault's split) for every fault of every run, in run order.
+    """(fault kind, run, that fault's split with its ``fault`` text) for every fault of every run.
 
-    Runs recorded before ``fault_kinds`` existed name them by the run's kind: a two-fault run is
-    a kill, then a hang; ``hang-start`` is a hang.
+    Each split names its fault (``kill@44``). Runs recorded before it did name their faults by the
+    run's kind: a two-fault run is a kill, then a hang; ``hang-start`` is a hang.
     """
     out = []
     for run in runs:
-        kinds = run.get("fault_kinds") or (
-            ["kill", "hang"] if run["kind"].startswith("kill+hang")
-            else ["hang"] if run["kind"] == "hang-start" else [run["kind"]])
-        out += [(kind, run, {"fault": f"{kind}@{step}", **s}) for kind, step, s
-                in zip(kinds, run["fault_steps"], run.get("split", []), strict=False)]
+        kinds = (["kill", "hang"] if run["kind"].startswith("kill+hang")
+                 else ["hang"] if run["kind"] == "hang-start" else [run["kind"]])
+        for kind, step, s in zip(kinds, run["fault_steps"], run.get("split", []), strict=False):
+            fault = s.get("fault") or f"{kind}@{step}"
+            out.append((fault.split("@")[0], run, {**s, "fault": fault}))
     return out
 
 

@@ -121,19 +121,20 @@ def build_report(out: Path) -> dict[str, Any]:
         if "ours" in proj and step_1b:
             summary["save_overhead_pct_at_young_daly"] = save_overhead_pct(
                 ck, step_1b, proj["ours"]["best_interval_s"] / step_1b)
-    for preset in ("1b", "125m"):
-        summary.update(sweep_keys(preset, _load(out, f"recovery_sweep_{preset}")))
+    sweeps = {p: _load(out, f"recovery_sweep_{p}") for p in ("1b", "125m")}
+    for preset, sweep in sweeps.items():
+        summary.update(sweep_keys(preset, sweep))
     state_gb = ck.get("state_gb") if c.get("config") == "1b" else None
-    costs = snapshot_costs(_load(out, "snapshots_1b"))
+    snaps = _load(out, "snapshots_1b")
+    costs = snapshot_costs(snaps)
     summary["goodput_projection_p5"] = projection(
         r1b.get("scenarios", {}).get("kill"), state_gb,
         costs or ck.get("ours_overlap_visible_s") or ck.get("ours_visible_s"),
         peer=peer_figures(_load(out, "peer_restore")))
     write_json(out / "summary.json", summary)
     text = markdown(summary, ck, t, overheads, {"1b": r1b, "125m": r}, proj)
-    text += "\n".join(snapshot_lines(_load(out, "snapshots_1b"))) + "\n"
-    text += "\n".join(sweep_lines({p: _load(out, f"recovery_sweep_{p}") for p in ("1b", "125m")},
-                                  _load(out, "drill_125m"))) + "\n"
+    text += "\n".join(snapshot_lines(snaps)) + "\n"
+    text += "\n".join(sweep_lines(sweeps, _load(out, "drill_125m"))) + "\n"
     (out / "README.md").write_text(text)
     _plots(out, ck, {**{f"{k} (125m)": v for k, v in sc.items()},
                      **{f"{k} (1b)": v for k, v in r1b.get("scenarios", {}).items()}},

@@ -318,7 +318,6 @@ def _sweep_row(index: int, kind: str, faults: list[str], splits: list[dict], **k
     return {"index": index, "kind": kind, "faults": len(faults), "state": "Succeeded",
             "restarts": len(faults), "interval": 40, "steps_redone": 5,
             "fault_steps": [int(f.split("@")[1]) for f in faults],
-            "fault_kinds": [f.split("@")[0] for f in faults],
             "split": [{"fault": f, **s} for f, s in zip(faults, splits, strict=True)],
             "recovery_s": max(s["total_s"] for s in splits), "detect_s": None, **kw}
 
@@ -335,7 +334,7 @@ def test_the_sweeps_worst_is_taken_per_fault_and_each_fault_is_a_row(tmp_path):
     hang = {**kill, "total_s": 8.7, "detection_s": 4.1}
     old = {"kind": "hang", "faults": 1, "state": "Succeeded", "restarts": 1, "interval": 40,
            "steps_redone": 9, "fault_steps": [50], "index": 1, "recovery_s": 16.2, "detect_s": 4.2,
-           "split": [{**hang, "total_s": 16.2, "detection_s": 4.2}]}  # before fault_kinds
+           "split": [{**hang, "total_s": 16.2, "detection_s": 4.2}]}  # before splits named faults
     parts = []
     for i, runs in enumerate([[_sweep_row(0, "kill+hang", ["kill@41", "hang@50"], [kill, hang])],
                               [old, _sweep_row(0, "raise", ["raise@7"], [{**kill, "total_s": 0.6}])]]):
