@@ -19,9 +19,8 @@ from support.lifetime_procs import (
     TAG,
     alive,
     dead,
-    gone,
+    gone_and_unlocked,
     lock_free_only_once_all_are_gone,
-    try_lock,
     wait_until,
 )
 
@@ -67,11 +66,7 @@ def test_nothing_outlives_launch_local(sig: signal.Signals, data: Path, tmp_path
         rc = launcher.wait(timeout=120)
         if sig == signal.SIGHUP:
             assert rc == 128 + signal.SIGHUP, launcher.stderr.read()[-2000:]
-        gone(token)
-        # The lock may outlast the marked processes by a moment: the fresh-clone CI of 275a4a7 found
-        # it held right after they were gone, once. Likely a SIGKILLed worker whose /proc environ
-        # reads empty once its memory is torn down while its files (the lock) close later.
-        wait_until(lambda: try_lock(run_dir), 30, "the run dir lock once every process exited")
+        gone_and_unlocked(token, run_dir)
     finally:
         if launcher.poll() is None:
             launcher.kill()

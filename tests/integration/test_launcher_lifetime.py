@@ -19,7 +19,7 @@ from support.lifetime_procs import (
     TAG,
     alive,
     dead,
-    gone,
+    gone_and_unlocked,
     lock_free_only_once_all_are_gone,
     try_lock,
     wait_until,
@@ -101,8 +101,8 @@ time.sleep(600)
         RunDirLock(tmp_path).acquire()
     launcher.kill()
     launcher.wait()
-    gone(token, 30)  # SIGTERM ignored: the watchdog escalates to SIGKILL
-    wait_until(lambda: try_lock(tmp_path), 30, "the watchdog to release the lock")
+    # SIGTERM ignored: the watchdog escalates to SIGKILL, then releases the lock
+    gone_and_unlocked(token, tmp_path, 30)
 
 
 def test_watchdog_finish_returns_when_nothing_is_left() -> None:

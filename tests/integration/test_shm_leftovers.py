@@ -16,7 +16,7 @@ import sys
 import uuid
 from pathlib import Path
 
-from support.lifetime_procs import TAG, gone, try_lock, wait_until
+from support.lifetime_procs import TAG, gone_and_unlocked
 
 from kfp_nvrx.components.core.host_copy import SHM_ROOT, host_copy_dir
 from kfp_nvrx.components.core.shm_leftovers import (
@@ -108,8 +108,7 @@ time.sleep(600)
     assert host_copy_dir(run_dir).is_dir() and semaphores() - before
     launcher.kill()
     launcher.wait()
-    gone(token, 30)
-    wait_until(lambda: try_lock(run_dir), 30, "the watchdog to release the lock")
+    gone_and_unlocked(token, run_dir, 30)  # the watchdog releases the lock last
     assert not host_copy_dir(run_dir).exists()
     assert semaphores() - before == set(), sorted(semaphores() - before)
     assert json.loads(shot.read_text()) == sorted(before)
