@@ -8,10 +8,9 @@
 #   PART: setup tests pinprobe snapshots hangs peers replica recovery sweep sweep:PRESET[:I,J] exact
 #   (SNAP_RUNS, RECOVERY_ONLY, RECOVERY_SET, RECOVERY_COLD=0, SWEEP_ONLY, SWEEP_SET, SWEEP_PRESET,
 #   PEER_GB pick what a part runs; SWEEP_RUNS[_<preset>]: the first N runs of a sweep's plan;
-#   SWEEP_S / EXACT_S cap a part's seconds (the parts after it keep theirs); sweep:125m is a sweep
-#   of that preset, sweep:1b:6,3 those runs of its plan; exact is the bitwise resume of every
-#   fault kind at 125m on CUDA (kfp-nvrx drill --config 125m, EXACT_SCENARIOS); *_SET is one
-#   key=value override for every run of the part;
+#   sweep:125m is a sweep of that preset, sweep:1b:6,3 those runs of its plan; exact is the
+#   bitwise resume of every fault kind at 125m on CUDA (kfp-nvrx drill --config 125m,
+#   EXACT_SCENARIOS); *_SET is one key=value override for every run of the part;
 #   SNAP_RUNS=defaults,defaults+warm is the A/B of warm worker starts; TESTS_GATE=0 runs the
 #   later parts after failed GPU tests)
 # A lease's commands last 10 minutes at most: start it detached and collect OUT from later calls
@@ -30,8 +29,6 @@ left() {
 }
 # A sweep's run count: SWEEP_RUNS_<preset> (e.g. SWEEP_RUNS_125m), else SWEEP_RUNS, else all.
 runs_of() { local v="SWEEP_RUNS_$1"; echo "${!v:-${SWEEP_RUNS:-0}}"; }
-# The seconds a part may use: what is left, at most $1 when that is set and > 0.
-cap() { local l; l=$(left); if (( ${1:-0} > 0 && ${1:-0} < l )); then echo "$1"; else echo "$l"; fi; }
 for part in "$@"; do
   t0=$SECONDS
   case $part in
@@ -56,11 +53,11 @@ for part in "$@"; do
     python3 -m bench.recovery --preset 1b --only kill --set resilience.warm_start=false \
       --out "$OUT/recovery_1b_cold.json" 2>&1 | grep -v "Warning\|import pynvml" ;;
   sweep|sweep:*) IFS=: read -r _ preset pick <<< "$part"; preset=${preset:-${SWEEP_PRESET:-1b}}
-    python3 -m bench.recovery_sweep --preset "$preset" --budget "$(cap "${SWEEP_S:-0}")" \
+    python3 -m bench.recovery_sweep --preset "$preset" --budget "$(left)" \
       ${SWEEP_ONLY:+--only "$SWEEP_ONLY"} ${SWEEP_SET:+--set "$SWEEP_SET"} --max-runs "$(runs_of "$preset")" \
       --pick "${pick:-}" --out "$OUT/recovery_sweep_$preset${pick:+_${pick//,/-}}.json" 2>&1 | grep -v "Warning\|import pynvml" ;;
   exact) scen=(); for s in ${EXACT_SCENARIOS:-kill-rank hang-rank raise-in-process kill-in-ckpt}; do scen+=(--scenario "$s"); done
-    timeout "$(cap "${EXACT_S:-0}")" kfp-nvrx drill --device cuda --gpus 1 --config 125m "${scen[@]}" \
+    timeout "$(left)" kfp-nvrx drill --device cuda --gpus 1 --config 125m "${scen[@]}" \
       --out "$OUT/drill_125m" > "$OUT/drill_125m.log" 2>&1
     echo "drill rc=$?"; tail -12 "$OUT/drill_125m.log"
     # the run dirs hold 1.5 GB checkpoints, four kept per run: the reports and logs come back
