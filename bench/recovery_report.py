@@ -15,6 +15,7 @@ from bench.projection import (
     job_mtbf_s,
     recovery_paths,
 )
+from bench.recovery_sweep import fault_rows
 
 NODE_MTBF_DAYS = 30.0
 PROJECTION_NODES = (16, 128)
@@ -69,8 +70,6 @@ def recovery_lines(by_preset: dict[str, dict[str, Any]]) -> list[str]:
 def sweep_lines(sweeps: dict[str, dict[str, Any]], drill: dict[str, Any]) -> list[str]:
     """Markdown: every fault of the recovery sweeps, its recovery split into its parts, and the
     bitwise resume of each fault kind (``kfp-nvrx drill --config 125m``, ``drill_125m.json``)."""
-    from bench.recovery_sweep import fault_rows
-
     lines: list[str] = []
     for preset, sw in sweeps.items():
         if not sw.get("runs"):

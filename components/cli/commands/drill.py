@@ -69,7 +69,7 @@ def _drill(args: argparse.Namespace) -> int:
         if world > len(gpus):
             raise UserError("--gpus", f"asks for {world} GPUs, this host has {len(gpus)}")
         place = Placement("cuda", world)
-    check_config(args.config, place)  # before the output directory is touched
+    check_config(args.config, place)  # as select() above: before torch is imported (run_drill)
     from kfp_nvrx.components.drills.results import JSON_FILE, MD_FILE, table
     from kfp_nvrx.components.drills.runner import DrillError, run_drill
 
